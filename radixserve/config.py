@@ -1,0 +1,71 @@
+"""EngineConfig: every engine option in one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of an Engine. Values the model decides (context length, pool size when
+    `num_kv_blocks` is None) are resolved by the Engine once the model is loaded."""
+
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF dir / .gguf file
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
+    max_model_len: int | None = None  # None: the model's own context length
+    max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
+    chunked_prefill_size: int = 512  # most prompt tokens one request computes in one step
+    max_num_seqs: int = 128  # most requests running at once
+    enable_prefix_cache: bool = True
+    schedule_policy: str = "lpm"
+    starvation_steps: int = 64  # a waiting request passed over this many steps goes first
+    policy_fcfs_threshold: int = 1024  # longer waiting queues are served fcfs (sorting costs more)
+    seed: int = 0  # seeds the sampler of requests that set no seed of their own
+    model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check_positive("block_size", self.block_size)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("starvation_steps", self.starvation_steps)
+        _check_positive("policy_fcfs_threshold", self.policy_fcfs_threshold)
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(name, value)
+        if self.chunked_prefill_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"chunked_prefill_size ({self.chunked_prefill_size}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

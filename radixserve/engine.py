@@ -1,0 +1,371 @@
+"""Engine: add requests, step the scheduler and the model, hand back outputs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.registry import resolve_backend_name
+from radixserve.block_pool import BlockPool
+from radixserve.config import EngineConfig
+from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from radixserve.outputs import RequestOutput
+from radixserve.radix_cache import RadixCache
+from radixserve.request import Request, RequestStatus
+from radixserve.runner import ModelRunner
+from radixserve.outputs import TokenLogprob
+from radixserve.sampling_params import SamplingParams
+from radixserve.scheduler import Scheduler
+
+_CPU_KV_BYTES_CAP = 2 << 30
+_GPU_MEMORY_SHARE = 0.85
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV pool with a radix prefix cache.
+
+    Offline: `engine.generate(prompts, params)`. Online: `add_request`, then `step()`
+    until `has_unfinished_requests()` is False, `abort(request_id)` at any time.
+    Every keyword is an EngineConfig field.
+    """
+
+    def __init__(self, model: str | None = None, **options: Any):
+        self.config = EngineConfig(model=model, **options)
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        self.max_model_len = self.loaded.max_model_len
+        self.eos_token_ids = self.loaded.eos_token_ids
+        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
+        num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
+        self.scheduler = Scheduler(cfg, self.pool, self.cache)
+        self.runner = ModelRunner(
+            self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
+            self.device, self.dtype, cfg.seed, self.eos_token_ids,
+        )
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.generated_tokens = 0
+        self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
+
+    # ---- online API -------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+        request = self._make_request(prompt, params or SamplingParams(), request_id, cache_salt)
+        self._register(request)
+        return request.request_id
+
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
+            )
+        self.scheduler.add(request)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; returns an output for every request
+        that got a token or finished in this step."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not plan.chunks:
+            self.timings["schedule_s"] += t1 - t0
+            return []
+        chunks, tokens, logprobs = self.runner.run(plan)
+        t2 = time.perf_counter()
+        self.scheduler.commit(plan)
+        outputs = [self._append_token(c.request, t, lp) for c, t, lp in zip(chunks, tokens, logprobs)]
+        t3 = time.perf_counter()
+        self.timings["schedule_s"] += t1 - t0
+        self.timings["model_s"] += t2 - t1
+        self.timings["postprocess_s"] += t3 - t2
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort")
+        self._forget(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- offline API ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. All prompts are checked
+        before any is queued, so one bad prompt raises without starting the others."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = _broadcast_params(params, len(prompts))
+        requests = [self._make_request(p, sp, None, None) for p, sp in zip(prompts, params_list)]
+        for request in requests:
+            self._register(request)
+        ids = [r.request_id for r in requests]
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids), use_tqdm)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    # ---- chat and text ----------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name} has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- accounting -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "computed_tokens": s.computed_tokens,
+            "preemptions": s.preemptions,
+            "deferred_for_sharing": s.deferred_for_sharing,
+            "steps": s.steps,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "blocks_total": self.pool.num_blocks,
+            "blocks_free": self.pool.num_free,
+            "blocks_cached": cached_blocks,
+            "blocks_evictable": self.cache.num_evictable_blocks if self.cache is not None else 0,
+            "evicted_blocks": self.cache.evicted_blocks if self.cache is not None else 0,
+            "cache_nodes": self.cache.num_nodes if self.cache is not None else 0,
+            **self.timings,
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if block accounting is off anywhere."""
+        self.scheduler.check_integrity()
+
+    def flush_cache(self) -> int:
+        """Drop every unlocked prefix-cache entry; returns the number of blocks freed."""
+        return self.scheduler.flush_cache()
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _make_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, cache_salt: str | None
+    ) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens, "
+                f"which leaves no room to generate"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        total = self.max_model_len if params.max_tokens is None else n + params.max_tokens
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {blocks} KV blocks of {self.config.block_size} tokens; "
+                f"the pool has {self.pool.num_blocks}. Lower max_tokens or raise num_kv_blocks"
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        return Request(request_id, token_ids, params, total, cache_salt, prompt=text)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name} has no tokenizer; pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.spec.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, list(prompt)
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        request.token_ids.append(token)
+        self.generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            request.output_text += detok.add(token)
+        reason, stop = self._stop_check(request, token)
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop)
+            output = self._output(request)
+            self._forget(request)
+            return output
+        return self._output(request)
+
+    def _stop_check(self, request: Request, token: int) -> tuple[str | None, str | int | None]:
+        params = request.params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            if params.stop:
+                hit = self._find_stop_string(request)
+                if hit is not None:
+                    return "stop", hit
+        if request.num_tokens >= request.max_total_tokens:
+            return "length", None
+        return None, None
+
+    def _find_stop_string(self, request: Request) -> str | None:
+        params = request.params
+        text = request.output_text
+        window = text[max(0, len(text) - 64 - params.max_stop_len):]
+        best = None
+        for stop in params.stop:
+            i = window.find(stop)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        cut = len(text) - len(window) + best[0]
+        request.output_text = text[: cut + len(best[1])] if params.include_stop_str_in_output else text[:cut]
+        return best[1]
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = request.output_text
+        if not request.finished and request.params.stop:
+            text = text[: max(0, len(text) - request.params.max_stop_len + 1)]
+        metrics: dict[str, float] = {}
+        if request.first_token_time is not None:
+            metrics["ttft_s"] = request.first_token_time - request.arrival_time
+        if request.finished:
+            metrics["e2e_s"] = time.monotonic() - request.arrival_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            cached_tokens=request.cached_tokens,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            num_preemptions=request.num_preemptions,
+            metrics=metrics,
+        )
+
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+
+    def _blocks_from_memory(self) -> int:
+        spec = self.loaded.spec
+        per_block = KVPool.bytes_per_block(
+            spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
+        )
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _GPU_MEMORY_SHARE)
+            else:
+                budget = min(_CPU_KV_BYTES_CAP, _available_memory() // 4)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
+        return blocks
+
+
+def _broadcast_params(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _progress_bar(total: int, use_tqdm: bool | None):
+    if use_tqdm is None:
+        use_tqdm = total > 1 and sys.stderr.isatty()
+    if not use_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

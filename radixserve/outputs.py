@@ -1,0 +1,39 @@
+"""RequestOutput: what a caller sees of a request after a step (cumulative, not a delta)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the top alternatives (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str  # generated text so far; while running, a possible partial stop string is held back
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprob] | None = None
+    num_preemptions: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s once known
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)

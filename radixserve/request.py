@@ -1,0 +1,90 @@
+"""Request: one generation's token ids, status, block table and counters (plain Python)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from radixserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One generation request.
+
+    `token_ids` is the prompt followed by the generated tokens. The first
+    `num_computed_tokens` of them have their K/V in the blocks of `block_table`
+    (block i holds tokens [i*block_size, (i+1)*block_size)). While running, the request
+    holds one pool reference per block of its table, and `cache_node` is the radix node
+    it has locked (the end of the cached prefix it reuses), or None.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_total_tokens: int,
+        cache_salt: str | None = None,
+        prompt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.max_total_tokens = max_total_tokens
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.cache_node: Any = None
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
+        self.logprobs: list[Any] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.output_text = ""
+        self.num_preemptions = 0
+        self.waited_steps = 0
+        self.admitted_once = False
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last are still uncomputed."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,110 @@
+"""ModelRunner: StepPlan -> tensors -> logits -> next tokens. The only place, besides the
+model and the attention backends, that touches tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.registry import get_backend_class
+from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.spec import ModelSpec
+from radixserve.outputs import TokenLogprob
+from radixserve.sampler import Sampler, SamplingRow
+from radixserve.scheduler import ScheduledChunk, StepPlan
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        backend_name: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        stop_token_ids: list[int],
+    ):
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        backend_class = get_backend_class(backend_name)
+        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.sampler = Sampler(seed, device)
+        self.eos_token_ids = stop_token_ids
+
+    def run(self, plan: StepPlan) -> tuple[list[ScheduledChunk], list[int], list[TokenLogprob | None]]:
+        """Run one forward pass over the plan's chunks. Returns the chunks that sampled
+        (those reaching their request's last token), with their new tokens and logprobs."""
+        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # single-token queries first
+        input_ids, positions, meta, logits_indices, sampling = self._prepare(chunks)
+        self.backend.prepare(meta)
+        logits = self.model(input_ids, positions, self.backend, self.pool, meta, logits_indices)
+        if not sampling:
+            return [], [], []
+        rows = [self._sampling_row(c) for c in sampling]
+        tokens, logprobs = self.sampler(logits, rows)
+        return sampling, tokens, logprobs
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        for c in chunks:
+            request, start, end = c.request, c.start, c.start + c.num_tokens
+            table = request.block_table
+            input_ids.extend(request.token_ids[start:end])
+            span = range(start, end)
+            positions.extend(span)
+            slots.extend([table[p // bs] * bs + p % bs for p in span])
+            query_start.append(query_start[-1] + c.num_tokens)
+            seq_lens.append(end)
+            if c.samples:
+                logits_indices.append(query_start[-1] - 1)
+                sampling.append(c)
+        width = max(len(c.request.block_table) for c in chunks)
+        tables = [c.request.block_table + [0] * (width - len(c.request.block_table)) for c in chunks]
+        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            block_size=bs,
+            query_start_loc=self._tensor(query_start, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=self._tensor(slots, torch.int64),
+            max_query_len=max(c.num_tokens for c in chunks),
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=query_start,
+            seq_lens_list=seq_lens,
+        )
+        return (
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            meta,
+            self._tensor(logits_indices, torch.int64),
+            sampling,
+        )
+
+    def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
+        request = chunk.request
+        params = request.params
+        stop_ids = [] if params.ignore_eos else list(self.eos_token_ids)
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            stop_token_ids=stop_ids + params.stop_token_ids,
+        )
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

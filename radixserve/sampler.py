@@ -1,0 +1,152 @@
+"""Sampler: one batched pass from logits to the next token of every sampling request.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from
+p exactly. A request with a seed draws its noise from a generator seeded by
+(seed, output position), so its tokens do not depend on what else is in the batch, nor
+on whether it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.outputs import TokenLogprob
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: list[int]  # ids masked while fewer than min_tokens were generated
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [len(rows), vocab] float32. Returns token ids and (when asked) logprobs."""
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_min_tokens(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, token_list, rows)
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        penalized = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        if not penalized:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in penalized:  # rows with penalties are rare; each is a few vectorized ops
+            p = rows[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, device=row.device)
+                values = row[seen]
+                row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+            if rows[i].output_token_ids and (p.frequency_penalty or p.presence_penalty):
+                out = torch.tensor(rows[i].output_token_ids, device=row.device)
+                counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        rows_below = [
+            i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids
+        ]
+        if not rows_below:
+            return logits
+        logits = logits.clone()
+        for i in rows_below:
+            logits[i, rows[i].stop_token_ids] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
+            logits = _top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = self._noise(probs.shape, rows).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _noise(self, shape: torch.Size, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            return noise.exponential_(generator=self.generator)
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), shape[1], device=self.device).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator(self.device)
+                g.manual_seed(_mix(r.params.seed, len(r.output_token_ids)))
+                noise[i].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor | None, tokens: list[int], rows: list[SamplingRow]
+    ) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(rows)
+        out: list[TokenLogprob | None] = []
+        for i, r in enumerate(rows):
+            k = r.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            chosen = float(raw[i, tokens[i]])
+            top: list[tuple[int, float]] = []
+            if k:
+                values, ids = raw[i].topk(k)
+                top = list(zip(ids.tolist(), values.tolist()))
+            out.append(TokenLogprob(tokens[i], chosen, top))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude; one sort serves both."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=logits.device)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    drop = before >= top_p[:, None]  # the most likely token always survives (before == 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _mix(seed: int, position: int) -> int:
+    """A per-(seed, position) generator seed; a splitmix64-style mix keeps nearby seeds apart."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) % (1 << 63)

@@ -1,0 +1,116 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options, validated on construction (ValueError on bad values).
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k. `logprobs=k` returns the
+    chosen token's log-probability and the k most likely alternatives at every step
+    (k=0: the chosen token only). `max_tokens=None` generates up to the context length.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from a JSON-like dict; unknown keys are a ValueError, not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens, minimum=1)
+        _require_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _require_number("temperature", self.temperature, low=0.0, high=100.0)
+        _require_int("top_k", self.top_k, minimum=0)
+        _require_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _require_number("min_p", self.min_p, low=0.0, high=1.0)
+        _require_number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        _require_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _require_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _require_int("seed", self.seed, minimum=-(2**63))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _require_int("stop_token_ids", t, minimum=0)
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_number(
+    name: str, value: Any, low: float, high: float, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")

@@ -1,0 +1,291 @@
+"""Scheduler: decides, before every forward pass, which requests run and how many tokens
+each computes (plain Python over ints and lists; no tensors).
+
+One step:
+  1. Running requests first, oldest first: a decode computes 1 token, a request still
+     in prefill its next chunk (at most chunked_prefill_size). A request that needs a
+     new block and finds none free evicts from the prefix cache; if that is not enough,
+     the newest running request is preempted (its blocks are released, its computed
+     prefix goes into the cache, and it returns to the front of the waiting queue to be
+     recomputed later).
+  2. Then waiting requests, in policy order, while the token budget, max_num_seqs and the
+     pool allow: each reuses its longest cached prefix and computes the rest, chunked.
+     A waiting request whose next uncached block is being computed by another request
+     right now waits a step and then hits it in the cache (in-batch sharing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.block_pool import BlockPool
+from radixserve.config import EngineConfig
+from radixserve.hashing import extend_block_hashes
+from radixserve.policy import SchedulePolicy
+from radixserve.radix_cache import RadixCache
+from radixserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Request computes tokens [start, start + num_tokens) of its token_ids this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token, so the step samples the request's next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # every added request's prompt, once
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache at first admission
+    computed_tokens: int = 0  # tokens run through the model, recomputation included
+    preemptions: int = 0
+    deferred_for_sharing: int = 0  # admissions postponed a step to hit a prefix being computed
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None):
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = pool
+        self.cache = cache
+        self.policy = SchedulePolicy(
+            config.schedule_policy, cache, config.starvation_steps, config.policy_fcfs_threshold
+        )
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # ---- public API -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        for request in self.waiting:
+            request.waited_steps += 1
+        self.stats.steps += 1
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step ran: advance each request and publish finished prefill chunks to the cache."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            self.stats.computed_tokens += chunk.num_tokens
+            if self.cache is not None and chunk.num_tokens > 1:
+                self._cache_computed_blocks(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+
+    def flush_cache(self) -> int:
+        return self.cache.flush() if self.cache is not None else 0
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every block reference and node lock is accounted for:
+        free + cached + in use == total, ref counts equal their holders, locks equal users."""
+        expected = [0] * self.pool.num_blocks
+        for request in self.running:
+            for b in request.block_table:
+                expected[b] += 1
+        for request in self.waiting:
+            if request.block_table or request.cache_node is not None:
+                raise AssertionError(f"waiting {request} holds blocks or a lock")
+        if self.cache is not None:
+            for b in self.cache.held_blocks():
+                expected[b] += 1
+            self.cache.check_integrity()
+            self._check_locks()
+        self.pool.check_integrity(expected)
+
+    # ---- scheduling -------------------------------------------------------------
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        # Decodes go first so that prefill chunks never crowd them out of the budget;
+        # the last request in this order is the first to be preempted.
+        queue = [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]
+        i = 0
+        while i < len(queue) and budget > 0:
+            request = queue[i]
+            n = min(request.num_tokens - request.num_computed_tokens, self.config.chunked_prefill_size, budget)
+            if self._grow(request, request.num_computed_tokens + n):
+                plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
+                i += 1
+                continue
+            victim = queue.pop()
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                break
+        return budget
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        admitted: list[Request] = []
+        inflight = self._inflight_block_hashes()
+        for request in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._should_wait_for_sharing(request, inflight):
+                self.stats.deferred_for_sharing += 1
+                continue
+            chunk = self._try_admit(request, budget)
+            if chunk is None:
+                break  # the pool is full: later requests would not fit either
+            admitted.append(request)
+            plan.chunks.append(chunk)
+            budget -= chunk.num_tokens
+            if self.cache is not None:
+                inflight.update(self._uncomputed_block_hashes(request))
+        if admitted:
+            chosen = {id(r) for r in admitted}
+            self.waiting = [r for r in self.waiting if id(r) not in chosen]
+
+    def _try_admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+        bs = self.block_size
+        match = None
+        if self.cache is not None:
+            # The last token is always computed: its logits give the next token.
+            match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1], request.cache_salt)
+            self.cache.lock(match.node)
+        matched = match.blocks if match is not None else []
+        cached = len(matched) * bs
+        n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
+        # Admission control: the whole rest of the sequence plus one generated token must fit
+        # in what is free or evictable, so an admitted request is not preempted at once.
+        need_total = -(-(request.num_tokens + 1) // bs) - len(matched)
+        evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
+        if need_total > self.pool.num_free + evictable:
+            if match is not None:
+                self.cache.unlock(match.node)
+            return None
+        self.pool.share(matched)
+        request.block_table = list(matched)
+        request.cache_node = match.node if match is not None else None
+        request.num_computed_tokens = cached
+        if not self._grow(request, cached + n):
+            raise RuntimeError("admission control admitted a request the pool cannot hold")
+        if not request.admitted_once:
+            request.admitted_once = True
+            request.cached_tokens = cached
+            self.stats.cached_prompt_tokens += min(cached, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        request.waited_steps = 0
+        self.running.append(request)
+        return ScheduledChunk(request, cached, n)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Give the request blocks for its first num_tokens tokens, evicting cached blocks if needed."""
+        need = -(-num_tokens // self.block_size) - len(request.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            return False
+        request.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _release(self, request: Request) -> None:
+        """Hand the request's computed full blocks to the cache, then drop its references
+        (tail first) and its lock."""
+        if self.cache is not None:
+            full = request.num_computed_tokens // self.block_size
+            if full:
+                self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+        request.cache_node = None
+        self.pool.free(reversed(request.block_table))
+        request.block_table = []
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        full = request.num_computed_tokens // self.block_size
+        if not full:
+            return
+        node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+        if node is not request.cache_node:
+            self.cache.lock(node)
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+            request.cache_node = node
+
+    # ---- in-batch sharing -------------------------------------------------------
+
+    def _should_wait_for_sharing(self, request: Request, inflight: set[int]) -> bool:
+        """True when the first block this request would compute is being computed by a
+        running request: a step later it will be in the cache."""
+        if self.cache is None or not inflight or request.waited_steps >= self.config.starvation_steps:
+            return False
+        cached, _ = self.cache.peek_prefix(request.token_ids[: request.num_tokens - 1], request.cache_salt)
+        next_block = cached // self.block_size
+        hashes = self._block_hashes(request)
+        return next_block < len(hashes) and hashes[next_block] in inflight
+
+    def _inflight_block_hashes(self) -> set[int]:
+        if self.cache is None:
+            return set()
+        inflight: set[int] = set()
+        for request in self.running:
+            if request.in_prefill:
+                inflight.update(self._uncomputed_block_hashes(request))
+        return inflight
+
+    def _uncomputed_block_hashes(self, request: Request) -> list[int]:
+        return self._block_hashes(request)[request.num_computed_tokens // self.block_size:]
+
+    def _block_hashes(self, request: Request) -> list[int]:
+        return extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
+
+    def _check_locks(self) -> None:
+        expected: dict[int, int] = {}
+        for request in self.running:
+            node = request.cache_node
+            while node is not None and not node.is_root:
+                expected[node.node_id] = expected.get(node.node_id, 0) + 1
+                node = node.parent
+        for node in self.cache.nodes():
+            if node.lock_ref != expected.get(node.node_id, 0):
+                raise AssertionError(f"{node} lock {node.lock_ref}, held by {expected.get(node.node_id, 0)} requests")

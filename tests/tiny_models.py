@@ -1,0 +1,74 @@
+"""Tiny random Llama-family checkpoints that tests build for themselves (no hub access)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    # A wide init makes the logits decisive, so greedy argmax is never a near tie.
+    initializer_range=0.5,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def tiny_config(kind: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    values = dict(TINY_COMMON)
+    if kind == "llama":
+        cls = LlamaConfig
+        values.update(tie_word_embeddings=False)
+    elif kind == "mistral":
+        cls = MistralConfig
+        values.update(sliding_window=None, tie_word_embeddings=False)
+    elif kind == "qwen2":
+        cls = Qwen2Config
+        values.update(tie_word_embeddings=True, use_sliding_window=False)
+    elif kind == "qwen3":
+        cls = Qwen3Config
+        values.update(head_dim=16, tie_word_embeddings=True, use_sliding_window=False)
+    else:
+        raise ValueError(kind)
+    values.update(overrides)
+    return cls(**values)
+
+
+def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised model of `kind` as config.json + model.safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(kind, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "qwen2":  # qwen2 has q/k/v biases; make them nonzero so they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation (new tokens only)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
