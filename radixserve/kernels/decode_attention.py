@@ -1,0 +1,266 @@
+"""Paged decode attention: one query token per request over its block table.
+
+One program serves one (request, KV head) pair and all the query heads that read that
+KV head (padded to 16 rows for tl.dot), so each K/V row is read once per step whatever
+the query/KV head ratio. It walks the context BLOCK_N tokens at a time, mapping each
+token to its physical block through the block table (any block size), with an online
+softmax in fp32.
+
+When requests x KV heads are too few to fill the GPU, the context is also split
+(flash-decoding): each of `num_splits` programs per (request, KV head) covers one slice,
+writes its normalised partial output and log-sum-exp, and a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.kernels import (
+    check_cache_pair,
+    check_device,
+    check_head_dim,
+    check_last_dim_contiguous,
+    dot_in_fp32,
+    dot_precision,
+    next_power_of_2,
+)
+
+_LOG2E = 1.4426950408889634
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_bt,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    if SPLIT:
+        # Every split of a request covers the same whole number of tiles; late ones may be empty.
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    head_mask = g < GROUP
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + req * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        k_rows = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
+        k = tl.load(k_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
+        v = tl.load(v_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        p = p.to(v.dtype)
+        if DOT_IN_FP32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split has l_i == 0 and acc == 0: write a zero output with weight exp2(-inf) = 0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = part_out_ptr + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :]
+        tl.store(part, out, mask=head_mask[:, None])
+        # A non-empty split has l_i >= 1 (its max scores 1); an empty one has m_i = -inf.
+        lse = m_i + tl.log2(tl.maximum(l_i, 1.0))
+        tl.store(part_lse_ptr + req * stride_plb + heads * stride_plh + split, lse, mask=head_mask)
+    else:
+        dst = out_ptr + req * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    s_mask = s < num_splits
+    lse = tl.load(part_lse_ptr + req * stride_plb + head * stride_plh + s, mask=s_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # the first split is never empty, so the max is finite
+    part = part_out_ptr + req * stride_pob + head * stride_poh + s[:, None] * stride_pos + d[None, :]
+    partial = tl.load(part, mask=s_mask[:, None], other=0.0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    check_cache_pair(k_cache, v_cache)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    check_head_dim(head_dim)
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [B, k*{num_kv_heads}, {head_dim}], got {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [B={batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("out", out)
+    check_device(q, k_cache, v_cache, block_tables, seq_lens, out)
+
+
+def _block_n(q: torch.Tensor) -> int:
+    if q.device.type != "cuda":
+        return 32
+    return 128 if q.shape[2] <= 64 else 64
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _choose_num_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_n: int) -> int:
+    """Split long contexts until there are enough programs to keep every SM busy."""
+    if q.device.type != "cuda":
+        return 1
+    programs = q.shape[0] * num_kv_heads
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(q.device), programs)
+    useful = triton.cdiv(max_seq_len, _MIN_TILES_PER_SPLIT * block_n)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged context.
+
+    q: [B, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], each >= 1 (the
+    query is the context's last token, so it sees all seq_lens[i] positions).
+    max_seq_len (the largest seq_len, to size the split without a device sync) and
+    num_splits (force the split-K path with that many splits; 1 = single pass) only
+    change scheduling, never the result. Writes into and returns `out` (like q).
+    """
+    out = torch.empty_like(q) if out is None else out
+    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if batch == 0:
+        return out
+    block_n = _block_n(q)
+    if num_splits is None:
+        longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        num_splits = _choose_num_splits(q, num_kv_heads, longest, block_n)
+    group = num_heads // num_kv_heads
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if split:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_out, part_lse, out, num_splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits),
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """decode_attention in plain torch (fp32 math), one request at a time."""
+    out = torch.empty_like(q) if out is None else out
+    group = q.shape[1] // k_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        keys = gather_context(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        values = gather_context(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), keys.float()) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.float()).to(out.dtype)
+    return out
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one request's context: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: triton.cdiv(length, block_size)].long()
+    return cache[blocks].flatten(0, 1)[:length]

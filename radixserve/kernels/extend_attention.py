@@ -1,0 +1,204 @@
+"""Prefix-extend attention: a prefill chunk's new tokens over the request's whole context.
+
+A request's new K/V are already in the pool (store_kv runs first), so the kernel reads
+the cached prefix and the new tokens alike through the block table: a prefix that came
+from the radix cache, possibly shared with other requests, is never copied or
+recomputed. The new token at context position p attends to positions 0..p.
+
+One program serves BLOCK_M query tokens of one request for one query head, walking the
+context BLOCK_N tokens at a time up to its last row's position, with an online softmax
+in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.kernels import (
+    check_cache_pair,
+    check_device,
+    check_head_dim,
+    check_last_dim_contiguous,
+    dot_in_fp32,
+    dot_precision,
+)
+from radixserve.kernels.decode_attention import gather_context
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    scale_log2e,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    req = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    prefix_len = seq_len - q_len
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    positions = prefix_len + rows
+    tokens = (q_start + rows).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_mask[:, None], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + req * stride_bt
+    # Rows past q_len sit at positions >= seq_len; every row sees position 0, so no row is all -inf.
+    kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+    for tile in range(0, kv_end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        k_rows = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
+        k = tl.load(k_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        visible = (n[None, :] <= positions[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
+        v = tl.load(v_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        p = p.to(v.dtype)
+        if DOT_IN_FP32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out) -> None:
+    check_cache_pair(k_cache, v_cache)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    check_head_dim(head_dim)
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [T, k*{num_kv_heads}, {head_dim}], got {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
+        raise ValueError(f"query_start_loc must be int32 [B+1={batch + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [B={batch}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("block_tables rows and query_start_loc must be contiguous")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("out", out)
+    check_device(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+
+
+def _tiles(q: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps)."""
+    if q.device.type != "cuda":
+        return 16, 16, 4
+    return (128, 64, 8) if q.shape[2] <= 64 else (64, 64, 4)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context.
+
+    Request i's queries are rows query_start_loc[i]:query_start_loc[i+1] of q
+    ([T, num_heads, head_dim]); they are the last q_len of its seq_lens[i] context
+    positions, whose K/V (prefix and new tokens) are all in k_cache/v_cache
+    ([num_blocks, block_size, num_kv_heads, head_dim]) through block_tables[i] (int32).
+    Only those rows of `out` (like q; zeros when not given) are written; it is returned.
+    max_query_len (the longest chunk) sizes the grid without a device sync.
+    """
+    out = torch.zeros_like(q) if out is None else out
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+    batch = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if batch == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m, block_n, num_warps = _tiles(q)
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype),
+        num_warps=num_warps, num_stages=2,
+    )
+    return out
+
+
+def extend_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """extend_attention in plain torch (fp32 math), one request at a time."""
+    out = torch.zeros_like(q) if out is None else out
+    group = q.shape[1] // k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if start == end:
+            continue
+        keys = gather_context(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        values = gather_context(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        scores = torch.einsum("thd,nhd->htn", q[start:end].float(), keys.float()) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("htn,nhd->thd", probs, values.float()).to(out.dtype)
+    return out
