@@ -21,9 +21,8 @@ class KVPool:
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv = _zeros(shape, dtype, torch.device(device))
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[index, 0], self.kv[index, 1]
@@ -34,3 +33,16 @@ class KVPool:
     ) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * element
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled pool. Never-written slots must hold finite values (attention multiplies
+    masked-out V rows by zero weights, and 0 * NaN is NaN). On CPU, numpy's calloc-backed
+    zeros let the OS commit zero pages on first touch instead of writing gigabytes up front."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * element, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

@@ -1,0 +1,115 @@
+"""Command line: `radixserve generate|serve|prepare|convert` (also `python -m radixserve`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+from typing import Any
+
+from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineConfig
+
+_CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--block-size, --enable-prefix-cache/--no-..., ...)."""
+    group = parser.add_argument_group("engine options")
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if f.type in ("bool", bool):
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
+            continue
+        kind = int if (f.type.startswith("int") if isinstance(f.type, str) else f.type is int) else str
+        group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name), metavar=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in EngineConfig.field_names()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_engine_args(gen)
+
+    serve = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and native endpoints)")
+    _add_server_args(serve)
+    add_engine_args(serve)
+
+    prep = sub.add_parser("prepare", help="convert the default model once into the model cache")
+    prep.add_argument("--model-cache-dir", default=None)
+
+    conv = sub.add_parser("convert", help="convert a GGUF file into a safetensors model directory")
+    conv.add_argument("gguf")
+    conv.add_argument("output_dir")
+
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from radixserve import Engine, SamplingParams
+
+    engine = Engine(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    has_template = engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None)
+    prompt: str | list[int] = args.prompt
+    if has_template and not args.raw:
+        prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    out = engine.generate([prompt], params, use_tqdm=False)[0]
+    print(out.text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from radixserve.server.launch import serve
+
+    return serve(args, engine_kwargs(args))
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from radixserve.model.default_model import ensure_default_model
+
+    print(ensure_default_model(args.model_cache_dir))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.model.default_model import convert_gguf
+
+    print(convert_gguf(Path(args.gguf), Path(args.output_dir)))
+    return 0
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    try:
+        from radixserve.server.launch import add_server_args
+    except ImportError:  # the server package is optional at import time of the CLI
+        add_server_args = None
+    if add_server_args is not None:
+        add_server_args(parser)
+
+
+_COMMANDS = types.MappingProxyType(
+    {"generate": _generate, "serve": _serve, "prepare": _prepare, "convert": _convert}
+)
+
+if __name__ == "__main__":
+    sys.exit(main())

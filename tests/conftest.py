@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tiny_models import build_tiny_model
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A directory factory: tiny_model_dir('llama') -> path of a saved tiny random model."""
+    built: dict[str, object] = {}
+
+    def make(kind: str = "llama"):
+        if kind not in built:
+            built[kind] = build_tiny_model(kind, tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """The default SmolLM2 model, converted by the project's own setup (scripts/setup.sh)."""
+    from radixserve.model.default_model import ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except FileNotFoundError as exc:  # pragma: no cover - setup.sh installs the package
+        pytest.fail(f"default model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def hf_real_model(real_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_model_dir):
+    """One shared engine on the default model (tests must leave it idle and intact)."""
+    from radixserve import Engine
+
+    return Engine(str(real_model_dir))
