@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -61,14 +62,34 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> 
     return directory
 
 
-def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy continuation (new tokens only)."""
+@functools.lru_cache(maxsize=8)
+def hf_model(directory: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def hf_greedy(directory: Path, prompt: list[int], max_new_tokens: int, **generate_options) -> list[int]:
+    """transformers' own greedy continuation (new tokens only), never stopping early."""
+    model = hf_model(directory)
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         min_new_tokens=max_new_tokens)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        **generate_options,
+    )
     return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(directory: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' logits at each generated position: [len(output), vocab]."""
+    model = hf_model(directory)
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1]
+    return torch.log_softmax(logits.float(), dim=-1)

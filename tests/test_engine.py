@@ -1,0 +1,224 @@
+"""Engine on tiny random models: token-for-token equality with transformers, continuous
+batching (staggered arrivals, chunked prefill, preemption), sampling, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from tiny_models import hf_greedy, hf_logprobs
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_all_free(engine):
+    engine.check_integrity()
+    engine.flush_cache()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def small_engine(directory, **options):
+    defaults = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=7, max_num_batched_tokens=16)
+    return Engine(str(directory), **{**defaults, **options})
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_equals_transformers(tiny_model_dir, kind):
+    directory = tiny_model_dir(kind)
+    prompts = prompts_of([1, 5, 17, 40, 64])
+    engine = small_engine(directory)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 12)
+        assert out.finish_reason == "length"
+    assert_all_free(engine)
+
+
+def test_requests_join_and_leave_at_every_step(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompts = prompts_of([23, 3, 31, 9, 14, 2], seed=1)
+    lengths = [10, 4, 7, 12, 1, 6]
+    engine = small_engine(directory)
+    ids, done = {}, {}
+    pending = list(zip(prompts, lengths))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 0:  # a new request every other step, while others decode
+            prompt, n = pending.pop(0)
+            ids[engine.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY))] = (prompt, n)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        step += 1
+    for rid, (prompt, n) in ids.items():
+        assert done[rid] == hf_greedy(directory, prompt, n)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preemption_resumes_with_the_same_output(tiny_model_dir, prefix_cache):
+    directory = tiny_model_dir("qwen3")
+    prompts = prompts_of([10, 11, 12, 13], seed=2)
+    # Each request needs up to 6 blocks of 4; 12 blocks cannot hold all four at once.
+    engine = small_engine(directory, num_kv_blocks=12, enable_prefix_cache=prefix_cache)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert engine.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 12)
+    assert any(o.num_preemptions for o in outs)
+    assert_all_free(engine)
+
+
+def test_shared_prefix_hits_and_matches_transformers(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prefix = prompts_of([24], seed=3)[0]
+    prompts = [prefix + tail for tail in prompts_of([3, 5, 2, 7], seed=4)]
+    engine = small_engine(directory, max_num_batched_tokens=64, chunked_prefill_size=64)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 8)
+    assert [o.cached_tokens for o in outs] == [0, 24, 24, 24]
+    assert engine.stats()["cached_prompt_tokens"] == 72
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompt = prompts_of([9], seed=5)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = Engine(str(directory), block_size=4, num_kv_blocks=128).generate([prompt], params)[0].token_ids
+    others = prompts_of([3, 20, 7], seed=6)
+    crowd = small_engine(directory)
+    noisy = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    crowd.add_request(others[0], noisy)
+    crowd.step()
+    rid = crowd.add_request(prompt, params)
+    for p in others[1:]:
+        crowd.add_request(p, noisy)
+    result = None
+    while crowd.has_unfinished_requests():
+        for out in crowd.step():
+            if out.finished and out.request_id == rid:
+                result = out.token_ids
+    assert result == alone
+    different_seed = SamplingParams(**{**params.__dict__, "seed": 99})
+    assert crowd.generate([prompt], different_seed)[0].token_ids != alone
+    assert_all_free(crowd)
+
+
+def test_logprobs_match_transformers(tiny_model_dir):
+    directory = tiny_model_dir("qwen2")
+    prompt = prompts_of([11], seed=7)[0]
+    engine = small_engine(directory)
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, logprobs=3, **GREEDY))[0]
+    reference = hf_logprobs(directory, prompt, out.token_ids)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for i, lp in enumerate(out.logprobs):
+        assert lp.logprob == pytest.approx(float(reference[i, lp.token_id]), abs=1e-4)
+        values, ids = reference[i].topk(3)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_repetition_penalty_equals_transformers(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompt = prompts_of([6], seed=8)[0]
+    engine = small_engine(directory)
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, repetition_penalty=1.7, **GREEDY))[0]
+    assert out.token_ids == hf_greedy(directory, prompt, 10, repetition_penalty=1.7)
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompt = prompts_of([8], seed=9)[0]
+    reference = hf_greedy(directory, prompt, 12)
+    engine = small_engine(directory)
+    stop_at = reference[3]
+    first = reference.index(stop_at)
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_at], **GREEDY))[0]
+    assert out.token_ids == reference[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+    # min_tokens masks the stop token until enough tokens were generated
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, min_tokens=12, stop_token_ids=[stop_at], **GREEDY))[0]
+    assert len(out.token_ids) == 12 and stop_at not in out.token_ids
+    out = engine.generate([prompt], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.token_ids == reference[:3] and out.finish_reason == "length"
+    assert_all_free(engine)
+
+
+def test_abort_frees_blocks_and_others_finish(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    engine = small_engine(directory)
+    prompts = prompts_of([30, 12], seed=10)
+    doomed = engine.add_request(prompts[0], SamplingParams(max_tokens=50, **GREEDY))
+    keep = engine.add_request(prompts[1], SamplingParams(max_tokens=5, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(doomed) is True
+    assert engine.abort(doomed) is False
+    engine.check_integrity()
+    result = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            result[out.request_id] = out
+    assert result[keep].token_ids == hf_greedy(directory, prompts[1], 5)
+    assert doomed not in result
+    assert_all_free(engine)
+
+
+BAD_INPUTS = [
+    (lambda e: e.add_request([], SamplingParams()), "prompt is empty"),
+    (lambda e: e.add_request([1, 2], SamplingParams(max_tokens=0)), "max_tokens must be >= 1"),
+    (lambda e: e.add_request([1, 2], SamplingParams(max_tokens=-3)), "max_tokens must be >= 1"),
+    (lambda e: e.add_request([1] * 300, SamplingParams()), "context is 256 tokens"),
+    (lambda e: e.add_request([1] * 200, SamplingParams(max_tokens=100)), "exceeds the model's context"),
+    (lambda e: e.add_request([1, 2], SamplingParams(temperature=-1.0)), "temperature"),
+    (lambda e: e.add_request([1, 2], SamplingParams(top_p=0.0)), "top_p"),
+    (lambda e: e.add_request([1, 2], SamplingParams(logprobs=50)), "logprobs"),
+    (lambda e: e.add_request([1, 2], SamplingParams.from_dict({"temprature": 0.5})), "unknown sampling parameter"),
+    (lambda e: e.add_request([1, 97], SamplingParams()), r"token ids must be integers in \[0, 97\)"),
+    (lambda e: e.add_request([1, "a"], SamplingParams()), "token ids must be integers"),
+    (lambda e: e.add_request("hello", SamplingParams()), "has no tokenizer"),
+    (lambda e: e.add_request([1, 2], SamplingParams(), request_id="keep"), "already in use"),
+    (lambda e: e.add_request([1] * 100, SamplingParams(max_tokens=100)), "KV blocks"),
+    (lambda e: e.generate([[1, 2], []], SamplingParams()), "prompt is empty"),
+]
+
+
+def test_bad_input_raises_and_the_engine_keeps_serving(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    engine = small_engine(directory, num_kv_blocks=48)
+    prompt = prompts_of([10], seed=11)[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=40, **GREEDY), request_id="keep")
+    engine.step()
+    for bad, message in BAD_INPUTS:
+        with pytest.raises(ValueError, match=message):
+            bad(engine)
+        engine.check_integrity()
+        engine.step()
+    assert engine.stats()["waiting"] + engine.stats()["running"] <= 1
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["keep"].token_ids == hf_greedy(directory, prompt, 40)
+    assert_all_free(engine)
+
+
+def test_bfloat16_runs_and_mostly_agrees(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prompt = prompts_of([12], seed=12)[0]
+    engine = small_engine(directory, dtype="bfloat16")
+    assert engine.runner.pool.kv.dtype == torch.bfloat16
+    out = engine.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert out.token_ids[0] == hf_greedy(directory, prompt, 1)[0]
