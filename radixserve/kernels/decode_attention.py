@@ -32,7 +32,7 @@ from radixserve.kernels import (
 _LOG2E = 1.4426950408889634
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 8
 
 
 @triton.jit
