@@ -153,15 +153,17 @@ def _decode_case(heads, head_dim, block_size, dtype, context_lens, shared_blocks
 
 
 def _decode_contexts(block_size):
-    """Length 1, exactly a block multiple, and ragged lengths."""
-    return [1, 2 * block_size, 3 * block_size + 5, block_size + 1]
+    """Length 1, exactly a block multiple, ragged lengths, and one over the 32-token
+    interpreter tile (so several tiles for block size 1 as well)."""
+    return [1, 2 * block_size, 3 * block_size + 5, block_size + 1, 40]
 
 
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_decode_matches_reference_fp32(heads, head_dim, block_size):
-    paged, q = _decode_case(heads, head_dim, block_size, torch.float32, _decode_contexts(block_size), 1)
+    shared_blocks = 2 if block_size > 1 else 24
+    paged, q = _decode_case(heads, head_dim, block_size, torch.float32, _decode_contexts(block_size), shared_blocks)
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, head_dim**-0.5)
     assert_close(decode_attention(*args), decode_attention_reference(*args), torch.float32)
 
