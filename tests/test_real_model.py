@@ -1,0 +1,79 @@
+"""The default SmolLM2-135M-Instruct against transformers, token for token (greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from real_prompts import encode_all
+
+pytestmark = pytest.mark.real_model
+
+MAX_NEW = 24
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(real_engine):
+    return encode_all(real_engine)
+
+
+@pytest.fixture(scope="module")
+def references(prompts, hf_real_model, real_engine):
+    """transformers' greedy continuation of each prompt, cut after the first EOS."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = hf_real_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+        tokens = gen[0, len(p):].tolist()
+        for i, t in enumerate(tokens):
+            if t in real_engine.eos_token_ids:
+                tokens = tokens[: i + 1]
+                break
+        out.append(tokens)
+    return out
+
+
+def idle_and_intact(engine):
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free + engine.cache.num_evictable_blocks == engine.pool.num_blocks
+
+
+def test_prompt_lengths_vary(prompts):
+    lengths = sorted(len(p) for p in prompts)
+    assert len(prompts) == 8 and lengths[0] < 10 and lengths[-1] > 100
+
+
+def test_greedy_equals_transformers(real_engine, prompts, references):
+    outs = real_engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == references
+    for out, ref in zip(outs, references):
+        assert out.finish_reason == ("stop" if ref[-1] in real_engine.eos_token_ids else "length")
+        assert out.text == real_engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    idle_and_intact(real_engine)
+
+
+def test_staggered_arrivals_with_tiny_chunks_equal_transformers(real_model_dir, prompts, references):
+    engine = Engine(str(real_model_dir), chunked_prefill_size=7, max_num_batched_tokens=24)
+    ids = {}
+    results = {}
+    queue = list(enumerate(prompts))
+    while queue or engine.has_unfinished_requests():
+        if queue:
+            i, p = queue.pop(0)
+            ids[engine.add_request(p, GREEDY)] = i
+        for out in engine.step():
+            if out.finished:
+                results[ids[out.request_id]] = out.token_ids
+    assert [results[i] for i in range(len(prompts))] == references
+    idle_and_intact(engine)
+
+
+def test_forced_preemption_equals_transformers(real_model_dir, prompts, references):
+    engine = Engine(str(real_model_dir), num_kv_blocks=30, max_num_batched_tokens=256, chunked_prefill_size=128)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.stats()["preemptions"] > 0
+    assert [o.token_ids for o in outs] == references
+    idle_and_intact(engine)

@@ -1,0 +1,94 @@
+"""Sampler on hand-made logits: exact masks, penalties, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radixserve.sampler import Sampler, SamplingRow
+from radixserve.sampling_params import SamplingParams
+
+
+def row(prompt=(), output=(), stop=(), **params):
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(stop))
+
+
+def sample_many(logits, n=2000, **params):
+    sampler = Sampler(seed=0)
+    counts = torch.zeros(logits.shape[-1])
+    for _ in range(n):
+        tokens, _ = sampler(logits[None].clone(), [row(**params)])
+        counts[tokens[0]] += 1
+    return counts / n
+
+
+def test_greedy_is_argmax_and_sampling_rows_do_not_disturb_it():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    tokens, _ = Sampler()(logits, [row(temperature=0.0), row(temperature=1.0, seed=1), row(temperature=0.0)])
+    assert tokens[0] == 1 and tokens[2] == 2
+
+
+def test_sampling_follows_the_distribution():
+    freq = sample_many(torch.tensor([0.0, math.log(3.0)]), temperature=1.0)
+    assert freq[1] == pytest.approx(0.75, abs=0.03)
+
+
+def test_temperature_sharpens():
+    freq = sample_many(torch.tensor([0.0, math.log(3.0)]), temperature=0.5)  # 1 : 9
+    assert freq[1] == pytest.approx(0.9, abs=0.03)
+
+
+def test_top_k_top_p_min_p_exclude_exactly_the_tail():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert set(sample_many(logits, top_k=2).nonzero().flatten().tolist()) == {0, 1}
+    assert set(sample_many(logits, top_p=0.79).nonzero().flatten().tolist()) == {0, 1}  # 0.5 + 0.3 >= 0.79
+    assert set(sample_many(logits, top_p=0.81).nonzero().flatten().tolist()) == {0, 1, 2}
+    assert set(sample_many(logits, min_p=0.35).nonzero().flatten().tolist()) == {0, 1}  # p >= 0.175
+    assert sample_many(logits, top_k=1, n=200)[0] == 1.0
+
+
+def test_seed_gives_the_same_token_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = dict(temperature=1.0, seed=42)
+    alone, _ = Sampler(seed=1)(logits[2:3].clone(), [row(output=[1, 2], **params)])
+    batch, _ = Sampler(seed=7)(logits.clone(), [row(temperature=1.0), row(temperature=0.0), row(output=[1, 2], **params), row(temperature=0.7)])
+    assert batch[2] == alone[0]
+    # The draw depends on the output position, not on a hidden generator state.
+    draws = {Sampler()(logits[2:3].clone(), [row(output=[0] * k, **params)])[0][0] for k in range(20)}
+    assert len(draws) > 1
+
+
+def test_penalties_change_logits_exactly():
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    # repetition: positive logits divided, negative multiplied, for prompt and output tokens
+    r = row(prompt=[0], output=[1], temperature=0.0, repetition_penalty=2.0)
+    out = sampler._apply_penalties(logits, [r])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    # frequency counts output occurrences; presence is a flat charge; the prompt is exempt
+    r = row(prompt=[3], output=[2, 2, 0], temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = sampler._apply_penalties(logits, [r])
+    assert out.tolist() == [[2.0 - 0.5 - 0.25, -2.0, 1.0 - 1.0 - 0.25, 0.5]]
+    assert logits.tolist() == [[2.0, -2.0, 1.0, 0.5]]  # the caller's tensor is untouched
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    blocked, _ = Sampler()(logits.clone(), [row(output=[2], stop=[1], temperature=0.0, min_tokens=2)])
+    assert blocked == [2]
+    allowed, _ = Sampler()(logits.clone(), [row(output=[2, 2], stop=[1], temperature=0.0, min_tokens=2)])
+    assert allowed == [1]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    tokens, lps = Sampler()(logits.clone(), [row(temperature=0.0, logprobs=2, repetition_penalty=5.0, prompt=[1])])
+    reference = torch.log_softmax(logits[0], -1)
+    assert lps[0].token_id == tokens[0]
+    assert lps[0].logprob == pytest.approx(float(reference[tokens[0]]))
+    assert [t for t, _ in lps[0].top] == [1, 2]
+    _, none = Sampler()(logits.clone(), [row(temperature=0.0)])
+    assert none == [None]
