@@ -1,7 +1,9 @@
 """TorchAttentionBackend: paged attention from plain torch ops; the CPU path.
 
-Decodes are one batched op: their blocks are gathered (whole blocks, one index_select
-into a reused workspace) into a padded [D, L, kv_heads, head_dim] view, and one
+Decodes are one batched op. On CPU in float32 that op is a small C kernel
+(native_cpu.py) that reads K/V in place through the block tables. Elsewhere, or without
+a C compiler, their blocks are gathered (whole blocks, one index_select into a reused
+workspace) into a padded [D, L, kv_heads, head_dim] view, and one
 scaled_dot_product_attention call folds each KV head's group of query heads into the
 query-length axis, so grouped-query attention needs no repeated K/V. Prefill chunks are
 few per step and each is a large op, so they run one SDPA call each; a chunk with no
@@ -10,6 +12,7 @@ cached prefix attends to its own fresh K/V without touching the pool.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +42,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_mask: torch.Tensor | None = None
         self._decode_len = 0
         self._prefills: list[_Prefill] = []
+        self._meta: AttentionMetadata | None = None
+        self.use_native = os.environ.get("RADIXSERVE_NATIVE_CPU", "1") != "0"
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
         self._decode_index = None
         self._prefills = []
         if meta.num_decodes:
@@ -90,6 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefills.append(_Prefill(start, end, index, context, mask))
 
     def _decode(self, q, k_cache, v_cache) -> torch.Tensor:
+        native = self._native_kernel(q)
+        if native is not None:
+            meta = self._meta
+            d = meta.num_decodes
+            return native(
+                q, k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], meta.seq_lens_list[:d], self.scale
+            )
         d, kv_heads, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
         rows = self._decode_index.numel()
         k_buf, v_buf = self._gather_buffers(rows, k_cache)
@@ -116,6 +129,13 @@ class TorchAttentionBackend(AttentionBackend):
                 queries, keys, values, attn_mask=p.mask, scale=self.scale, enable_gqa=self._group > 1
             )
         return out[0].transpose(0, 1)
+
+    def _native_kernel(self, q: torch.Tensor):
+        if not self.use_native or q.device.type != "cpu" or q.dtype != torch.float32:
+            return None
+        from radixserve.attention.native_cpu import load_native_decode
+
+        return load_native_decode()
 
     def _gather_buffers(self, rows: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two [rows, block_size, kv_heads, head_dim] views of a workspace reused across
