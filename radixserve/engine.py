@@ -97,10 +97,14 @@ class Engine:
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
             return []
-        chunks, tokens, logprobs = self.runner.run(plan)
+        result = self.runner.run(plan)
         t2 = time.perf_counter()
         self.scheduler.commit(plan)
-        outputs = [self._append_token(c.request, t, lp) for c, t, lp in zip(chunks, tokens, logprobs)]
+        for request, index, logprob in result.prompt_logprobs:
+            request.prompt_logprobs[index] = logprob
+        outputs = [
+            self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
+        ]
         t3 = time.perf_counter()
         self.timings["schedule_s"] += t1 - t0
         self.timings["model_s"] += t2 - t1
@@ -313,6 +317,7 @@ class Engine:
             stop_reason=request.stop_reason,
             cached_tokens=request.cached_tokens,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             num_preemptions=request.num_preemptions,
             metrics=metrics,
         )

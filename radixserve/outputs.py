@@ -27,6 +27,8 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None
+    # One entry per prompt token; None before prompt_logprobs_start and at index 0.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_preemptions: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s once known
 

@@ -48,6 +48,10 @@ class Request:
         self.cache_node: Any = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.logprobs: list[Any] = []
+        # prompt_logprobs[j]: logprob of prompt token j given tokens [0, j) once computed
+        self.prompt_logprobs: list[Any] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.output_text = ""
@@ -77,6 +81,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def reusable_prefix_len(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last (its
+        logits give the next token), and none from which a prompt logprob is still owed."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs is not None:
+            first = max(self.params.prompt_logprobs_start, 1)
+            missing = next((j for j in range(first, self.num_prompt_tokens) if self.prompt_logprobs[j] is None), None)
+            if missing is not None:
+                limit = min(limit, missing - 1)
+        return limit
 
     @property
     def in_prefill(self) -> bool:

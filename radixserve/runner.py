@@ -3,6 +3,8 @@ model and the attention backends, that touches tensors."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from radixserve.attention.kv_pool import KVPool
@@ -12,7 +14,16 @@ from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.spec import ModelSpec
 from radixserve.outputs import TokenLogprob
 from radixserve.sampler import Sampler, SamplingRow
+from radixserve.request import Request
 from radixserve.scheduler import ScheduledChunk, StepPlan
+
+
+@dataclass
+class StepResult:
+    sampled: list[ScheduledChunk]  # chunks that reached their request's last token
+    tokens: list[int]  # the next token of each, in the same order
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[tuple[Request, int, TokenLogprob]]  # (request, prompt index, logprob)
 
 
 class ModelRunner:
@@ -38,18 +49,24 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
 
-    def run(self, plan: StepPlan) -> tuple[list[ScheduledChunk], list[int], list[TokenLogprob | None]]:
-        """Run one forward pass over the plan's chunks. Returns the chunks that sampled
-        (those reaching their request's last token), with their new tokens and logprobs."""
+    def run(self, plan: StepPlan) -> StepResult:
+        """Run one forward pass over the plan's chunks: sample the next token of every chunk
+        that reaches its request's last token, and score prompt tokens where asked."""
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # single-token queries first
         input_ids, positions, meta, logits_indices, sampling = self._prepare(chunks)
+        prompt_rows = _prompt_logprob_rows(chunks, meta.query_start_loc_list)
+        if prompt_rows:
+            extra = [row for _, row, _, _ in prompt_rows]
+            logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
         self.backend.prepare(meta)
         logits = self.model(input_ids, positions, self.backend, self.pool, meta, logits_indices)
-        if not sampling:
-            return [], [], []
-        rows = [self._sampling_row(c) for c in sampling]
-        tokens, logprobs = self.sampler(logits, rows)
-        return sampling, tokens, logprobs
+        result = StepResult(sampling, [], [], [])
+        if sampling:
+            rows = [self._sampling_row(c) for c in sampling]
+            result.tokens, result.logprobs = self.sampler(logits[: len(sampling)], rows)
+        if prompt_rows:
+            result.prompt_logprobs = _score_prompt_tokens(logits[len(sampling):], prompt_rows)
+        return result
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         bs = self.block_size
@@ -108,3 +125,31 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _prompt_logprob_rows(chunks: list[ScheduledChunk], query_start: list[int]):
+    """(request, logits row, prompt index j, token j) for every computed position whose next
+    token is a prompt token the request wants scored."""
+    rows = []
+    for i, c in enumerate(chunks):
+        request = c.request
+        if request.prompt_logprobs is None:
+            continue
+        first = max(request.params.prompt_logprobs_start, 1)
+        for p in range(max(c.start, first - 1), min(c.start + c.num_tokens, request.num_prompt_tokens - 1)):
+            rows.append((request, query_start[i] + p - c.start, p + 1, request.token_ids[p + 1]))
+    return rows
+
+
+def _score_prompt_tokens(logits: torch.Tensor, rows) -> list[tuple[Request, int, TokenLogprob]]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor([token for *_, token in rows], device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = max(request.params.prompt_logprobs for request, *_ in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    out = []
+    for i, (request, _, index, token) in enumerate(rows):
+        kr = request.params.prompt_logprobs
+        top = list(zip(top_ids[i, :kr].tolist(), top_values[i, :kr].tolist())) if kr else []
+        out.append((request, index, TokenLogprob(token, chosen[i], top)))
+    return out

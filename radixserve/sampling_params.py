@@ -16,6 +16,9 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 or -1 disables top-k. `logprobs=k` returns the
     chosen token's log-probability and the k most likely alternatives at every step
     (k=0: the chosen token only). `max_tokens=None` generates up to the context length.
+    `prompt_logprobs=k` does the same for the prompt tokens from index
+    `prompt_logprobs_start` on (index 0 has none); tokens before that index may still come
+    from the prefix cache, the ones after it are computed.
     """
 
     max_tokens: int | None = 16
@@ -33,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -89,10 +94,13 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t, minimum=0)
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
+        _require_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -179,8 +179,7 @@ class Scheduler:
         bs = self.block_size
         match = None
         if self.cache is not None:
-            # The last token is always computed: its logits give the next token.
-            match = self.cache.match_prefix(request.token_ids[: request.num_tokens - 1], request.cache_salt)
+            match = self.cache.match_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
             self.cache.lock(match.node)
         matched = match.blocks if match is not None else []
         cached = len(matched) * bs
@@ -259,7 +258,7 @@ class Scheduler:
         running request: a step later it will be in the cache."""
         if self.cache is None or not inflight or request.waited_steps >= self.config.starvation_steps:
             return False
-        cached, _ = self.cache.peek_prefix(request.token_ids[: request.num_tokens - 1], request.cache_salt)
+        cached, _ = self.cache.peek_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
         next_block = cached // self.block_size
         hashes = self._block_hashes(request)
         return next_block < len(hashes) and hashes[next_block] in inflight

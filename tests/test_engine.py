@@ -222,3 +222,25 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_model_dir):
     assert engine.runner.pool.kv.dtype == torch.bfloat16
     out = engine.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
     assert out.token_ids[0] == hf_greedy(directory, prompt, 1)[0]
+
+
+def test_prompt_logprobs_match_transformers_and_reuse_the_cached_prefix(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    prefix = prompts_of([16], seed=13)[0]
+    choice = [5, 9, 33]
+    engine = small_engine(directory, max_num_batched_tokens=64, chunked_prefill_size=64)
+    engine.generate([prefix + [1]], SamplingParams(max_tokens=1, **GREEDY))  # warm the cache
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2, prompt_logprobs_start=16, **GREEDY)
+    out = engine.generate([prefix + choice], params)[0]
+    assert out.cached_tokens == 12  # blocks before the scored tokens came from the cache
+    assert out.prompt_logprobs[:16] == [None] * 16
+    model_logprobs = hf_logprobs(directory, prefix, choice)  # logprob of each choice token
+    for i, token in enumerate(choice):
+        lp = out.prompt_logprobs[16 + i]
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(model_logprobs[i, token]), abs=1e-4)
+        assert [t for t, _ in lp.top] == model_logprobs[i].topk(2).indices.tolist()
+    full = engine.generate([prefix + choice], SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))[0]
+    assert full.prompt_logprobs[0] is None and all(lp is not None for lp in full.prompt_logprobs[1:])
+    assert full.cached_tokens == 0
+    assert_all_free(engine)
