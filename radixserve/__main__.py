@@ -99,12 +99,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    try:
-        from radixserve.server.launch import add_server_args
-    except ImportError:  # the server package is optional at import time of the CLI
-        add_server_args = None
-    if add_server_args is not None:
-        add_server_args(parser)
+    from radixserve.server.launch import add_server_args
+
+    add_server_args(parser)
 
 
 _COMMANDS = types.MappingProxyType(

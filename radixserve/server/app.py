@@ -1,0 +1,269 @@
+"""create_app: the Starlette app (routes, middleware, lifespan) in front of an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from radixserve.server import native_api
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.errors import APIError, bad_request, server_error
+from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from radixserve.server.middleware import ApiKeyAuth, StatusCounter
+from radixserve.server.openai_chat import ChatResponder
+from radixserve.server.openai_completions import CompletionResponder
+from radixserve.server.openai_requests import ServedModel, parse_chat_request, parse_completion_request
+from radixserve.server.options import ServerOptions
+from radixserve.server.request_group import RequestGroup
+from radixserve.server.sse import EventStream, wait_for_disconnect
+from radixserve.server.token_text import TokenTexts
+
+log = logging.getLogger("radixserve.server")
+
+MAX_BODY_BYTES = 32 << 20
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+
+
+@dataclass
+class ServerState:
+    """What handlers share; `app.state.server`."""
+
+    engine: AsyncEngine
+    options: ServerOptions
+    served: ServedModel
+    texts: TokenTexts
+    metrics: ServerMetrics
+    max_model_len: int
+
+
+def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
+    """The app for `engine` (which it owns from startup on: the engine thread is the only
+    one that calls it until shutdown). Serve with uvicorn; its lifespan starts and stops
+    the engine thread."""
+    options = options or ServerOptions()
+    async_engine = AsyncEngine(engine, options.max_queued_requests, options.request_timeout_s, options.retry_after_s)
+    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: _server_gauges(async_engine))
+    async_engine.on_finished = metrics.observe_finished
+    state = ServerState(
+        async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
+        engine.max_model_len,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(options.shutdown_grace_s)
+
+    routes = _routes(options)
+    middleware = [
+        Middleware(StatusCounter, observe=metrics.observe_http, endpoints=[r.path for r in routes]),
+        Middleware(ApiKeyAuth, api_key=options.api_key),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+    )
+    app.state.server = state
+    return app
+
+
+# ---- routes ------------------------------------------------------------------------------
+
+
+def _routes(options: ServerOptions) -> list[Route]:
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
+    ]
+    if options.enable_debug_endpoints:
+        routes += [
+            Route("/debug/check_integrity", debug_check_integrity, methods=["POST"]),
+            Route("/debug/stats", debug_stats, methods=["GET"]),
+        ]
+    return routes
+
+
+async def health(request: Request) -> Response:
+    engine = _state(request).engine
+    if engine.healthy:
+        return JSONResponse({"status": "ok"})
+    reason = engine.broken_reason or "the engine is not running"
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    card = {
+        "id": state.served.names[0],
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "radixserve",
+        "max_model_len": state.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    job = parse_completion_request(await read_json(request), state.served)
+    return await _serve_job(request, job, CompletionResponder(job, state.texts))
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    job = parse_chat_request(await read_json(request), state.served)
+    return await _serve_job(request, job, ChatResponder(job, state.texts))
+
+
+async def generate(request: Request) -> Response:
+    state = _state(request)
+    job = native_api.parse_generate_request(await read_json(request), state.options.max_prompts)
+    group = await state.engine.submit(job.inputs())
+    if job.stream:
+        return EventStream(native_api.stream_results(group), on_close=group.abort)
+    outputs = await _results_unless_disconnected(request, group)
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED)
+    results = native_api.final_results(group, outputs)
+    return JSONResponse(results if job.batched else results[0])
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def flush_cache(request: Request) -> Response:
+    freed = await _state(request).engine.call(lambda engine: engine.flush_cache())
+    return JSONResponse({"freed_blocks": freed})
+
+
+async def debug_check_integrity(request: Request) -> Response:
+    def check(engine: Any) -> dict[str, Any]:
+        engine.check_integrity()
+        return engine.stats()
+
+    try:
+        stats = await _state(request).engine.call(check)
+    except AssertionError as exc:
+        raise server_error(f"integrity check failed: {exc}") from None
+    return JSONResponse({"ok": True, "stats": stats})
+
+
+async def debug_stats(request: Request) -> Response:
+    return JSONResponse(await _state(request).engine.call(lambda engine: engine.stats()))
+
+
+# ---- request plumbing --------------------------------------------------------------------
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON; 400 for a body that is empty, not UTF-8 or not JSON; 413 when too large."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+
+
+async def _serve_job(request: Request, job: Any, responder: CompletionResponder | ChatResponder) -> Response:
+    group = await _state(request).engine.submit(job.inputs())
+    if job.stream:
+        return EventStream(responder.chunks(group), on_close=group.abort)
+    outputs = await _results_unless_disconnected(request, group)
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(responder.body(outputs))
+
+
+async def _results_unless_disconnected(request: Request, group: RequestGroup) -> list | None:
+    """The group's final outputs, or None if the client went away first (the group is then
+    aborted). Raises the group's APIError (timeout, engine failure)."""
+    results = asyncio.ensure_future(group.results())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({results, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not results.done():
+            results.cancel()
+        group.abort()
+    if results.cancelled() or not results.done():
+        return None
+    return results.result()
+
+
+def _refuse_constant(name: str) -> Any:
+    raise bad_request(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _served_model(engine: Any, options: ServerOptions) -> ServedModel:
+    names = [options.served_model_name] if options.served_model_name else []
+    names.append(engine.model_name)
+    path = getattr(getattr(engine, "config", None), "model", None)
+    if path:
+        names += [str(path), os.path.basename(os.path.normpath(str(path)))]
+    unique = tuple(dict.fromkeys(names))
+    return ServedModel(unique, options.max_n, options.max_prompts)
+
+
+def _server_gauges(engine: AsyncEngine) -> dict[str, float]:
+    return {
+        "radixserve_server_requests_queued": engine.num_queued,
+        "radixserve_server_requests_in_flight": engine.num_in_flight,
+    }
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, type=kind, headers=exc.headers).response()
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return server_error(f"internal error: {type(exc).__name__}: {exc}").response()

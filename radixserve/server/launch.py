@@ -1,0 +1,69 @@
+"""`radixserve serve`: server flags, then the engine, the app and uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from radixserve.server.options import ServerOptions
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the HTTP server (the engine's are added by the CLI separately)."""
+    group = parser.add_argument_group("server options")
+    defaults = ServerOptions()
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    group.add_argument("--port", type=int, default=30000)
+    group.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    group.add_argument("--served-model-name", default=None, help="another name the model answers to")
+    group.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                       help="requests waiting for their first token before new ones get 503")
+    group.add_argument("--request-timeout", type=float, default=None, help="abort requests running longer (s)")
+    group.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples per request")
+    group.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
+                       help="seconds running requests may finish at shutdown before they are aborted")
+    group.add_argument("--enable-debug-endpoints", action="store_true",
+                       help="serve /debug/check_integrity and /debug/stats")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout,
+        max_n=args.max_n,
+        shutdown_grace_s=args.shutdown_grace,
+        served_model_name=args.served_model_name,
+        enable_debug_endpoints=args.enable_debug_endpoints,
+    )
+
+
+def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code."""
+    import uvicorn
+
+    from radixserve.engine import Engine
+    from radixserve.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = server_options(args)
+    engine = Engine(**engine_kwargs)
+    app = create_app(engine, options)
+    print(f"radixserve: serving {engine.model_name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(1, int(options.shutdown_grace_s)),
+        access_log=args.log_level == "debug",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,97 @@
+"""ServerMetrics: Prometheus metrics of one app, in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from radixserve.server.request_group import MemberTiming
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+# engine.stats() key -> (metric name, help); counters are cumulative in the engine
+_ENGINE_COUNTERS = {
+    "prompt_tokens": ("radixserve_prompt_tokens", "Prompt tokens admitted by the engine"),
+    "cached_prompt_tokens": ("radixserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+    "generated_tokens": ("radixserve_generated_tokens", "Tokens generated"),
+    "computed_tokens": ("radixserve_computed_tokens", "Tokens run through the model"),
+    "preemptions": ("radixserve_preemptions", "Requests preempted to free KV blocks"),
+    "evicted_blocks": ("radixserve_evicted_blocks", "KV blocks evicted from the prefix cache"),
+    "steps": ("radixserve_engine_steps", "Engine steps that ran the model"),
+}
+_ENGINE_GAUGES = {
+    "running": ("radixserve_requests_running", "Requests running in the engine"),
+    "waiting": ("radixserve_requests_waiting", "Requests waiting in the engine"),
+    "blocks_total": ("radixserve_kv_blocks_total", "KV blocks in the pool"),
+    "blocks_free": ("radixserve_kv_blocks_free", "KV blocks free"),
+    "blocks_cached": ("radixserve_kv_blocks_cached", "KV blocks held by the prefix cache"),
+    "blocks_evictable": ("radixserve_kv_blocks_evictable", "Cached KV blocks no request uses"),
+    "cache_nodes": ("radixserve_cache_nodes", "Nodes of the radix prefix cache"),
+}
+
+
+class ServerMetrics:
+    """HTTP and latency metrics observed by the server, plus the engine's own counters and
+    gauges read from `stats()` (the engine thread's latest snapshot) at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], server_gauges: Callable[[], dict[str, float]]):
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "radixserve_http_requests", "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"], registry=self.registry,
+        )
+        self.finished_requests = Counter(
+            "radixserve_requests_finished", "Engine requests finished, by reason", ["reason"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "radixserve_time_to_first_token_seconds", "From arrival to the first output token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "radixserve_time_per_output_token_seconds", "Mean time between output tokens of a request",
+            buckets=_TPOT_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "radixserve_e2e_request_latency_seconds", "From arrival to the last token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(stats, server_gauges))
+
+    def observe_http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_finished(self, timing: MemberTiming) -> None:
+        self.finished_requests.labels(reason=timing.finish_reason or "unknown").inc()
+        self.ttft.observe(timing.ttft_s)
+        self.e2e.observe(timing.e2e_s)
+        if timing.tpot_s is not None:
+            self.tpot.observe(timing.tpot_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]], server_gauges: Callable[[], dict[str, float]]):
+        self.stats = stats
+        self.server_gauges = server_gauges
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.stats()
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=stats[key])
+        for key, (name, doc) in _ENGINE_GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=stats[key])
+        if "blocks_total" in stats and "blocks_free" in stats:
+            used = stats["blocks_total"] - stats["blocks_free"]
+            yield GaugeMetricFamily("radixserve_kv_blocks_used", "KV blocks in use (requests or cache)", value=used)
+        for name, value in self.server_gauges().items():
+            yield GaugeMetricFamily(name, "server-side request gauge", value=value)

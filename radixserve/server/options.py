@@ -1,0 +1,27 @@
+"""ServerOptions: the HTTP server's own settings (the engine's are EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    max_queued_requests: int = 1024  # engine requests waiting for their first token; past it: 503
+    request_timeout_s: float | None = None  # abort a request running longer (504)
+    max_n: int = 16  # most samples per request (`n`)
+    max_prompts: int = 64  # most prompts in one /v1/completions or /generate batch
+    retry_after_s: int = 1  # Retry-After of a 503 when the queue is full
+    shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may finish
+    served_model_name: str | None = None  # another name the model answers to
+    enable_debug_endpoints: bool = False  # /debug/check_integrity and /debug/stats
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_n", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
