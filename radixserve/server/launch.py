@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -65,5 +66,15 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         access_log=args.log_level == "debug",
     )
     server = uvicorn.Server(config)
-    server.run()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+    # previous handler: make both end in KeyboardInterrupt, a clean exit after shutdown.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
     return 0 if server.started else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

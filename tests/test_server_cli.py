@@ -1,0 +1,80 @@
+"""`radixserve serve` as a real subprocess: flags, API key from the environment, SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from radixserve.server.launch import add_server_args, server_options
+
+pytestmark = pytest.mark.real_model
+
+
+def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args([])
+    assert args.host == "127.0.0.1" and args.port == 30000
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "from-env")
+    assert server_options(args).api_key == "from-env"
+    assert server_options(parser.parse_args(["--api-key", "flag"])).api_key == "flag"
+    monkeypatch.delenv("RADIXSERVE_API_KEY")
+    assert server_options(args).api_key is None
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT])
+def test_serve_subprocess_answers_and_stops_on_signal(real_model_dir, stop_signal):
+    port = _free_port()
+    env = dict(os.environ, RADIXSERVE_API_KEY="sekret")
+    command = [
+        sys.executable, "-m", "radixserve", "serve", "--model", str(real_model_dir), "--port", str(port),
+        "--num-kv-blocks", "256", "--log-level", "warning",
+    ]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, process)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=60)
+        out = client.chat.completions.create(
+            model=str(real_model_dir), messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+        )
+        assert out.model == "SmolLM2-135M-Instruct" and out.usage.completion_tokens <= 3
+        assert httpx.get(url + "/v1/models").status_code == 401
+        process.send_signal(stop_signal)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        output = process.stdout.read()
+    assert "serving SmolLM2-135M-Instruct" in output
+    assert "Traceback" not in output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited early:\n{process.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
