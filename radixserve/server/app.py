@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +138,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def generate(request: Request) -> Response:
     state = _state(request)
-    job = native_api.parse_generate_request(await read_json(request), state.options.max_prompts)
+    job = native_api.parse_generate_request(await read_json(request), state.served)
     group = await state.engine.submit(job.inputs())
     if job.stream:
         return EventStream(native_api.stream_results(group), on_close=group.abort)

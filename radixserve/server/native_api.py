@@ -1,7 +1,7 @@
 """POST /generate: the native endpoint (text or token ids in, text, ids and timings out).
 
 Body: {"text": str | [str], or "input_ids": [int] | [[int]], "sampling_params": {...},
-"stream": bool, "cache_salt": str}. `sampling_params` takes SamplingParams' fields (its
+"stream": bool, "cache_salt": str, "model": str (optional; checked when given)}. `sampling_params` takes SamplingParams' fields (its
 defaults apply, e.g. max_tokens 16). A list input is a batch answered with a list.
 Unknown fields, top-level or in sampling_params, are a 400.
 """
@@ -16,6 +16,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import bad_request
 from radixserve.server.fields import Fields
+from radixserve.server.openai_requests import ServedModel
 from radixserve.server.request_group import GenerationInput, RequestGroup
 
 KNOWN_FIELDS = ("text", "input_ids", "sampling_params", "stream", "cache_salt", "model")
@@ -33,14 +34,16 @@ class NativeJob:
         return [GenerationInput(p, self.params, self.cache_salt) for p in self.prompts]
 
 
-def parse_generate_request(body: Any, max_prompts: int) -> NativeJob:
+def parse_generate_request(body: Any, served: ServedModel) -> NativeJob:
     fields = Fields(body)
     unknown = sorted(set(fields.body) - set(KNOWN_FIELDS))
     if unknown:
         raise bad_request(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    if fields.has("model"):
+        served.check(fields)
     prompts, batched = _prompts(fields)
-    if len(prompts) > max_prompts:
-        raise bad_request(f"at most {max_prompts} prompts per request, got {len(prompts)}")
+    if len(prompts) > served.max_prompts:
+        raise bad_request(f"at most {served.max_prompts} prompts per request, got {len(prompts)}")
     params = _params(fields.object("sampling_params"))
     return NativeJob(prompts, params, fields.boolean("stream"), batched, fields.string("cache_salt"))
 

@@ -73,6 +73,7 @@ def parse_completion_request(body: Any, served: ServedModel) -> GenerationJob:
         raise bad_request("'suffix' is not supported", param="suffix")
     if fields.raw("logit_bias"):
         raise bad_request("'logit_bias' is not supported", param="logit_bias")
+    _check_ignored(fields)
     logprobs = fields.integer("logprobs", minimum=0, maximum=MAX_LOGPROBS)
     echo = fields.boolean("echo")
     n = _n(fields, served.max_n)
@@ -95,6 +96,7 @@ def parse_chat_request(body: Any, served: ServedModel) -> GenerationJob:
     model = served.check(fields)
     prompt = ChatPrompt(_messages(fields.raw("messages", required=True)))
     _refuse_unsupported_chat_fields(fields)
+    _check_ignored(fields)
     logprobs = _chat_logprobs(fields)
     n = _n(fields, served.max_n)
     max_tokens = fields.integer("max_completion_tokens", minimum=1)
@@ -221,6 +223,13 @@ def _seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [params] * n
     return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def _check_ignored(fields: Fields) -> None:
+    """Fields accepted and ignored, still checked for their type."""
+    fields.string("user")
+    fields.object("metadata")
+    fields.boolean("store")
 
 
 def _n(fields: Fields, max_n: int) -> int:
