@@ -65,6 +65,7 @@ class Engine:
         self._ids = itertools.count()
         self.generated_tokens = 0
         self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
+        self.last_step_timings = dict(self.timings)
 
     # ---- online API -------------------------------------------------------------
 
@@ -106,9 +107,9 @@ class Engine:
             self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
         ]
         t3 = time.perf_counter()
-        self.timings["schedule_s"] += t1 - t0
-        self.timings["model_s"] += t2 - t1
-        self.timings["postprocess_s"] += t3 - t2
+        self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
+        for name, value in self.last_step_timings.items():
+            self.timings[name] += value
         return outputs
 
     def abort(self, request_id: str) -> bool:

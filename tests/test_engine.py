@@ -244,3 +244,33 @@ def test_prompt_logprobs_match_transformers_and_reuse_the_cached_prefix(tiny_mod
     assert full.prompt_logprobs[0] is None and all(lp is not None for lp in full.prompt_logprobs[1:])
     assert full.cached_tokens == 0
     assert_all_free(engine)
+
+
+def test_allocation_evicts_cached_blocks_before_preempting(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    engine = small_engine(directory, num_kv_blocks=20, max_num_batched_tokens=64, chunked_prefill_size=64)
+    engine.generate(prompts_of([30, 30], seed=14), SamplingParams(max_tokens=8, **GREEDY))
+    assert engine.stats()["blocks_cached"] > 10  # the finished requests left their blocks cached
+    fresh = prompts_of([30, 25], seed=15)
+    outs = engine.generate(fresh, SamplingParams(max_tokens=8, **GREEDY))
+    stats = engine.stats()
+    assert stats["evicted_blocks"] > 0 and stats["preemptions"] == 0
+    for prompt, out in zip(fresh, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 8)
+    assert_all_free(engine)
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_model_dir):
+    directory = tiny_model_dir("llama")
+    engine = small_engine(directory, max_num_batched_tokens=64, chunked_prefill_size=64)
+    prompt = prompts_of([20], seed=16)[0]
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    runs = {}
+    for salt in ("tenant-a", "tenant-b", "tenant-a", None):
+        rid = engine.add_request(prompt, params, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id == rid:
+                    runs.setdefault(salt, []).append(out.cached_tokens)
+    assert runs == {"tenant-a": [0, 16], "tenant-b": [0], None: [0]}  # 16: whole blocks before the last token
+    assert_all_free(engine)

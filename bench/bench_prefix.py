@@ -1,0 +1,116 @@
+"""Prefix-sharing workloads: radixserve with the radix cache on, off, and transformers' static
+batching, in the same run.
+
+    python -m bench.bench_prefix [--workloads shared-prefix,few-shot,...] [--scale 1.0]
+                                 [--skip-hf] [--plot prefix.png] [--json prefix.json]
+
+For every workload it prints throughput, time to first token p50/p99, the measured cached
+prompt tokens beside what an unbounded cache could reuse (the ideal), and the ratios
+cache-on / cache-off and cache-on / static. The cache-on engine runs with the `lpm` policy
+for throughput; `dfs-weight` is also run for its hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+from bench.harness import ideal_cached_tokens, run_hf_static, run_radixserve
+from bench.report import plot_bars, print_header, print_table, ratio_line
+from bench.workloads import WORKLOADS
+
+DEFAULT_WORKLOADS = "shared-prefix,few-shot,multi-turn,agent-loop,no-sharing"
+TARGETS = {"shared-prefix": (3.0, 5.0), "few-shot": (3.0, 5.0)}  # x cache-off, x static
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of sessions (smoke: 0.25)")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-dfs", action="store_true", help="do not run the dfs-weight policy")
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from radixserve import Engine
+
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    summary = {}
+    hf_model = None
+    for name in names:
+        workload = _scaled(name, args.scale)
+        print_header(f"workload {name}", [workload.description, "greedy, EOS ignored, default model, float32 on CPU"])
+        results = []
+        engines = [("radixserve cache-on (lpm)", dict(schedule_policy="lpm"))]
+        if not args.skip_dfs:
+            engines.append(("radixserve cache-on (dfs)", dict(schedule_policy="dfs-weight")))
+        engines.append(("radixserve cache-off", dict(enable_prefix_cache=False)))
+        block_size = 16
+        for label, options in engines:
+            engine = Engine(**options)
+            block_size = engine.config.block_size
+            results.append(run_radixserve(engine, workload, label=label))
+            model_path = engine.loaded.path
+            del engine
+            gc.collect()
+        if not args.skip_hf:
+            hf_model = hf_model or _load_hf(model_path)
+            results.append(run_hf_static(hf_model, workload, args.hf_batch_size, hf_model.config.eos_token_id or 0,
+                                         label=f"transformers-static(bs={args.hf_batch_size})"))
+        ideal = ideal_cached_tokens(results[0], block_size)
+        print_table(results, ideal_cached=ideal)
+        on, off = results[0], next(r for r in results if "cache-off" in r.system)
+        want_off, want_static = TARGETS.get(name, (None, None))
+        if name == "no-sharing":
+            cost = 1 - on.generated_per_s / off.generated_per_s
+            print(f"no-sharing control: cache-on is {cost:+.1%} slower than cache-off (target within 3%)")
+        else:
+            print(ratio_line("cache-on / cache-off", on, off, want_off))
+        if not args.skip_hf:
+            print(ratio_line("cache-on / transformers-static", on, results[-1], want_static))
+        for r in results:
+            if r.cached_prompt_tokens is not None and ideal:
+                verdict = "meets" if r.cached_prompt_tokens >= 0.95 * ideal else "BELOW"
+                print(f"hit rate {r.system}: {r.cached_prompt_tokens / r.prompt_tokens:.1%} of prompt tokens, "
+                      f"{r.cached_prompt_tokens / ideal:.1%} of ideal (target >= 95%: {verdict})")
+        summary[name] = {"ideal_cached": ideal, "results": [r.__dict__ | {"records": None} for r in results]}
+    if args.plot:
+        systems = [r["system"] for r in next(iter(summary.values()))["results"]]
+        series = {s: [_gen_rate(summary[n], s) for n in summary] for s in systems}
+        plot_bars(args.plot, "generated tokens/s by workload", list(summary), series, "generated tokens / s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+def _scaled(name: str, scale: float):
+    factory = WORKLOADS[name]
+    if scale == 1.0:
+        return factory()
+    count = {"no-sharing": "num_prompts", "shared-prefix": "prompts_per_group", "few-shot": "questions",
+             "multi-turn": "conversations", "agent-loop": "agents"}[name]
+    defaults = factory.__defaults__
+    names = factory.__code__.co_varnames[: factory.__code__.co_argcount]
+    base = dict(zip(names, defaults))[count]
+    return factory(**{count: max(1, round(base * scale))})
+
+
+def _gen_rate(entry: dict, system: str) -> float:
+    for r in entry["results"]:
+        if r["system"] == system:
+            return r["generated_tokens"] / r["wall_s"]
+    return 0.0
+
+
+def _load_hf(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+if __name__ == "__main__":
+    main()

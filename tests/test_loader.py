@@ -1,0 +1,60 @@
+"""Model loading: directories, dtypes and clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from radixserve.model.loader import load_model
+
+
+def test_missing_and_malformed_models_give_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        load_model(str(tmp_path / "missing"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_model(str(empty))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
+        load_model(str(tmp_path))
+
+
+def test_directory_without_weights(tmp_path, tiny_model_dir):
+    config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                             ("float16", torch.float16), ("auto", torch.float32)])
+def test_dtypes(tiny_model_dir, dtype, expected):
+    loaded = load_model(str(tiny_model_dir("qwen2")), dtype=dtype, device="cpu")
+    assert loaded.model.embed_tokens.weight.dtype == expected
+    assert loaded.model.rotary.cos.dtype == torch.float32  # RoPE tables stay in float32
+    assert loaded.tokenizer is None and loaded.max_model_len == 256
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        load_model(str(tiny_model_dir("llama")), max_model_len=1000)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_gguf_file_loads_through_its_converted_copy(tmp_path, real_engine):
+    from radixserve import Engine, SamplingParams
+    from radixserve.model.default_model import default_gguf_path
+
+    engine = Engine(str(default_gguf_path()), model_cache_dir=str(tmp_path))
+    assert any(p.name.startswith("SmolLM2-135M-Instruct.Q4_1-") for p in (tmp_path / "models").iterdir())
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = "Paris is the capital of"
+    assert engine.generate(prompt, params)[0].token_ids == real_engine.generate(prompt, params)[0].token_ids

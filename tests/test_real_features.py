@@ -1,0 +1,67 @@
+"""Stop strings, the CLI and text prompts on the real model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from radixserve import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(real_engine):
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": "Count from one to ten in words."}])
+    free = real_engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    words = free.text.split()
+    assert len(words) > 3
+    stop = words[2]
+    out = real_engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
+    cut = free.text.index(stop)
+    assert out.text == free.text[:cut]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < len(free.token_ids)
+    kept = real_engine.generate(
+        [prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop], include_stop_str_in_output=True)
+    )[0]
+    assert kept.text == free.text[: cut + len(stop)]
+
+
+def test_text_prompts_tokenize_like_the_tokenizer(real_engine):
+    text = "The three primary colours are"
+    by_text = real_engine.generate(text, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    by_ids = real_engine.generate([real_engine.tokenizer.encode(text)], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt == text
+
+
+def test_streamed_text_never_shows_a_partial_stop_string(real_engine):
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": "Write the alphabet."}])
+    rid = real_engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=["ZZZZ"]))
+    texts = []
+    while real_engine.has_unfinished_requests():
+        texts += [o.text for o in real_engine.step() if o.request_id == rid]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert all(len(t) <= len(texts[-1]) for t in texts)
+
+
+def test_cli_generate_prints_the_chat_completion(real_engine, real_model_dir):
+    question = "What is the capital of Italy?"
+    prompt = real_engine.apply_chat_template([{"role": "user", "content": question}])
+    expected = real_engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    run = subprocess.run(
+        [sys.executable, "-m", "radixserve", "generate", question, "--max-tokens", "12", "--model", str(real_model_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected + "\n"
+
+
+def test_cli_reports_a_missing_model_in_one_line(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "radixserve", "generate", "hi", "--model", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "not found" in run.stderr
