@@ -4,6 +4,8 @@ greedy text equals the in-process engine's, streaming and not, n > 1, logprobs, 
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,3 +295,18 @@ def test_flush_cache(served):
     assert freed > 0
     stats = httpx.get(served.url + "/debug/stats").json()
     assert stats["blocks_cached"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+
+
+def test_engine_thread_sleeps_when_idle(served):
+    served.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    thread_id = served.app.state.server.engine.native_thread_id
+    before = _cpu_ticks(thread_id)
+    time.sleep(1.0)
+    assert _cpu_ticks(thread_id) - before <= 2  # clock ticks (1/100 s): no busy waiting
+
+
+def _cpu_ticks(thread_id: int) -> int:
+    """User + system CPU time of one thread of this process, in clock ticks."""
+    with open(f"/proc/self/task/{thread_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])

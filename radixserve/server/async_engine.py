@@ -93,6 +93,11 @@ class AsyncEngine:
         return self.broken_reason is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def native_thread_id(self) -> int | None:
+        """The engine thread's OS id (to read its CPU time in /proc), None before start."""
+        return self._thread.native_id if self._thread is not None else None
+
+    @property
     def num_queued(self) -> int:
         """Members submitted whose first output has not come yet."""
         return sum(g.num_not_started for g in self._groups.values())
