@@ -222,6 +222,24 @@ def test_engine_step_failure_fails_requests_and_loop_survives(engine, monkeypatc
         assert httpx.post(server.url + "/debug/check_integrity", timeout=60).json()["ok"]
 
 
+def test_unexpected_error_while_queueing_is_a_500_and_the_loop_survives(engine, monkeypatch):
+    real_add = engine.add_request
+    calls = {"n": 0}
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected add failure")
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", failing_once)
+    with BackgroundServer(create_app(engine, ServerOptions(enable_debug_endpoints=True))) as server:
+        failed = httpx.post(server.url + C, json=completion(n=2), timeout=60)
+        assert failed.status_code == 500 and "injected add failure" in failed.json()["error"]["message"]
+        assert httpx.post(server.url + C, json=completion(n=2), timeout=60).status_code == 200
+        assert httpx.post(server.url + "/debug/check_integrity", timeout=60).json()["ok"]
+
+
 def test_inconsistent_engine_is_marked_broken(engine, monkeypatch):
     def broken_step():
         raise RuntimeError("injected step failure")

@@ -191,10 +191,17 @@ class AsyncEngine:
             group.push(index, output)
             if output.finished:
                 self._routes.pop(output.request_id, None)
-                if self.on_finished is not None and output.finish_reason != "abort":
-                    self.on_finished(group.timing(index))
+                self._observe_finished(group, index, output)
                 if group.finished:
                     self._groups.pop(group.group_id, None)
+
+    def _observe_finished(self, group: RequestGroup, index: int, output: RequestOutput) -> None:
+        if self.on_finished is None or output.finish_reason == "abort":
+            return
+        try:
+            self.on_finished(group.timing(index))
+        except Exception:
+            log.exception("on_finished hook failed")
 
     def _accept(self, group: RequestGroup) -> None:
         group.accept()
@@ -230,16 +237,15 @@ class AsyncEngine:
             pass
 
     def _engine_loop(self) -> None:
+        clean_exit = False
         try:
             while not self._stop_requested:
-                self._drain_inbox()
-                if self._stop_requested:
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                else:
-                    self._wake.wait()
-                    self._wake.clear()
+                try:
+                    self._iterate()
+                except Exception as exc:
+                    log.exception("engine loop failed; failing the requests in flight")
+                    self._recover(exc)
+            clean_exit = True
         finally:
             self._stop_requested = True
             self._drain_inbox()
@@ -247,6 +253,18 @@ class AsyncEngine:
                 self._abort_everything()
             except Exception:
                 log.exception("aborting the remaining requests at shutdown failed")
+            if not clean_exit:
+                self._to_loop(self._mark_broken, "the engine thread exited unexpectedly")
+
+    def _iterate(self) -> None:
+        self._drain_inbox()
+        if self._stop_requested:
+            return
+        if self.engine.has_unfinished_requests():
+            self._step()
+        else:
+            self._wake.wait()
+            self._wake.clear()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -261,18 +279,13 @@ class AsyncEngine:
                 self._recover(exc)
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed; failing the requests in flight")
-            self._recover(exc)
-            return
+        outputs = self.engine.step()
         for output in outputs:
             if output.finished:
                 self._active_ids.discard(output.request_id)
-        self.latest_stats = self.engine.stats()
         if outputs:
             self._to_loop(self._deliver, outputs)
+        self.latest_stats = self.engine.stats()
 
     def _recover(self, exc: Exception) -> None:
         failed = sorted(self._active_ids)
