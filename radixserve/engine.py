@@ -15,6 +15,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
 from radixserve.block_pool import BlockPool
 from radixserve.config import EngineConfig
+from radixserve.constrained import GrammarFactory
 from radixserve.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
@@ -60,6 +61,7 @@ class Engine:
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids,
         )
+        self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -230,7 +232,9 @@ class Engine:
             )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        return Request(request_id, token_ids, params, total, cache_salt, prompt=text)
+        request = Request(request_id, token_ids, params, total, cache_salt, prompt=text)
+        request.grammar = self.grammars.matcher(params)
+        return request
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -259,6 +263,8 @@ class Engine:
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
             request.output_text += detok.add(token)
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            raise RuntimeError(f"sampled token {token} violates the constraint of {request.request_id}")
         reason, stop = self._stop_check(request, token)
         if reason is not None:
             self.scheduler.finish(request, reason, stop)
@@ -279,6 +285,8 @@ class Engine:
                 hit = self._find_stop_string(request)
                 if hit is not None:
                     return "stop", hit
+        if request.grammar is not None and request.grammar.is_terminated():
+            return "stop", None
         if request.num_tokens >= request.max_total_tokens:
             return "length", None
         return None, None

@@ -46,6 +46,7 @@ class Request:
         self.num_computed_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_node: Any = None
+        self.grammar: Any = None  # an xgrammar matcher when the request is constrained
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.logprobs: list[Any] = []
         # prompt_logprobs[j]: logprob of prompt token j given tokens [0, j) once computed

@@ -121,6 +121,7 @@ class ModelRunner:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             stop_token_ids=stop_ids + params.stop_token_ids,
+            grammar=request.grammar,
         )
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -9,6 +9,7 @@ on whether it was preempted and recomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_token_ids: list[int]  # ids masked while fewer than min_tokens were generated
+    grammar: Any = None  # an xgrammar matcher that masks what the constraint forbids
 
 
 class Sampler:
@@ -37,6 +39,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = _apply_grammars(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
         tokens = logits.argmax(dim=-1)
@@ -126,6 +129,17 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist()))
             out.append(TokenLogprob(tokens[i], chosen, top))
         return out
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    from radixserve.constrained import apply_grammar_masks
+
+    logits = logits.clone()
+    apply_grammar_masks(logits, constrained)
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -19,6 +19,10 @@ class SamplingParams:
     `prompt_logprobs=k` does the same for the prompt tokens from index
     `prompt_logprobs_start` on (index 0 has none); tokens before that index may still come
     from the prefix cache, the ones after it are computed.
+
+    At most one constraint: `regex`, `json_schema` (a dict or a JSON string), `json_object`
+    (any JSON value) or `choices` (one of the given strings). The output then always
+    matches it (unless max_tokens cuts it short).
     """
 
     max_tokens: int | None = 16
@@ -39,6 +43,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    regex: str | None = None
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    choices: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +79,10 @@ class SamplingParams:
         )
 
     @property
+    def constrained(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.json_object or self.choices is not None
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
@@ -101,9 +113,26 @@ class SamplingParams:
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
         _require_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=0)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        self._validate_constraint()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+    def _validate_constraint(self) -> None:
+        given = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) > 1:
+            raise ValueError(f"at most one of regex, json_schema, json_object, choices; got {', '.join(given)}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise ValueError(f"json_schema must be a dict or a JSON string, got {type(self.json_schema).__name__}")
+        if self.choices is not None:
+            if not isinstance(self.choices, list) or not self.choices:
+                raise ValueError("choices must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("choices must be non-empty strings")
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
