@@ -223,8 +223,10 @@ class Engine:
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens"
             )
-        total = self.max_model_len if params.max_tokens is None else n + params.max_tokens
-        blocks = -(-total // self.config.block_size)
+        capacity = self.pool.num_blocks * self.config.block_size
+        # No max_tokens: generate up to the context, or to what the whole pool can hold.
+        total = min(self.max_model_len, capacity) if params.max_tokens is None else n + params.max_tokens
+        blocks = -(-max(total, n + 1) // self.config.block_size)
         if blocks > self.pool.num_blocks:
             raise ValueError(
                 f"prompt plus max_tokens needs {blocks} KV blocks of {self.config.block_size} tokens; "

@@ -274,3 +274,12 @@ def test_cache_salt_keeps_tenants_apart(tiny_model_dir):
                     runs.setdefault(salt, []).append(out.cached_tokens)
     assert runs == {"tenant-a": [0, 16], "tenant-b": [0], None: [0]}  # 16: whole blocks before the last token
     assert_all_free(engine)
+
+
+def test_no_max_tokens_generates_up_to_what_the_pool_holds(tiny_model_dir):
+    engine = small_engine(tiny_model_dir("llama"), num_kv_blocks=10)  # 40 tokens, context 256
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=None, **GREEDY))[0]
+    assert len(out.token_ids) == 37 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request([1] * 40, SamplingParams(max_tokens=None))
+    assert_all_free(engine)

@@ -231,6 +231,32 @@ def test_sampling_options_are_accepted(served):
     assert 1 <= out.usage.completion_tokens <= 4
 
 
+def test_chat_response_format_json_schema_validates(served):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 1000}},
+              "required": ["answer"], "additionalProperties": False}
+    out = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=32, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    anything = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=32, temperature=0.8, seed=3,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_generate_native_regex(served):
+    import re
+
+    body = {"text": "My phone number is", "sampling_params": {"max_tokens": 20, "temperature": 0.0,
+                                                               "regex": r"\d{3}-\d{4}"}}
+    out = httpx.post(served.url + "/generate", json=body, timeout=120).json()
+    assert re.fullmatch(r"\d{3}-\d{4}", out["text"])
+
+
 def test_generate_native(served):
     prompt = PROMPTS[0]
     want = served.expected[prompt]

@@ -18,6 +18,7 @@ from radixserve.server.fields import Fields
 from radixserve.server.request_group import ChatPrompt, GenerationInput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 64
 MAX_STOP_STRINGS = 16
 
 Prompt = str | list[int] | ChatPrompt
@@ -102,7 +103,7 @@ def parse_chat_request(body: Any, served: ServedModel) -> GenerationJob:
     max_tokens = fields.integer("max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", minimum=1)
-    params = _sampling_params(fields, max_tokens, logprobs)
+    params = _sampling_params(fields, max_tokens, logprobs, **_response_format(fields))
     stream, include_usage = _stream(fields)
     return GenerationJob(
         model, [prompt], _seeded(params, n), n, stream, include_usage, False, logprobs, _cache_salt(fields)
@@ -191,7 +192,7 @@ def _text_part(part: Any, where: str) -> str:
 # ---- sampling -------------------------------------------------------------------------------
 
 
-def _sampling_params(fields: Fields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(fields: Fields, max_tokens: int | None, logprobs: int | None, **constraint) -> SamplingParams:
     values = dict(
         max_tokens=max_tokens,
         temperature=fields.number("temperature", 1.0, minimum=0.0, maximum=2.0),
@@ -210,7 +211,10 @@ def _sampling_params(fields: Fields, max_tokens: int | None, logprobs: int | Non
         stop_token_ids=fields.integers("stop_token_ids"),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         include_stop_str_in_output=fields.boolean("include_stop_str_in_output"),
+        regex=fields.string("regex"),
+        choices=fields.strings("choices", MAX_CHOICES) or None,
     )
+    values.update(constraint)
     try:
         return SamplingParams(**values)
     except ValueError as exc:
@@ -257,17 +261,27 @@ def _chat_logprobs(fields: Fields) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _refuse_unsupported_chat_fields(fields: Fields) -> None:
+def _response_format(fields: Fields) -> dict[str, Any]:
+    """OpenAI's response_format as a constraint: {"type": "text" | "json_object" | "json_schema",
+    "json_schema": {"name", "schema", "strict"}}."""
     response_format = fields.object("response_format")
-    if response_format is not None:
-        kind = response_format.string("type", required=True)
-        if kind in ("json_object", "json_schema"):
-            raise bad_request(
-                f"response_format '{kind}' is not supported yet: this server has no constrained decoding",
-                param="response_format",
-            )
-        if kind != "text":
-            raise bad_request(f"unknown response_format type '{kind}'", param="response_format")
+    if response_format is None:
+        return {}
+    kind = response_format.string("type", required=True)
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.object("json_schema")
+        if spec is None:
+            raise bad_request("response_format 'json_schema' needs a 'json_schema' object", param="response_format")
+        schema = spec.object("schema")
+        return {"json_schema": schema.body if schema is not None else {}}
+    raise bad_request(f"unknown response_format type '{kind}'", param="response_format")
+
+
+def _refuse_unsupported_chat_fields(fields: Fields) -> None:
     tools = fields.raw("tools")
     if tools is not None and (not isinstance(tools, list) or tools):
         raise bad_request("'tools' (function calling) is not supported by this server", param="tools")
