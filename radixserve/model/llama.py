@@ -44,6 +44,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bit for bit the computation below in float32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,10 +69,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every token's position, [T, 1, head_dim], once per step for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 class Attention(nn.Module):
@@ -86,7 +92,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
-    def forward(self, x, positions, rotary, backend: AttentionBackend, pool: KVPool, meta: AttentionMetadata):
+    def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -94,7 +100,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         k_cache, v_cache = pool.layer(self.layer_index)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -120,8 +126,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, rotary, backend, pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, pool, meta)
+    def forward(self, x, rope, backend, pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -147,8 +153,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the step's tokens; return logits [len(logits_indices), vocab] in float32."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend, pool, meta)
+            x = layer(x, rope, backend, pool, meta)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, weight).float().contiguous()
