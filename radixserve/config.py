@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     schedule_policy: str = "lpm"
     starvation_steps: int = 64  # a waiting request passed over this many steps goes first
-    policy_fcfs_threshold: int = 1024  # longer waiting queues are served fcfs (sorting costs more)
+    policy_fcfs_threshold: int = 256  # longer waiting queues are served fcfs (sorting costs more)
     seed: int = 0  # seeds the sampler of requests that set no seed of their own
     model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
     num_threads: int | None = None  # torch CPU threads; None: torch's default
