@@ -4,6 +4,10 @@ Body: {"text": str | [str], or "input_ids": [int] | [[int]], "sampling_params": 
 "stream": bool, "cache_salt": str, "model": str (optional; checked when given)}. `sampling_params` takes SamplingParams' fields (its
 defaults apply, e.g. max_tokens 16). A list input is a batch answered with a list.
 Unknown fields, top-level or in sampling_params, are a 400.
+
+meta_info carries "output_token_logprobs" ([logprob, token_id] per generated token) when
+`logprobs` is set, and "input_token_logprobs" ([logprob or null, token_id] per prompt
+token, null before `prompt_logprobs_start` and at index 0) when `prompt_logprobs` is set.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ def result(output: RequestOutput, ttft_s: float | None, e2e_s: float | None) -> 
     }
     if output.logprobs is not None:
         meta["output_token_logprobs"] = [[e.logprob, e.token_id] for e in output.logprobs]
+    if output.prompt_logprobs is not None:
+        meta["input_token_logprobs"] = [
+            [e.logprob if e is not None else None, token_id]
+            for e, token_id in zip(output.prompt_logprobs, output.prompt_token_ids)
+        ]
     return {"text": output.text, "output_ids": output.token_ids, "meta_info": meta}
 
 
