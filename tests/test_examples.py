@@ -1,0 +1,43 @@
+"""Every example in examples/agents/ runs to the end with a small token budget and prints
+its answer and the cache hit rate it achieved."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "agents"
+
+SMOKE_ARGS = {
+    "react_agent": ["--max-steps", "2", "--max-tokens", "40"],
+    "fewshot_classify": ["--limit", "3", "--max-tokens", "2"],
+    "tree_of_thought": ["--width", "2", "--depth", "1", "--keep", "1", "--max-tokens", "4"],
+    "shared_prompt_agents": ["--rounds", "1", "--max-tokens", "6"],
+}
+
+
+def test_every_example_has_a_smoke_test():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == sorted(SMOKE_ARGS)
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE_ARGS))
+def test_example_runs_and_reports_its_hit_rate(name, real_model_dir, capsys):
+    module = _load(EXAMPLES / f"{name}.py")
+    assert module.main(["--model", str(real_model_dir), *SMOKE_ARGS[name]]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^answer: ", out, re.MULTILINE), out
+    rate = re.search(r"^cache hit rate: (\d+\.\d)%", out, re.MULTILINE)
+    assert rate is not None, out
+    assert 0.0 <= float(rate.group(1)) <= 100.0
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
