@@ -34,8 +34,8 @@ TICKETS = ["I was charged twice for my order", "The app crashes when I open sett
 
 @pytest.fixture(scope="module")
 def both(real_engine):
-    """(runtime states, endpoint, endpoint server url): the runtime runs first, then the
-    same engine serves HTTP (only one thread may drive it at a time)."""
+    """(runtime states, endpoint, endpoint server url, the shut-down runtime): the runtime
+    runs first, then the same engine serves HTTP (only one thread may drive it at a time)."""
     runtime = rl.Runtime(engine=real_engine)
     try:
         runtime_states = triage.run_batch([{"ticket": t} for t in TICKETS], backend=runtime, temperature=0)
@@ -43,12 +43,12 @@ def both(real_engine):
         runtime.shutdown()
     app = create_app(real_engine, ServerOptions(api_key=API_KEY))
     with BackgroundServer(app) as server:
-        yield runtime_states, rl.Endpoint(server.url, api_key=API_KEY), server.url
+        yield runtime_states, rl.Endpoint(server.url, api_key=API_KEY), server.url, runtime
     real_engine.check_integrity()
 
 
 def test_same_greedy_result_on_runtime_and_endpoint(both):
-    runtime_states, endpoint, _ = both
+    runtime_states, endpoint, _, _ = both
     endpoint_states = triage.run_batch([{"ticket": t} for t in TICKETS], backend=endpoint, temperature=0)
     for on_runtime, on_endpoint in zip(runtime_states, endpoint_states):
         assert on_endpoint.text() == on_runtime.text()
@@ -59,7 +59,7 @@ def test_same_greedy_result_on_runtime_and_endpoint(both):
 
 
 def test_endpoint_streams_reports_stats_and_raises_value_error_on_400(both):
-    _, endpoint, _ = both
+    _, endpoint, _, _ = both
 
     @rl.function
     def story(s):
@@ -80,8 +80,18 @@ def test_endpoint_streams_reports_stats_and_raises_value_error_on_400(both):
 
 
 def test_endpoint_needs_the_api_key(both):
-    _, _, url = both
+    _, _, url, _ = both
     state = rl.ProgramState(rl.Endpoint(url, api_key="wrong", tokenizer=both[1].tokenizer))
     state += "Hello" + rl.gen("x", max_tokens=2)
     with pytest.raises(rl.EndpointError, match="401"):
+        state.sync()
+
+
+def test_a_shut_down_runtime_refuses_work(both):
+    runtime = both[3]
+    with pytest.raises(RuntimeError, match="shut down"):
+        runtime.stats()
+    state = rl.ProgramState(runtime)
+    state += "Hello" + rl.gen("x", max_tokens=2)
+    with pytest.raises(RuntimeError, match="shut down"):
         state.sync()

@@ -34,8 +34,8 @@ def gen(
 ) -> Gen:
     """Generate text at the end of the state and store it as variable `name`.
 
-    Options left out come from the program run's defaults (`fn.run(temperature=0)`), then
-    the engine's (max_tokens 128 here). `regex`, `json_schema` (a dict, a JSON string or a
+    Options left out come from the program run's defaults (`fn.run(temperature=0)`), else
+    max_tokens is 128 and the rest are SamplingParams' defaults. `regex`, `json_schema` (a dict, a JSON string or a
     pydantic model class) and `choices` constrain the output token by token: it always
     matches (unless max_tokens cuts it). Bad values raise ValueError here.
     """
