@@ -12,7 +12,7 @@ import radixserve.lang as rl
 from radixserve.lang.chat_template import ChatTemplate
 from radixserve.lang.choice_scoring import ScoreRequest, decide, score_requests
 from radixserve.lang.endpoint import _params_dict
-from radixserve.lang.expr import Gen, RoleBegin, RoleEnd, Select, Text, to_ops
+from radixserve.lang.expr import RoleBegin, RoleEnd, Select, Text, to_ops
 from radixserve.lang.interpreter import gen_params
 from radixserve.sampling_params import SamplingParams
 
@@ -190,9 +190,8 @@ def test_forked_branches_run_concurrently_and_join_gathers_their_variables():
         s += " done"
         return gathered
 
-    state = rl.ProgramState(backend)
-    gathered = branches(state)
-    assert gathered == {"leaf": [":", ":", ":"]}
+    state = branches.run(backend=backend)
+    assert state.ret_value == {"leaf": [":", ":", ":"]}
     assert state["leaf"] == [":", ":", ":"]
     assert state.text() == "Root. done"
     assert sorted(call[1] for call in backend.calls) == [f"Root. branch {i}:" for i in range(3)]

@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = rl.Endpoint(args.url) if args.url else rl.Runtime(args.model)
     try:
         before = backend.stats()
-        root = rl.ProgramState(backend, {"temperature": 0.8})
-        best = tree_of_thought(root, args.problem, args.width, args.depth, args.keep, args.max_tokens)
+        state = tree_of_thought.run(
+            args.problem, args.width, args.depth, args.keep, args.max_tokens, backend=backend, temperature=0.8
+        )
+        best = state.ret_value  # the program returns the state at the end of the best path
         best.sync()
         rate = rl.hit_rate(backend.stats(), before)
     finally:

@@ -63,10 +63,11 @@ class Program:
     ) -> ProgramState:
         """Run the program; returns its state once everything ran (with `stream=True`, as soon
         as the function returned: read `state.text_iter()` meanwhile). The sampling options
-        are defaults for the program's gens. Raises what the program raised."""
+        are defaults for the program's gens; the function's return value is `state.ret_value`.
+        Raises what the program raised."""
         defaults = _sampling_defaults(max_tokens, temperature, top_p, top_k, min_p, seed)
         state = ProgramState(resolve_backend(backend), defaults, stream=stream)
-        self.fn(state, *args, **kwargs)
+        state.ret_value = self.fn(state, *args, **kwargs)
         if not stream:
             state.sync()
         return state
@@ -110,7 +111,7 @@ class Program:
 
     def _run_into(self, state: ProgramState, kwargs: dict[str, Any]) -> None:
         try:
-            self.fn(state, **kwargs)
+            state.ret_value = self.fn(state, **kwargs)
             state.sync()
         except BaseException as exc:  # kept in the state, as run_batch promises
             state._fail(exc)

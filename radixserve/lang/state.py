@@ -42,6 +42,7 @@ class ProgramState:
         self.backend = backend
         self.defaults = dict(defaults or {})  # sampling options for gens that do not set them
         self.streaming = stream  # gens hand their text to text_iter as it decodes
+        self.ret_value: Any = None  # what the program function returned (set by run / run_batch)
         self._cond = threading.Condition()
         self._executor = SerialExecutor(self._cond, f"radixserve-program-{next(_state_ids)}")
         self._stream = TextStream(self._cond)
