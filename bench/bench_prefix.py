@@ -7,7 +7,8 @@ batching, in the same run.
 For every workload it prints throughput, time to first token p50/p99, the measured cached
 prompt tokens beside what an unbounded cache could reuse (the ideal), and the ratios
 cache-on / cache-off and cache-on / static. The cache-on engine runs with the `lpm` policy
-for throughput; `dfs-weight` is also run for its hit rate.
+for throughput; `dfs-weight` is also run for its hit rate. Run-to-run noise on a shared
+2-core machine is about 10%: `--repeats 3` keeps the best of three interleaved runs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-dfs", action="store_true", help="do not run the dfs-weight policy")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each radixserve configuration this many times (interleaved) and keep the best")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -43,19 +46,21 @@ def main() -> None:
     for name in names:
         workload = _scaled(name, args.scale)
         print_header(f"workload {name}", [workload.description, "greedy, EOS ignored, default model, float32 on CPU"])
-        results = []
         engines = [("radixserve cache-on (lpm)", dict(schedule_policy="lpm"))]
         if not args.skip_dfs:
             engines.append(("radixserve cache-on (dfs)", dict(schedule_policy="dfs-weight")))
         engines.append(("radixserve cache-off", dict(enable_prefix_cache=False)))
         block_size = 16
-        for label, options in engines:
-            engine = Engine(**options)
-            block_size = engine.config.block_size
-            results.append(run_radixserve(engine, workload, label=label))
-            model_path = engine.loaded.path
-            del engine
-            gc.collect()
+        runs: dict[str, list] = {label: [] for label, _ in engines}
+        for _ in range(args.repeats):  # interleaved, so drift on the machine hits every system alike
+            for label, options in engines:
+                engine = Engine(**options)
+                block_size = engine.config.block_size
+                runs[label].append(run_radixserve(engine, workload, label=label))
+                model_path = engine.loaded.path
+                del engine
+                gc.collect()
+        results = [min(r, key=lambda x: x.wall_s) for r in runs.values()]
         if not args.skip_hf:
             hf_model = hf_model or _load_hf(model_path)
             results.append(run_hf_static(hf_model, workload, args.hf_batch_size, hf_model.config.eos_token_id or 0,
@@ -65,8 +70,10 @@ def main() -> None:
         on, off = results[0], next(r for r in results if "cache-off" in r.system)
         want_off, want_static = TARGETS.get(name, (None, None))
         if name == "no-sharing":
-            cost = 1 - on.generated_per_s / off.generated_per_s
-            print(f"no-sharing control: cache-on is {cost:+.1%} slower than cache-off (target within 3%)")
+            share = on.generated_per_s / off.generated_per_s
+            verdict = "meets" if share >= 0.97 else "BELOW"
+            print(f"no-sharing control: cache-on throughput is {share:.1%} of cache-off "
+                  f"(best of {args.repeats} runs each; target >= 97%: {verdict})")
         else:
             print(ratio_line("cache-on / cache-off", on, off, want_off))
         if not args.skip_hf:

@@ -27,9 +27,11 @@ def print_table(results: list[RunResult], ideal_cached: int | None = None) -> No
         if ideal_cached is not None:
             if r.cached_prompt_tokens is None:
                 line += f"{'-':>9}{ideal_cached:>9}{'-':>10}"
-            else:
-                share = r.cached_prompt_tokens / ideal_cached if ideal_cached else float("nan")
+            elif ideal_cached:
+                share = r.cached_prompt_tokens / ideal_cached
                 line += f"{r.cached_prompt_tokens:>9}{ideal_cached:>9}{share:>9.1%} "
+            else:
+                line += f"{r.cached_prompt_tokens:>9}{ideal_cached:>9}{'-':>10}"
         print(line)
 
 
