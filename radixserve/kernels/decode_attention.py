@@ -28,6 +28,7 @@ from radixserve.kernels import (
     dot_precision,
     next_power_of_2,
 )
+from radixserve.kernels.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 _MIN_TILES_PER_SPLIT = 4
@@ -76,26 +77,17 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k_rows = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
-        k = tl.load(k_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        k = load_paged_rows(
+            k_cache_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch, BLOCK_SIZE
+        )
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
-        v = tl.load(v_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        p = p.to(v.dtype)
-        if DOT_IN_FP32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        v = load_paged_rows(
+            v_cache_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE
+        )
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
     # An empty split has l_i == 0 and acc == 0: write a zero output with weight exp2(-inf) = 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -25,6 +25,7 @@ from radixserve.kernels import (
     dot_precision,
 )
 from radixserve.kernels.decode_attention import gather_context
+from radixserve.kernels.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -69,27 +70,18 @@ def _extend_kernel(
     for tile in range(0, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k_rows = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_head * stride_kch
-        k = tl.load(k_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        k = load_paged_rows(
+            k_cache_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch, BLOCK_SIZE
+        )
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = (n[None, :] <= positions[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_head * stride_vch
-        v = tl.load(v_rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
-        p = p.to(v.dtype)
-        if DOT_IN_FP32:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        v = load_paged_rows(
+            v_cache_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE
+        )
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
     out = acc / l_i[:, None]
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]

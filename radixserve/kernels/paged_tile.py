@@ -1,0 +1,33 @@
+"""Device helpers shared by the paged attention kernels: load one tile of K or V rows
+through a block table, and fold one tile of scores into an online softmax."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_paged_rows(cache_ptr, table, n, n_mask, d, kv_head, stride_block, stride_slot, stride_head,
+                    BLOCK_SIZE: tl.constexpr):
+    """Rows [len(n), head_dim] of one KV head for context positions n (0 where masked),
+    each found at block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE."""
+    block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = cache_ptr + block * stride_block + (n % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """Fold scores s (log2 domain, -inf where masked) and their V rows into the running
+    max m_i, sum l_i and output acc (all fp32)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)
+    if DOT_IN_FP32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
