@@ -83,14 +83,6 @@ class Engine:
         self._register(request)
         return request.request_id
 
-    def _register(self, request: Request) -> None:
-        self._requests[request.request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
-            )
-        self.scheduler.add(request)
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
@@ -237,6 +229,14 @@ class Engine:
         request = Request(request_id, token_ids, params, total, cache_salt, prompt=text)
         request.grammar = self.grammars.matcher(params)
         return request
+
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
+            )
+        self.scheduler.add(request)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
