@@ -81,9 +81,8 @@ class ModelRunner:
             request, start, end = c.request, c.start, c.start + c.num_tokens
             table = request.block_table
             input_ids.extend(request.token_ids[start:end])
-            span = range(start, end)
-            positions.extend(span)
-            slots.extend([table[p // bs] * bs + p % bs for p in span])
+            positions.extend(range(start, end))
+            _extend_slots(slots, table, start, end, bs)
             query_start.append(query_start[-1] + c.num_tokens)
             seq_lens.append(end)
             if c.samples:
@@ -126,6 +125,17 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the pool slot of every position in [start, end): one range per block."""
+    pos = start
+    while pos < end:
+        index = pos // block_size
+        stop = min(end, (index + 1) * block_size)
+        shift = (table[index] - index) * block_size  # slot = position + shift within this block
+        slots.extend(range(pos + shift, stop + shift))
+        pos = stop
 
 
 def _prompt_logprob_rows(chunks: list[ScheduledChunk], query_start: list[int]):
