@@ -262,12 +262,13 @@ class Engine:
             request.first_token_time = time.monotonic()
         if logprob is not None:
             request.logprobs.append(logprob)
+        text_before = len(request.output_text)
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
             request.output_text += detok.add(token)
         if request.grammar is not None and not request.grammar.accept_token(token):
             raise RuntimeError(f"sampled token {token} violates the constraint of {request.request_id}")
-        reason, stop = self._stop_check(request, token)
+        reason, stop = self._stop_check(request, token, text_before)
         if reason is not None:
             self.scheduler.finish(request, reason, stop)
             output = self._output(request)
@@ -275,7 +276,7 @@ class Engine:
             return output
         return self._output(request)
 
-    def _stop_check(self, request: Request, token: int) -> tuple[str | None, str | int | None]:
+    def _stop_check(self, request: Request, token: int, text_before: int) -> tuple[str | None, str | int | None]:
         params = request.params
         n_out = request.num_output_tokens
         if n_out >= params.min_tokens:
@@ -284,7 +285,7 @@ class Engine:
             if token in params.stop_token_ids:
                 return "stop", token
             if params.stop:
-                hit = self._find_stop_string(request)
+                hit = self._find_stop_string(request, text_before)
                 if hit is not None:
                     return "stop", hit
         if request.grammar is not None and request.grammar.is_terminated():
@@ -293,10 +294,12 @@ class Engine:
             return "length", None
         return None, None
 
-    def _find_stop_string(self, request: Request) -> str | None:
+    def _find_stop_string(self, request: Request, text_before: int) -> str | None:
+        """The earliest stop string that ends in the text this token added; cuts the text there."""
         params = request.params
         text = request.output_text
-        window = text[max(0, len(text) - 64 - params.max_stop_len):]
+        offset = max(0, text_before - params.max_stop_len + 1)
+        window = text[offset:]
         best = None
         for stop in params.stop:
             i = window.find(stop)
@@ -304,7 +307,7 @@ class Engine:
                 best = (i, stop)
         if best is None:
             return None
-        cut = len(text) - len(window) + best[0]
+        cut = offset + best[0]
         request.output_text = text[: cut + len(best[1])] if params.include_stop_str_in_output else text[:cut]
         return best[1]
 
