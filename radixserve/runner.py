@@ -117,8 +117,8 @@ class ModelRunner:
         stop_ids = [] if params.ignore_eos else list(self.eos_token_ids)
         return SamplingRow(
             params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            token_ids=request.token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
             stop_token_ids=stop_ids + params.stop_token_ids,
             grammar=request.grammar,
         )

@@ -22,10 +22,18 @@ class SamplingRow:
     """What the sampler needs to know about one request."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt then output, the request's own list (not copied)
+    num_prompt_tokens: int
     stop_token_ids: list[int]  # ids masked while fewer than min_tokens were generated
     grammar: Any = None  # an xgrammar matcher that masks what the constraint forbids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class Sampler:
@@ -62,10 +70,10 @@ class Sampler:
             p = rows[i].params
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(rows[i].prompt_token_ids + rows[i].output_token_ids, device=row.device)
+                seen = torch.tensor(rows[i].token_ids, device=row.device)
                 values = row[seen]
                 row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-            if rows[i].output_token_ids and (p.frequency_penalty or p.presence_penalty):
+            if rows[i].num_output_tokens and (p.frequency_penalty or p.presence_penalty):
                 out = torch.tensor(rows[i].output_token_ids, device=row.device)
                 counts = torch.bincount(out, minlength=vocab).to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
@@ -73,7 +81,7 @@ class Sampler:
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rows_below = [
-            i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids
+            i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids
         ]
         if not rows_below:
             return logits
@@ -106,7 +114,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = torch.Generator(self.device)
-                g.manual_seed(_mix(r.params.seed, len(r.output_token_ids)))
+                g.manual_seed(_mix(r.params.seed, r.num_output_tokens))
                 noise[i].exponential_(generator=g)
         return noise
 

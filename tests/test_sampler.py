@@ -12,7 +12,7 @@ from radixserve.sampling_params import SamplingParams
 
 
 def row(prompt=(), output=(), stop=(), **params):
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), list(stop))
+    return SamplingRow(SamplingParams(**params), list(prompt) + list(output), len(prompt), list(stop))
 
 
 def sample_many(logits, n=2000, **params):
