@@ -5,16 +5,6 @@
     outs = engine.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0.0))
 """
 
-import os as _os
-import sys as _sys
-
-if "torch" not in _sys.modules:
-    # torch's OpenMP workers spin for a long while after each op by default; on a small CPU
-    # that spinning steals the cores from the C decode-attention threads that run between
-    # two torch ops (measured: decode steps 15% faster at a short spin). Set before torch
-    # loads libgomp; an explicit setting in the environment wins.
-    _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
 from radixserve.config import EngineConfig
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.sampling_params import SamplingParams

@@ -52,7 +52,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepResult:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
         that reaches its request's last token, and score prompt tokens where asked."""
-        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # single-token queries first
+        chunks = sorted(plan.chunks, key=_batch_order)
         input_ids, positions, meta, logits_indices, sampling = self._prepare(chunks)
         prompt_rows = _prompt_logprob_rows(chunks, meta.query_start_loc_list)
         if prompt_rows:
@@ -125,6 +125,13 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _batch_order(chunk: ScheduledChunk) -> tuple[bool, list[int]]:
+    """Single-token queries first, ordered by block table, so that requests sharing
+    prefix blocks are neighbours (decode attention reads a shared block once for them)."""
+    single = chunk.num_tokens == 1
+    return not single, chunk.request.block_table if single else []
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:

@@ -100,9 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
         if native is not None:
             meta = self._meta
             d = meta.num_decodes
-            return native(
-                q, k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], meta.seq_lens_list[:d], self.scale
-            )
+            return native(q, k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], self.scale)
         d, kv_heads, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
         rows = self._decode_index.numel()
         k_buf, v_buf = self._gather_buffers(rows, k_cache)

@@ -2,11 +2,17 @@
  * Paged decode attention on CPU: one query token per request, reading K and V straight
  * out of the block pool through each request's block table (no gather, no copy).
  *
- * Work unit: one request. Its context is walked token by token in the pool's own order,
- * so each K/V row (all KV heads of one token, contiguous) is read once, whole. Pass 1
- * computes every query head's scores, pass 2 turns them into softmax weights, pass 3
- * accumulates the weighted V rows. Query head h reads KV head h / (num_heads / num_kv_heads).
- * The caller splits the requests across threads.
+ * Requests are taken in groups: neighbours whose block tables start with the same
+ * physical blocks (prefix-cache hits on one system prompt, forks of one program) attend
+ * to those shared blocks together, so a shared block is read from memory once per group
+ * and then reused from L1 by every query head of every member. Each member then walks
+ * its own remaining blocks alone. The caller puts requests that share a prefix next to
+ * each other (the runner orders decodes by block table). Groups are spread over OpenMP
+ * threads; built against the libgomp that torch has loaded, they are torch's own workers.
+ *
+ * Softmax is online (flash-decoding style): every query row keeps its running max m,
+ * running sum l and an unnormalised output acc; each block of keys rescales them once.
+ * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
  * Layouts (float32, contiguous):
  *   q, out           [num_requests, num_heads, head_dim]
@@ -14,82 +20,237 @@
  *   block_tables     [num_requests, table_stride] int32
  *   seq_lens         [num_requests] int32 (context length, >= 1)
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MAX_GROUP 16 /* members per group: their running state stays in L2 */
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    return _mm_cvtss_f32(_mm_hadd_ps(lo, lo));
+#define VECTOR_PATH 1
+/* The 8 dot products of q with 8 key rows `stride` floats apart, as one vector. */
+static inline __m256 dot_8_keys(const float *q, const float *k, int64_t stride, int64_t head_dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + d), a7);
+    }
+    const __m256 lo4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 hi4 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
 }
 static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+/* acc = acc * alpha + sum_t p[t] * v[t], head_dim floats, v rows `stride` apart. Eight
+ * independent accumulators per pass keep the FMA units busy despite their latency. */
+static inline void accumulate(float *acc, float alpha, const float *p, const float *v, int64_t ntok,
+                              int64_t stride, int64_t head_dim) {
+    const __m256 a = _mm256_set1_ps(alpha);
+    int64_t d = 0;
+    for (; d + 64 <= head_dim; d += 64) {
+        __m256 o[8];
+        for (int i = 0; i < 8; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * i), a);
+        for (int64_t t = 0; t < ntok; ++t) {
+            const __m256 w = _mm256_set1_ps(p[t]);
+            const float *x = v + t * stride + d;
+            for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * i), o[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d + 8 * i, o[i]);
     }
-    float s = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
+    for (; d < head_dim; d += 8) {
+        __m256 even = _mm256_mul_ps(_mm256_loadu_ps(acc + d), a), odd = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 2 <= ntok; t += 2) {
+            even = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + d), even);
+            odd = _mm256_fmadd_ps(_mm256_set1_ps(p[t + 1]), _mm256_loadu_ps(v + (t + 1) * stride + d), odd);
+        }
+        if (t < ntok) even = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + d), even);
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(even, odd));
+    }
 }
 #else
+#define VECTOR_PATH 0
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
     for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
     return s;
 }
 #endif
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+
+static void accumulate_scalar(float *acc, float alpha, const float *p, const float *v, int64_t ntok,
+                              int64_t stride, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= alpha;
+    for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * v[t * stride + d];
 }
-static void attend_request(const float *q, const float *k_cache, const float *v_cache,
-                           const int32_t *table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, float *scores, float *out) {
-    const int64_t row = num_kv_heads * head_dim, group = num_heads / num_kv_heads;
-    for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *k = k_cache + slot * row;
-        for (int64_t h = 0; h < num_heads; ++h)
-            scores[h * len + t] = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
+
+/* One query row against ntok keys/values `stride` floats apart: fold them into the row's
+ * running (m, l, acc). s is scratch for ntok scores. */
+static void attend_keys(const float *q, const float *k, const float *v, int64_t ntok, int64_t stride,
+                        int64_t head_dim, float scale, float *m, float *l, float *acc, float *s) {
+    int64_t t = 0;
+#if VECTOR_PATH
+    const int vector = head_dim % 8 == 0;
+    if (vector)
+        for (; t + 8 <= ntok; t += 8)
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(dot_8_keys(q, k + t * stride, stride, head_dim), _mm256_set1_ps(scale)));
+#else
+    const int vector = 0;
+#endif
+    for (; t < ntok; ++t) {
+        const float *kt = k + t * stride;
+        float x = 0.0f;
+        if (vector) x = dot(q, kt, head_dim);
+        else
+            for (int64_t d = 0; d < head_dim; ++d) x += q[d] * kt[d];
+        s[t] = x * scale;
     }
-    float *inv = scores + num_heads * len;
-    for (int64_t h = 0; h < num_heads; ++h) {
-        float *s = scores + h * len, m = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
+    float top = *m;
+    for (t = 0; t < ntok; ++t) top = s[t] > top ? s[t] : top;
+    float sum = 0.0f;
+    for (t = 0; t < ntok; ++t) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    const float alpha = expf(*m - top); /* 0 on the first block, where *m is -FLT_MAX */
+    *l = *l * alpha + sum;
+    *m = top;
+#if VECTOR_PATH
+    if (vector) {
+        accumulate(acc, alpha, s, v, ntok, stride, head_dim);
+        return;
+    }
+#endif
+    accumulate_scalar(acc, alpha, s, v, ntok, stride, head_dim);
+}
+
+typedef struct {
+    const float *k_cache, *v_cache;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Shape;
+
+/* Fold block `block` (its first ntok tokens) into the state of every query row of the
+ * members [0, count) of a group; q_rows and state rows are [count, num_heads]. */
+static void attend_block(const Shape *sh, const float *q, int64_t count, int64_t block, int64_t ntok,
+                         float *m, float *l, float *acc, float *s) {
+    const int64_t row = sh->num_kv_heads * sh->head_dim, group = sh->num_heads / sh->num_kv_heads;
+    const float *k = sh->k_cache + block * sh->block_size * row, *v = sh->v_cache + block * sh->block_size * row;
+    for (int64_t j = 0; j < sh->num_kv_heads; ++j)
+        for (int64_t r = 0; r < count; ++r)
+            for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+                const int64_t i = r * sh->num_heads + h;
+                attend_keys(q + i * sh->head_dim, k + j * sh->head_dim, v + j * sh->head_dim, ntok, row,
+                            sh->head_dim, sh->scale, m + i, l + i, acc + i * sh->head_dim, s);
+            }
+}
+
+/* How many leading blocks requests [first, last) all hold, whole and identical. */
+static int64_t shared_blocks(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int64_t first,
+                             int64_t last, int64_t block_size) {
+    int64_t n = seq_lens[first] / block_size;
+    for (int64_t r = first + 1; r < last && n > 0; ++r) {
+        const int64_t full = seq_lens[r] / block_size;
+        n = full < n ? full : n;
+        int64_t b = 0;
+        while (b < n && tables[first * stride + b] == tables[r * stride + b]) ++b;
+        n = b;
+    }
+    return n;
+}
+
+/* The members of the group that starts at `first`: up to `cap` neighbours sharing its first block. */
+static int64_t group_end(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int64_t first,
+                         int64_t end, int64_t block_size, int64_t cap) {
+    int64_t last = first + 1;
+    while (last < end && last - first < cap && seq_lens[last] >= block_size &&
+           seq_lens[first] >= block_size && tables[last * stride] == tables[first * stride])
+        ++last;
+    return last;
+}
+
+static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
+                         const int32_t *seq_lens, int64_t first, int64_t last, float *out, float *m,
+                         float *l, float *acc, float *s) {
+    const int64_t count = last - first, rows = count * sh->num_heads, bs = sh->block_size;
+    const int64_t shared = count > 1 ? shared_blocks(tables, stride, seq_lens, first, last, bs) : 0;
+    for (int64_t i = 0; i < rows; ++i) m[i] = -FLT_MAX, l[i] = 0.0f;
+    for (int64_t i = 0; i < rows * sh->head_dim; ++i) acc[i] = 0.0f;
+    const float *q_group = q + first * sh->num_heads * sh->head_dim;
+    for (int64_t b = 0; b < shared; ++b) attend_block(sh, q_group, count, tables[first * stride + b], bs, m, l, acc, s);
+    for (int64_t r = 0; r < count; ++r) {
+        const int64_t len = seq_lens[first + r], i = r * sh->num_heads;
+        for (int64_t b = shared; b * bs < len; ++b) {
+            const int64_t ntok = len - b * bs < bs ? len - b * bs : bs;
+            attend_block(sh, q_group + i * sh->head_dim, 1, tables[(first + r) * stride + b], ntok, m + i, l + i,
+                         acc + i * sh->head_dim, s);
         }
-        inv[h] = 1.0f / sum;
     }
-    memset(out, 0, sizeof(float) * num_heads * head_dim);
-    for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float *v = v_cache + slot * row;
-        for (int64_t h = 0; h < num_heads; ++h)
-            axpy(out + h * head_dim, scores[h * len + t], v + (h / group) * head_dim, head_dim);
-    }
-    for (int64_t h = 0; h < num_heads; ++h)
-        for (int64_t i = 0; i < head_dim; ++i) out[h * head_dim + i] *= inv[h];
+    float *o = out + first * sh->num_heads * sh->head_dim;
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t d = 0; d < sh->head_dim; ++d) o[i * sh->head_dim + d] = acc[i * sh->head_dim + d] / l[i];
 }
-/* Attend for requests [begin, end); returns 0, or -1 when scratch memory cannot be had. */
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Attend for every request; returns 0, or -1 when scratch memory cannot be had. */
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t table_stride,
-                               const int32_t *seq_lens, float *out, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int64_t begin, int64_t end) {
-    int64_t longest = 1;
-    for (int64_t r = begin; r < end; ++r) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
-    float *scores = (float *)malloc(sizeof(float) * num_heads * (longest + 1));
-    if (!scores) return -1;
-    for (int64_t r = begin; r < end; ++r)
-        attend_request(q + r * num_heads * head_dim, k_cache, v_cache, block_tables + r * table_stride,
-                       seq_lens[r], num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                       out + r * num_heads * head_dim);
-    free(scores);
-    return 0;
+                               const int32_t *seq_lens, float *out, int64_t num_requests,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale) {
+    const Shape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale};
+    /* Small enough groups that every thread gets one, large enough to share a prefix. */
+    const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
+    const int64_t cap = per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (num_requests + 1));
+    if (!starts) return -1;
+    int64_t num_groups = 0;
+    for (int64_t first = 0; first < num_requests; ++num_groups) {
+        starts[num_groups] = first;
+        first = group_end(block_tables, table_stride, seq_lens, first, num_requests, block_size, cap);
+    }
+    starts[num_groups] = num_requests;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t rows = cap * num_heads;
+        float *scratch = (float *)malloc(sizeof(float) * (rows * (head_dim + 2) + block_size));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t g = 0; g < num_groups; ++g) {
+            if (!scratch) continue;
+            float *m = scratch, *l = m + rows, *acc = l + rows, *s = acc + rows * head_dim;
+            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, m, l, acc, s);
+        }
+        free(scratch);
+    }
+    free(starts);
+    return failed ? -1 : 0;
 }
