@@ -3,35 +3,21 @@
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
 in place through the block table, and reads a prefix that neighbouring requests share
-once for all of them. It is built on first use with the system C compiler into the model
-cache directory (a second or two) and called through ctypes. It is built with OpenMP,
-linked against the libgomp torch has already loaded, so its threads are torch's own
-workers (a second thread pool would fight torch's spinning workers for the cores).
-When no compiler is available, or RADIXSERVE_NATIVE_CPU=0, the torch backend keeps its
-pure-torch path.
+once for all of them. Built and loaded by native_build.py; without it the torch backend
+keeps its pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from radixserve.model.default_model import cache_root
-
-logger = logging.getLogger(__name__)
+from radixserve.native_build import build_native
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
-_OPENMP = ["-fopenmp"]  # dropped, with a warning, where the compiler has no OpenMP
 _I64, _F32 = ctypes.c_int64, ctypes.c_float
 _PTR = ctypes.c_void_p
 
@@ -67,44 +53,9 @@ class NativeDecodeAttention:
 
 @functools.cache
 def load_native_decode() -> NativeDecodeAttention | None:
-    """The compiled kernel, or None (logged) when it cannot be built here."""
-    if os.environ.get("RADIXSERVE_NATIVE_CPU", "1") == "0":
-        return None
-    try:
-        library = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as exc:
-        logger.warning("native CPU decode attention unavailable (%s); using pure torch", exc)
-        return None
-    return NativeDecodeAttention(library)
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, *_OPENMP]).encode() + os.uname().machine.encode())
-    target = cache_root() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        built = Path(work) / target.name
-        try:
-            _compile(compiler, _OPENMP, built)
-        except subprocess.CalledProcessError as exc:
-            logger.warning("building the C decode kernel with OpenMP failed (%s); it will use one thread",
-                           exc.stderr.strip()[:200])
-            _compile(compiler, [], built)
-        os.replace(built, target)
-    return target
-
-
-def _compile(compiler: str, extra: list[str], output: Path) -> None:
-    subprocess.run(
-        [compiler, *_FLAGS, *extra, str(_SOURCE), "-o", str(output), "-lm"],
-        check=True, capture_output=True, text=True,
-    )
+    """The compiled kernel, or None when it cannot be built here."""
+    library = build_native(_SOURCE)
+    return None if library is None else NativeDecodeAttention(library)
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:

@@ -12,7 +12,6 @@ cached prefix attends to its own fresh K/V without touching the pool.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.native_build import native_enabled
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_len = 0
         self._prefills: list[_Prefill] = []
         self._meta: AttentionMetadata | None = None
-        self.use_native = os.environ.get("RADIXSERVE_NATIVE_CPU", "1") != "0"
+        self.use_native = native_enabled()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta

@@ -16,6 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.model.native_linear import skinny_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -31,6 +32,9 @@ class Linear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = skinny_linear(x, weight, bias)  # decode-sized float32 batches on CPU
+    if out is not None:
+        return out
     if x.dim() != 2 or x.shape[0] > _SMALL_BATCH_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
