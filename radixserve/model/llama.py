@@ -16,7 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.model.native_linear import skinny_linear
+from radixserve.model.native_ops import rms_norm, rope_, skinny_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -48,8 +48,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = rms_norm(x, self.weight, self.eps)  # float32 rows on CPU, in C
+        if out is not None:
+            return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused op, bit for bit the computation below in float32.
+            # One op, bit for bit the computation below in float32.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -79,6 +82,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    if rope_(q, k, cos, sin):  # float32 on CPU: in place, in C
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -1,0 +1,47 @@
+/*
+ * RMSNorm and rotary embedding on CPU in float32, each one pass over the rows instead
+ * of the half-dozen tensor ops (and their dispatch) that torch needs for them. They
+ * follow transformers' formulas: RMSNorm as x * 1/sqrt(mean(x^2) + eps) * weight,
+ * rotary as x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; rows `ldx` and `ldo` floats apart. */
+void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t ldo, int64_t rows,
+                  int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * ldx;
+        float *o = out + r * ldo;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < dim; ++i) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* Rotate every head of one token in place: x [heads, head_dim], cos/sin [head_dim]. */
+static void rotate(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        float *a = x + h * head_dim, *b = a + half;
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = a[i], x2 = b[i];
+            a[i] = x1 * cos[i] - x2 * sin[i];
+            b[i] = x2 * cos[half + i] + x1 * sin[half + i];
+        }
+    }
+}
+
+/* Rotary embedding of q [tokens, q_heads, head_dim] and k [tokens, k_heads, head_dim] in
+ * place; token rows `ldq` / `ldk` floats apart, heads contiguous within a row;
+ * cos, sin [tokens, head_dim] contiguous. */
+void rope_f32(float *q, int64_t ldq, int64_t q_heads, float *k, int64_t ldk, int64_t k_heads,
+              const float *cos, const float *sin, int64_t tokens, int64_t head_dim) {
+#pragma omp parallel for schedule(static) if (tokens * (q_heads + k_heads) * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; ++t) {
+        rotate(q + t * ldq, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+        rotate(k + t * ldk, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+    }
+}

@@ -1,0 +1,130 @@
+"""The model's C kernels (skinny matmul, RMSNorm, rotary) against float64 or torch
+references, on every tile edge, and the cases they must hand back to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.model import native_ops
+from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
+from radixserve.model.native_ops import MAX_ROWS, rms_norm, rope_, skinny_linear
+
+needs_kernel = pytest.mark.skipif(native_ops._kernel() is None, reason="no C compiler here")
+needs_norm_rope = pytest.mark.skipif(native_ops._norm_kernel() is None, reason="no C compiler here")
+
+
+def _reference(x, weight, bias):
+    out = x.double() @ weight.double().t()
+    return (out if bias is None else out + bias.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 31, MAX_ROWS])
+@pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (7, 576), (48, 136)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_float64(rows, features, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + features * 10 + k)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(features, k, generator=gen)
+    bias = torch.randn(features, generator=gen) if with_bias else None
+    got = skinny_linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, features)
+    torch.testing.assert_close(got, _reference(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_skinny_linear_reads_strided_rows():
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(9, 96, generator=gen)
+    x = wide[:, 16:80]  # rows 96 floats apart
+    weight = torch.randn(10, 64, generator=gen)
+    torch.testing.assert_close(skinny_linear(x, weight, None), _reference(x, weight, None), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x, weight",
+    [
+        (torch.randn(MAX_ROWS + 1, 64), torch.randn(5, 64)),  # too many rows: the BLAS wins
+        (torch.randn(4, 60), torch.randn(5, 60)),  # K not a multiple of 8
+        (torch.randn(4, 64, dtype=torch.float64), torch.randn(5, 64, dtype=torch.float64)),
+        (torch.randn(4, 64), torch.randn(64, 5).t()),  # weight not contiguous
+        (torch.randn(64, 4).t(), torch.randn(5, 64)),  # x columns strided
+        (torch.randn(2, 4, 64), torch.randn(5, 64)),  # not a matrix
+    ],
+)
+def test_skinny_linear_declines_what_it_cannot_do(x, weight):
+    assert skinny_linear(x, weight, None) is None
+    torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_model_linear_uses_the_kernel_for_decode_batches(monkeypatch):
+    calls = []
+    real = native_ops.skinny_linear
+
+    def spy(x, weight, bias):
+        out = real(x, weight, bias)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("radixserve.model.llama.skinny_linear", spy)
+    x, weight, bias = torch.randn(4, 64), torch.randn(12, 64), torch.randn(12)
+    torch.testing.assert_close(linear(x, weight, bias), _reference(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert calls == [True]
+
+
+# ---- RMSNorm and rotary -------------------------------------------------------------
+
+
+@needs_norm_rope
+@pytest.mark.parametrize("rows, dim", [(1, 576), (5, 64), (300, 40)])
+def test_rms_norm_matches_float64(rows, dim):
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    weight = torch.randn(dim, generator=gen)
+    ref = (x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * weight.double()).float()
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), ref, atol=1e-5, rtol=1e-5)
+    wide = torch.randn(rows, dim + 8, generator=gen)
+    strided = wide[:, 8:]  # rows dim + 8 floats apart
+    torch.testing.assert_close(rms_norm(strided, weight, 1e-6), rms_norm(strided.contiguous(), weight, 1e-6))
+
+
+def test_rms_norm_module_declines_to_torch_for_other_shapes_and_dtypes():
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x3 = torch.randn(4, 3, 64)  # per-head norm (Qwen3's q/k norm): torch path
+    assert rms_norm(x3, norm.weight, 1e-6) is None
+    torch.testing.assert_close(norm(x3), torch.nn.functional.rms_norm(x3, (64,), norm.weight, 1e-6))
+    assert rms_norm(torch.randn(4, 64, dtype=torch.float64), norm.weight, 1e-6) is None
+
+
+@needs_norm_rope
+@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim", [(1, 9, 3, 64), (7, 4, 4, 128), (300, 2, 1, 16)])
+def test_rope_in_place_matches_rotate_half(tokens, q_heads, k_heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens)
+    # q and k as the model has them: views of one fused qkv row
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen)
+    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].view(tokens, k_heads, head_dim)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1) * 1.1, torch.cat([angles.sin()] * 2, -1) * 1.1
+    want_q = q * cos + _rotate_half(q) * sin
+    want_k = k * cos + _rotate_half(k) * sin
+    v_before = qkv[:, (q_heads + k_heads) * head_dim :].clone()
+    assert rope_(q, k, cos.contiguous(), sin.contiguous())
+    torch.testing.assert_close(q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (q_heads + k_heads) * head_dim :], v_before)  # v untouched
+
+
+def test_apply_rotary_declines_to_torch_without_touching_inputs():
+    q, k = torch.randn(3, 2, 8, dtype=torch.float64), torch.randn(3, 1, 8, dtype=torch.float64)
+    cos, sin = torch.rand(3, 1, 8, dtype=torch.float64), torch.rand(3, 1, 8, dtype=torch.float64)
+    q0, k0 = q.clone(), k.clone()
+    assert not rope_(q, k, cos, sin)
+    out_q, out_k = apply_rotary(q, k, cos, sin)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    torch.testing.assert_close(out_q, q0 * cos + _rotate_half(q0) * sin)
+    torch.testing.assert_close(out_k, k0 * cos + _rotate_half(k0) * sin)
