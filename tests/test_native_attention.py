@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.attention.native_cpu import load_native_decode
+from radixserve.attention.native_cpu import load_native_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
 
-native = load_native_decode()
+native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
 
 
@@ -69,7 +69,7 @@ def test_native_decode_matches_dense_reference(heads, kv_heads, head_dim, block_
     shared = [min(s, n // block_size) if s else 0 for s, n in zip(shared, lens)]
     args = build_case(lens, shared, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
     scale = head_dim**-0.5
-    got = native(*args, scale)
+    got = native.decode(*args, scale)
     torch.testing.assert_close(got, dense_reference(*args, scale), atol=2e-5, rtol=2e-5)
 
 
@@ -77,7 +77,7 @@ def test_native_decode_matches_dense_reference(heads, kv_heads, head_dim, block_
 def test_native_decode_block_size_one_and_unsorted_sharers():
     lens = [9, 12, 9, 30, 12]
     args = build_case(lens, [8, 0, 8, 8, 0], heads=6, kv_heads=2, head_dim=24, block_size=1, seed=3)
-    got = native(*args, 0.3)
+    got = native.decode(*args, 0.3)
     torch.testing.assert_close(got, dense_reference(*args, 0.3), atol=2e-5, rtol=2e-5)
 
 
@@ -85,9 +85,9 @@ def test_native_decode_block_size_one_and_unsorted_sharers():
 def test_native_decode_rejects_wrong_dtypes():
     q, k_cache, v_cache, tables, lens = build_case([20], [0], heads=2, kv_heads=1, head_dim=8, block_size=4)
     with pytest.raises(ValueError, match="block_tables"):
-        native(q, k_cache, v_cache, tables.long(), lens, 1.0)
+        native.decode(q, k_cache, v_cache, tables.long(), lens, 1.0)
     with pytest.raises(ValueError, match="q must be"):
-        native(q.double(), k_cache, v_cache, tables, lens, 1.0)
+        native.decode(q.double(), k_cache, v_cache, tables, lens, 1.0)
 
 
 @pytest.mark.parametrize("use_native", [False, True])
@@ -112,3 +112,29 @@ def test_torch_backend_decode_paths_match_reference(use_native):
     got = backend._decode(q, k_cache, v_cache)
     torch.testing.assert_close(got, dense_reference(q, k_cache, v_cache, tables, seq_lens, 0.125),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_native_store_writes_exactly_the_slots(tokens):
+    if native is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(tokens)
+    k_cache = torch.randn(40, 16, 3, 8, generator=gen)
+    v_cache = torch.randn(40, 16, 3, 8, generator=gen)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(40 * 16, generator=gen)[:tokens]
+    k, v = torch.randn(tokens, 3, 8, generator=gen), torch.randn(tokens, 3, 8, generator=gen)
+    TorchAttentionBackend._store(k, v, want_k, want_v, slots)  # the pure-torch path
+    assert native.store(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_native_store_declines_what_it_cannot_do():
+    if native is None:
+        pytest.skip("no C compiler here")
+    cache = torch.zeros(4, 4, 1, 8)
+    k = torch.ones(2, 1, 8)
+    assert not native.store(k, k, cache, cache.clone(), torch.tensor([0, 1], dtype=torch.int32))
+    assert not native.store(k.double(), k.double(), cache, cache.clone(), torch.tensor([0, 1]))
+    assert not native.store(k, k, cache, cache.clone(), torch.tensor([0, 1, 2]))  # slots vs rows
+    assert cache.abs().sum() == 0

@@ -1,4 +1,5 @@
-"""NativeDecodeAttention: the C decode-attention kernel (csrc/paged_decode.c) for CPU.
+"""NativePagedAttention: the C paged-KV kernels (csrc/paged_attention.c) for CPU: store
+new K/V rows into their slots, and decode attention.
 
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
@@ -17,18 +18,21 @@ import torch
 
 from radixserve.native_build import build_native
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 _I64, _F32 = ctypes.c_int64, ctypes.c_float
 _PTR = ctypes.c_void_p
 
 
-class NativeDecodeAttention:
+class NativePagedAttention:
     def __init__(self, library: ctypes.CDLL):
-        self._fn = library.paged_decode_attention_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
+        self._decode = library.paged_decode_attention_f32
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
+        self._store = library.paged_store_f32
+        self._store.restype = None
+        self._store.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
 
-    def __call__(
+    def decode(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -41,7 +45,7 @@ class NativeDecodeAttention:
         Requests that share leading blocks should be neighbours (they are read once)."""
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
-        status = self._fn(
+        status = self._decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1],
             k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale,
@@ -50,12 +54,28 @@ class NativeDecodeAttention:
             raise RuntimeError("native decode attention could not allocate its scratch memory")
         return out
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> bool:
+        """Write k, v [T, kv_heads, d] into the caches' flat slots [T] (int64); False (and
+        nothing written) where the kernel does not apply."""
+        row = k_cache.shape[2] * k_cache.shape[3]
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                for t in (k, v, k_cache, v_cache))
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu"
+            and k.shape == v.shape and k.numel() == slots.numel() * row
+        ):
+            return False
+        self._store(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                    slots.numel(), row)
+        return True
+
 
 @functools.cache
-def load_native_decode() -> NativeDecodeAttention | None:
-    """The compiled kernel, or None when it cannot be built here."""
+def load_native_attention() -> NativePagedAttention | None:
+    """The compiled kernels, or None when they cannot be built here."""
     library = build_native(_SOURCE)
-    return None if library is None else NativeDecodeAttention(library)
+    return None if library is None else NativePagedAttention(library)
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:

@@ -1,7 +1,8 @@
 """TorchAttentionBackend: paged attention from plain torch ops; the CPU path.
 
 Decodes are one batched op. On CPU in float32 that op is a small C kernel
-(native_cpu.py) that reads K/V in place through the block tables. Elsewhere, or without
+(native_cpu.py) that reads K/V in place through the block tables (and another writes the
+step's new K/V into their slots). Elsewhere, or without
 a C compiler, their blocks are gathered (whole blocks, one index_select into a reused
 workspace) into a padded [D, L, kv_heads, head_dim] view, and one
 scaled_dot_product_attention call folds each KV head's group of query heads into the
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.native_cpu import load_native_attention
 from radixserve.native_build import native_enabled
 
 
@@ -55,7 +57,9 @@ class TorchAttentionBackend(AttentionBackend):
             self._prepare_prefills(meta)
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        native = self._native_kernels(q)
+        if native is None or not native.store(k, v, k_cache, v_cache, meta.slot_mapping):
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache)
@@ -96,11 +100,11 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefills.append(_Prefill(start, end, index, context, mask))
 
     def _decode(self, q, k_cache, v_cache) -> torch.Tensor:
-        native = self._native_kernel(q)
+        native = self._native_kernels(q)
         if native is not None:
             meta = self._meta
             d = meta.num_decodes
-            return native(q, k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], self.scale)
+            return native.decode(q, k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d], self.scale)
         d, kv_heads, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
         rows = self._decode_index.numel()
         k_buf, v_buf = self._gather_buffers(rows, k_cache)
@@ -128,12 +132,10 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out[0].transpose(0, 1)
 
-    def _native_kernel(self, q: torch.Tensor):
+    def _native_kernels(self, q: torch.Tensor):
         if not self.use_native or q.device.type != "cpu" or q.dtype != torch.float32:
             return None
-        from radixserve.attention.native_cpu import load_native_decode
-
-        return load_native_decode()
+        return load_native_attention()
 
     def _gather_buffers(self, rows: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two [rows, block_size, kv_heads, head_dim] views of a workspace reused across

@@ -1,6 +1,7 @@
 /*
- * Paged decode attention on CPU: one query token per request, reading K and V straight
- * out of the block pool through each request's block table (no gather, no copy).
+ * Paged KV on CPU, float32: writing a step's new K/V rows into their pool slots, and
+ * decode attention (one query token per request) reading K and V straight out of the
+ * block pool through each request's block table (no gather, no copy).
  *
  * Requests are taken in groups: neighbours whose block tables start with the same
  * physical blocks (prefix-cache hits on one system prompt, forks of one program) attend
@@ -8,7 +9,7 @@
  * and then reused from L1 by every query head of every member. Each member then walks
  * its own remaining blocks alone. The caller puts requests that share a prefix next to
  * each other (the runner orders decodes by block table). Groups are spread over OpenMP
- * threads; built against the libgomp that torch has loaded, they are torch's own workers.
+ * threads (torch's own workers, see native_build.py).
  *
  * Softmax is online (flash-decoding style): every query row keeps its running max m,
  * running sum l and an unnormalised output acc; each block of keys rescales them once.
@@ -16,14 +17,17 @@
  *
  * Layouts (float32, contiguous):
  *   q, out           [num_requests, num_heads, head_dim]
+ *   k, v (new rows)  [tokens, num_kv_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables     [num_requests, table_stride] int32
  *   seq_lens         [num_requests] int32 (context length, >= 1)
+ *   slots            [tokens] int64 (block * block_size + offset)
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -253,4 +257,14 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     }
     free(starts);
     return failed ? -1 : 0;
+}
+
+/* k_cache/v_cache row slots[t] = k/v row t, for every new token t. */
+void paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
+                     int64_t tokens, int64_t row) {
+#pragma omp parallel for schedule(static) if (tokens >= 256)
+    for (int64_t t = 0; t < tokens; ++t) {
+        memcpy(k_cache + slots[t] * row, k + t * row, sizeof(float) * row);
+        memcpy(v_cache + slots[t] * row, v + t * row, sizeof(float) * row);
+    }
 }
