@@ -8,10 +8,10 @@ import torch
 
 from radixserve.model import native_ops
 from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
-from radixserve.model.native_ops import MAX_ROWS, rms_norm, rope_, skinny_linear
+from radixserve.model.native_ops import MAX_ROWS, rms_norm, rope_, silu_mul, skinny_linear
 
 needs_kernel = pytest.mark.skipif(native_ops._kernel() is None, reason="no C compiler here")
-needs_norm_rope = pytest.mark.skipif(native_ops._norm_kernel() is None, reason="no C compiler here")
+needs_layer_ops = pytest.mark.skipif(native_ops._norm_kernel() is None, reason="no C compiler here")
 
 
 def _reference(x, weight, bias):
@@ -74,10 +74,10 @@ def test_model_linear_uses_the_kernel_for_decode_batches(monkeypatch):
     assert calls == [True]
 
 
-# ---- RMSNorm and rotary -------------------------------------------------------------
+# ---- RMSNorm, rotary, SiLU gate ------------------------------------------------------
 
 
-@needs_norm_rope
+@needs_layer_ops
 @pytest.mark.parametrize("rows, dim", [(1, 576), (5, 64), (300, 40)])
 def test_rms_norm_matches_float64(rows, dim):
     gen = torch.Generator().manual_seed(rows + dim)
@@ -100,7 +100,7 @@ def test_rms_norm_module_declines_to_torch_for_other_shapes_and_dtypes():
     assert rms_norm(torch.randn(4, 64, dtype=torch.float64), norm.weight, 1e-6) is None
 
 
-@needs_norm_rope
+@needs_layer_ops
 @pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim", [(1, 9, 3, 64), (7, 4, 4, 128), (300, 2, 1, 16)])
 def test_rope_in_place_matches_rotate_half(tokens, q_heads, k_heads, head_dim):
     gen = torch.Generator().manual_seed(tokens)
@@ -128,3 +128,19 @@ def test_apply_rotary_declines_to_torch_without_touching_inputs():
     assert torch.equal(q, q0) and torch.equal(k, k0)
     torch.testing.assert_close(out_q, q0 * cos + _rotate_half(q0) * sin)
     torch.testing.assert_close(out_k, k0 * cos + _rotate_half(k0) * sin)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("rows, n", [(1, 1536), (3, 5), (200, 96)])
+def test_silu_mul_matches_torch(rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    wide = torch.randn(rows, 2 * n + 4, generator=gen) * 4
+    gate_up = wide[:, 4:]  # rows 2n + 4 floats apart
+    gate, up = gate_up.split(n, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_mul_declines_to_torch():
+    assert silu_mul(torch.randn(3, 8, dtype=torch.float64)) is None
+    assert silu_mul(torch.randn(3, 7)) is None  # no even split
+    assert silu_mul(torch.randn(2, 3, 8)) is None

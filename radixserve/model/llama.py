@@ -16,7 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.model.native_ops import rms_norm, rope_, skinny_linear
+from radixserve.model.native_ops import rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -123,8 +123,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        hidden = silu_mul(gate_up)  # float32 on CPU, in C
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate).mul_(up)
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):

@@ -6,8 +6,8 @@ returning None where it does not apply so that the caller keeps its torch path.
   in its own layout, once. Measured on the 2-core dev machine, cold weights: 2x MKL at
   1 row (the weight read at memory speed), 1.4x at 8 rows, about even at 32 rows except
   the wide lm_head (1.4x). Above MAX_ROWS the BLAS wins.
-- rms_norm, rope_: one pass each instead of the half-dozen tensor ops (and as many
-  dispatches) torch needs; at decode sizes the dispatches were most of their cost.
+- rms_norm, rope_, silu_mul: one pass each instead of the several tensor ops (and as
+  many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
 
 from __future__ import annotations
@@ -32,12 +32,17 @@ def _kernel():
 
 @functools.cache
 def _norm_kernel():
-    return _function("norm_rope.c", "rms_norm_f32", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32])
+    return _function("layer_ops.c", "rms_norm_f32", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32])
 
 
 @functools.cache
 def _rope_kernel():
-    return _function("norm_rope.c", "rope_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64])
+    return _function("layer_ops.c", "rope_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64])
+
+
+@functools.cache
+def _silu_mul_kernel():
+    return _function("layer_ops.c", "silu_mul_f32", [_PTR, _I64, _PTR, _I64, _I64])
 
 
 def _function(source: str, name: str, argtypes: list):
@@ -97,6 +102,19 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     fn(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
        cos.data_ptr(), sin.data_ptr(), tokens, head_dim)
     return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up [T, 2n] = [gate | up], or None where it does not apply."""
+    if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _rows_f32(gate_up)):
+        return None
+    fn = _silu_mul_kernel()
+    if fn is None:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=torch.float32)
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
+    return out
 
 
 def _rows_f32(t: torch.Tensor) -> bool:

@@ -1,8 +1,9 @@
 /*
- * RMSNorm and rotary embedding on CPU in float32, each one pass over the rows instead
- * of the half-dozen tensor ops (and their dispatch) that torch needs for them. They
- * follow transformers' formulas: RMSNorm as x * 1/sqrt(mean(x^2) + eps) * weight,
- * rotary as x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
+ * The per-token ops of a decoder layer besides its matmuls and attention, on CPU in
+ * float32: RMSNorm, rotary embedding and the MLP's SiLU gate, each one pass over the rows
+ * instead of the several tensor ops (and their dispatches) torch needs. They follow
+ * transformers' formulas: RMSNorm as x * 1/sqrt(mean(x^2) + eps) * weight, rotary as
+ * x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], SiLU as x / (1 + e^-x).
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,5 +44,15 @@ void rope_f32(float *q, int64_t ldq, int64_t q_heads, float *k, int64_t ldk, int
     for (int64_t t = 0; t < tokens; ++t) {
         rotate(q + t * ldq, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
         rotate(k + t * ldk, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+    }
+}
+
+/* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:2n]; gate_up rows `ld` floats apart. */
+void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * ld, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
