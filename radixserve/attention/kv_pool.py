@@ -26,9 +26,10 @@ class KVPool:
         self.block_size = block_size
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv, self._memory = _zeros(shape, dtype, torch.device(device))
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]  # views, made once
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[index, 0], self.kv[index, 1]
+        return self._layers[index]
 
     @staticmethod
     def bytes_per_block(
