@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_args(serve)
     add_engine_args(serve)
 
-    prep = sub.add_parser("prepare", help="convert the default model once into the model cache")
+    prep = sub.add_parser("prepare", help="convert the default model once into the model cache, build the CPU kernels")
     prep.add_argument("--model-cache-dir", default=None)
 
     conv = sub.add_parser("convert", help="convert a GGUF file into a safetensors model directory")
@@ -84,8 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from radixserve.model.default_model import ensure_default_model
+    from radixserve.native_build import build_all
 
     print(ensure_default_model(args.model_cache_dir))
+    build_all()
     return 0
 
 

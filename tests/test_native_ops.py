@@ -144,3 +144,10 @@ def test_silu_mul_declines_to_torch():
     assert silu_mul(torch.randn(3, 8, dtype=torch.float64)) is None
     assert silu_mul(torch.randn(3, 7)) is None  # no even split
     assert silu_mul(torch.randn(2, 3, 8)) is None
+
+
+@needs_kernel
+def test_build_all_builds_every_c_source_of_the_package():
+    from radixserve.native_build import build_all
+
+    assert build_all() == ["paged_attention.c", "layer_ops.c", "skinny_linear.c"]
