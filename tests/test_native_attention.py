@@ -138,3 +138,26 @@ def test_native_store_declines_what_it_cannot_do():
     assert not native.store(k.double(), k.double(), cache, cache.clone(), torch.tensor([0, 1]))
     assert not native.store(k, k, cache, cache.clone(), torch.tensor([0, 1, 2]))  # slots vs rows
     assert cache.abs().sum() == 0
+
+
+def test_native_kernels_reject_out_of_range_input_without_touching_memory():
+    if native is None:
+        pytest.skip("no C compiler here")
+    q, k_cache, v_cache, tables, lens = build_case([20, 7], [0, 0], heads=4, kv_heads=2, head_dim=8, block_size=4)
+    bad_block = tables.clone()
+    bad_block[1, 0] = k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="block id"):
+        native.decode(q, k_cache, v_cache, bad_block, lens, 1.0)
+    with pytest.raises(ValueError, match="context length"):
+        native.decode(q, k_cache, v_cache, tables, torch.tensor([20, 0], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="context length"):  # longer than its table row covers
+        native.decode(q, k_cache, v_cache, tables, torch.tensor([20, 4 * tables.shape[1] + 1], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.decode(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="one row per query"):
+        native.decode(q, k_cache, v_cache, tables[:1], lens, 1.0)
+    before = k_cache.clone()
+    k = torch.ones(2, 2, 8)
+    with pytest.raises(ValueError, match="outside the pool"):
+        native.store(k, k, k_cache, v_cache, torch.tensor([0, k_cache.shape[0] * 4]))
+    assert torch.equal(k_cache, before)

@@ -151,3 +151,11 @@ def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.native_build import build_all
 
     assert build_all() == ["paged_attention.c", "layer_ops.c", "skinny_linear.c"]
+
+
+def test_skinny_linear_declines_mismatched_shapes():
+    x = torch.randn(4, 64)
+    assert skinny_linear(x, torch.randn(5, 72), None) is None  # K differs
+    assert skinny_linear(x, torch.randn(5, 64), torch.randn(6)) is None  # bias length differs
+    with pytest.raises(RuntimeError):
+        linear(x, torch.randn(5, 72))  # torch's own error, not a read past the weight

@@ -27,10 +27,12 @@ class NativePagedAttention:
     def __init__(self, library: ctypes.CDLL):
         self._decode = library.paged_decode_attention_f32
         self._decode.restype = ctypes.c_int
-        self._decode.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32]
+        self._decode.argtypes = [
+            _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
+        ]
         self._store = library.paged_store_f32
-        self._store.restype = None
-        self._store.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
+        self._store.restype = ctypes.c_int
+        self._store.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
 
     def decode(
         self,
@@ -46,10 +48,12 @@ class NativePagedAttention:
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
         status = self._decode(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1],
-            k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale,
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], block_tables.data_ptr(),
+            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0],
+            q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale,
         )
+        if status == -2:
+            raise ValueError("a context length is < 1 or past its block table, or a block id is outside the pool")
         if status:
             raise RuntimeError("native decode attention could not allocate its scratch memory")
         return out
@@ -57,17 +61,22 @@ class NativePagedAttention:
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> bool:
         """Write k, v [T, kv_heads, d] into the caches' flat slots [T] (int64); False (and
-        nothing written) where the kernel does not apply."""
+        nothing written) where the kernel does not apply; ValueError (nothing written) for
+        a slot outside the pool."""
+        if k_cache.dim() != 4:
+            return False
         row = k_cache.shape[2] * k_cache.shape[3]
         if not (
             all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                 for t in (k, v, k_cache, v_cache))
             and slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu"
-            and k.shape == v.shape and k.numel() == slots.numel() * row
+            and k.shape == v.shape and k.numel() == slots.numel() * row and k_cache.shape == v_cache.shape
         ):
             return False
-        self._store(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                    slots.numel(), row)
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if self._store(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                       slots.numel(), row, num_slots):
+            raise ValueError(f"a slot is outside the pool's {num_slots} slots")
         return True
 
 
@@ -87,5 +96,11 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
             raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and seq_lens.is_contiguous()):
         raise ValueError("q, k_cache, v_cache and seq_lens must be contiguous")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a matrix with contiguous rows")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("q must be [D, H, d] and the caches [blocks, block_size, kv_heads, d], alike")
+    if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head dim, head groups)")
+    if seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
+        raise ValueError("seq_lens and block_tables need one row per query")

@@ -1,10 +1,10 @@
 """TorchAttentionBackend: paged attention from plain torch ops; the CPU path.
 
 Decodes are one batched op. On CPU in float32 that op is a small C kernel
-(native_cpu.py) that reads K/V in place through the block tables (and another writes the
-step's new K/V into their slots). Elsewhere, or without
-a C compiler, their blocks are gathered (whole blocks, one index_select into a reused
-workspace) into a padded [D, L, kv_heads, head_dim] view, and one
+(native_cpu.py) that reads K/V in place through the block tables, and another writes the
+step's new K/V into their slots. Elsewhere, or without a C compiler, the decodes' blocks
+are gathered (whole blocks, one index_select into a reused workspace) into a padded
+[D, L, kv_heads, head_dim] view, and one
 scaled_dot_product_attention call folds each KV head's group of query heads into the
 query-length axis, so grouped-query attention needs no repeated K/V. Prefill chunks are
 few per step and each is a large op, so they run one SDPA call each; a chunk with no

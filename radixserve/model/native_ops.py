@@ -3,9 +3,9 @@ returning None where it does not apply so that the caller keeps its torch path.
 
 - skinny_linear: x @ weight.T (+ bias) for decode-sized batches. At a few rows a BLAS
   spends as long packing the weight as multiplying by it; the kernel reads the weight
-  in its own layout, once. Measured on the 2-core dev machine, cold weights: 2x MKL at
-  1 row (the weight read at memory speed), 1.4x at 8 rows, about even at 32 rows except
-  the wide lm_head (1.4x). Above MAX_ROWS the BLAS wins.
+  in its own layout, once, prefetching the next tile's. Measured on the 2-core dev
+  machine, cold weights: 2x MKL at 1 row (the weight read at memory speed), 1.5x at 8
+  rows, 1.2-1.4x at 32 rows. Above MAX_ROWS the BLAS wins.
 - rms_norm, rope_, silu_mul: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
@@ -27,6 +27,9 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 @functools.cache
 def _kernel():
+    available = _function("skinny_linear.c", "skinny_linear_available", [])
+    if available is None or not available():
+        return None  # built without AVX2 + FMA: the BLAS is the better choice
     return _function("skinny_linear.c", "skinny_linear_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64])
 
 
@@ -51,7 +54,7 @@ def _function(source: str, name: str, argtypes: list):
         return None
     fn = getattr(library, name)
     fn.argtypes = argtypes
-    fn.restype = ctypes.c_int if name == "skinny_linear_f32" else None
+    fn.restype = ctypes.c_int if name.startswith("skinny_linear") else None
     return fn
 
 
@@ -59,7 +62,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """The product by the C kernel, or None where it does not apply."""
     if not (
         x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % 8 == 0 and _rows_f32(x)
-        and _dense_f32(weight) and (bias is None or _dense_f32(bias))
+        and _dense_f32(weight) and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+        and (bias is None or (_dense_f32(bias) and bias.shape == weight.shape[:1]))
     ):
         return None
     fn = _kernel()

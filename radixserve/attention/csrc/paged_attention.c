@@ -152,7 +152,7 @@ typedef struct {
 } Shape;
 
 /* Fold block `block` (its first ntok tokens) into the state of every query row of the
- * members [0, count) of a group; q_rows and state rows are [count, num_heads]. */
+ * members [0, count) of a group; q and the state (m, l, acc) are laid out [count, num_heads]. */
 static void attend_block(const Shape *sh, const float *q, int64_t count, int64_t block, int64_t ntok,
                          float *m, float *l, float *acc, float *s) {
     const int64_t row = sh->num_kv_heads * sh->head_dim, group = sh->num_heads / sh->num_kv_heads;
@@ -220,12 +220,27 @@ static int max_threads(void) {
 #endif
 }
 
-/* Attend for every request; returns 0, or -1 when scratch memory cannot be had. */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t table_stride,
+/* Every context length >= 1 and covered by its table row, every block id it reads in the pool. */
+static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, const int32_t *seq_lens,
+                        int64_t num_requests, int64_t block_size, int64_t num_blocks) {
+    for (int64_t r = 0; r < num_requests; ++r) {
+        const int64_t blocks = ((int64_t)seq_lens[r] + block_size - 1) / block_size;
+        if (seq_lens[r] < 1 || blocks > width) return 0;
+        for (int64_t b = 0; b < blocks; ++b)
+            if (tables[r * stride + b] < 0 || tables[r * stride + b] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/* Attend for every request; returns 0, -1 when scratch memory cannot be had, -2 (nothing
+ * read) when a length or block id is out of range. */
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                               const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                const int32_t *seq_lens, float *out, int64_t num_requests,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, float scale) {
+    if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks))
+        return -2;
     const Shape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale};
     /* Small enough groups that every thread gets one, large enough to share a prefix. */
     const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
@@ -259,12 +274,16 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     return failed ? -1 : 0;
 }
 
-/* k_cache/v_cache row slots[t] = k/v row t, for every new token t. */
-void paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
-                     int64_t tokens, int64_t row) {
+/* k_cache/v_cache row slots[t] = k/v row t, for every new token t; returns 0, or -2 (and
+ * writes nothing) when a slot is outside the pool's num_slots rows. */
+int paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
+                    int64_t tokens, int64_t row, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
 #pragma omp parallel for schedule(static) if (tokens >= 256)
     for (int64_t t = 0; t < tokens; ++t) {
         memcpy(k_cache + slots[t] * row, k + t * row, sizeof(float) * row);
         memcpy(v_cache + slots[t] * row, v + t * row, sizeof(float) * row);
     }
+    return 0;
 }

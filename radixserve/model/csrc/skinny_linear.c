@@ -64,6 +64,8 @@ static float dot(const float *a, const float *b, int64_t K) {
     return _mm_cvtss_f32(_mm_hadd_ps(t, t));
 }
 
+int skinny_linear_available(void) { return 1; }
+
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     if (K % 8) return -1;
@@ -87,6 +89,8 @@ int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
     return 0;
 }
 #else
+int skinny_linear_available(void) { return 0; }
+
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     (void)x, (void)M, (void)ldx, (void)w, (void)N, (void)K, (void)bias, (void)out, (void)ldo;
