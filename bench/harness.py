@@ -192,7 +192,7 @@ def ideal_cached_tokens(result: RunResult, block_size: int) -> int:
     """What an unbounded cache could reuse: for each request, the longest block-aligned common
     prefix of its prompt with any earlier request's tokens (prompt and answer), leaving at
     least the last prompt token to compute."""
-    from radixserve.hashing import extend_block_hashes
+    from radixserve.core.hashing import extend_block_hashes
 
     known: set[int] = set()
     total = 0

@@ -13,18 +13,18 @@ import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
-from radixserve.block_pool import BlockPool
+from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
-from radixserve.constrained import GrammarFactory
-from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.execution.constrained import GrammarFactory
+from radixserve.execution.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
-from radixserve.radix_cache import RadixCache
-from radixserve.request import Request, RequestStatus
-from radixserve.runner import ModelRunner
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.request import Request, RequestStatus
+from radixserve.execution.runner import ModelRunner
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
-from radixserve.scheduler import Scheduler
+from radixserve.core.scheduler import Scheduler
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85

@@ -1,6 +1,6 @@
 import pytest
 
-from radixserve.block_pool import BlockPool
+from radixserve.core.block_pool import BlockPool
 
 
 def test_allocate_takes_lowest_free_ids_in_order():

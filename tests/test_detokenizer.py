@@ -3,7 +3,7 @@ across multi-byte characters split over several tokens."""
 
 import pytest
 
-from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.execution.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.real_model
 

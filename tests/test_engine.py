@@ -286,7 +286,7 @@ def test_no_max_tokens_generates_up_to_what_the_pool_holds(tiny_model_dir):
 
 
 def test_stop_string_search_covers_the_whole_new_text_and_the_seam(tiny_model_dir):
-    from radixserve.request import Request
+    from radixserve.core.request import Request
 
     engine = small_engine(tiny_model_dir("llama"))
     params = SamplingParams(stop=["STOP", "xy"])

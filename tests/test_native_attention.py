@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.attention.native_cpu import load_native_attention
+from radixserve.ops.native_attention import load_native_attention
 from radixserve.attention.torch_backend import TorchAttentionBackend
 
 native = load_native_attention()

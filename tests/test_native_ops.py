@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.model import native_ops
+from radixserve.ops import native_ops
 from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
-from radixserve.model.native_ops import MAX_ROWS, rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.ops.native_ops import MAX_ROWS, rms_norm, rope_, silu_mul, skinny_linear
 
 needs_kernel = pytest.mark.skipif(native_ops._kernel() is None, reason="no C compiler here")
 needs_layer_ops = pytest.mark.skipif(native_ops._norm_kernel() is None, reason="no C compiler here")
@@ -148,9 +148,9 @@ def test_silu_mul_declines_to_torch():
 
 @needs_kernel
 def test_build_all_builds_every_c_source_of_the_package():
-    from radixserve.native_build import build_all
+    from radixserve.ops.native_build import build_all
 
-    assert build_all() == ["paged_attention.c", "layer_ops.c", "skinny_linear.c"]
+    assert build_all() == ["layer_ops.c", "paged_attention.c", "skinny_linear.c"]
 
 
 def test_skinny_linear_declines_mismatched_shapes():

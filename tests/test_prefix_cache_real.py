@@ -8,7 +8,7 @@ import random
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.hashing import extend_block_hashes
+from radixserve.core.hashing import extend_block_hashes
 
 pytestmark = pytest.mark.real_model
 

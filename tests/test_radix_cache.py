@@ -2,8 +2,8 @@
 
 import pytest
 
-from radixserve.block_pool import BlockPool
-from radixserve.radix_cache import RadixCache
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.radix_cache import RadixCache
 
 BS = 2
 

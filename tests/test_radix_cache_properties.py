@@ -7,8 +7,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixserve.block_pool import BlockPool
-from radixserve.radix_cache import RadixCache
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.radix_cache import RadixCache
 
 BS = 2
 NUM_BLOCKS = 24

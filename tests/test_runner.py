@@ -1,7 +1,7 @@
 from types import SimpleNamespace
 
-from radixserve.runner import _batch_order, _extend_slots
-from radixserve.scheduler import ScheduledChunk
+from radixserve.execution.runner import _batch_order, _extend_slots
+from radixserve.core.plan import ScheduledChunk
 
 
 def test_slots_follow_the_block_table_across_block_boundaries():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from radixserve.sampler import Sampler, SamplingRow
+from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.sampling_params import SamplingParams
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from radixserve.block_pool import BlockPool
+from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
-from radixserve.radix_cache import RadixCache
-from radixserve.request import Request, RequestStatus
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.request import Request, RequestStatus
 from radixserve.sampling_params import SamplingParams
-from radixserve.scheduler import Scheduler
+from radixserve.core.scheduler import Scheduler
 
 _ids = itertools.count()
 

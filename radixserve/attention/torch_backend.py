@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.attention.native_cpu import load_native_attention
-from radixserve.native_build import native_enabled
+from radixserve.ops.native_attention import load_native_attention
+from radixserve.ops.native_build import native_enabled
 
 
 @dataclass

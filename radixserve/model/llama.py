@@ -16,7 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.model.native_ops import rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.ops.native_ops import rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.model.spec import ModelSpec
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from radixserve.radix_cache import RadixCache, RadixNode
-from radixserve.request import Request
+from radixserve.core.radix_cache import RadixCache, RadixNode
+from radixserve.core.request import Request
 
 
 class SchedulePolicy:

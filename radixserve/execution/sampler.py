@@ -143,7 +143,7 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
     if not constrained:
         return logits
-    from radixserve.constrained import apply_grammar_masks
+    from radixserve.execution.constrained import apply_grammar_masks
 
     logits = logits.clone()
     apply_grammar_masks(logits, constrained)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedSet
 
-from radixserve.block_pool import BlockPool
+from radixserve.core.block_pool import BlockPool
 
 
 class RadixNode:

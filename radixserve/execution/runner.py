@@ -13,9 +13,9 @@ from radixserve.attention.registry import get_backend_class
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.spec import ModelSpec
 from radixserve.outputs import TokenLogprob
-from radixserve.sampler import Sampler, SamplingRow
-from radixserve.request import Request
-from radixserve.scheduler import ScheduledChunk, StepPlan
+from radixserve.execution.sampler import Sampler, SamplingRow
+from radixserve.core.request import Request
+from radixserve.core.plan import ScheduledChunk, StepPlan
 
 
 @dataclass

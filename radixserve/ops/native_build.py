@@ -49,7 +49,7 @@ def build_all() -> list[str]:
     """Build every C source of the package (what `radixserve prepare` does, so that no
     request waits for a compiler); returns the names of those now available."""
     root = Path(__file__).parent
-    return [source.name for source in sorted(root.glob("*/csrc/*.c")) if build_native(source) is not None]
+    return [source.name for source in sorted((root / "csrc").glob("*.c")) if build_native(source) is not None]
 
 
 def _build(source: Path) -> Path:

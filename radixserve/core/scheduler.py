@@ -18,36 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.block_pool import BlockPool
+from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
-from radixserve.hashing import extend_block_hashes
-from radixserve.policy import SchedulePolicy
-from radixserve.radix_cache import RadixCache
-from radixserve.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledChunk:
-    """Request computes tokens [start, start + num_tokens) of its token_ids this step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last token, so the step samples the request's next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class StepPlan:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+from radixserve.core.hashing import extend_block_hashes
+from radixserve.core.plan import ScheduledChunk, StepPlan
+from radixserve.core.policy import SchedulePolicy
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.request import Request, RequestStatus
 
 
 @dataclass

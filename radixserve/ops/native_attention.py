@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.native_build import build_native
+from radixserve.ops.native_build import build_native
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 _I64, _F32 = ctypes.c_int64, ctypes.c_float

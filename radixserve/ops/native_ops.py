@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.native_build import build_native
+from radixserve.ops.native_build import build_native
 
 MAX_ROWS = 32
 _CSRC = Path(__file__).parent / "csrc"

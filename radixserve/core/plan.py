@@ -1,0 +1,31 @@
+"""StepPlan: what the scheduler hands the runner for one forward pass (ints and lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.core.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """Request computes tokens [start, start + num_tokens) of its token_ids this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token, so the step samples the request's next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
