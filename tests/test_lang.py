@@ -3,7 +3,12 @@ decision, the lazy state (fork/join concurrency, streaming, errors) and run_batc
 
 from __future__ import annotations
 
+import ast
+import pkgutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from lang_fakes import DEFAULT_SYSTEM, CharTokenizer, FakeBackend
@@ -14,6 +19,7 @@ from radixserve.lang.choice_scoring import ScoreRequest, decide, score_requests
 from radixserve.lang.endpoint import _params_dict
 from radixserve.lang.expr import RoleBegin, RoleEnd, Select, Text, to_ops
 from radixserve.lang.interpreter import gen_params
+from radixserve.lang.record import StateRecord
 from radixserve.sampling_params import SamplingParams
 
 # ---- expressions -----------------------------------------------------------------------------
@@ -305,3 +311,90 @@ def test_default_backend_and_no_backend():
         assert prog.run()["x"] == "<2>"
     finally:
         rl.set_default_backend(None)
+
+
+def test_fork_record_is_a_copy_without_variables_set_since_the_fork():
+    parent = StateRecord(threading.Condition())
+    parent.append("text")
+    parent.set_var("a", 1, {})
+    child = parent.branch(threading.Condition())
+    child.set_var("b", 2, {})
+    child.append("more")
+    assert (parent.text, parent.variables, parent.set_since_fork) == ("text", {"a": 1}, ["a"])
+    assert (child.text, child.variables, child.set_since_fork) == ("textmore", {"a": 1, "b": 2}, ["b"])
+
+
+# ---- module structure: imports go one way ---------------------------------------------------------------
+
+LANG_DIR = Path(rl.__file__).parent
+LANG_MODULES = sorted(m.name for m in pkgutil.iter_modules([str(LANG_DIR)]))
+
+
+def _lang_imports(tree: ast.Module) -> list[tuple[str, bool]]:
+    """(imported radixserve.lang module, whether the import sits inside a function) for
+    every import in the tree, TYPE_CHECKING blocks included; `from radixserve.lang import
+    x` counts as importing the package itself."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [child.module]
+            elif isinstance(child, ast.ImportFrom):
+                names = ["radixserve.lang." + (child.module or "")]  # relative: inside the package
+            found.extend((name, in_function) for name in names if name.startswith("radixserve.lang"))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def test_lang_modules_import_one_way():
+    """No module imports another inside a function, and the module-level import graph
+    (TYPE_CHECKING imports included) has no cycle."""
+    graph: dict[str, set[str]] = {}
+    for name in [*LANG_MODULES, "__init__"]:
+        tree = ast.parse((LANG_DIR / f"{name}.py").read_text())
+        imports = _lang_imports(tree)
+        local = sorted(target for target, in_function in imports if in_function)
+        assert not local, f"radixserve/lang/{name}.py imports {local} inside a function"
+        targets = {target.removeprefix("radixserve.lang").lstrip(".") or "__init__" for target, _ in imports}
+        graph[name] = targets
+    assert graph["__init__"] >= {"fork", "state", "program"}, graph["__init__"]
+
+    done: set[str] = set()
+
+    def walk(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node):], node]))
+        if node in done:
+            return
+        for target in sorted(graph.get(node, ())):
+            walk(target, [*path, node])
+        done.add(node)
+
+    for name in graph:
+        walk(name, [])
+    assert graph["fork"] == {"record"} and "state" not in graph["interpreter"]
+
+
+@pytest.mark.parametrize("module", LANG_MODULES)
+def test_each_lang_module_imports_alone(module):
+    """Import the module in a fresh interpreter with the package's __init__ replaced by an
+    empty package, so nothing the __init__ imports first can hide an import-order cycle."""
+    code = (
+        "import importlib, sys, types\n"
+        "import radixserve\n"
+        f"pkg = types.ModuleType('radixserve.lang'); pkg.__path__ = [{str(LANG_DIR)!r}]\n"
+        "sys.modules['radixserve.lang'] = pkg\n"
+        f"importlib.import_module('radixserve.lang.{module}')\n"
+        f"import radixserve.lang.{module}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plain = subprocess.run([sys.executable, "-c", f"import radixserve.lang.{module}"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr

@@ -50,10 +50,6 @@ class MatchResult:
     blocks: list[int]
     node: RadixNode
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
 
 class RadixCache:
     """Prefix tree over KV blocks; see the module docstring for the ownership rules."""

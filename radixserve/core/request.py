@@ -61,7 +61,6 @@ class Request:
         self.admitted_once = False
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
-        self.finish_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,31 +13,42 @@ blocks through the cache; their work runs concurrently until read or joined.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from radixserve.lang.state import ProgramState
+from radixserve.lang.record import StateRecord
 
 
-class ForkGroup(Sequence):
-    """A list of child states; `+=` appends to every branch, `join` gathers them."""
+class Branch(Protocol):
+    """What a join needs of a branch (ProgramState is one): wait for its work, read its record."""
 
-    def __init__(self, parent: "ProgramState", children: list["ProgramState"]):
+    _record: StateRecord
+
+    def sync(self, timeout_s: float | None = None) -> None: ...
+
+
+B = TypeVar("B", bound=Branch)
+
+
+class ForkGroup(Sequence, Generic[B]):
+    """A list of child states; `+=` appends to every branch, `join` gathers them into the
+    parent's record."""
+
+    def __init__(self, parent: StateRecord, children: list[B]):
         self.parent = parent
         self.children = children
 
-    def __getitem__(self, index: int) -> "ProgramState":  # type: ignore[override]
+    def __getitem__(self, index: int) -> B:  # type: ignore[override]
         return self.children[index]
 
     def __len__(self) -> int:
         return len(self.children)
 
-    def __iter__(self) -> Iterator["ProgramState"]:
+    def __iter__(self) -> Iterator[B]:
         return iter(self.children)
 
-    def __iadd__(self, expr: Any) -> "ForkGroup":
+    def __iadd__(self, expr: Any) -> "ForkGroup[B]":
         for child in self.children:
-            child += expr
+            child += expr  # type: ignore[operator]
         return self
 
     def join(self, timeout_s: float | None = None) -> dict[str, list[Any]]:
@@ -46,10 +57,11 @@ class ForkGroup(Sequence):
         Returns those lists. Raises the first branch's error, if any."""
         for child in self.children:
             child.sync(timeout_s)
+        records = [child._record for child in self.children]
         names: list[str] = []
-        for child in self.children:
-            names += [n for n in child._set_since_fork if n not in names]
-        gathered = {name: [child._variables.get(name) for child in self.children] for name in names}
+        for record in records:
+            names += [n for n in record.set_since_fork if n not in names]
+        gathered = {name: [record.variables.get(name) for record in records] for name in names}
         for name, values in gathered.items():
-            self.parent._set_var(name, values, {"branches": [child._meta.get(name) for child in self.children]})
+            self.parent.set_var(name, values, {"branches": [record.meta.get(name) for record in records]})
         return gathered
