@@ -1,0 +1,19 @@
+"""Tool calling: definitions and their checks, the call formats, the parser of generated
+calls, the chat rendering of tools and earlier calls, and the grammar that makes calls parse."""
+
+from radixserve.server.tools.call_format import HERMES, LLAMA3, PARSER_CHOICES, ToolCallFormat, detect_format, format_named
+from radixserve.server.tools.definitions import MAX_TOOLS, NO_TOOLS, NamedToolChoice, ToolChoice, ToolDefinition, ToolSpec, tool_spec
+from radixserve.server.tools.grammar import MAX_PARALLEL_CALLS, tool_call_structural_tag
+from radixserve.server.tools.history import HistoryCall, HistoryMessage, check_history
+from radixserve.server.tools.parser import (
+    ArgumentsDelta, CallStarted, ContentDelta, ParsedCall, ParsedOutput, ToolCallParser, parse_tool_calls,
+)
+from radixserve.server.tools.rendering import ChatRenderer, fallback_messages, template_supports_tools
+
+__all__ = [
+    "HERMES", "LLAMA3", "MAX_PARALLEL_CALLS", "MAX_TOOLS", "NO_TOOLS", "PARSER_CHOICES",
+    "ArgumentsDelta", "CallStarted", "ChatRenderer", "ContentDelta", "HistoryCall", "HistoryMessage",
+    "NamedToolChoice", "ParsedCall", "ParsedOutput", "ToolCallFormat", "ToolCallParser", "ToolChoice",
+    "ToolDefinition", "ToolSpec", "check_history", "detect_format", "fallback_messages", "format_named",
+    "parse_tool_calls", "template_supports_tools", "tool_call_structural_tag", "tool_spec",
+]

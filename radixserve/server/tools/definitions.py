@@ -1,0 +1,162 @@
+"""Tool definitions (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`) and ToolSpec,
+the checked form the rest of the server uses.
+
+Checks, each a 400 naming the field: at most MAX_TOOLS tools; unique names of the form
+OpenAI allows; `parameters` a JSON schema that xgrammar compiles (a schema that does not
+compile could never constrain a call); `tool_choice` naming a declared tool, and
+`required` or a named tool only when tools are given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol.common import OpenAIModel, expects
+
+MAX_TOOLS = 128  # OpenAI's own bound on functions per request
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; absent means no parameters")
+    strict: bool | None = Field(None, description="accepted; calls constrained by a grammar always follow the schema")
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_entry(self) -> dict[str, Any]:
+        """The tool as chat templates (and the fallback system turn) see it."""
+        function: dict[str, Any] = {"name": self.function.name}
+        if self.function.description is not None:
+            function["description"] = self.function.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.function.parameters if self.function.parameters is not None else EMPTY_PARAMETERS
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    expects("'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"),
+]
+ToolList = Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """Checked tools of one request. `mode`: none / auto / required / named (then `named`
+    is the tool every call must name). `parallel`: more than one call allowed."""
+
+    tools: tuple[ToolDefinition, ...]
+    mode: str
+    named: str | None = None
+    parallel: bool = True
+    grammars: tuple[str, ...] = ()  # per tool: its arguments as an EBNF grammar (compact JSON)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tools]
+
+    @property
+    def parses_calls(self) -> bool:
+        """Whether the output is read for calls (tool_choice `none` leaves it all content)."""
+        return bool(self.tools) and self.mode != "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def callable_tools(self) -> list[tuple[ToolDefinition, str]]:
+        """(tool, arguments grammar) of every tool a call may name."""
+        pairs = list(zip(self.tools, self.grammars))
+        return [p for p in pairs if p[0].name == self.named] if self.mode == "named" else pairs
+
+
+NO_TOOLS = ToolSpec((), "none")
+
+
+def tool_spec(
+    tools: list[ToolDefinition] | None,
+    tool_choice: str | NamedToolChoice | None,
+    parallel_tool_calls: bool | None,
+    tools_param: str = "tools",
+    choice_param: str = "tool_choice",
+) -> ToolSpec:
+    """Check tools and tool_choice together; raises a 400 naming the field."""
+    tools = list(tools or [])
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'{tools_param}' takes at most {MAX_TOOLS} tools, got {len(tools)}", param=tools_param)
+    _check_unique(tools, tools_param)
+    grammars = tuple(
+        arguments_grammar(tool.parameters, f"{tools_param}[{index}].function.parameters")
+        for index, tool in enumerate(tools)
+    )
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    if tool_choice is None:
+        return ToolSpec(tuple(tools), "auto" if tools else "none", None, parallel, grammars)
+    if isinstance(tool_choice, NamedToolChoice):
+        name = tool_choice.function.name
+        if name not in {t.name for t in tools}:
+            declared = ", ".join(t.name for t in tools) or "none"
+            raise bad_request(
+                f"'{choice_param}' names the function '{name}', which is not among the tools (declared: {declared})",
+                param=choice_param,
+            )
+        return ToolSpec(tuple(tools), "named", name, parallel, grammars)
+    if tool_choice == "required" and not tools:
+        raise bad_request(f"'{choice_param}' 'required' needs at least one tool in '{tools_param}'", param=choice_param)
+    return ToolSpec(tuple(tools), tool_choice, None, parallel, grammars)
+
+
+def arguments_grammar(schema: dict[str, Any], param: str) -> str:
+    """The schema as an EBNF grammar of compact JSON (no tokenizer needed); a 400 naming
+    `param` when xgrammar cannot compile it."""
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise bad_request(f"'{param}' is not a JSON schema this server can enforce: {_first_line(exc)}", param=param)
+    except RecursionError:
+        raise bad_request(f"'{param}' nests too deeply", param=param) from None
+
+
+def _check_unique(tools: list[ToolDefinition], param: str) -> None:
+    seen: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        if tool.name in seen:
+            raise bad_request(
+                f"'{param}[{index}].function.name': the name '{tool.name}' is already used by {param}[{seen[tool.name]}]",
+                param=f"{param}[{index}].function.name",
+            )
+        seen[tool.name] = index
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

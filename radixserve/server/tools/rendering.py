@@ -1,0 +1,127 @@
+"""ChatRenderer: a conversation with tools -> the prompt text, through the model's chat template.
+
+A template that knows tools (its source speaks of `tools` or `tool_calls`) gets them as
+they are: `tools=` and messages with `tool_calls` (arguments as objects) and `tool` turns.
+A template that does not (the default SmolLM2's ChatML) gets the fallback rendering, plain
+role/content messages that hold everything:
+
+- the tools, one JSON object a line, and how to call them, in the system turn (appended to
+  the first system message, or a new one);
+- an assistant's calls as text in exactly the format the parser reads back and the grammar
+  writes (`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, arguments verbatim);
+- tool results as a user turn: `<tool_response id="call_..." name="...">\\n...\\n</tool_response>`,
+  consecutive results in one turn (templates that insist on alternating roles accept it).
+
+Rendering depends only on the messages and tools, so turn k+1 (turn k's history, the
+reply, the results) renders to turn k's prompt plus more: the radix cache hits it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.server.tools.call_format import ToolCallFormat
+from radixserve.server.tools.definitions import ToolDefinition
+from radixserve.server.tools.history import HistoryMessage
+
+TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to help with the user's request. "
+    "The functions, one JSON object a line:\n"
+)
+
+
+@dataclass(frozen=True)
+class TemplateInput:
+    """What goes into `tokenizer.apply_chat_template`."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+def template_supports_tools(template: str | None) -> bool:
+    return bool(template) and ("tool_calls" in template or "tools" in template)
+
+
+class ChatRenderer:
+    """Renders histories for one tokenizer (its chat template) and one call format."""
+
+    def __init__(self, tokenizer: Any, fmt: ToolCallFormat):
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        self.native = template_supports_tools(template if isinstance(template, str) else None)
+
+    def template_input(self, messages: list[HistoryMessage], tools: list[ToolDefinition]) -> TemplateInput:
+        if self.native:
+            names = {c.id: c.name for m in messages for c in m.tool_calls}
+            return TemplateInput([_native(m, names) for m in messages], [t.template_entry() for t in tools] or None)
+        return TemplateInput(fallback_messages(messages, tools, self.fmt), None)
+
+    def render(self, messages: list[HistoryMessage], tools: list[ToolDefinition]) -> str:
+        """The prompt text, generation prompt included."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        entry = self.template_input(messages, tools)
+        kwargs = {"tools": entry.tools} if entry.tools is not None else {}
+        return self.tokenizer.apply_chat_template(
+            entry.messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+
+def fallback_messages(messages: list[HistoryMessage], tools: list[ToolDefinition], fmt: ToolCallFormat) -> list[dict]:
+    """Plain role/content messages carrying tools, calls and results as text."""
+    out: list[dict[str, str]] = []
+    names = {c.id: c.name for m in messages for c in m.tool_calls}
+    for message in messages:
+        if message.role == "tool":
+            text = _tool_result(message, names.get(message.tool_call_id or "", message.name))
+            if out and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "_results": "1"})
+        elif message.role == "assistant" and message.tool_calls:
+            calls = fmt.render_calls([(c.name, c.arguments) for c in message.tool_calls])
+            out.append({"role": "assistant", "content": f"{message.content}\n{calls}" if message.content else calls})
+        else:
+            out.append({"role": message.role, "content": message.content or ""})
+    for entry in out:
+        entry.pop("_results", None)
+    if tools:
+        _add_tools_to_system(out, tools, fmt)
+    return out
+
+
+def tools_system_text(tools: list[ToolDefinition], fmt: ToolCallFormat) -> str:
+    lines = "\n".join(json.dumps(t.template_entry()["function"], ensure_ascii=False) for t in tools)
+    example = fmt.render_call("<function-name>", "<arguments-json-object>")
+    return f"{TOOLS_HEADER}{lines}\n\nTo call a function, answer with:\n{example}"
+
+
+def _add_tools_to_system(out: list[dict[str, str]], tools: list[ToolDefinition], fmt: ToolCallFormat) -> None:
+    text = tools_system_text(tools, fmt)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
+    else:
+        out.insert(0, {"role": "system", "content": text})
+
+
+def _tool_result(message: HistoryMessage, name: str | None) -> str:
+    attrs = f' id="{message.tool_call_id}"' + (f' name="{name}"' if name else "")
+    return f"<tool_response{attrs}>\n{message.content or ''}\n</tool_response>"
+
+
+def _native(message: HistoryMessage, names: dict[str, str]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            for c in message.tool_calls
+        ]
+    if message.role == "tool":
+        entry["tool_call_id"] = message.tool_call_id
+        name = message.name or names.get(message.tool_call_id or "")
+        if name:
+            entry["name"] = name
+    return entry
