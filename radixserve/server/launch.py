@@ -12,6 +12,7 @@ from typing import Any
 from radixserve.server.options import ServerOptions
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
+FINAL_WRITE_TIMEOUT_S = 5  # after the drain: time for responses to write their last event
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
     from radixserve.engine import Engine
     from radixserve.server.app import create_app
+    from radixserve.server.draining import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = server_options(args)
@@ -62,12 +64,14 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=max(1, int(options.shutdown_grace_s)),
+        timeout_graceful_shutdown=FINAL_WRITE_TIMEOUT_S,
         access_log=args.log_level == "debug",
     )
-    server = uvicorn.Server(config)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
-    # previous handler: make both end in KeyboardInterrupt, a clean exit after shutdown.
+    # On SIGINT/SIGTERM the app's requests get the grace, then end with a 503 error (a
+    # stream's final event before [DONE]) before uvicorn would cancel them.
+    server = DrainingServer(config, drain=lambda: app.state.server.engine.shutdown(options.shutdown_grace_s))
+    # uvicorn re-raises the signal to the previous handler after shutting down: make both
+    # end in KeyboardInterrupt, a clean exit.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.run()
