@@ -25,10 +25,26 @@ def test_defaults_bind_loopback_and_read_the_key_from_the_environment(monkeypatc
     args = parser.parse_args([])
     assert args.host == "127.0.0.1" and args.port == 30000
     monkeypatch.setenv("RADIXSERVE_API_KEY", "from-env")
-    assert server_options(args).api_key == "from-env"
-    assert server_options(parser.parse_args(["--api-key", "flag"])).api_key == "flag"
+    assert server_options(args).all_api_keys == ("from-env",)
+    assert server_options(parser.parse_args(["--api-key", "flag"])).all_api_keys == ("flag",)
     monkeypatch.delenv("RADIXSERVE_API_KEY")
-    assert server_options(args).api_key is None
+    assert server_options(args).all_api_keys == ()
+    assert not server_options(args).shared_cache_across_keys
+
+
+def test_several_keys_from_flags_and_a_file(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# tenants\nkey-c\n\n  key-d  \nkey-a\n")
+    args = parser.parse_args(["--api-key", "key-a", "--api-key", "key-b", "--api-key-file", str(key_file),
+                              "--shared-cache-across-keys"])
+    options = server_options(args)
+    assert options.all_api_keys == ("key-a", "key-b", "key-c", "key-d")
+    assert options.shared_cache_across_keys
+    key_file.write_text("# nothing here\n")
+    with pytest.raises(ValueError, match="holds no keys"):
+        server_options(parser.parse_args(["--api-key-file", str(key_file)]))
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT])

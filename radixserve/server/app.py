@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,20 +19,23 @@ from starlette.routing import Route
 
 from radixserve.server import native_api
 from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.errors import APIError, bad_request, server_error
+from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from radixserve.server.middleware import ApiKeyAuth, StatusCounter
+from radixserve.server.middleware import ApiKeyAuth, StatusCounter, cache_namespace
 from radixserve.server.openai_chat import ChatResponder
 from radixserve.server.openai_completions import CompletionResponder
-from radixserve.server.openai_requests import ServedModel, parse_chat_request, parse_completion_request
+from radixserve.server.openapi import openapi_schema
 from radixserve.server.options import ServerOptions
+from radixserve.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerationJob, NativeJob, ServedModel, parse,
+)
+from radixserve.server.protocol.body import read_json
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
 
 log = logging.getLogger("radixserve.server")
 
-MAX_BODY_BYTES = 32 << 20
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 
 
@@ -71,7 +73,7 @@ def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
     routes = _routes(options)
     middleware = [
         Middleware(StatusCounter, observe=metrics.observe_http, endpoints=[r.path for r in routes]),
-        Middleware(ApiKeyAuth, api_key=options.api_key),
+        Middleware(ApiKeyAuth, api_keys=options.all_api_keys),
     ]
     app = Starlette(
         routes=routes,
@@ -95,6 +97,7 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if options.enable_debug_endpoints:
         routes += [
@@ -126,19 +129,19 @@ async def models(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = _state(request)
-    job = parse_completion_request(await read_json(request), state.served)
+    job = _in_namespace(request, parse(CompletionRequest, await read_json(request)).to_job(state.served))
     return await _serve_job(request, job, CompletionResponder(job, state.texts))
 
 
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    job = parse_chat_request(await read_json(request), state.served)
+    job = _in_namespace(request, parse(ChatCompletionRequest, await read_json(request)).to_job(state.served))
     return await _serve_job(request, job, ChatResponder(job, state.texts))
 
 
 async def generate(request: Request) -> Response:
     state = _state(request)
-    job = native_api.parse_generate_request(await read_json(request), state.served)
+    job = _in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
     group = await state.engine.submit(job.inputs())
     if job.stream:
         return EventStream(native_api.stream_results(group), on_close=group.abort)
@@ -151,6 +154,11 @@ async def generate(request: Request) -> Response:
 
 async def metrics_endpoint(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def openapi(request: Request) -> Response:
+    keys = _state(request).options.all_api_keys
+    return JSONResponse(openapi_schema([r.path for r in request.app.routes], auth=bool(keys)))
 
 
 async def flush_cache(request: Request) -> Response:
@@ -175,25 +183,6 @@ async def debug_stats(request: Request) -> Response:
 
 
 # ---- request plumbing --------------------------------------------------------------------
-
-
-async def read_json(request: Request) -> Any:
-    """The body as JSON; 400 for a body that is empty, not UTF-8 or not JSON; 413 when too large."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})")
-    if not text.strip():
-        raise bad_request("request body is empty; expected a JSON object")
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("request body is nested too deeply") from None
 
 
 async def _serve_job(request: Request, job: Any, responder: CompletionResponder | ChatResponder) -> Response:
@@ -223,8 +212,12 @@ async def _results_unless_disconnected(request: Request, group: RequestGroup) ->
     return results.result()
 
 
-def _refuse_constant(name: str) -> Any:
-    raise bad_request(f"request body is not valid JSON: {name} is not a JSON number")
+def _in_namespace(request: Request, job: GenerationJob | NativeJob) -> GenerationJob | NativeJob:
+    """The job with the engine's cache salt: the caller's API-key namespace (unless keys
+    share the cache) combined with the body's cache_salt."""
+    if _state(request).options.shared_cache_across_keys:
+        return job
+    return replace(job, cache_salt=cache_namespace(request.scope, job.cache_salt))
 
 
 def _state(request: Request) -> ServerState:
@@ -238,7 +231,9 @@ def _served_model(engine: Any, options: ServerOptions) -> ServedModel:
     if path:
         names += [str(path), os.path.basename(os.path.normpath(str(path)))]
     unique = tuple(dict.fromkeys(names))
-    return ServedModel(unique, options.max_n, options.max_prompts)
+    spec = getattr(getattr(engine, "loaded", None), "spec", None)
+    vocab_size = getattr(spec, "vocab_size", None)
+    return ServedModel(unique, options.max_n, options.max_prompts, options.max_queued_requests, vocab_size)
 
 
 def _server_gauges(engine: AsyncEngine) -> dict[str, float]:

@@ -21,7 +21,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     defaults = ServerOptions()
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     group.add_argument("--port", type=int, default=30000)
-    group.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY'; repeat for several keys (or set {API_KEY_ENV})")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="accept the keys in PATH too: one per line ('#' starts a comment line)")
+    group.add_argument("--shared-cache-across-keys", action="store_true",
+                       help="let all API keys share one prefix cache (a single trusted tenant); by default each "
+                            "key has its own cache namespace")
     group.add_argument("--served-model-name", default=None, help="another name the model answers to")
     group.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
                        help="requests waiting for their first token before new ones get 503")
@@ -36,7 +42,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_keys=api_keys(args),
+        shared_cache_across_keys=args.shared_cache_across_keys,
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout,
         max_n=args.max_n,
@@ -44,6 +51,21 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         served_model_name=args.served_model_name,
         enable_debug_endpoints=args.enable_debug_endpoints,
     )
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --api-key flags and the --api-key-file lines; the environment's key when neither is given."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no keys")
+        keys += file_keys
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV].strip())
+    return tuple(dict.fromkeys(keys))
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:

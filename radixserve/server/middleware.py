@@ -3,6 +3,7 @@ bearer-token auth and per-endpoint status counting."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,26 +13,61 @@ from radixserve.server.errors import APIError
 ASGIApp = Callable[..., Any]
 
 
-class ApiKeyAuth:
-    """Answers 401 to HTTP requests without `Authorization: Bearer <api_key>`, except on `open_paths`."""
+TENANT_SCOPE_KEY = "radixserve.tenant"  # set on the ASGI scope: a digest of the caller's API key
 
-    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: Iterable[str] = ("/health",)):
+
+class ApiKeyAuth:
+    """Answers 401 to HTTP requests without `Authorization: Bearer <key>` for one of
+    `api_keys`, except on `open_paths`; no keys: everyone may call. The scheme is
+    case-insensitive (RFC 9110); the key is compared in constant time against every key.
+    An accepted call carries its key's digest on the scope (see `cache_namespace`)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",)):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = [(key.encode(), key_digest(key)) for key in api_keys]
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in self.open_paths:
+        if not self.keys or scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        tenant = self._match(given)
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not given else "invalid API key"
         error = APIError(401, message, type="authentication_error", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
+
+    def _match(self, header: bytes) -> str | None:
+        scheme, _, token = header.strip().partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            return None
+        found = None
+        for key, digest in self.keys:  # no early exit: the time taken does not tell which key matched
+            if hmac.compare_digest(token, key):
+                found = digest
+        return found
+
+
+def key_digest(key: str) -> str:
+    """A stable name for an API key that does not reveal it (16 hex digits of its SHA-256)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cache_namespace(scope: dict, cache_salt: str | None) -> str | None:
+    """The engine's cache salt for a request: the caller's key digest (when keys are in use)
+    combined with the body's cache_salt. Prefixes are shared only within one key (and one
+    cache_salt): `cached_tokens` cannot tell a caller what another key's prompts were.
+    The digest has a fixed length, so no cache_salt of one key can spell another's namespace."""
+    tenant = scope.get(TENANT_SCOPE_KEY)
+    if tenant is None:
+        return cache_salt
+    return f"key:{tenant}" if cache_salt is None else f"key:{tenant}/{cache_salt}"
 
 
 class StatusCounter:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.outputs import RequestOutput
-from radixserve.server.openai_requests import GenerationJob
+from radixserve.server.protocol.jobs import GenerationJob
 
 
 def response_id(prefix: str) -> str:

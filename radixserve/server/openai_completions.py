@@ -8,7 +8,7 @@ from typing import Any
 from radixserve.outputs import RequestOutput
 from radixserve.server.logprob_format import LegacyLogprobs, merge_legacy
 from radixserve.server.openai_common import DeltaTracker, finish_reason, now_s, response_id, usage
-from radixserve.server.openai_requests import GenerationJob
+from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
 

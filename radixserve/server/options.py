@@ -8,6 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ServerOptions:
     api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    api_keys: tuple[str, ...] = ()  # more accepted keys (tenants), beside api_key
+    shared_cache_across_keys: bool = False  # else each key has its own prefix-cache namespace
     max_queued_requests: int = 1024  # engine requests waiting for their first token; past it: 503
     request_timeout_s: float | None = None  # abort a request running longer (504)
     max_n: int = 16  # most samples per request (`n`)
@@ -23,5 +25,12 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        for key in ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys):
+            if not isinstance(key, str) or not key.strip() or key != key.strip():
+                raise ValueError("API keys must be non-empty strings without surrounding whitespace")
+
+    @property
+    def all_api_keys(self) -> tuple[str, ...]:
+        """Every accepted key, without duplicates; empty: no authentication."""
+        keys = ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+        return tuple(dict.fromkeys(keys))

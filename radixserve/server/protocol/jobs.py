@@ -1,0 +1,45 @@
+"""What a validated request body becomes: the engine requests to submit and how to answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.request_group import ChatPrompt, GenerationInput
+
+Prompt = str | list[int] | ChatPrompt
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """An OpenAI request: every prompt sampled n times. Member m (the engine request and
+    the response's choice index) is sample m % n of prompt m // n."""
+
+    model: str
+    prompts: list[Prompt]
+    params: list[SamplingParams]  # one per sample index; sample i has seed + i when seeded
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None  # alternatives per token (0: the chosen token only); None: off
+    cache_salt: str | None = None  # the engine's salt: the tenant's namespace and the client's cache_salt
+
+    def inputs(self) -> list[GenerationInput]:
+        return [
+            GenerationInput(prompt, self.params[i], self.cache_salt) for prompt in self.prompts for i in range(self.n)
+        ]
+
+
+@dataclass(frozen=True)
+class NativeJob:
+    """A /generate request: each prompt sampled once with the same params."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    batched: bool  # the input was a list of prompts: answer with a list
+    cache_salt: str | None
+
+    def inputs(self) -> list[GenerationInput]:
+        return [GenerationInput(p, self.params, self.cache_salt) for p in self.prompts]

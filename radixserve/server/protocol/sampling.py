@@ -1,0 +1,109 @@
+"""The fields /v1/completions and /v1/chat/completions share: model, n, streaming, the
+sampling options (OpenAI's and the usual open-server extensions) and what makes them a
+SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from radixserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol.common import MAX_SEED, OpenAIModel, ServedModel, expects
+
+MAX_STOP_STRINGS = 16
+MAX_CHOICES = 64
+
+NonEmptyString = Annotated[str, Field(min_length=1)]
+StopStrings = Annotated[
+    NonEmptyString | Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)],
+    expects(f"a string or a list of strings (non-empty, at most {MAX_STOP_STRINGS})"),
+]
+TokenId = Annotated[int, Field(ge=0)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class OpenAISamplingFields(OpenAIModel):
+    """Fields of both OpenAI generation bodies (each body class adds its own)."""
+
+    model: str
+    n: int = Field(1, ge=1, description="samples per prompt (at most the server's --max-n)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: StopStrings | None = None
+    logit_bias: dict[str, Any] | None = Field(None, description="not supported: must be absent or empty")
+    # Extensions beyond the OpenAI API (as other open servers accept them):
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    regex: str | None = None
+    choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    cache_salt: str | None = Field(None, description="requests share cached prefixes only with the same salt")
+    # Accepted and ignored (type-checked all the same):
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+
+    def sampling_params(
+        self, served: ServedModel, max_tokens: int | None, logprobs: int | None, **constraint: Any
+    ) -> SamplingParams:
+        if self.logit_bias:
+            raise bad_request("'logit_bias' is not supported", param="logit_bias")
+        served.check_n(self.n)
+        served.check_seed(self.seed, self.n)
+        served.check_token_ids(self.stop_token_ids, "stop_token_ids")
+        values = dict(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            logprobs=logprobs,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            regex=self.regex,
+            choices=self.choices,
+        )
+        values.update(constraint)
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            message = str(exc)
+            name = message.split(" ", 1)[0]
+            raise bad_request(message, param=name if name in values else None) from None
+
+    def samples(self, params: SamplingParams) -> list[SamplingParams]:
+        """One params per sample index: sample i has seed + i when seeded."""
+        if params.seed is None:
+            return [params] * self.n
+        return [replace(params, seed=params.seed + i) for i in range(self.n)]
+
+    def stream_flags(self) -> tuple[bool, bool]:
+        """(stream, include_usage)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        return self.stream, self.stream_options is not None and self.stream_options.include_usage
