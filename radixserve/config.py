@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 
 
@@ -18,7 +18,7 @@ class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF dir / .gguf file
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C kernels), else torch
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory

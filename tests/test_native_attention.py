@@ -1,19 +1,25 @@
-"""The C decode-attention kernel (and the torch backend's pure-torch decode path) against a
-dense float64 reference, on paged pools where neighbouring requests share prefix blocks."""
+"""The cpu and torch attention backends, and the C kernels under the cpu one, against a
+dense float64 reference on paged pools where neighbouring requests share prefix blocks;
+the registry's choice between them; whole generations with each."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 import torch
 
+from radixserve import Engine, SamplingParams
+from radixserve.attention import registry
+from radixserve.attention.cpu_backend import CpuAttentionBackend, CpuPlan
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.torch_backend import TorchAttentionBackend, TorchPlan, store_kv
 from radixserve.ops.native_attention import load_native_attention
-from radixserve.attention.torch_backend import TorchAttentionBackend
 
 native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
+BACKENDS = [TorchAttentionBackend, pytest.param(CpuAttentionBackend, marks=needs_native)]
 
 
 def build_case(lens, shared_prefix_blocks, *, heads, kv_heads, head_dim, block_size, seed=0):
@@ -90,30 +96,6 @@ def test_native_decode_rejects_wrong_dtypes():
         native.decode(q.double(), k_cache, v_cache, tables, lens, 1.0)
 
 
-@pytest.mark.parametrize("use_native", [False, True])
-def test_torch_backend_decode_paths_match_reference(use_native):
-    if use_native and native is None:
-        pytest.skip("no C compiler here")
-    lens = [37, 64, 65, 1, 200, 33]
-    q, k_cache, v_cache, tables, seq_lens = build_case(
-        lens, [2, 2, 2, 0, 2, 2], heads=9, kv_heads=3, head_dim=64, block_size=16
-    )
-    backend = TorchAttentionBackend(9, 3, 64, 0.125)
-    backend.use_native = use_native
-    meta = AttentionMetadata(
-        num_decodes=len(lens), block_size=16,
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=seq_lens,
-        block_tables=tables, slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
-        max_query_len=1, max_seq_len=max(lens),
-        query_start_loc_list=list(range(len(lens) + 1)), seq_lens_list=lens,
-    )
-    backend.prepare(meta)
-    backend._meta = meta
-    got = backend._decode(q, k_cache, v_cache)
-    torch.testing.assert_close(got, dense_reference(q, k_cache, v_cache, tables, seq_lens, 0.125),
-                               atol=2e-5, rtol=2e-5)
-
-
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_native_store_writes_exactly_the_slots(tokens):
     if native is None:
@@ -124,7 +106,7 @@ def test_native_store_writes_exactly_the_slots(tokens):
     want_k, want_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(40 * 16, generator=gen)[:tokens]
     k, v = torch.randn(tokens, 3, 8, generator=gen), torch.randn(tokens, 3, 8, generator=gen)
-    TorchAttentionBackend._store(k, v, want_k, want_v, slots)  # the pure-torch path
+    store_kv(k, v, want_k, want_v, slots)  # the pure-torch path
     assert native.store(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
@@ -161,3 +143,177 @@ def test_native_kernels_reject_out_of_range_input_without_touching_memory():
     with pytest.raises(ValueError, match="outside the pool"):
         native.store(k, k, k_cache, v_cache, torch.tensor([0, k_cache.shape[0] * 4]))
     assert torch.equal(k_cache, before)
+
+
+# ---- the backends: one whole step (store, decodes, prefill chunks) -------------------------
+
+
+def mixed_step(requests, *, heads, kv_heads, head_dim, block_size, seed=0):
+    """A step of requests (context after the step, new tokens, blocks shared with the common
+    prefix, as many as fit before the new tokens), decodes first as the runner orders them.
+    Returns metadata, q, k, v and a pool holding both layers' caches."""
+    requests = [(n, new, min(shared, (n - new) // block_size)) for n, new, shared in requests]
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n, _, _ in requests) + 8
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix = [free.pop() for _ in range(max(s for _, _, s in requests))]
+    requests = sorted(requests, key=lambda r: r[1] != 1)
+    tables, starts, slots = [], [0], []
+    for context, new, shared in requests:
+        table = prefix[:shared] + [free.pop() for _ in range(-(-context // block_size) - shared)]
+        tables.append(table)
+        starts.append(starts[-1] + new)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(context - new, context)]
+    width = max(len(t) for t in tables)
+    seq_lens = [context for context, _, _ in requests]
+    meta = AttentionMetadata(
+        num_decodes=sum(1 for _, new, _ in requests if new == 1), block_size=block_size,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_list=starts, seq_lens_list=seq_lens,
+    )
+    tokens = starts[-1]
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    return meta, q, k, v, pool
+
+
+def step_reference(meta, q, k_cache, v_cache, scale):
+    """Every query row against its visible context (the pool already holds the step's
+    K/V), in float64: row r of a chunk of q_len new tokens sees context - q_len + r + 1 keys."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    for i, context in enumerate(meta.seq_lens_list):
+        start, end = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
+        blocks = meta.block_tables[i, : -(-context // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:context].double().repeat_interleave(group, 1)
+        values = v_cache[blocks].flatten(0, 1)[:context].double().repeat_interleave(group, 1)
+        for r in range(end - start):
+            visible = context - (end - start) + r + 1
+            weights = (torch.einsum("hd,thd->ht", q[start + r].double(), keys[:visible]) * scale).softmax(-1)
+            out[start + r] = torch.einsum("ht,thd->hd", weights, values[:visible]).float()
+    return out
+
+
+STEPS = [
+    # (context after the step, new tokens, shared prefix blocks)
+    [(37, 1, 2), (64, 1, 2), (65, 1, 2), (1, 1, 0), (200, 1, 2), (33, 1, 2)],  # decodes only
+    [(9, 1, 1), (1, 1, 0), (40, 1, 2), (30, 6, 2), (35, 5, 1), (6, 6, 0)],  # decodes and all kinds of chunk
+    [(20, 20, 0), (45, 13, 2)],  # prefill chunks only
+]
+
+
+@pytest.mark.parametrize("backend_class", BACKENDS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 40), (4, 4, 16)])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("step", range(len(STEPS)))
+def test_backend_step_matches_dense_reference(backend_class, heads, kv_heads, head_dim, block_size, step):
+    meta, q, k, v, pool = mixed_step(STEPS[step], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     block_size=block_size, seed=step)
+    want_pool = pool.clone()
+    store_kv(k, v, want_pool[0], want_pool[1], meta.slot_mapping)
+    backend = backend_class(heads, kv_heads, head_dim, head_dim**-0.5)
+    plan = backend.prepare(meta)
+    assert plan.num_decodes == meta.num_decodes
+    first = backend.forward(q, k, v, pool[0], pool[1], plan)
+    assert torch.equal(pool, want_pool), "the step's K/V went exactly into its slots"
+    torch.testing.assert_close(first, step_reference(meta, q, pool[0], pool[1], head_dim**-0.5), atol=2e-5, rtol=2e-5)
+    # The plan serves every layer of the step: a second layer's pool and K/V, same plan.
+    q2, k2, v2 = q.flip(0).contiguous(), k.roll(1, 0).contiguous(), v.roll(1, 0).contiguous()
+    pool2 = pool.flip(1).contiguous()
+    second = backend.forward(q2, k2, v2, pool2[0], pool2[1], plan)
+    torch.testing.assert_close(second, step_reference(meta, q2, pool2[0], pool2[1], head_dim**-0.5),
+                               atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+def test_cpu_backend_plans_for_its_kernels_and_runs_torch_paths_for_other_dtypes():
+    meta, q, k, v, pool = mixed_step(STEPS[1], heads=6, kv_heads=2, head_dim=32, block_size=4)
+    assert isinstance(CpuAttentionBackend(6, 2, 32, 0.2).prepare(meta), CpuPlan)
+    q, k, v, pool = q.bfloat16(), k.bfloat16(), v.bfloat16(), pool.bfloat16()
+    results = []
+    for backend in (CpuAttentionBackend(6, 2, 32, 0.2, torch.bfloat16), TorchAttentionBackend(6, 2, 32, 0.2)):
+        plan = backend.prepare(meta)
+        assert isinstance(plan, TorchPlan)
+        caches = pool.clone()
+        results.append((backend.forward(q, k, v, caches[0], caches[1], plan), caches))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+# ---- choosing a backend ----------------------------------------------------------------------
+
+
+def test_auto_picks_cpu_where_its_kernels_build_and_torch_otherwise(monkeypatch, caplog):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert registry.resolve_backend_name("auto", cuda) == "triton"
+    assert registry.resolve_backend_name("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="CPU only"):
+        registry.resolve_backend_name("cpu", cuda)
+    with pytest.raises(ValueError, match="unknown attention backend 'c'"):
+        registry.resolve_backend_name("c", cpu)
+    if native is not None:
+        assert registry.resolve_backend_name("auto", cpu) == "cpu"
+        assert registry.resolve_backend_name("cpu", cpu) == "cpu"
+    monkeypatch.setattr(registry, "_cpu_kernels_build", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="radixserve.attention.registry"):
+        assert registry.resolve_backend_name("auto", cpu) == "torch"
+    assert "pure-torch backend" in caplog.text
+    with pytest.raises(ValueError, match="could not be built"):
+        registry.resolve_backend_name("cpu", cpu)
+
+
+def test_cpu_backend_without_its_kernels_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("radixserve.attention.cpu_backend.load_native_attention", lambda: None)
+    with pytest.raises(RuntimeError, match="attention_backend='torch'"):
+        CpuAttentionBackend(4, 2, 16, 0.25)
+
+
+# ---- whole generations -----------------------------------------------------------------------
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cpu_backend_generates_what_the_torch_backend_does(tiny_model_dir, kind):
+    model_dir = tiny_model_dir(kind)
+    rng = random.Random(1)
+    common = [rng.randrange(97) for _ in range(13)]
+    prompts = [common + [rng.randrange(97) for _ in range(n)] for n in (2, 9, 25)] + [[5, 6, 7]]
+    options = dict(block_size=4, num_kv_blocks=200, chunked_prefill_size=7, max_num_batched_tokens=16,
+                   dtype="float32", device="cpu")
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    results = {}
+    for name in ("torch", "cpu"):
+        engine = Engine(str(model_dir), attention_backend=name, **options)
+        assert engine.runner.backend.name == name
+        calls = _count_native_decodes(engine) if name == "cpu" else []
+        first = engine.generate(prompts[:1], greedy)  # the others then hit its cached prefix
+        rest = engine.generate(prompts[1:], greedy)
+        results[name] = [(o.token_ids, o.cached_tokens) for o in first + rest]
+        engine.check_integrity()
+    assert results["cpu"] == results["torch"]
+    assert sum(cached for _, cached in results["cpu"]) >= 2 * 12, "the shared prefix should hit the cache"
+    assert calls and max(calls) > 1, "the C decode kernel served batched decodes"
+
+
+def _count_native_decodes(engine: Engine) -> list[int]:
+    """Record the batch size of every C decode call the engine's cpu backend makes."""
+    backend = engine.runner.backend
+    kernels = backend._kernels
+    calls: list[int] = []
+
+    class Counting:
+        def store(self, *args):
+            return kernels.store(*args)
+
+        def decode(self, q, *args):
+            calls.append(q.shape[0])
+            return kernels.decode(q, *args)
+
+    backend._kernels = Counting()
+    return calls

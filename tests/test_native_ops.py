@@ -10,8 +10,8 @@ from radixserve.ops import native_ops
 from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
 from radixserve.ops.native_ops import MAX_ROWS, rms_norm, rope_, silu_mul, skinny_linear
 
-needs_kernel = pytest.mark.skipif(native_ops._kernel() is None, reason="no C compiler here")
-needs_layer_ops = pytest.mark.skipif(native_ops._norm_kernel() is None, reason="no C compiler here")
+needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
+needs_layer_ops = pytest.mark.skipif(native_ops._load("rms_norm_f32") is None, reason="no C compiler here")
 
 
 def _reference(x, weight, bias):
@@ -159,3 +159,94 @@ def test_skinny_linear_declines_mismatched_shapes():
     assert skinny_linear(x, torch.randn(5, 64), torch.randn(6)) is None  # bias length differs
     with pytest.raises(RuntimeError):
         linear(x, torch.randn(5, 72))  # torch's own error, not a read past the weight
+
+
+# ---- the builder: one declared signature per kernel, one build per CPU ---------------------
+
+
+def _c_prototypes(source: str) -> dict[str, tuple[str, list[str]]]:
+    """name -> (return type, parameter types) of the exported functions of a C source."""
+    import re
+
+    from radixserve.ops.native_build import CSRC
+
+    text = (CSRC / source).read_text()
+    found = {}
+    for ret, name, params in re.findall(r"^(int|void)\s+(\w+)\s*\(([^)]*)\)\s*\{", text, re.M):
+        types = [] if params.strip() in ("", "void") else [
+            "ptr" if "*" in p else p.replace("const", "").split()[0] for p in params.split(",")
+        ]
+        found[name] = (ret, types)
+    return found
+
+
+def test_every_declared_signature_matches_its_c_prototype():
+    import ctypes
+
+    from radixserve.ops.native_build import SIGNATURES
+
+    as_ctypes = {"ptr": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+    exported = {}
+    for source in {s.source for s in SIGNATURES.values()}:
+        exported.update(_c_prototypes(source))
+    for name, signature in SIGNATURES.items():
+        ret, params = exported[name]
+        assert [as_ctypes[p] for p in params] == list(signature.argtypes), name
+        assert signature.restype is (ctypes.c_int if ret == "int" else None), name
+    assert set(exported) == set(SIGNATURES), "every exported kernel is declared, and only those"
+
+
+def test_build_path_is_keyed_on_the_cpu_and_the_compiler(tmp_path, monkeypatch):
+    from radixserve.ops import native_build
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    source = native_build.CSRC / "layer_ops.c"
+    x86 = "x86_64\nmodel name: AMD EPYC\nflags: fpu sse2 avx avx2 fma"
+    wider = x86 + " avx512f avx512bw"
+    path = native_build.build_path(source, "cc", x86)
+    assert path == native_build.build_path(source, "cc", x86)
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("layer_ops-")
+    assert native_build.build_path(source, "cc", wider) != path, "more CPU features, another build"
+    assert native_build.build_path(source, "cc", x86.replace("EPYC", "Xeon")) != path
+    monkeypatch.setattr(native_build, "_compiler_version", lambda compiler: "cc 99.1")
+    assert native_build.build_path(source, "cc", x86) != path, "another compiler version, another build"
+    assert native_build.build_path(source, "cc") == native_build.build_path(source, "cc", native_build.cpu_features())
+
+
+def test_cpu_features_name_this_cpu():
+    from radixserve.ops.native_build import cpu_features
+
+    import platform
+
+    features = cpu_features()
+    assert features.startswith(platform.machine())
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        pytest.skip("no feature flags in /proc/cpuinfo here")
+    assert " ".join(flags.split(":", 1)[1].split()) in features
+
+
+@needs_kernel
+def test_a_build_for_another_cpu_goes_to_another_file(tmp_path, monkeypatch):
+    """A cache shared with a machine of other CPU features: this machine builds its own copy
+    beside the other's instead of loading it."""
+    from radixserve.ops import native_build
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    source = native_build.CSRC / "layer_ops.c"
+    mine = native_build._build(source)
+    monkeypatch.setattr(native_build, "cpu_features", lambda: "x86_64\nflags: sse2 avx512f")
+    theirs = native_build._build(source)
+    assert mine != theirs and mine.is_file() and theirs.is_file()
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == sorted([mine.name, theirs.name])
+
+
+def test_model_ops_switch_off_with_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_NATIVE_CPU", "0")
+    native_ops._load.cache_clear()
+    try:
+        assert rms_norm(torch.randn(2, 64), torch.ones(64), 1e-6) is None
+        assert silu_mul(torch.randn(2, 64)) is None
+    finally:
+        native_ops._load.cache_clear()

@@ -47,8 +47,6 @@ def _metadata(requests: list[tuple[int, int, list[int]]], block_size: int) -> At
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=DEVICE),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(new for _, new, _ in requests),
-        max_seq_len=max(seq_lens),
         query_start_loc_list=starts,
         seq_lens_list=seq_lens,
     )
@@ -75,8 +73,8 @@ def test_mixed_step_matches_torch_backend():
     for backend_class in (TorchAttentionBackend, TritonAttentionBackend):
         backend = backend_class(num_heads, kv_heads, head_dim, head_dim**-0.5)
         caches = pool.clone()
-        backend.prepare(meta)
-        outputs.append(backend.forward(q, k, v, caches[0], caches[1], meta))
+        plan = backend.prepare(meta)
+        outputs.append(backend.forward(q, k, v, caches[0], caches[1], plan))
         pools.append(caches)
     assert torch.equal(pools[0], pools[1])
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
@@ -98,7 +96,7 @@ def _record_step_shapes(engine: Engine) -> list[tuple[int, int]]:
 
     def recording_prepare(meta):
         shapes.append((meta.num_decodes, meta.num_requests))
-        prepare(meta)
+        return prepare(meta)
 
     backend.prepare = recording_prepare
     return shapes

@@ -1,35 +1,49 @@
-"""AttentionBackend: the interface the model calls for paged attention."""
+"""AttentionBackend: the interface the model calls for paged attention, and AttentionPlan,
+what a backend derives once per step for every layer to read."""
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 from radixserve.attention.metadata import AttentionMetadata
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention, ready for every layer: made by `prepare` from the step's
+    AttentionMetadata, read by `forward`. Each backend extends it with what it precomputes."""
+
+    num_decodes: int  # the first rows are single-token requests; prefill chunks follow
+    slot_mapping: torch.Tensor  # [T] int64: the flat pool slot of each new token's K/V
+
+
 class AttentionBackend(abc.ABC):
     """Writes a step's new K/V into the paged pool, then attends over each request's
     context through its block table. Query head h reads KV head h // (num_heads // num_kv_heads).
 
-    Caches are one layer's pool: [num_blocks, block_size, num_kv_heads, head_dim].
-    q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the result
-    has q's shape.
+    Caches are one layer's pool: [num_blocks, block_size, num_kv_heads, head_dim] of
+    `dtype`. q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the
+    result has q's shape.
     """
 
     name = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype = torch.float32):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.dtype = dtype
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Called once per step before the first layer; derive per-step state here."""
+    @abc.abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> AttentionPlan:
+        """Called once per step before the first layer: everything per-step goes in the plan."""
 
     @abc.abstractmethod
     def forward(
@@ -39,6 +53,7 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping, return attention output [T, num_heads, head_dim]."""
+        """Store k/v at plan.slot_mapping, return attention output [T, num_heads, head_dim].
+        `plan` is what this backend's prepare returned for the step."""

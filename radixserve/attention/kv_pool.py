@@ -22,8 +22,6 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv, self._memory = _zeros(shape, dtype, torch.device(device))
         self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]  # views, made once

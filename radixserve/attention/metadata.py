@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Built by the runner once per step, shared by every layer.
+    """Built by the runner once per step; the backend's prepare turns it into a plan.
 
     The step's tokens form one flat batch. Requests with a single query token (decodes,
     and prefills of which only the last token was uncached) come first; prefill chunks
@@ -26,8 +26,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
-    max_query_len: int
-    max_seq_len: int
     # The same offsets and lengths as Python ints, so backends never sync a device to read them.
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
@@ -35,7 +33,3 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

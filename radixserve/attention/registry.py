@@ -1,18 +1,32 @@
-"""Attention backend registry: factories import lazily, so the package imports without Triton."""
+"""Attention backend registry: factories import lazily, so the package imports without Triton.
+
+    torch   plain torch ops, any device and dtype
+    cpu     C kernels on CPU (store and decode in place through the block tables), float32
+    triton  Triton kernels on CUDA (in Triton's interpreter elsewhere, for tests)
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from radixserve.attention.backend import AttentionBackend
 
+logger = logging.getLogger(__name__)
+
 
 def _torch_backend() -> type[AttentionBackend]:
     from radixserve.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend
+
+
+def _cpu_backend() -> type[AttentionBackend]:
+    from radixserve.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend
 
 
 def _triton_backend() -> type[AttentionBackend]:
@@ -23,6 +37,7 @@ def _triton_backend() -> type[AttentionBackend]:
 
 _FACTORIES: dict[str, Callable[[], type[AttentionBackend]]] = {
     "torch": _torch_backend,
+    "cpu": _cpu_backend,
     "triton": _triton_backend,
 }
 
@@ -32,11 +47,23 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """'auto' means triton on CUDA and torch elsewhere."""
+    """'auto' means triton on CUDA, and on CPU cpu where its C kernels build here, else
+    torch (logged). 'cpu' needs a CPU device and its kernels; ValueError otherwise."""
+    device = torch.device(device)
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu" and _cpu_kernels_build():
+            return "cpu"
+        logger.warning("attention backend auto: no C kernels for %s here; using the pure-torch backend", device)
+        return "torch"
     if name not in _FACTORIES:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(available_backends())}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on CPU only, not on {device}; use auto, triton or torch")
+    if name == "cpu" and not _cpu_kernels_build():
+        raise ValueError("the cpu attention backend needs its C kernels, which could not be built here "
+                         "(see the warning above: a C compiler is needed); use 'torch'")
     return name
 
 
@@ -44,3 +71,9 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
     if name not in _FACTORIES:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(available_backends())}")
     return _FACTORIES[name]()
+
+
+def _cpu_kernels_build() -> bool:
+    from radixserve.ops.native_attention import load_native_attention
+
+    return load_native_attention() is not None

@@ -16,15 +16,12 @@ from types import SimpleNamespace
 
 import torch
 
-from radixserve.attention.backend import AttentionBackend
+from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.metadata import AttentionMetadata
 
 
-@dataclass
-class _StepPlan:
-    """Per-step views of the metadata, shared by every layer."""
-
-    num_decodes: int
+@dataclass(frozen=True)
+class TritonPlan(AttentionPlan):
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
     max_decode_len: int
@@ -46,52 +43,45 @@ def load_kernels(device: torch.device) -> SimpleNamespace:
     return SimpleNamespace(store_kv=store_kv, decode_attention=decode_attention, extend_attention=extend_attention)
 
 
-def _plan(meta: AttentionMetadata) -> _StepPlan:
-    d = meta.num_decodes
-    starts = meta.query_start_loc_list
-    extend_lens = [starts[i + 1] - starts[i] for i in range(d, meta.num_requests)]
-    return _StepPlan(
-        num_decodes=d,
-        decode_block_tables=meta.block_tables[:d],
-        decode_seq_lens=meta.seq_lens[:d],
-        max_decode_len=max(meta.seq_lens_list[:d], default=0),
-        extend_block_tables=meta.block_tables[d:],
-        extend_query_start=meta.query_start_loc[d:],
-        extend_seq_lens=meta.seq_lens[d:],
-        max_extend_len=max(extend_lens, default=0),
-    )
-
-
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype)
         self._kernels: SimpleNamespace | None = None
-        self._step_meta: AttentionMetadata | None = None
-        self._step: _StepPlan | None = None
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        self._step_meta, self._step = meta, _plan(meta)
+    def prepare(self, meta: AttentionMetadata) -> TritonPlan:
+        d = meta.num_decodes
+        starts = meta.query_start_loc_list
+        extend_lens = [starts[i + 1] - starts[i] for i in range(d, meta.num_requests)]
+        return TritonPlan(
+            num_decodes=d,
+            slot_mapping=meta.slot_mapping,
+            decode_block_tables=meta.block_tables[:d],
+            decode_seq_lens=meta.seq_lens[:d],
+            max_decode_len=max(meta.seq_lens_list[:d], default=0),
+            extend_block_tables=meta.block_tables[d:],
+            extend_query_start=meta.query_start_loc[d:],
+            extend_seq_lens=meta.seq_lens[d:],
+            max_extend_len=max(extend_lens, default=0),
+        )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan):
         kernels = self._kernels or self._load(q.device)
-        if meta is not self._step_meta:
-            self.prepare(meta)
-        step = self._step
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         out = torch.empty_like(q)
-        d = step.num_decodes
+        d = plan.num_decodes
         if d:
             kernels.decode_attention(
-                q[:d], k_cache, v_cache, step.decode_block_tables, step.decode_seq_lens, self.scale,
-                max_seq_len=step.max_decode_len, out=out[:d],
+                q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
+                max_seq_len=plan.max_decode_len, out=out[:d],
             )
-        if step.max_extend_len:
+        if plan.max_extend_len:
             # Extend rows are addressed through query_start_loc, so q and out go in whole.
             kernels.extend_attention(
-                q, k_cache, v_cache, step.extend_block_tables, step.extend_query_start, step.extend_seq_lens,
-                self.scale, max_query_len=step.max_extend_len, out=out,
+                q, k_cache, v_cache, plan.extend_block_tables, plan.extend_query_start, plan.extend_seq_lens,
+                self.scale, max_query_len=plan.max_extend_len, out=out,
             )
         return out
 

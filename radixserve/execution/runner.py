@@ -45,7 +45,7 @@ class ModelRunner:
         self.device = device
         self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
         backend_class = get_backend_class(backend_name)
-        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype)
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
 
@@ -58,8 +58,8 @@ class ModelRunner:
         if prompt_rows:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
-        self.backend.prepare(meta)
-        logits = self.model(input_ids, positions, self.backend, self.pool, meta, logits_indices)
+        attention = self.backend.prepare(meta)  # once per step, read by every layer
+        logits = self.model(input_ids, positions, self.backend, self.pool, attention, logits_indices)
         result = StepResult(sampling, [], [], [])
         if sampling:
             rows = [self._sampling_row(c) for c in sampling]
@@ -98,8 +98,6 @@ class ModelRunner:
             seq_lens=self._tensor(seq_lens, torch.int32),
             block_tables=self._tensor(tables, torch.int32),
             slot_mapping=self._tensor(slots, torch.int64),
-            max_query_len=max(c.num_tokens for c in chunks),
-            max_seq_len=max(seq_lens),
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
         )

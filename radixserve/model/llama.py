@@ -2,7 +2,7 @@
 
 Every op works on [T, ...] rows where T is all the step's tokens from all requests
 (prefill chunks and decodes together); only attention needs to know which row belongs
-to which request, and it learns that from the AttentionMetadata. The numerics follow
+to which request, and it learns that from the step's AttentionPlan. The numerics follow
 transformers' implementation op for op (RMSNorm in fp32, rotate-half RoPE) so greedy
 outputs match it token for token.
 """
@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.attention.backend import AttentionBackend
+from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.attention.metadata import AttentionMetadata
 from radixserve.ops.native_ops import rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.model.spec import ModelSpec
 
@@ -101,7 +100,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
-    def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, meta: AttentionMetadata):
+    def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -111,7 +110,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         k_cache, v_cache = pool.layer(self.layer_index)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, meta)
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, plan)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -139,8 +138,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, rope, backend, pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool, meta)
+    def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,14 +160,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         pool: KVPool,
-        meta: AttentionMetadata,
+        plan: AttentionPlan,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the step's tokens; return logits [len(logits_indices), vocab] in float32."""
+        """Run the step's tokens; return logits [len(logits_indices), vocab] in float32.
+        `plan` is what `backend.prepare` made of the step's metadata."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, backend, pool, meta)
+            x = layer(x, rope, backend, pool, plan)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, weight).float().contiguous()

@@ -34,11 +34,6 @@ class ModelSpec:
     hidden_act: str
     hf_config: Any  # the transformers config, for RoPE variants
 
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        """Elements (K and V) per token per layer; multiply by the dtype's size."""
-        return 2 * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelSpec":
         model_type = getattr(config, "model_type", None)

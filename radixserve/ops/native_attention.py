@@ -1,38 +1,25 @@
 """NativePagedAttention: the C paged-KV kernels (csrc/paged_attention.c) for CPU: store
-new K/V rows into their slots, and decode attention.
+new K/V rows into their slots, and decode attention; the cpu attention backend's kernels.
 
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
 in place through the block table, and reads a prefix that neighbouring requests share
-once for all of them. Built and loaded by native_build.py; without it the torch backend
-keeps its pure-torch path.
+once for all of them. Built, loaded and typed by native_build.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from radixserve.ops.native_build import build_native
-
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_I64, _F32 = ctypes.c_int64, ctypes.c_float
-_PTR = ctypes.c_void_p
+from radixserve.ops.native_build import load_kernel
 
 
 class NativePagedAttention:
-    def __init__(self, library: ctypes.CDLL):
-        self._decode = library.paged_decode_attention_f32
-        self._decode.restype = ctypes.c_int
-        self._decode.argtypes = [
-            _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32,
-        ]
-        self._store = library.paged_store_f32
-        self._store.restype = ctypes.c_int
-        self._store.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    def __init__(self, decode, store):
+        self._decode = decode
+        self._store = store
 
     def decode(
         self,
@@ -83,8 +70,8 @@ class NativePagedAttention:
 @functools.cache
 def load_native_attention() -> NativePagedAttention | None:
     """The compiled kernels, or None when they cannot be built here."""
-    library = build_native(_SOURCE)
-    return None if library is None else NativePagedAttention(library)
+    decode, store = load_kernel("paged_decode_attention_f32"), load_kernel("paged_store_f32")
+    return None if decode is None or store is None else NativePagedAttention(decode, store)
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:

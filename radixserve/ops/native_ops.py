@@ -12,50 +12,34 @@ returning None where it does not apply so that the caller keeps its torch path.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from pathlib import Path
+import os
 
 import torch
 
-from radixserve.ops.native_build import build_native
+from radixserve.ops.native_build import load_kernel
 
 MAX_ROWS = 32
-_CSRC = Path(__file__).parent / "csrc"
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def model_ops_enabled() -> bool:
+    """RADIXSERVE_NATIVE_CPU=0 keeps the model's own ops (these kernels) on torch, to
+    compare or to rule them out; attention is chosen by the attention backend instead."""
+    return os.environ.get("RADIXSERVE_NATIVE_CPU", "1") != "0"
 
 
 @functools.cache
-def _kernel():
-    available = _function("skinny_linear.c", "skinny_linear_available", [])
+def _load(name: str):
+    """The typed kernel, or None when disabled or not buildable (decided once per process)."""
+    return load_kernel(name) if model_ops_enabled() else None
+
+
+@functools.cache
+def _skinny_kernel():
+    available = _load("skinny_linear_available")
     if available is None or not available():
         return None  # built without AVX2 + FMA: the BLAS is the better choice
-    return _function("skinny_linear.c", "skinny_linear_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64])
-
-
-@functools.cache
-def _norm_kernel():
-    return _function("layer_ops.c", "rms_norm_f32", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32])
-
-
-@functools.cache
-def _rope_kernel():
-    return _function("layer_ops.c", "rope_f32", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64])
-
-
-@functools.cache
-def _silu_mul_kernel():
-    return _function("layer_ops.c", "silu_mul_f32", [_PTR, _I64, _PTR, _I64, _I64])
-
-
-def _function(source: str, name: str, argtypes: list):
-    library = build_native(_CSRC / source)
-    if library is None:
-        return None
-    fn = getattr(library, name)
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int if name.startswith("skinny_linear") else None
-    return fn
+    return _load("skinny_linear_f32")
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,7 +50,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         and (bias is None or (_dense_f32(bias) and bias.shape == weight.shape[:1]))
     ):
         return None
-    fn = _kernel()
+    fn = _skinny_kernel()
     if fn is None:
         return None
     rows, features = x.shape[0], weight.shape[0]
@@ -82,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """RMSNorm of x's rows [T, dim] by the C kernel, or None where it does not apply."""
     if not (x.dim() == 2 and _rows_f32(x) and _dense_f32(weight) and weight.shape == x.shape[1:]):
         return None
-    fn = _norm_kernel()
+    fn = _load("rms_norm_f32")
     if fn is None:
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -100,7 +84,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         and all(_dense_f32(t) and t.shape == (tokens, 1, head_dim) for t in (cos, sin))
     ):
         return False
-    fn = _rope_kernel()
+    fn = _load("rope_f32")
     if fn is None:
         return False
     fn(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
@@ -112,7 +96,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of gate_up [T, 2n] = [gate | up], or None where it does not apply."""
     if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _rows_f32(gate_up)):
         return None
-    fn = _silu_mul_kernel()
+    fn = _load("silu_mul_f32")
     if fn is None:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2

@@ -17,8 +17,6 @@ import sys
 
 import torch
 
-_KERNEL_MODULES = ("store_kv", "decode_attention", "extend_attention")
-
 
 def configure_triton(device: torch.device | str) -> None:
     """Select Triton's interpreter unless `device` is CUDA. Triton fixes its mode when it
@@ -38,10 +36,6 @@ def _triton_imported_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(tl.zeros, InterpretedFunction)
-
-
-def kernels_loaded() -> bool:
-    return any(f"{__name__}.{name}" in sys.modules for name in _KERNEL_MODULES)
 
 
 def interpreting() -> bool:
