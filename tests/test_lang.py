@@ -44,7 +44,7 @@ def test_appending_a_non_string_is_a_type_error():
     "kwargs, message",
     [
         (dict(temperature=-1), "temperature"),
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(regex="a", choices=["a"]), "at most one"),
         (dict(json_schema=3), "json_schema"),
     ],
