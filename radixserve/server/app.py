@@ -22,7 +22,7 @@ from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.server.middleware import ApiKeyAuth, StatusCounter, cache_namespace
-from radixserve.server.openai_chat import ChatResponder
+from radixserve.server.openai_chat import ChatResponder, chat_job
 from radixserve.server.openai_completions import CompletionResponder
 from radixserve.server.openapi import openapi_schema
 from radixserve.server.options import ServerOptions
@@ -33,6 +33,7 @@ from radixserve.server.protocol.body import read_json
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
+from radixserve.server.tools.serving import ToolCalling
 
 log = logging.getLogger("radixserve.server")
 
@@ -49,6 +50,7 @@ class ServerState:
     texts: TokenTexts
     metrics: ServerMetrics
     max_model_len: int
+    tools: ToolCalling
 
 
 def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
@@ -61,7 +63,7 @@ def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
     async_engine.on_finished = metrics.observe_finished
     state = ServerState(
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
-        engine.max_model_len,
+        engine.max_model_len, ToolCalling(engine.tokenizer, options.tool_call_parser),
     )
 
     @contextlib.asynccontextmanager
@@ -135,8 +137,9 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    job = _in_namespace(request, parse(ChatCompletionRequest, await read_json(request)).to_job(state.served))
-    return await _serve_job(request, job, ChatResponder(job, state.texts))
+    job, tools = await chat_job(parse(ChatCompletionRequest, await read_json(request)), state.served, state.tools)
+    job = _in_namespace(request, job)
+    return await _serve_job(request, job, ChatResponder(job, state.texts, tools))
 
 
 async def generate(request: Request) -> Response:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from radixserve.server.options import ServerOptions
+from radixserve.server.tools.call_format import PARSER_CHOICES
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 FINAL_WRITE_TIMEOUT_S = 5  # after the drain: time for responses to write their last event
@@ -37,6 +38,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds running requests may finish at shutdown before they are aborted")
     group.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve /debug/check_integrity and /debug/stats")
+    group.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(PARSER_CHOICES),
+                       help="how the model writes tool calls: hermes/qwen (<tool_call>{json}</tool_call>), llama3 "
+                            "(JSON with \"parameters\"), or auto: detected from the chat template (default)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -50,6 +54,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         shutdown_grace_s=args.shutdown_grace,
         served_model_name=args.served_model_name,
         enable_debug_endpoints=args.enable_debug_endpoints,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

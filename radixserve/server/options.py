@@ -18,6 +18,7 @@ class ServerOptions:
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may finish
     served_model_name: str | None = None  # another name the model answers to
     enable_debug_endpoints: bool = False  # /debug/check_integrity and /debug/stats
+    tool_call_parser: str = "auto"  # how tool calls are written: hermes (qwen), llama3, or auto (from the template)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_prompts"):
@@ -25,6 +26,10 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        from radixserve.server.tools.call_format import PARSER_CHOICES
+
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")
         for key in ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys):
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ValueError("API keys must be non-empty strings without surrounding whitespace")

@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: the request body and the job it becomes.
 
 Fields the OpenAI API has but this server does not implement are refused when they would
-change the answer (tools, logit_bias, non-text content parts) and ignored when they would
-not (store, metadata, user, service_tier...).
+change the answer (logit_bias, non-text content parts, the legacy functions/function_call)
+and ignored when they would not (store, metadata, user, service_tier...). Tools: see
+radixserve/server/tools/.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from radixserve.server.protocol.common import OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields
 from radixserve.server.request_group import ChatPrompt
+from radixserve.server.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
+from radixserve.server.tools.history import HistoryCall, HistoryMessage
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -27,12 +30,39 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCallParam(OpenAIModel):
+    name: str
+    arguments: str = Field(description="the call's arguments as a JSON text")
+
+
+class ToolCallParam(OpenAIModel):
+    """A call an assistant message made (as the API returned it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIModel):
     role: Role
     content: Annotated[str | list[ContentPart], expects("a string or a list of text parts")] | None = Field(
         None, description="may be absent only for an assistant message"
     )
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+    def history_entry(self, where: str) -> HistoryMessage:
+        """The message as the tool-aware renderer sees it."""
+        if self.tool_calls and self.role != "assistant":
+            raise bad_request(f"'{where}.tool_calls' is only allowed on assistant messages", param=f"{where}.tool_calls")
+        calls = tuple(
+            HistoryCall(c.id, c.function.name, c.function.arguments, f"{where}.tool_calls[{j}].function.arguments")
+            for j, c in enumerate(self.tool_calls or [])
+        )
+        content = self._text(where) if self.content is not None or self.role != "assistant" else None
+        role = "system" if self.role == "developer" else self.role
+        return HistoryMessage(role, content, calls, self.tool_call_id, self.name, f"{where}.tool_call_id")
 
     def template_entry(self, where: str) -> dict[str, str]:
         """{"role", "content"} for the chat template ("developer" counts as "system")."""
@@ -90,25 +120,45 @@ class ChatCompletionRequest(OpenAISamplingFields):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="not supported: must be absent or empty")
-    tool_choice: Annotated[str | dict[str, Any], expects("a string or an object")] | None = Field(
-        None, description="only 'none' and 'auto' are supported"
-    )
+    tools: ToolList | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = Field(None, description="legacy: refused; use tools")
+    function_call: Any | None = Field(None, description="legacy: refused; use tool_choice")
 
-    def to_job(self, served: ServedModel) -> GenerationJob:
+    @property
+    def uses_tools(self) -> bool:
+        """Tools declared, or a history with calls or tool results: the tool-aware rendering."""
+        return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
+
+    def tool_spec(self) -> ToolSpec:
+        for legacy, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, legacy) is not None:
+                raise bad_request(f"'{legacy}' (deprecated by OpenAI) is not supported; use '{new}'", param=legacy)
+        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def history(self) -> list[HistoryMessage]:
+        return [m.history_entry(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def to_job(
+        self, served: ServedModel, prompt: ChatPrompt | list[int] | None = None, constraint: dict[str, Any] | None = None
+    ) -> GenerationJob:
+        """`prompt` and `constraint` (the tool-call grammar) come from the tool-aware path
+        when the request uses tools; otherwise the messages are templated as they are."""
         model = served.check_model(self.model)
-        prompt = ChatPrompt(tuple(m.template_entry(f"messages[{i}]") for i, m in enumerate(self.messages)))
-        if self.tools:
-            raise bad_request("'tools' (function calling) is not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("'tool_choice' other than 'none' or 'auto' is not supported", param="tool_choice")
+        if prompt is None:
+            prompt = ChatPrompt(tuple(m.template_entry(f"messages[{i}]") for i, m in enumerate(self.messages)))
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         served.check_group(1, self.n, "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        constraint = self.response_format.constraint() if self.response_format is not None else {}
-        params = self.sampling_params(served, max_tokens, logprobs, **constraint)
+        constraint = dict(constraint or {})
+        formatted = self.response_format.constraint() if self.response_format is not None else {}
+        if constraint and formatted:
+            raise bad_request("'response_format' cannot be combined with tool calls; set tool_choice 'none' "
+                              "to constrain the text instead", param="response_format")
+        params = self.sampling_params(served, max_tokens, logprobs, **constraint, **formatted)
         stream, include_usage = self.stream_flags()
         return GenerationJob(
             model, [prompt], self.samples(params), self.n, stream, include_usage, False, logprobs, self.cache_salt

@@ -1,0 +1,54 @@
+"""ToolCalling: what the server needs to serve tools for one model: its call format
+(--tool-call-parser, or detected from the chat template) and how its prompts render."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.server.request_group import ChatPrompt
+from radixserve.server.tools.call_format import ToolCallFormat, detect_format, format_named
+from radixserve.server.tools.definitions import ToolSpec
+from radixserve.server.tools.history import HistoryMessage, check_history
+from radixserve.server.tools.rendering import ChatRenderer, fallback_messages
+from radixserve.server.tools.grammar import tool_call_structural_tag
+
+Prompt = ChatPrompt | list[int]
+
+
+class ToolCalling:
+    """One per server. `parser`: a --tool-call-parser value (`auto` detects from the template)."""
+
+    def __init__(self, tokenizer: Any, parser: str = "auto"):
+        template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        self.fmt: ToolCallFormat = detect_format(template if isinstance(template, str) else None) \
+            if parser == "auto" else format_named(parser)
+        self.renderer = ChatRenderer(tokenizer, self.fmt)
+        self.tokenizer = tokenizer
+
+    async def prompt(self, history: list[HistoryMessage], spec: ToolSpec) -> Prompt:
+        """The prompt of a conversation with tools. The fallback rendering is plain messages,
+        templated where every chat prompt is; a template that knows tools is rendered here
+        (with `tools=`), on a worker thread, into token ids."""
+        check_history(history)
+        if not self.renderer.native:
+            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)))
+        return await asyncio.to_thread(self._native_ids, history, spec)
+
+    def constraint(self, spec: ToolSpec) -> dict[str, Any]:
+        """SamplingParams fields that make the calls parse (none for `none`)."""
+        tag = tool_call_structural_tag(spec, self.fmt)
+        return {"structural_tag": tag} if tag is not None else {}
+
+    def _native_ids(self, history: list[HistoryMessage], spec: ToolSpec) -> list[int]:
+        text = self.renderer.render(history, list(spec.tools))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """How a response reads calls out of generated text (None in a responder: no tools)."""
+
+    spec: ToolSpec
+    fmt: ToolCallFormat
