@@ -21,8 +21,9 @@ class SamplingParams:
     from the prefix cache, the ones after it are computed.
 
     At most one constraint: `regex`, `json_schema` (a dict or a JSON string), `json_object`
-    (any JSON value) or `choices` (one of the given strings). The output then always
-    matches it (unless max_tokens cuts it short).
+    (any JSON value), `choices` (one of the given strings) or `structural_tag` (an xgrammar
+    structural tag, a dict or JSON string: how the server constrains tool calls). The
+    output then always matches it (unless max_tokens cuts it short).
     """
 
     max_tokens: int | None = 16
@@ -47,6 +48,7 @@ class SamplingParams:
     json_schema: dict | str | None = None
     json_object: bool = False
     choices: list[str] | None = None
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,7 +82,10 @@ class SamplingParams:
 
     @property
     def constrained(self) -> bool:
-        return self.regex is not None or self.json_schema is not None or self.json_object or self.choices is not None
+        return (
+            self.regex is not None or self.json_schema is not None or self.json_object or self.choices is not None
+            or self.structural_tag is not None
+        )
 
     @property
     def max_stop_len(self) -> int:
@@ -120,7 +125,7 @@ class SamplingParams:
 
 
     def _validate_constraint(self) -> None:
-        given = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
+        given = [n for n in ("regex", "json_schema", "choices", "structural_tag") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) > 1:
             raise ValueError(f"at most one of regex, json_schema, json_object, choices; got {', '.join(given)}")
@@ -128,6 +133,8 @@ class SamplingParams:
             raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
             raise ValueError(f"json_schema must be a dict or a JSON string, got {type(self.json_schema).__name__}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError(f"structural_tag must be a dict or a JSON string, got {type(self.structural_tag).__name__}")
         if self.choices is not None:
             if not isinstance(self.choices, list) or not self.choices:
                 raise ValueError("choices must be a non-empty list of strings")
