@@ -38,6 +38,8 @@ class GrammarFactory:
         try:
             if kind == "regex":
                 grammar = compiler.compile_regex(spec)
+            elif kind == "structural_tag":
+                grammar = compiler.compile_structural_tag(spec)
             else:  # compact JSON: unbounded whitespace lets a small model ramble in it
                 grammar = compiler.compile_json_schema(spec, any_whitespace=False)
         except (RuntimeError, ValueError) as exc:
@@ -75,6 +77,9 @@ def _constraint(params: SamplingParams) -> tuple[str | None, str | None]:
     if params.json_schema is not None:
         schema = params.json_schema
         return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+    if params.structural_tag is not None:
+        tag = params.structural_tag
+        return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag)
     if params.json_object:
         return "json_object", '{"type": "object"}'
     return None, None
