@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from radixserve.execution.constrained import GrammarFactory
 from radixserve.execution.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
+from radixserve.prepare import PreparedRequest, Prompt, RequestPreparer
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
@@ -29,7 +32,27 @@ from radixserve.core.scheduler import Scheduler
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
 
-Prompt = str | list[int]
+THREAD_RULE = (
+    "an Engine is used by one thread at a time; another thread is inside it now. "
+    "For concurrent use, drive it through radixserve.engine_loop.EngineLoop (or the server, "
+    "or radixserve.lang.Runtime)"
+)
+
+
+def _one_thread(method: Callable) -> Callable:
+    """Refuse (RuntimeError, before touching anything) a call while another thread is inside
+    the engine; the same thread may nest calls (generate -> step)."""
+
+    @functools.wraps(method)
+    def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(THREAD_RULE)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return guarded
 
 
 class Engine:
@@ -38,6 +61,11 @@ class Engine:
     Offline: `engine.generate(prompts, params)`. Online: `add_request`, then `step()`
     until `has_unfinished_requests()` is False, `abort(request_id)` at any time.
     Every keyword is an EngineConfig field.
+
+    Threads: `prepare` (tokenize, check, compile the constraint) is thread-safe and reads
+    no engine state. Everything else is for one thread at a time: a second thread calling
+    in while one is inside gets a RuntimeError naming this rule, and nothing changes.
+    EngineLoop is the way to share an engine between threads.
     """
 
     def __init__(self, model: str | None = None, **options: Any):
@@ -62,6 +90,11 @@ class Engine:
             self.device, self.dtype, cfg.seed, self.eos_token_ids,
         )
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
+        self.preparer = RequestPreparer(
+            self.tokenizer, self.loaded.spec.vocab_size, self.max_model_len, cfg.block_size, num_blocks,
+            self.grammars, self.model_name,
+        )
+        self._busy = threading.RLock()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -71,6 +104,7 @@ class Engine:
 
     # ---- online API -------------------------------------------------------------
 
+    @_one_thread
     def add_request(
         self,
         prompt: Prompt,
@@ -79,10 +113,35 @@ class Engine:
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and changes nothing) if it can never run."""
-        request = self._make_request(prompt, params or SamplingParams(), request_id, cache_salt)
-        self._register(request)
-        return request.request_id
+        return self.admit(self.prepare(prompt, params, cache_salt), request_id)
 
+    def prepare(
+        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None
+    ) -> PreparedRequest:
+        """Tokenize and check a request and compile its constraint; thread-safe, touches no
+        engine state. Raises ValueError (naming the limit) if the request can never run."""
+        return self.preparer.prepare(prompt, params, cache_salt)
+
+    @_one_thread
+    def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str:
+        """Queue a prepared request (cheap: no tokenizing, no compiling); returns its id.
+        Raises ValueError (and changes nothing) for an id in use or a request admitted before."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prepared.admitted:
+            raise ValueError("this prepared request was admitted already; prepare it again")
+        prepared.admitted = True
+        p = prepared
+        request = Request(request_id, p.token_ids, p.params, p.max_total_tokens, p.cache_salt, prompt=p.prompt)
+        request.grammar = p.grammar
+        self._register(request)
+        return request_id
+
+    @_one_thread
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
@@ -106,6 +165,7 @@ class Engine:
             self.timings[name] += value
         return outputs
 
+    @_one_thread
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is unknown or already finished."""
         request = self._requests.get(request_id)
@@ -118,8 +178,14 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @_one_thread
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of the requests queued or running, in admission order."""
+        return list(self._requests)
+
     # ---- offline API ------------------------------------------------------------
 
+    @_one_thread
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -131,10 +197,8 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast_params(params, len(prompts))
-        requests = [self._make_request(p, sp, None, None) for p, sp in zip(prompts, params_list)]
-        for request in requests:
-            self._register(request)
-        ids = [r.request_id for r in requests]
+        prepared = [self.prepare(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = [self.admit(p) for p in prepared]
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids), use_tqdm)
@@ -152,14 +216,12 @@ class Engine:
     # ---- chat and text ----------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of a conversation through the model's chat template; thread-safe."""
+        return self.preparer.chat_token_ids(messages, add_generation_prompt)
 
     # ---- accounting -------------------------------------------------------------
 
+    @_one_thread
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
@@ -182,53 +244,17 @@ class Engine:
             **self.timings,
         }
 
+    @_one_thread
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is off anywhere."""
         self.scheduler.check_integrity()
 
+    @_one_thread
     def flush_cache(self) -> int:
         """Drop every unlocked prefix-cache entry; returns the number of blocks freed."""
         return self.scheduler.flush_cache()
 
     # ---- helpers ----------------------------------------------------------------
-
-    def _make_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, cache_salt: str | None
-    ) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens, "
-                f"which leaves no room to generate"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        capacity = self.pool.num_blocks * self.config.block_size
-        # No max_tokens: generate up to the context, or to what the whole pool can hold.
-        total = min(self.max_model_len, capacity) if params.max_tokens is None else n + params.max_tokens
-        blocks = -(-max(total, n + 1) // self.config.block_size)
-        if blocks > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens needs {blocks} KV blocks of {self.config.block_size} tokens; "
-                f"the pool has {self.pool.num_blocks}. Lower max_tokens or raise num_kv_blocks"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
-        request = Request(request_id, token_ids, params, total, cache_salt, prompt=text)
-        request.grammar = self.grammars.matcher(params)
-        return request
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -237,23 +263,6 @@ class Engine:
                 self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
             )
         self.scheduler.add(request)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name} has no tokenizer; pass token ids instead of text")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt is empty")
-        vocab = self.loaded.spec.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-        return None, list(prompt)
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.token_ids.append(token)

@@ -1,6 +1,12 @@
 """Constrained decoding: a request's regex, JSON schema, any-JSON or choice list becomes an
 xgrammar matcher that masks the logits of every step and advances with every sampled token.
 
+Grammars are compiled while a request is prepared, off the engine thread; their size is
+bounded before compiling (a clear ValueError names the limit) and the compile time after
+(the request is refused when compiling takes longer; the compile itself, which xgrammar
+cannot interrupt, finishes in the background on a single worker thread). Compiled
+grammars are cached up to a byte limit.
+
 Preemption by recompute keeps a request's generated tokens, so its matcher state stays in
 step with them: nothing is rolled back. xgrammar is imported on the first constrained
 request only.
@@ -8,54 +14,152 @@ request only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
-from typing import Any
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from radixserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+else:
+    CompiledGrammar = GrammarCompiler = GrammarMatcher = Any
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on a constraint, checked before compiling (sizes) and while compiling (time)."""
+
+    max_regex_chars: int = 4096
+    max_schema_chars: int = 65536
+    max_structural_tag_chars: int = 1 << 20  # tool calls: up to 128 tools' argument grammars
+    max_schema_depth: int = 64
+    max_enum_values: int = 2048  # enum and const values and choices, over the whole constraint
+    compile_timeout_s: float = 10.0
+    cache_limit_bytes: int = 64 << 20
+
+
+_REGEX_SPECIAL = set("\\.^$*+?{}[]|()")
+
 
 class GrammarFactory:
-    """Compiles constraints against one tokenizer; compiled grammars are cached by xgrammar."""
+    """Compiles constraints against one tokenizer. Thread-safe: any number of threads may
+    ask for matchers; compiles run one at a time on the factory's own worker thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], limits: GrammarLimits | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self._compiler = None
+        self.limits = limits or GrammarLimits()
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def matcher(self, params: SamplingParams) -> Any | None:
-        """A fresh matcher for the request's constraint, or None when it has none.
-        Raises ValueError with the compiler's reason for an invalid regex or schema."""
+    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher for the request's constraint, or None when it has none. Raises
+        ValueError with the compiler's reason for an invalid regex or schema, or naming
+        the limit that a too large (or too slow to compile) constraint passes."""
         kind, spec = _constraint(params)
         if kind is None:
             return None
         if self.tokenizer is None:
             raise ValueError("constrained decoding needs a tokenizer; this model has none")
+        check_size(kind, spec, params, self.limits)
         import xgrammar as xgr
 
-        compiler = self._get_compiler(xgr)
+        return xgr.GrammarMatcher(self._compile(kind, spec))
+
+    def cache_size_bytes(self) -> int:
+        """Bytes held by compiled grammars in the cache (bounded by limits.cache_limit_bytes)."""
+        return self._compiler.get_cache_size_bytes() if self._compiler is not None else 0
+
+    def _compile(self, kind: str, spec: str) -> CompiledGrammar:
+        compiler, pool = self._get_compiler()
+        if kind == "regex":
+            future = pool.submit(compiler.compile_regex, spec)
+        elif kind == "structural_tag":
+            future = pool.submit(compiler.compile_structural_tag, spec)
+        else:  # compact JSON: unbounded whitespace lets a small model ramble in it
+            future = pool.submit(compiler.compile_json_schema, spec, any_whitespace=False)
+        timeout = self.limits.compile_timeout_s
         try:
-            if kind == "regex":
-                grammar = compiler.compile_regex(spec)
-            elif kind == "structural_tag":
-                grammar = compiler.compile_structural_tag(spec)
-            else:  # compact JSON: unbounded whitespace lets a small model ramble in it
-                grammar = compiler.compile_json_schema(spec, any_whitespace=False)
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(
+                f"the {kind.replace('_', ' ')} did not compile within {timeout:g} s (grammar compile time limit); "
+                f"simplify it"
+            ) from None
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {_first_line(exc)}") from None
-        return xgr.GrammarMatcher(grammar)
 
-    def _get_compiler(self, xgr):
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+    def _get_compiler(self) -> tuple[GrammarCompiler, concurrent.futures.ThreadPoolExecutor]:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                # One compiling thread: a compile never takes more than one core from the engine.
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=self.limits.cache_limit_bytes
+                )
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-grammar")
+            return self._compiler, self._pool
 
 
-def apply_grammar_masks(logits, matchers: list[tuple[int, Any]]) -> None:
+def check_size(kind: str, spec: str, params: SamplingParams, limits: GrammarLimits) -> None:
+    """Raise ValueError naming the limit a constraint passes (cheap: no compiling)."""
+    if kind == "regex":
+        if params.choices is not None and len(params.choices) > limits.max_enum_values:
+            raise ValueError(f"choices has {len(params.choices)} entries; the limit is {limits.max_enum_values}")
+        if params.choices is not None:  # literal alternatives compile fast: the schema bound
+            if len(spec) > limits.max_schema_chars:
+                raise ValueError(f"choices have {len(spec)} characters; the limit is {limits.max_schema_chars}")
+        elif len(spec) > limits.max_regex_chars:
+            raise ValueError(f"regex has {len(spec)} characters; the limit is {limits.max_regex_chars}")
+        return
+    if kind == "structural_tag":
+        if len(spec) > limits.max_structural_tag_chars:
+            raise ValueError(f"structural tag has {len(spec)} characters; the limit is {limits.max_structural_tag_chars}")
+        return
+    if len(spec) > limits.max_schema_chars:
+        raise ValueError(f"json schema has {len(spec)} characters; the limit is {limits.max_schema_chars}")
+    try:
+        schema = json.loads(spec)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"invalid json schema: {_first_line(exc)}") from None
+    depth, values = _schema_shape(schema, limits.max_schema_depth)
+    if depth > limits.max_schema_depth:
+        raise ValueError(f"json schema nests deeper than {limits.max_schema_depth} levels (the limit)")
+    if values > limits.max_enum_values:
+        raise ValueError(f"json schema has {values} enum/const values; the limit is {limits.max_enum_values}")
+
+
+def _schema_shape(schema: Any, max_depth: int) -> tuple[int, int]:
+    """(nesting depth, number of enum and const values) of a parsed schema; stops
+    descending past max_depth (iterative: a deep schema cannot exhaust the stack)."""
+    deepest, values = 0, 0
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > max_depth:
+            continue
+        if isinstance(node, dict):
+            enum = node.get("enum")
+            values += len(enum) if isinstance(enum, list) else 0
+            values += 1 if "const" in node else 0
+            stack.extend((child, depth + 1) for child in node.values() if isinstance(child, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node if isinstance(child, (dict, list)))
+    return deepest, values
+
+
+def apply_grammar_masks(logits, matchers: list[tuple[int, GrammarMatcher]]) -> None:
     """Mask (to -inf), in place, every token the matcher of row i forbids."""
     import xgrammar as xgr
 
@@ -66,7 +170,12 @@ def apply_grammar_masks(logits, matchers: list[tuple[int, Any]]) -> None:
 
 
 def choices_regex(choices: list[str]) -> str:
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+    return "(" + "|".join(_escape(c) for c in choices) + ")"
+
+
+def _escape(text: str) -> str:
+    """Escape the regex metacharacters only (xgrammar warns about escaped spaces and letters)."""
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
 
 
 def _constraint(params: SamplingParams) -> tuple[str | None, str | None]:
@@ -76,7 +185,10 @@ def _constraint(params: SamplingParams) -> tuple[str | None, str | None]:
         return "regex", choices_regex(params.choices)
     if params.json_schema is not None:
         schema = params.json_schema
-        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+        except RecursionError:
+            raise ValueError("json schema nests too deeply") from None
     if params.structural_tag is not None:
         tag = params.structural_tag
         return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag)

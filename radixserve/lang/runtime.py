@@ -1,4 +1,4 @@
-"""Runtime: the in-process backend, an Engine on a background thread.
+"""Runtime: the in-process backend, an Engine stepped by an EngineLoop.
 
     backend = rl.Runtime()                         # the default model; any EngineConfig option
     backend = rl.Runtime(enable_prefix_cache=False)
@@ -8,20 +8,25 @@
 from __future__ import annotations
 
 import queue
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from radixserve.engine_loop import EngineLoop
 from radixserve.lang.backend import Backend, Completion, TextCallback
 from radixserve.lang.choice_scoring import ScoreRequest
-from radixserve.lang.engine_thread import EngineThread
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from radixserve.engine import Engine
+
 
 class Runtime(Backend):
-    """Runs programs on an Engine in this process. Thread-safe: program threads block on
-    their own calls while the engine thread batches all of them."""
+    """Runs programs on an Engine in this process. Thread-safe: each program thread
+    prepares (tokenizes, compiles grammars for) its own calls and blocks on them while the
+    engine thread batches all of them. The engine loop is shut down by `shutdown()`, or at
+    interpreter exit at the latest."""
 
-    def __init__(self, model: str | None = None, *, engine: Any = None, **engine_options: Any):
+    def __init__(self, model: str | None = None, *, engine: "Engine | None" = None, **engine_options: Any):
         if engine is None:
             from radixserve.engine import Engine
 
@@ -29,29 +34,32 @@ class Runtime(Backend):
         elif model is not None or engine_options:
             raise ValueError("give either engine= or model/engine options, not both")
         self.engine = engine
-        self._thread = EngineThread(engine)
+        self._loop = EngineLoop(engine, name="radixserve-lang-engine")
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None) -> Completion:
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
-        (request_id,) = self._thread.submit([prompt_ids], [params], outputs.put)
+        outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        prepared = self.engine.prepare(prompt_ids, params)
+        (request_id,) = self._loop.submit([prepared], outputs.put).result()
         try:
             final = _follow(outputs, on_text)
         except BaseException:
-            self._thread.abort([request_id])
+            self._loop.abort([request_id])
             raise
         return Completion(final.text, list(final.token_ids), final.finish_reason, final.prompt_tokens, final.cached_tokens)
 
     def score(self, requests: list[ScoreRequest]) -> list[list[float]]:
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
-        params = [
-            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=r.start)
+        outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        prepared = [
+            self.engine.prepare(
+                r.token_ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=r.start)
+            )
             for r in requests
         ]
-        ids = self._thread.submit([r.token_ids for r in requests], params, outputs.put)
+        ids = self._loop.submit(prepared, outputs.put).result()
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(ids):
@@ -61,20 +69,20 @@ class Runtime(Backend):
                 if item.finished:
                     finals[item.request_id] = item
         except BaseException:
-            self._thread.abort(ids)
+            self._loop.abort(ids)
             raise
         return [_scored(finals[i], r) for i, r in zip(ids, requests)]
 
     def stats(self) -> dict[str, Any]:
-        return self._thread.call(lambda engine: engine.stats()).result()
+        return self._loop.call(lambda engine: engine.stats()).result()
 
     def flush_cache(self) -> int:
         """Drop the unused prefix-cache entries; returns the number of blocks freed."""
-        return self._thread.call(lambda engine: engine.flush_cache()).result()
+        return self._loop.call(lambda engine: engine.flush_cache()).result()
 
     def shutdown(self) -> None:
         """Abort what is still running and stop the engine thread (the Engine stays usable)."""
-        self._thread.shutdown()
+        self._loop.shutdown()
 
 
 def _follow(outputs: queue.SimpleQueue, on_text: TextCallback | None) -> RequestOutput:

@@ -15,8 +15,8 @@ from radixserve.server.errors import APIError
 
 @dataclass(frozen=True, eq=False)
 class ChatPrompt:
-    """A conversation the engine thread turns into token ids with the model's chat template
-    (compared by identity: the n samples of one request share one ChatPrompt)."""
+    """A conversation a prepare worker turns into token ids with the model's chat template
+    (compared by identity: the n samples of one request share one ChatPrompt, templated once)."""
 
     messages: tuple[dict[str, Any], ...]
 
