@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import regex
 import torch
 
 from radixserve.attention.kv_pool import KVPool
@@ -159,6 +160,7 @@ class Engine:
         outputs = [
             self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
         ]
+        outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         for name, value in self.last_step_timings.items():
@@ -285,6 +287,14 @@ class Engine:
             return output
         return self._output(request)
 
+    def _finish_prefill_only(self, request: Request) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is computed: it finishes without a token, its
+        blocks going to the prefix cache like any finished request's."""
+        self.scheduler.finish(request, "length")
+        output = self._output(request)
+        self._forget(request)
+        return output
+
     def _stop_check(self, request: Request, token: int, text_before: int) -> tuple[str | None, str | int | None]:
         params = request.params
         n_out = request.num_output_tokens
@@ -295,6 +305,10 @@ class Engine:
                 return "stop", token
             if params.stop:
                 hit = self._find_stop_string(request, text_before)
+                if hit is not None:
+                    return "stop", hit
+            if params.stop_regex:
+                hit = self._find_stop_regex(request)
                 if hit is not None:
                     return "stop", hit
         if request.grammar is not None and request.grammar.is_terminated():
@@ -320,10 +334,24 @@ class Engine:
         request.output_text = text[: cut + len(best[1])] if params.include_stop_str_in_output else text[:cut]
         return best[1]
 
+    def _find_stop_regex(self, request: Request) -> str | None:
+        """The earliest stop_regex match in the generated text (the first pattern's at a tie);
+        cuts the text there. The whole text is searched: a match may begin before this token."""
+        params = request.params
+        text = request.output_text
+        matches = [m for m in (regex.search(p, text) for p in params.stop_regex) if m is not None]
+        if not matches:
+            return None
+        best = min(matches, key=lambda m: m.start())
+        request.output_text = text[: best.end()] if params.include_stop_str_in_output else text[: best.start()]
+        return best.group()
+
     def _output(self, request: Request) -> RequestOutput:
         text = request.output_text
         if not request.finished and request.params.stop:
             text = text[: max(0, len(text) - request.params.max_stop_len + 1)]
+        if not request.finished and request.params.stop_regex:
+            text = text[: _stop_regex_holdback(text, request.params.stop_regex)]
         metrics: dict[str, float] = {}
         if request.first_token_time is not None:
             metrics["ttft_s"] = request.first_token_time - request.arrival_time
@@ -365,6 +393,21 @@ class Engine:
         if blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
         return blocks
+
+
+def _prefill_done(request: Request) -> bool:
+    return request.params.prefill_only and not request.finished and request.num_computed_tokens == request.num_tokens
+
+
+def _stop_regex_holdback(text: str, patterns: list[str]) -> int:
+    """Where the text a running request may show ends: before the earliest place a
+    stop_regex could still match once more text arrives."""
+    cut = len(text)
+    for pattern in patterns:
+        partial = regex.search(pattern, text, partial=True)
+        if partial is not None:
+            cut = min(cut, partial.start())
+    return cut
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 MAX_LOGPROBS = 20
 
 
@@ -15,7 +17,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 or -1 disables top-k. `logprobs=k` returns the
     chosen token's log-probability and the k most likely alternatives at every step
-    (k=0: the chosen token only). `max_tokens=None` generates up to the context length.
+    (k=0: the chosen token only). `max_tokens=None` generates up to the context length;
+    `max_tokens=0` is a prefill-only request: it computes the prompt (prompt logprobs,
+    cache warm-up), samples nothing and finishes with "length".
     `prompt_logprobs=k` does the same for the prompt tokens from index
     `prompt_logprobs_start` on (index 0 has none); tokens before that index may still come
     from the prefix cache, the ones after it are computed.
@@ -24,6 +28,10 @@ class SamplingParams:
     (any JSON value), `choices` (one of the given strings) or `structural_tag` (an xgrammar
     structural tag, a dict or JSON string: how the server constrains tool calls). The
     output then always matches it (unless max_tokens cuts it short).
+
+    `stop_regex` (a pattern or a list of them) stops like a stop string: at the earliest
+    match in the generated text, which is cut before it (or after it with
+    `include_stop_str_in_output`); the matched text is the stop reason.
     """
 
     max_tokens: int | None = 16
@@ -37,6 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -54,6 +63,13 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        if self.stop_regex is None:
+            self.stop_regex = []
+        if not isinstance(self.stop_regex, (list, tuple)):
+            raise ValueError(f"stop_regex must be a string or a list of strings, got {self.stop_regex!r}")
+        self.stop_regex = list(self.stop_regex)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -88,12 +104,17 @@ class SamplingParams:
         )
 
     @property
+    def prefill_only(self) -> bool:
+        """max_tokens=0: compute the prompt, sample nothing."""
+        return self.max_tokens == 0
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
     def _validate(self) -> None:
         if self.max_tokens is not None:
-            _require_int("max_tokens", self.max_tokens, minimum=1)
+            _require_int("max_tokens", self.max_tokens, minimum=0)
         _require_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -109,6 +130,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for pattern in self.stop_regex:
+            _require_stop_regex(pattern)
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t, minimum=0)
         for name in ("logprobs", "prompt_logprobs"):
@@ -147,6 +170,17 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_stop_regex(pattern: Any) -> None:
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {pattern!r}")
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as exc:
+        raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+    if compiled.fullmatch(""):
+        raise ValueError(f"stop_regex {pattern!r} matches the empty string, so it would stop at once")
 
 
 def _require_number(

@@ -6,7 +6,11 @@ from radixserve.sampling_params import SamplingParams
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -1}, "max_tokens must be >= 0"),
+        ({"stop_regex": "("}, "stop_regex '\\(' is not a valid regular expression"),
+        ({"stop_regex": ["ok", "a*"]}, "matches the empty string"),
+        ({"stop_regex": [""]}, "stop_regex must be a non-empty string"),
+        ({"stop_regex": 3}, "stop_regex must be a string or a list"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer"),
         ({"max_tokens": True}, "max_tokens must be an integer"),
         ({"temperature": -0.1}, "temperature"),

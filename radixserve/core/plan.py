@@ -17,8 +17,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the last token, so the step samples the request's next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the last token, so the step samples the request's next token
+        (unless the request is prefill-only: max_tokens=0 samples nothing)."""
+        return self.start + self.num_tokens == self.request.num_tokens and not self.request.params.prefill_only
 
 
 @dataclass
