@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -31,6 +31,8 @@ from radixserve.server.protocol import (
 )
 from radixserve.server.protocol.body import read_json
 from radixserve.server.request_group import RequestGroup
+from radixserve.server.response_store import ResponseStore
+from radixserve.server.responses_api import ResponsesRequest, ResponsesResponder, responses_job
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.serving import ToolCalling
@@ -51,6 +53,7 @@ class ServerState:
     metrics: ServerMetrics
     max_model_len: int
     tools: ToolCalling
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
 
 
 def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
@@ -96,6 +99,7 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
@@ -142,6 +146,13 @@ async def chat_completions(request: Request) -> Response:
     return await _serve_job(request, job, ChatResponder(job, state.texts, tools))
 
 
+async def responses(request: Request) -> Response:
+    state = _state(request)
+    body = parse(ResponsesRequest, await read_json(request))
+    job, responder = await responses_job(body, state.served, state.tools, state.responses)
+    return await _serve_job(request, _in_namespace(request, job), responder)
+
+
 async def generate(request: Request) -> Response:
     state = _state(request)
     job = _in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
@@ -160,8 +171,8 @@ async def metrics_endpoint(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    keys = _state(request).options.all_api_keys
-    return JSONResponse(openapi_schema([r.path for r in request.app.routes], auth=bool(keys)))
+    routes = {r.path: set(r.methods or ()) for r in request.app.routes if isinstance(r, Route)}
+    return JSONResponse(openapi_schema(routes, auth=bool(_state(request).options.all_api_keys)))
 
 
 async def flush_cache(request: Request) -> Response:
@@ -188,7 +199,9 @@ async def debug_stats(request: Request) -> Response:
 # ---- request plumbing --------------------------------------------------------------------
 
 
-async def _serve_job(request: Request, job: Any, responder: CompletionResponder | ChatResponder) -> Response:
+async def _serve_job(
+    request: Request, job: Any, responder: CompletionResponder | ChatResponder | ResponsesResponder
+) -> Response:
     group = await _state(request).engine.submit(job.inputs())
     if job.stream:
         return EventStream(responder.chunks(group), on_close=group.abort)

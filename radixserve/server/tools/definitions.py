@@ -106,14 +106,17 @@ def tool_spec(
     parallel_tool_calls: bool | None,
     tools_param: str = "tools",
     choice_param: str = "tool_choice",
+    flat: bool = False,
 ) -> ToolSpec:
-    """Check tools and tool_choice together; raises a 400 naming the field."""
+    """Check tools and tool_choice together; raises a 400 naming the field. `flat`: the
+    request spells a tool without its "function" wrapper (the Responses API)."""
+    inner = "" if flat else ".function"
     tools = list(tools or [])
     if len(tools) > MAX_TOOLS:
         raise bad_request(f"'{tools_param}' takes at most {MAX_TOOLS} tools, got {len(tools)}", param=tools_param)
-    _check_unique(tools, tools_param)
+    _check_unique(tools, tools_param, inner)
     grammars = tuple(
-        arguments_grammar(tool.parameters, f"{tools_param}[{index}].function.parameters")
+        arguments_grammar(tool.parameters, f"{tools_param}[{index}]{inner}.parameters")
         for index, tool in enumerate(tools)
     )
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
@@ -146,13 +149,13 @@ def arguments_grammar(schema: dict[str, Any], param: str) -> str:
         raise bad_request(f"'{param}' nests too deeply", param=param) from None
 
 
-def _check_unique(tools: list[ToolDefinition], param: str) -> None:
+def _check_unique(tools: list[ToolDefinition], param: str, inner: str) -> None:
     seen: dict[str, int] = {}
     for index, tool in enumerate(tools):
         if tool.name in seen:
+            where = f"{param}[{index}]{inner}.name"
             raise bad_request(
-                f"'{param}[{index}].function.name': the name '{tool.name}' is already used by {param}[{seen[tool.name]}]",
-                param=f"{param}[{index}].function.name",
+                f"'{where}': the name '{tool.name}' is already used by {param}[{seen[tool.name]}]", param=where
             )
         seen[tool.name] = index
 

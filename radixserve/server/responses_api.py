@@ -1,0 +1,404 @@
+"""POST /v1/responses: the subset of OpenAI's Responses API that agent SDKs use.
+
+Input: a string or items (`message` with text parts, `function_call`,
+`function_call_output`), `instructions`, function `tools`, `tool_choice`,
+`parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
+(text, json_object, json_schema), `stream`, and `seed` (an extension). Output: `message`
+and `function_call` items, usage with `input_tokens_details.cached_tokens`; streamed as the
+typed events the official client parses.
+
+`store` (default true) keeps the conversation in memory (ResponseStore: bounded, with a
+TTL) so a later request can continue it with `previous_response_id`; an unknown or
+expired id is a 400. Other tool types, non-text inputs and `background` are refused.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from radixserve.outputs import RequestOutput
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.errors import bad_request
+from radixserve.server.openai_common import now_s
+from radixserve.server.protocol.common import MAX_SEED, OpenAIModel, ServedModel, expects
+from radixserve.server.protocol.jobs import GenerationJob
+from radixserve.server.request_group import RequestGroup
+from radixserve.server.response_store import ResponseStore
+from radixserve.server.tools.definitions import (
+    MAX_TOOLS, FunctionDefinition, NamedFunction, ToolDefinition, ToolSpec, tool_spec, NamedToolChoice,
+)
+from radixserve.server.tools.history import HistoryCall, HistoryMessage
+from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ToolCallParser
+from radixserve.server.tools.serving import ToolCalling
+
+# ---- request -----------------------------------------------------------------------------
+
+
+class TextPart(OpenAIModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(OpenAIModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Annotated[str | list[TextPart], expects("a string or a list of text parts")]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(OpenAIModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(OpenAIModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Annotated[str | list[TextPart], expects("a string or a list of text parts")]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem,
+    expects("a message, function_call or function_call_output item (text content only)"),
+]
+
+
+def _string_or_items(value: Any, handler: Any) -> Any:
+    """`input`: a string as it is; a list item by item (so an error names the bad item)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("wrong_type", "must be {expected}", {"expected": "a string or a list of input items"})
+    return handler(value)
+
+
+class FunctionTool(OpenAIModel):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def definition(self) -> ToolDefinition:
+        function = FunctionDefinition(name=self.name, description=self.description, parameters=self.parameters,
+                                      strict=self.strict)
+        return ToolDefinition(type="function", function=function)
+
+
+class FunctionChoice(OpenAIModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    name: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(OpenAIModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(OpenAIModel):
+    """The body of POST /v1/responses."""
+
+    model: str
+    input: Annotated[list[InputItem], WrapValidator(_string_or_items)]  # or a string (kept as it is)
+    instructions: str | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | FunctionChoice,
+        expects("'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}"),
+    ] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="an extension: reproducible sampling")
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    text: TextOptions | None = None
+    background: bool = False
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    def tool_spec(self) -> ToolSpec:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        definitions = [t.definition() for t in self.tools or []]
+        return tool_spec(definitions, choice, self.parallel_tool_calls, flat=True)
+
+    def history(self, store: ResponseStore) -> tuple[list[HistoryMessage], list[HistoryMessage]]:
+        """(instructions as a system turn, the conversation: stored turns, then this input)."""
+        head = [HistoryMessage("system", self.instructions)] if self.instructions else []
+        earlier: list[HistoryMessage] = []
+        if self.previous_response_id is not None:
+            stored = store.get(self.previous_response_id)
+            if stored is None:
+                raise bad_request(
+                    f"'previous_response_id' '{self.previous_response_id}' is unknown or expired (responses are kept "
+                    f"in memory for {store.ttl_s:g} s, at most {store.max_entries} of them)",
+                    param="previous_response_id",
+                )
+            earlier = stored
+        return head, earlier + _input_history(self.input)
+
+    def constraint(self, spec: ToolSpec, calling: ToolCalling) -> dict[str, Any]:
+        tools = calling.constraint(spec)
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return tools
+        if tools:
+            raise bad_request("'text.format' cannot be combined with tool calls; set tool_choice 'none'",
+                              param="text.format")
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        return {"json_schema": fmt.schema_ or {}}
+
+
+def _input_history(value: str | list) -> list[HistoryMessage]:
+    if isinstance(value, str):
+        return [HistoryMessage("user", value)]
+    out: list[HistoryMessage] = []
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append(HistoryMessage(role, item.text()))
+        elif isinstance(item, FunctionCallItem):
+            call = HistoryCall(item.call_id, item.name, item.arguments, f"{where}.arguments")
+            if out and out[-1].role == "assistant":  # calls join the assistant turn they follow
+                last = out.pop()
+                out.append(HistoryMessage("assistant", last.content, last.tool_calls + (call,)))
+            else:
+                out.append(HistoryMessage("assistant", None, (call,)))
+        else:
+            out.append(HistoryMessage("tool", item.text(), tool_call_id=item.call_id,
+                                      tool_call_id_param=f"{where}.call_id"))
+    if not out:
+        raise bad_request("'input' must not be empty", param="input")
+    return out
+
+
+async def responses_job(
+    body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: ResponseStore
+) -> tuple[GenerationJob, "ResponsesResponder"]:
+    """The engine job of a Responses request and the responder that answers it."""
+    model = served.check_model(body.model)
+    if body.background:
+        raise bad_request("'background' responses are not supported", param="background")
+    spec = body.tool_spec()
+    head, conversation = body.history(store)
+    prompt = await calling.prompt(head + conversation, spec)
+    try:
+        params = SamplingParams(
+            max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+            **body.constraint(spec, calling),
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    job = GenerationJob(model, [prompt], [params], 1, body.stream, False)
+    return job, ResponsesResponder(job, body, spec if spec.parses_calls else None, calling, store, conversation)
+
+
+# ---- response ----------------------------------------------------------------------------
+
+
+class ResponsesResponder:
+    """Builds the "response" object, and its stream of events, from one engine request."""
+
+    def __init__(
+        self, job: GenerationJob, body: ResponsesRequest, spec: ToolSpec | None, calling: ToolCalling,
+        store: ResponseStore, conversation: list[HistoryMessage],
+    ):
+        self.job = job
+        self.request = body
+        self.spec = spec
+        self.calling = calling
+        self.store = store
+        self.conversation = conversation
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = now_s()
+
+    def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        output = outputs[0]
+        builder = _OutputBuilder(self._parser())
+        builder.feed(output.text, final=True)
+        return self._response(output, builder)
+
+    async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
+        builder = _OutputBuilder(self._parser())
+        sequence = iter(range(1 << 62))
+        for kind in ("response.created", "response.in_progress"):
+            yield {"type": kind, "sequence_number": next(sequence), "response": self._response(None, builder)}
+        sent = 0
+        async for _, output in group.outputs():
+            events = builder.feed(output.text[sent:], final=output.finished)
+            sent = len(output.text)
+            for event in events:
+                yield {**event, "sequence_number": next(sequence)}
+            if output.finished:
+                response = self._response(output, builder)
+                kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+                yield {"type": kind, "sequence_number": next(sequence), "response": response}
+
+    def _parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.calling.fmt, self.spec.names) if self.spec is not None else None
+
+    def _response(self, output: RequestOutput | None, builder: "_OutputBuilder") -> dict[str, Any]:
+        body = self.request
+        status = "in_progress" if output is None else (
+            "incomplete" if output.finish_reason == "length" else "completed"
+        )
+        stored = False
+        if output is not None and body.store:
+            stored = self.store.put(self.id, self.conversation + builder.history())
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.job.model,
+            "output": builder.items if output is not None else [],
+            "instructions": body.instructions,
+            "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
+            "tool_choice": _dump(body.tool_choice) if body.tool_choice is not None else "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id,
+            "store": stored if output is not None else body.store,
+            "text": {"format": _dump(body.text.format) if body.text and body.text.format else {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": body.metadata or {},
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "usage": _usage(output) if output is not None else None,
+        }
+
+
+class _OutputBuilder:
+    """Output items (message, function_call) built from the text as it grows, with the
+    stream events that announce them. The same builder makes the non-streamed body, so a
+    stream always assembles to the body."""
+
+    def __init__(self, parser: ToolCallParser | None):
+        self.parser = parser
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+
+    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        if self.parser is None:
+            parsed: list[Event] = [ContentDelta(text)] if text else []
+        else:
+            parsed = self.parser.feed(text) if text else []
+            if final:
+                parsed += self.parser.finish()
+        events: list[dict[str, Any]] = []
+        for event in parsed:
+            events += self._apply(event)
+        if final:
+            events += self._close()
+        return events
+
+    def history(self) -> list[HistoryMessage]:
+        """The output as one assistant turn (text, then calls), for a later previous_response_id."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message") or None
+        calls = tuple(HistoryCall(i["call_id"], i["name"], i["arguments"], "output") for i in self.items
+                      if i["type"] == "function_call")
+        return [HistoryMessage("assistant", text, calls)]
+
+    def _apply(self, event: Event) -> list[dict[str, Any]]:
+        if isinstance(event, ContentDelta):
+            events = [] if self._open is not None and self._open["type"] == "message" else self._close() + self._open_message()
+            item = self._open
+            item["content"][0]["text"] += event.text
+            return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                              "delta": event.text, "logprobs": []}]
+        if isinstance(event, CallStarted):
+            events = self._close()
+            item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                    "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": event.name, "arguments": ""}
+            return events + self._add(item)
+        assert isinstance(event, ArgumentsDelta) and self._open is not None
+        self._open["arguments"] += event.text
+        return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress", "role": "assistant",
+                "content": []}
+        events = self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item["content"].append(part)
+        return events + [{"type": "response.content_part.added", **self._where(), "content_index": 0,
+                          "part": dict(part)}]
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self._open = item
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(item)}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [
+                {"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"], "logprobs": []},
+                {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)},
+            ]
+        else:
+            events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                       "arguments": item["arguments"]}]
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": _copy(item)}]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(p) for p in copied["content"]]
+    return copied
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump(by_alias=True, exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+def _usage(output: RequestOutput) -> dict[str, Any]:
+    return {
+        "input_tokens": output.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": output.cached_tokens},
+        "output_tokens": output.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": output.prompt_tokens + output.completion_tokens,
+    }
