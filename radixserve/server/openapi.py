@@ -41,7 +41,13 @@ ERROR_STATUSES = {
     504: "the request ran longer than --request-timeout",
 }
 JSON_OBJECT = {"type": "object"}
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+SSE_EVENT = {
+    "type": "object",
+    "description": "one server-sent event: data is a JSON chunk (or an error body); the last is [DONE]",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
+SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,11 @@ OPERATIONS = {
 }
 
 
-def openapi_schema(paths: list[str], auth: bool = False) -> dict[str, Any]:
-    """The description of `paths` (the app's routes); `auth`: the server requires API keys."""
-    models = [op.body for path, op in OPERATIONS.items() if path in paths and op.body is not None]
+def openapi_schema(routes: dict[str, set[str]], auth: bool = False) -> dict[str, Any]:
+    """The description of `routes` (path -> HTTP methods, the app's routes); `auth`: the
+    server requires API keys. A route missing from OPERATIONS gets a generic entry."""
+    paths = {path: OPERATIONS.get(path) or _generic(methods) for path, methods in routes.items()}
+    models = [op.body for op in paths.values() if op.body is not None]
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_BODY}
     document: dict[str, Any] = {
@@ -86,14 +94,18 @@ def openapi_schema(paths: list[str], auth: bool = False) -> dict[str, Any]:
         "info": {"title": "radixserve", "version": "1"},
         "paths": {
             path: {op.method: _operation(op, refs.get((op.body, "validation")) if op.body else None, auth)}
-            for path, op in OPERATIONS.items()
-            if path in paths
+            for path, op in paths.items()
         },
         "components": {"schemas": schemas},
     }
     if auth:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return document
+
+
+def _generic(methods: set[str]) -> Operation:
+    method = "post" if "POST" in methods else "get"
+    return Operation(method, "(undocumented)", errors=(400, 401, 404, 413, 500, 503) if method == "post" else (401,))
 
 
 def _operation(op: Operation, body_ref: dict[str, Any] | None, auth: bool) -> dict[str, Any]:

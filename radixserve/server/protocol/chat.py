@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import OpenAIModel, ServedModel, expects
+from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields
 from radixserve.server.request_group import ChatPrompt
@@ -114,9 +114,16 @@ class ResponseFormat(OpenAIModel):
 class ChatCompletionRequest(OpenAISamplingFields):
     """The body of POST /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "default", "messages": [{"role": "user", "content": "What is 17 * 3?"}], "max_tokens": 8},
+        {"model": "default", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+         "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+    ]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(None, ge=1, description="default: up to the model's context")
-    max_tokens: int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
+    max_completion_tokens: Integer | None = Field(None, ge=1, description="default: up to the model's context")
+    max_tokens: Integer | None = Field(None, ge=1, description="the older name of max_completion_tokens")
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     response_format: ResponseFormat | None = None

@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import ServedModel, expects
+from radixserve.server.protocol.common import Integer, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields
 
 CompletionPrompt = Annotated[
-    str | list[str] | list[int] | list[list[int]],
+    str | list[str] | list[Integer] | list[list[Integer]],
     expects("a string, a list of strings, a list of token ids, or a list of token-id lists"),
 ]
 
@@ -21,11 +21,16 @@ CompletionPrompt = Annotated[
 class CompletionRequest(OpenAISamplingFields):
     """The body of POST /v1/completions (OpenAI's legacy completions)."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"model": "default", "prompt": ["1, 2, 3,", "a, b, c,"], "max_tokens": 4, "n": 2, "seed": 7, "logprobs": 1},
+    ]})
+
     prompt: CompletionPrompt
-    max_tokens: int | None = Field(None, ge=1, description="default: up to the model's context")
+    max_tokens: Integer | None = Field(None, ge=1, description="default: up to the model's context")
     echo: bool = False
     logprobs: Logprobs | None = Field(None, description="alternatives per token (0: the chosen token only)")
-    best_of: int | None = Field(None, ge=1, description="only n (the default) is supported")
+    best_of: Integer | None = Field(None, ge=1, description="only n (the default) is supported")
     suffix: str | None = Field(None, description="not supported: must be absent or empty")
 
     def to_job(self, served: ServedModel) -> GenerationJob:

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from radixserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import MAX_SEED, OpenAIModel, ServedModel, expects
+from radixserve.server.protocol.common import MAX_SEED, Integer, OpenAIModel, ServedModel, expects
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
@@ -21,8 +21,8 @@ StopStrings = Annotated[
     NonEmptyString | Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)],
     expects(f"a string or a list of strings (non-empty, at most {MAX_STOP_STRINGS})"),
 ]
-TokenId = Annotated[int, Field(ge=0)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[Integer, Field(ge=0)]
+Logprobs = Annotated[Integer, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(OpenAIModel):
@@ -33,21 +33,21 @@ class OpenAISamplingFields(OpenAIModel):
     """Fields of both OpenAI generation bodies (each body class adds its own)."""
 
     model: str
-    n: int = Field(1, ge=1, description="samples per prompt (at most the server's --max-n)")
+    n: Integer = Field(1, ge=1, description="samples per prompt (at most the server's --max-n)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Integer | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings | None = None
     logit_bias: dict[str, Any] | None = Field(None, description="not supported: must be absent or empty")
     # Extensions beyond the OpenAI API (as other open servers accept them):
-    top_k: int = Field(0, ge=-1)
+    top_k: Integer = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Integer = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
