@@ -29,7 +29,7 @@ async def read_json(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
     if not text.strip():
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        body = json.loads(text, parse_constant=_refuse_constant)
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_number)
     except json.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -81,6 +81,13 @@ def _refuse_lone_surrogates(body: Any) -> None:
                 stack.append((path, key))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when it is integral (3.0, 1e3), so
+    that integer fields take it as JSON Schema does; float fields take ints anyway."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 def _refuse_constant(name: str) -> Any:

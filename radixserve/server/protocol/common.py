@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from radixserve.server.errors import APIError, bad_request
@@ -16,13 +16,9 @@ Model = TypeVar("Model", bound=BaseModel)
 
 MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit; sample i of n uses seed + i
 
-
-def _integral(value: Any) -> Any:
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-# JSON has one number type: 3.0 is the integer 3 (as JSON Schema counts it), 3.5 is not one.
-Integer = Annotated[int, BeforeValidator(_integral)]
+# An integer field. JSON has one number type: read_json reads 3.0 as the integer 3 (as JSON
+# Schema counts it), so the strict int check refuses only numbers that are not integers.
+Integer = int
 
 
 class OpenAIModel(BaseModel):
