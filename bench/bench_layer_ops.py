@@ -108,7 +108,7 @@ def _same(got, want) -> None:
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-def measure(op: str, make_inputs: Callable, c_fn: Callable, eager_fn: Callable, repeats: int) -> dict:
+def measure(make_inputs: Callable, c_fn: Callable, eager_fn: Callable, repeats: int) -> dict:
     fresh = make_inputs()
     want = eager_fn(*fresh)
     _same(c_fn(*[t.clone() if isinstance(t, torch.Tensor) else t for t in fresh]), want)
@@ -154,7 +154,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             for op, shape, make_inputs, c_fn, eager_fn in cases(rows, args):
                 row = {"op": op, "rows": rows, "shape": shape,
-                       **measure(op, make_inputs, c_fn, eager_fn, args.repeats)}
+                       **measure(make_inputs, c_fn, eager_fn, args.repeats)}
                 results.append(row)
                 compiled = row.get("compiled_ms")
                 print(f"{op:10s} {rows:5d}  {row['c_ms']:9.4f} {row['eager_ms']:9.4f} "
