@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.cluster.forwarding import ForwardedRequest, ResponseHead
 from radixserve.cluster.metrics_merge import merge_metrics
-from radixserve.cluster.routers import router_for
+from radixserve.cluster.registry import router_for
 from radixserve.cluster.routing_key import routing_key
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import CONTENT_TYPE

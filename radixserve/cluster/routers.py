@@ -5,22 +5,21 @@ and the pending request (whose first argument is a ForwardedRequest), and tells 
 where each request went, when it completed and when a replica died. RoundRobinRouter is
 the plain baseline. Ray's own PowerOfTwoChoicesRequestRouter is the third option.
 
-Routers live in the process that holds the deployment handle (the ingress); `router_for`
+Routers live in the process that holds the deployment handle (the ingress); registry.py
 finds the one of an application there (the ingress binds /v1/responses ids through it).
+Ray pickles this module by value: it holds no state of its own.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from radixserve.cluster import registry
 from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
 from radixserve.cluster.forwarding import ForwardedRequest
-
-_ROUTERS: "weakref.WeakValueDictionary[str, PrefixAffinityRouter]" = weakref.WeakValueDictionary()
 
 ROUTER_CLASSES = {
     "affinity": "radixserve.cluster.routers.PrefixAffinityRouter",
@@ -31,10 +30,6 @@ ROUTER_CLASSES = {
 }
 
 
-def router_for(app_name: str) -> "PrefixAffinityRouter | None":
-    return _ROUTERS.get(app_name)
-
-
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Session, then longest approximate cached prefix, then load (AffinityPolicy)."""
 
@@ -42,7 +37,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.policy = AffinityPolicy(AffinityConfig(**kwargs))
         self._chosen: dict[str, str] = {}  # internal request id -> replica choose_replicas picked
         self.reasons: dict[str, int] = {}  # routing decisions by reason (metrics)
-        _ROUTERS[self.app_name] = self
+        registry.register(self.app_name, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
