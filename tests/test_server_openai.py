@@ -265,8 +265,8 @@ def test_generate_native(served):
     assert body["text"] == want.text and body["output_ids"] == want.token_ids
     meta = body["meta_info"]
     assert meta["prompt_tokens"] == want.prompt_tokens and meta["completion_tokens"] == want.completion_tokens
-    assert meta["finish_reason"] == want.finish_reason and meta["cached_tokens"] >= 0
-    assert 0 < meta["ttft_s"] <= meta["e2e_latency_s"]
+    assert meta["finish_reason"]["type"] == want.finish_reason and meta["cached_tokens"] >= 0
+    assert 0 < meta["ttft_s"] <= meta["e2e_latency"]
     batch = httpx.post(
         served.url + "/generate", json={"input_ids": [want.prompt_token_ids] * 2, "sampling_params": greedy}, timeout=60
     ).json()
@@ -285,7 +285,7 @@ def test_generate_native_stream(served):
                 events.append(line[len("data: "):])
     assert events[-1] == "[DONE]"
     results = [json.loads(e) for e in events[:-1]]
-    assert results[-1]["text"] == want.text and results[-1]["meta_info"]["finish_reason"] == want.finish_reason
+    assert results[-1]["text"] == want.text and results[-1]["meta_info"]["finish_reason"]["type"] == want.finish_reason
     assert [len(r["output_ids"]) for r in results] == list(range(1, want.completion_tokens + 1))
 
 

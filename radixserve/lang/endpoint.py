@@ -69,11 +69,12 @@ class Endpoint(Backend):
 
     def score(self, requests: list[ScoreRequest]) -> list[list[float]]:
         # One batch shares one set of params: score from the earliest start, keep what each needs.
+        # Prefill only (max_tokens 0): the prompt is computed, nothing is sampled.
         start = min(r.start for r in requests)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, prompt_logprobs_start=start)
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_start=start)
         body = {"input_ids": [r.token_ids for r in requests], "sampling_params": _params_dict(params)}
         results = self._post_json("/generate", body)
-        return [_scored(result, request) for result, request in zip(results, requests)]
+        return [_scored(result, request, start) for result, request in zip(results, requests)]
 
     def stats(self) -> dict[str, Any]:
         """Engine counters read from /metrics."""
@@ -154,15 +155,17 @@ def _params_dict(params: SamplingParams) -> dict[str, Any]:
 
 def _completion(result: dict[str, Any]) -> Completion:
     meta = result["meta_info"]
-    return Completion(result["text"], result["output_ids"], meta["finish_reason"], meta["prompt_tokens"],
+    reason = meta["finish_reason"]  # SGLang's shape: {"type": "stop" | "length" | "abort", ...}
+    return Completion(result["text"], result["output_ids"], reason["type"] if reason else None, meta["prompt_tokens"],
                       meta["cached_tokens"])
 
 
-def _scored(result: dict[str, Any], request: ScoreRequest) -> list[float]:
-    entries = result["meta_info"]["input_token_logprobs"][request.start:]
-    if any(logprob is None for logprob, _ in entries):
+def _scored(result: dict[str, Any], request: ScoreRequest, start: int) -> list[float]:
+    """The request's prompt logprobs from its own start (the answer's begin at `start`)."""
+    entries = result["meta_info"]["input_token_logprobs"][request.start - start:]
+    if any(entry[0] is None for entry in entries):
         raise EndpointError("the server left prompt logprobs uncomputed")
-    return [logprob for logprob, _ in entries]
+    return [entry[0] for entry in entries]
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from radixserve.server import native_api
+from radixserve.server import native_api, sglang_api
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -102,7 +102,7 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["POST"]),
+        *sglang_api.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if options.enable_debug_endpoints:
@@ -156,14 +156,7 @@ async def responses(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     state = _state(request)
     job = _in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
-    group = await state.engine.submit(job.inputs())
-    if job.stream:
-        return EventStream(native_api.stream_results(group), on_close=group.abort)
-    outputs = await _results_unless_disconnected(request, group)
-    if outputs is None:
-        return Response(status_code=CLIENT_CLOSED)
-    results = native_api.final_results(group, outputs)
-    return JSONResponse(results if job.batched else results[0])
+    return await native_api.respond(request, job, state.engine, state.texts, _results_unless_disconnected)
 
 
 async def metrics_endpoint(request: Request) -> Response:
@@ -173,11 +166,6 @@ async def metrics_endpoint(request: Request) -> Response:
 async def openapi(request: Request) -> Response:
     routes = {r.path: set(r.methods or ()) for r in request.app.routes if isinstance(r, Route)}
     return JSONResponse(openapi_schema(routes, auth=bool(_state(request).options.all_api_keys)))
-
-
-async def flush_cache(request: Request) -> Response:
-    freed = await _state(request).engine.call(lambda engine: engine.flush_cache())
-    return JSONResponse({"freed_blocks": freed})
 
 
 async def debug_check_integrity(request: Request) -> Response:

@@ -4,6 +4,11 @@ Body: {"text": str | [str], or "input_ids": [int] | [[int]], "sampling_params": 
 "stream": bool, "cache_salt": str, "model": str (optional; checked when given)}. A list
 input is a batch answered with a list. `sampling_params` takes SamplingParams' fields with
 its defaults (e.g. max_tokens 16). Unknown fields, top-level or in sampling_params, are a 400.
+
+SGLang's spelling is accepted beside it (what `sgl.RuntimeEndpoint` sends): in
+sampling_params `max_new_tokens` (0: prefill only), `min_new_tokens`, `n`, `stop_regex`,
+`spaces_between_special_tokens`; top level `rid`, `return_logprob`, `logprob_start_len`,
+`top_logprobs_num`, `return_text_in_logprobs`. The answer is native_api.py's.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import Field
+
+from dataclasses import replace
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import bad_request
@@ -24,7 +31,7 @@ TokenIds = Annotated[list[int], Field(min_length=1)]
 class GenerateSamplingParams(NativeModel):
     """SamplingParams' fields, with its defaults and bounds (see radixserve.SamplingParams)."""
 
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the model's context")
+    max_tokens: int | None = Field(16, ge=0, description="null: up to the model's context; 0: prefill only")
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(0, ge=-1)
@@ -46,12 +53,30 @@ class GenerateSamplingParams(NativeModel):
     json_schema: Annotated[dict[str, Any] | str, expects("an object or a JSON string")] | None = None
     json_object: bool = False
     choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    stop_regex: StopStrings | None = Field(None, description="stop at the earliest match of a regex (or of any of a list)")
+    # SGLang's names:
+    max_new_tokens: int | None = Field(None, ge=0, description="SGLang's max_tokens (0: prefill only)")
+    min_new_tokens: int | None = Field(None, ge=0, description="SGLang's min_tokens")
+    n: int = Field(1, ge=1, description="samples per prompt (at most the server's --max-n)")
+    spaces_between_special_tokens: bool = Field(
+        True, description="accepted for SGLang clients; the detokenizer never adds spaces between special tokens"
+    )
 
     def to_sampling_params(self) -> SamplingParams:
+        values = self.model_dump(exclude=set(_SGLANG_ONLY))
+        for sglang, native in (("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens")):
+            if getattr(self, sglang) is None:
+                continue
+            if native in self.model_fields_set:
+                raise bad_request(f"give one of '{native}' and '{sglang}'", param=f"sampling_params.{sglang}")
+            values[native] = getattr(self, sglang)
         try:
-            return SamplingParams(**self.model_dump())
+            return SamplingParams(**values)
         except ValueError as exc:
             raise bad_request(f"sampling_params: {exc}", param="sampling_params") from None
+
+
+_SGLANG_ONLY = ("max_new_tokens", "min_new_tokens", "n", "spaces_between_special_tokens")
 
 
 class GenerateRequest(NativeModel):
@@ -65,6 +90,16 @@ class GenerateRequest(NativeModel):
     stream: bool = False
     cache_salt: str | None = Field(None, description="requests share cached prefixes only with the same salt")
     model: str | None = Field(None, description="checked when given")
+    # SGLang's request fields:
+    rid: Annotated[NonEmptyString | list[NonEmptyString], expects("a string or a list of strings")] | None = Field(
+        None, description="the client's id of each prompt (POST /abort_request {rid} ends the call)"
+    )
+    return_logprob: bool = False
+    logprob_start_len: int = Field(
+        -1, ge=-1, description="first prompt position with logprobs; -1: none (all for a prefill-only request)"
+    )
+    top_logprobs_num: Logprobs = 0
+    return_text_in_logprobs: bool = False
 
     def to_job(self, served: ServedModel) -> NativeJob:
         if self.model is not None:
@@ -72,9 +107,44 @@ class GenerateRequest(NativeModel):
         prompts, batched = self._prompts()
         served.check_group(len(prompts), 1, "text" if self.text is not None else "input_ids")
         sampling = self.sampling_params or GenerateSamplingParams()
-        served.check_seed(sampling.seed, 1)
+        served.check_n(sampling.n)
+        served.check_group(len(prompts), sampling.n, "text" if self.text is not None else "input_ids")
+        served.check_seed(sampling.seed, sampling.n)
         served.check_token_ids(sampling.stop_token_ids or [], "sampling_params.stop_token_ids")
-        return NativeJob(prompts, sampling.to_sampling_params(), self.stream, batched, self.cache_salt)
+        params = self._with_logprobs(sampling.to_sampling_params())
+        return NativeJob(
+            prompts, params, self.stream, batched, self.cache_salt, n=sampling.n, rids=self._rids(len(prompts)),
+            return_logprob=self.return_logprob, return_text_in_logprobs=self.return_text_in_logprobs,
+        )
+
+    def _with_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """SGLang's return_logprob as SamplingParams' logprobs and prompt logprobs."""
+        if not self.return_logprob:
+            return params
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise bad_request(
+                "give logprobs either as 'return_logprob' or as sampling_params 'logprobs' / 'prompt_logprobs'",
+                param="return_logprob",
+            )
+        start = self.logprob_start_len
+        if start == -1:
+            start = 0 if params.prefill_only else None
+        k = self.top_logprobs_num
+        prompt = {} if start is None else {"prompt_logprobs": k, "prompt_logprobs_start": start}
+        try:
+            return replace(params, logprobs=k, **prompt)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="logprob_start_len") from None
+
+    def _rids(self, num_prompts: int) -> list[str] | None:
+        if self.rid is None:
+            return None
+        rids = [self.rid] if isinstance(self.rid, str) else list(self.rid)
+        if len(rids) != num_prompts:
+            raise bad_request(f"'rid' must give one id per prompt ({num_prompts}), got {len(rids)}", param="rid")
+        if len(set(rids)) != len(rids):
+            raise bad_request("'rid' holds the same id twice", param="rid")
+        return rids
 
     def _prompts(self) -> tuple[list[str | list[int]], bool]:
         if (self.text is None) == (self.input_ids is None):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.request_group import ChatPrompt, GenerationInput
@@ -33,13 +33,25 @@ class GenerationJob:
 
 @dataclass(frozen=True)
 class NativeJob:
-    """A /generate request: each prompt sampled once with the same params."""
+    """A /generate request: each prompt sampled n times with the same params (sample i
+    with seed + i when seeded). Member m is sample m % n of prompt m // n."""
 
     prompts: list[str | list[int]]
     params: SamplingParams
     stream: bool
     batched: bool  # the input was a list of prompts: answer with a list
     cache_salt: str | None
+    n: int = 1
+    rids: list[str] | None = None  # the client's id of each prompt (SGLang's rid)
+    return_logprob: bool = False  # report logprob lists even where empty
+    return_text_in_logprobs: bool = False
+
+    @property
+    def answers_list(self) -> bool:
+        return self.batched or self.n > 1
 
     def inputs(self) -> list[GenerationInput]:
-        return [GenerationInput(p, self.params, self.cache_salt) for p in self.prompts]
+        samples = [self.params] * self.n
+        if self.params.seed is not None:
+            samples = [replace(self.params, seed=self.params.seed + i) for i in range(self.n)]
+        return [GenerationInput(p, params, self.cache_salt) for p in self.prompts for params in samples]

@@ -1,0 +1,161 @@
+"""SGLang's server endpoints beside /generate, so that SGLang clients (`sgl.RuntimeEndpoint`,
+scripts written for an SGLang server) run against radixserve unchanged:
+
+- GET /get_model_info: {"model_path", "tokenizer_path", "is_generation": true, ...}
+- GET /get_server_info (and /server_info): the engine options, the KV pool, the version
+- POST /abort_request {"rid": str} or {"abort_all": true}: ends the /generate calls
+  holding those rids; they answer with finish_reason {"type": "abort"}
+- GET or POST /flush_cache, with or without a body: drops every unused prefix-cache entry
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import radixserve
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol.body import read_body, read_json
+from radixserve.server.protocol.common import NativeModel, parse
+from radixserve.server.request_group import RequestGroup
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/server_info", get_server_info, methods=["GET"]),  # the path RuntimeEndpoint.get_server_info uses
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    ]
+
+
+async def get_model_info(request: Request) -> Response:
+    engine = _engine(request)
+    path = _model_path(engine)
+    return JSONResponse({
+        "model_path": path,
+        "tokenizer_path": path,
+        "is_generation": True,
+        "served_model_name": _state(request).served.names[0],
+        "max_model_len": engine.max_model_len,
+    })
+
+
+async def get_server_info(request: Request) -> Response:
+    engine = _engine(request)
+    state = _state(request)
+    return JSONResponse({
+        "version": radixserve.__version__,
+        "model_path": _model_path(engine),
+        "engine": dataclasses.asdict(engine.config),
+        "max_model_len": engine.max_model_len,
+        "block_size": engine.config.block_size,
+        "num_kv_blocks": engine.pool.num_blocks,
+        "max_total_num_tokens": engine.pool.num_blocks * engine.config.block_size,
+        "attention_backend": engine.attention_backend,
+        "stats": state.engine.latest_stats,
+    })
+
+
+class AbortRequest(NativeModel):
+    rid: str | None = Field(None, min_length=1)
+    abort_all: bool = False
+
+
+async def abort_request(request: Request) -> Response:
+    body = parse(AbortRequest, await read_json(request))
+    table = rid_table(request.app)
+    if body.abort_all:
+        return JSONResponse({"aborted": table.abort_all()})
+    if body.rid is None:
+        raise bad_request("give 'rid' (or 'abort_all': true)", param="rid")
+    return JSONResponse({"aborted": int(table.abort(body.rid))})
+
+
+class FlushCacheRequest(NativeModel):
+    """SGLang's /flush_cache takes no options; an empty object (or no body) is accepted."""
+
+
+async def flush_cache(request: Request) -> Response:
+    raw = await read_body(request, 1 << 16)
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        parse(FlushCacheRequest, body)
+    freed = await _state(request).engine.call(lambda engine: engine.flush_cache())
+    return JSONResponse({"freed_blocks": freed})
+
+
+class RidTable:
+    """Client request ids (`rid`) of the /generate calls running now, and the groups that
+    an abort by rid ended. Event loop only."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, RequestGroup] = {}
+        self._aborted: set[str] = set()
+
+    def check_free(self, rids: list[str] | None) -> None:
+        """400 for a rid a running request already holds (checked before submitting)."""
+        for rid in rids or []:
+            if rid in self._groups:
+                raise bad_request(f"rid '{rid}' is in use by a running request", param="rid")
+
+    def hold(self, rids: list[str] | None, group: RequestGroup) -> None:
+        """Register the rids of a submitted group; a rid taken meanwhile aborts the group (400)."""
+        if not rids:
+            return
+        if any(rid in self._groups for rid in rids):
+            group.abort()
+            self.check_free(rids)
+        for rid in rids:
+            self._groups[rid] = group
+
+    def release(self, rids: list[str] | None, group: RequestGroup) -> None:
+        for rid in rids or []:
+            if self._groups.get(rid) is group:
+                del self._groups[rid]
+        self._aborted.discard(group.group_id)
+
+    def abort(self, rid: str) -> bool:
+        group = self._groups.get(rid)
+        if group is None or group.done:
+            return False
+        self._aborted.add(group.group_id)
+        group.abort()
+        return True
+
+    def abort_all(self) -> int:
+        return sum(self.abort(rid) for rid in list(self._groups))
+
+    def aborted(self, group: RequestGroup) -> bool:
+        """The group was ended by /abort_request (not by a disconnect, timeout or error)."""
+        return group.group_id in self._aborted
+
+
+def rid_table(app: Any) -> RidTable:
+    """The app's RidTable (made on first use)."""
+    table = getattr(app.state, "sglang_rids", None)
+    if table is None:
+        table = app.state.sglang_rids = RidTable()
+    return table
+
+
+def _model_path(engine: Any) -> str:
+    return str(engine.config.model or engine.loaded.path)
+
+
+def _engine(request: Request) -> Any:
+    return _state(request).engine.engine
+
+
+def _state(request: Request) -> Any:
+    return request.app.state.server
