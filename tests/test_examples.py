@@ -18,7 +18,9 @@ SMOKE_ARGS = {
     "fewshot_classify": ["--limit", "3", "--max-tokens", "2"],
     "tree_of_thought": ["--width", "2", "--depth", "1", "--keep", "1", "--max-tokens", "4"],
     "shared_prompt_agents": ["--rounds", "1", "--max-tokens", "6"],
+    "langchain_tools": ["--max-steps", "1", "--max-tokens", "40"],
 }
+NEEDS = {"langchain_tools": "langchain_openai"}  # the `agents` extra (scripts/setup.sh installs it)
 
 
 def test_every_example_has_a_smoke_test():
@@ -27,6 +29,8 @@ def test_every_example_has_a_smoke_test():
 
 @pytest.mark.parametrize("name", sorted(SMOKE_ARGS))
 def test_example_runs_and_reports_its_hit_rate(name, real_model_dir, capsys):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     module = _load(EXAMPLES / f"{name}.py")
     assert module.main(["--model", str(real_model_dir), *SMOKE_ARGS[name]]) == 0
     out = capsys.readouterr().out

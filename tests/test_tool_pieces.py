@@ -332,3 +332,15 @@ def test_auto_grammar_constrains_only_inside_calls(compiler):
     assert not accepts(compiler, tag, "Let me add. " + A.replace("add", "sub"))
     assert not accepts(compiler, tag, '<tool_call>\n{"name": "add", "arguments": {"a": "x"}}\n</tool_call>')
     assert tool_call_structural_tag(tool_spec(tools(WEATHER), "none", None), HERMES) is None
+
+
+def test_structural_tag_is_one_constraint_among_the_others():
+    from radixserve.sampling_params import SamplingParams
+
+    tag = tool_call_structural_tag(tool_spec(tools(ADD), "required", None), HERMES)
+    params = SamplingParams(structural_tag=tag)
+    assert params.constrained
+    with pytest.raises(ValueError, match="at most one of"):
+        SamplingParams(structural_tag=tag, regex="a+")
+    with pytest.raises(ValueError, match="structural_tag must be"):
+        SamplingParams(structural_tag=5)

@@ -1,10 +1,11 @@
-"""A ReAct-style tool agent through the official `openai` client against `radixserve serve`.
+"""A ReAct-style tool agent through the official `openai` client against `radixserve serve`,
+with real tool calling: the tools go in `tools`, the server constrains every reply to a
+call of one of them (`tool_choice`), and the conversation carries the calls and their
+results as OpenAI messages (assistant `tool_calls`, `tool` results with `tool_call_id`).
 
-Every step the model answers with one JSON object {"thought", "action", "input"}, kept
-parseable by `response_format` (a JSON schema the server enforces token by token). The
-tools are a calculator and a keyword lookup over a small local document set; each
-observation goes back as the next user message. The conversation only grows, so every
-step's prompt starts with the previous one and the prefix cache serves it.
+The tools are a calculator and a keyword lookup over a small local document set, and
+`finish`, which gives the answer. The conversation only grows, so every step's prompt
+starts with the previous one and the prefix cache serves it.
 
     python examples/agents/react_agent.py                      # starts a server, asks, stops it
     python examples/agents/react_agent.py --url http://127.0.0.1:30000 --question "..."
@@ -33,47 +34,30 @@ DOCUMENTS = {
     "orchards": "The Hillcrest orchards grow 6 kinds of apples and sell them for 2 dollars per kilogram.",
 }
 
-SYSTEM = f"""You are a careful assistant that answers questions with tools.
-Tools:
-- lookup: returns the document about one topic. Topics: {", ".join(DOCUMENTS)}.
-- calculator: evaluates arithmetic such as 12400 * 3 or (8 + 3) * 2.
-- finish: gives the final answer to the user.
-Reply with one JSON object per step: {{"thought": "...", "action": "...", "input": "..."}}.
-Look up the facts you need, then calculate, then finish with the answer.
-
-Example:
-Question: How long do two ferry trips take?
-{{"thought": "I need the ferry trip time.", "action": "lookup", "input": "ferry"}}
-Observation: A ferry connects Riverton and Hillcrest. The trip takes 25 minutes and runs every 40 minutes.
-{{"thought": "Two trips of 25 minutes.", "action": "calculator", "input": "2 * 25"}}
-Observation: 50
-{{"thought": "I know the answer.", "action": "finish", "input": "Two ferry trips take 50 minutes."}}"""
-
-THOUGHT = {"type": "string", "maxLength": 60}
+SYSTEM = """You are a careful assistant that answers questions with tools.
+Look up the facts you need, then calculate, then call finish with the answer."""
 
 
-def step_schema(actions: tuple[str, ...], topics: list[str] | None = None) -> dict:
-    """One step: a thought, then an action whose input fits the tool: a topic not looked up
-    yet for lookup, arithmetic for the calculator, any short text for finish."""
-    topics = list(DOCUMENTS) if topics is None else topics
-    actions = tuple(a for a in actions if a != "lookup" or topics)
-    inputs = {
-        "lookup": {"enum": topics},
-        "calculator": {"type": "string", "pattern": "^[0-9][0-9+*/(). -]{0,38}$"},
-        "finish": {"type": "string", "maxLength": 80},
-    }
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"thought": THOUGHT, "action": {"const": action}, "input": inputs[action]},
-                "required": ["thought", "action", "input"],
-                "additionalProperties": False,
-            }
-            for action in actions
-        ]
-    }
+def tool_definitions() -> list[dict]:
+    """The tools, as OpenAI function definitions: a lookup over the topics, a calculator
+    for arithmetic, and finish with the answer. They are the same at every step (they are
+    part of the prompt, whose prefix the cache serves); `tool_choice` steers each step."""
+    return [
+        _function("lookup", "Returns the document about one topic.",
+                  {"topic": {"type": "string", "enum": list(DOCUMENTS)}}),
+        _function("calculator", "Evaluates arithmetic such as 12400 * 3 or (8 + 3) * 2.",
+                  {"expression": {"type": "string", "pattern": "^[0-9][0-9+*/(). -]{0,38}$"}}),
+        _function("finish", "Gives the final answer to the user.", {"answer": {"type": "string", "maxLength": 80}}),
+    ]
 
+
+def _function(name: str, description: str, properties: dict) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(properties),
+                  "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+TOOLS = tool_definitions()
 
 
 DEFAULT_QUESTION = "How much do tickets to the Riverton museum cost for 2 adults and 3 children?"
@@ -106,20 +90,22 @@ def run_agent(url: str, question: str, max_steps: int, max_tokens: int) -> tuple
 
     client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("RADIXSERVE_API_KEY", "unused"), max_retries=0)
     model = client.models.list().data[0].id
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     usage = {"prompt": 0, "cached": 0, "steps": 0}
     done: set[tuple[str, str]] = set()
     for step in range(max_steps):
-        reply = _ask(client, model, messages, _next_schema(step, max_steps, done), max_tokens, usage)
-        action = _parse(reply)
-        print(f"step {step + 1}: {action['action']}({action['input']!r})  # {action['thought']}")
-        if action["action"] == "finish":
-            return action["input"], usage
-        call = (action["action"], action["input"])
-        observation = "You already did that; take another step." if call in done else run_tool(*call)
-        done.add(call)
-        messages.append({"role": "assistant", "content": reply})
-        messages.append({"role": "user", "content": f"Observation: {observation}"})
+        message = _ask(client, model, messages, step, max_steps, max_tokens, usage)
+        name, argument = _parse(message)
+        print(f"step {step + 1}: {name}({argument!r})")
+        if name == "finish":
+            return argument, usage
+        observation = "You already did that; take another step." if (name, argument) in done else run_tool(name, argument)
+        done.add((name, argument))
+        call = message.tool_calls[0]
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+        ]})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": observation})
     return "(no answer)", usage
 
 
@@ -186,37 +172,35 @@ class LocalServer:
 # ---- helpers -----------------------------------------------------------------------------
 
 
-def _ask(client, model: str, messages: list[dict], schema: dict, max_tokens: int, usage: dict[str, int]) -> str:
+def _ask(client, model: str, messages: list[dict], step: int, max_steps: int, max_tokens: int, usage: dict[str, int]):
+    """One step: a call the server constrains to one of the tools (the first step looks
+    something up, since every question here needs a fact; the last one finishes)."""
+    choice: str | dict = "required"
+    if step == max_steps - 1:
+        choice = {"type": "function", "function": {"name": "finish"}}
+    elif step == 0:
+        choice = {"type": "function", "function": {"name": "lookup"}}
     response = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        temperature=0,
-        max_tokens=max_tokens,
-        response_format={"type": "json_schema", "json_schema": {"name": "step", "schema": schema}},
+        model=model, messages=messages, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+        temperature=0, max_tokens=max_tokens,
     )
     details = response.usage.prompt_tokens_details
     usage["prompt"] += response.usage.prompt_tokens
     usage["cached"] += (details.cached_tokens or 0) if details is not None else 0
     usage["steps"] += 1
-    return response.choices[0].message.content
+    return response.choices[0].message
 
 
-def _next_schema(step: int, max_steps: int, done: set[tuple[str, str]]) -> dict:
-    """The first step looks something up (every question here needs a fact), the last one
-    finishes; a topic is looked up once."""
-    if step == max_steps - 1:
-        return step_schema(("finish",))
-    topics = [t for t in DOCUMENTS if ("lookup", t) not in done]
-    return step_schema(("lookup",) if step == 0 else ("lookup", "calculator", "finish"), topics)
-
-
-def _parse(reply: str) -> dict[str, str]:
-    """The step as a dict; a reply cut short by max_tokens becomes a finish with its text."""
+def _parse(message) -> tuple[str, str]:
+    """(tool, its one argument); a call cut short by max_tokens becomes a finish with its text."""
+    if not message.tool_calls:
+        return "finish", message.content or ""
+    call = message.tool_calls[0]
     try:
-        step = json.loads(reply)
+        arguments = json.loads(call.function.arguments)
     except json.JSONDecodeError:
-        return {"thought": "(cut short)", "action": "finish", "input": reply}
-    return {"thought": step["thought"], "action": step["action"], "input": step["input"]}
+        return "finish", call.function.arguments
+    return call.function.name, str(next(iter(arguments.values()), ""))
 
 
 _OPERATORS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +24,8 @@ from radixserve.server.tools.serving import ToolCalling, ToolOutput
 async def chat_job(body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, ToolOutput | None]:
     """The job of a chat request, and how to read tool calls out of its outputs (None:
     the request has no tools, its text is all content)."""
-    spec = body.tool_spec()
+    # Checking the tools compiles their schemas: off the event loop when there are any.
+    spec = await asyncio.to_thread(body.tool_spec) if body.tools else body.tool_spec()
     if not body.uses_tools:
         return body.to_job(served), None
     prompt = await calling.prompt(body.history(), spec)

@@ -14,6 +14,7 @@ expired id is a 400. Other tool types, non-text inputs and `background` are refu
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -209,7 +210,7 @@ async def responses_job(
     model = served.check_model(body.model)
     if body.background:
         raise bad_request("'background' responses are not supported", param="background")
-    spec = body.tool_spec()
+    spec = await asyncio.to_thread(body.tool_spec) if body.tools else body.tool_spec()  # compiles schemas
     head, conversation = body.history(store)
     prompt = await calling.prompt(head + conversation, spec)
     try:
