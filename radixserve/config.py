@@ -33,6 +33,11 @@ class EngineConfig:
     seed: int = 0  # seeds the sampler of requests that set no seed of their own
     model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
+    kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when kv_persist_dir is set)
+    kv_offload_dir: str | None = None  # the tier is a file here (mmap); None: anonymous memory
+    kv_persist_dir: str | None = None  # keep the tier and its index here across restarts
+    session_ttl_s: int = 600  # an agent session idle this long releases its hold on the cache
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -46,7 +51,8 @@ class EngineConfig:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("starvation_steps", self.starvation_steps)
         _check_positive("policy_fcfs_threshold", self.policy_fcfs_threshold)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+        _check_positive("session_ttl_s", self.session_ttl_s)
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "kv_offload_memory"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)

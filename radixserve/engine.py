@@ -29,6 +29,8 @@ from radixserve.execution.runner import ModelRunner
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.core.scheduler import Scheduler
+from radixserve.core.sessions import SessionTable
+from radixserve.execution.tiering import Tiering
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
@@ -84,8 +86,12 @@ class Engine:
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.pool = BlockPool(num_blocks)
-        self.cache = RadixCache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
+        self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
+        self.cache = self.tiering.make_cache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(cfg, self.pool, self.cache)
+        if self.cache is not None:
+            self.scheduler.sessions = SessionTable(self.cache, cfg.session_ttl_s)
+            self.tiering.load(self.cache)
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids,
@@ -112,16 +118,23 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
-        return self.admit(self.prepare(prompt, params, cache_salt), request_id)
+        """Queue a request; raises ValueError (and changes nothing) if it can never run.
+        `session_id` names the agent conversation it continues (an eviction hint)."""
+        return self.admit(self.prepare(prompt, params, cache_salt, session_id), request_id)
 
     def prepare(
-        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
+        session_id: str | None = None,
     ) -> PreparedRequest:
         """Tokenize and check a request and compile its constraint; thread-safe, touches no
         engine state. Raises ValueError (naming the limit) if the request can never run."""
-        return self.preparer.prepare(prompt, params, cache_salt)
+        if session_id is not None and (not isinstance(session_id, str) or not session_id or len(session_id) > 256):
+            raise ValueError("session_id must be a non-empty string of at most 256 characters")
+        prepared = self.preparer.prepare(prompt, params, cache_salt)
+        prepared.session_id = session_id
+        return prepared
 
     @_one_thread
     def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str:
@@ -139,6 +152,7 @@ class Engine:
         p = prepared
         request = Request(request_id, p.token_ids, p.params, p.max_total_tokens, p.cache_salt, prompt=p.prompt)
         request.grammar = p.grammar
+        request.session_id = p.session_id
         self._register(request)
         return request_id
 
@@ -148,6 +162,7 @@ class Engine:
         that got a token or finished in this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._run_tier_copies(plan.copies)
         t1 = time.perf_counter()
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
@@ -161,6 +176,7 @@ class Engine:
             self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
         ]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
+        self._run_tier_copies(None)  # what finished requests moved to the tier
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         for name, value in self.last_step_timings.items():
@@ -175,6 +191,7 @@ class Engine:
             return False
         self.scheduler.finish(request, "abort")
         self._forget(request)
+        self._run_tier_copies(None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -243,8 +260,40 @@ class Engine:
             "blocks_evictable": self.cache.num_evictable_blocks if self.cache is not None else 0,
             "evicted_blocks": self.cache.evicted_blocks if self.cache is not None else 0,
             "cache_nodes": self.cache.num_nodes if self.cache is not None else 0,
+            **self._tier_stats(),
             **self.timings,
         }
+
+    # ---- agent-aware cache: sessions, pins, the second tier ------------------------
+
+    @_one_thread
+    def close_session(self, session_id: str, cache_salt: str | None = None) -> bool:
+        """Release a session's hold on the cache (its context stays cached as an ordinary
+        entry); False if no such session is open."""
+        sessions = self.scheduler.sessions
+        return sessions is not None and sessions.close(cache_salt, session_id)
+
+    @_one_thread
+    def pin_prefix(self, prompt: Prompt, ttl_s: float, cache_salt: str | None = None) -> int:
+        """Keep the cached part of this prompt (a shared system prompt and tool list) ahead of
+        other entries for ttl_s seconds; returns how many of its tokens are cached and pinned."""
+        if self.cache is None:
+            return 0
+        token_ids = self.prepare(prompt, SamplingParams(max_tokens=0), cache_salt).token_ids
+        match = self.cache.match_prefix(token_ids, cache_salt)
+        if match.node.is_root:
+            return 0
+        self.scheduler.sessions.pin(match.node, ttl_s)
+        return (len(match.blocks) + match.num_tier_blocks) * self.config.block_size
+
+    @_one_thread
+    def flush_tier(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the persisted tier and its index are on disk; False on timeout."""
+        return self.tiering.flush(timeout_s)
+
+    def close(self) -> None:
+        """Write the persisted tier's index a last time and stop its thread."""
+        self.tiering.close()
 
     @_one_thread
     def check_integrity(self) -> None:
@@ -367,6 +416,7 @@ class Engine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             cached_tokens=request.cached_tokens,
+            restored_tokens=request.restored_tokens,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             num_preemptions=request.num_preemptions,
@@ -376,6 +426,36 @@ class Engine:
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
+
+    def _build_tiering(self) -> Tiering:
+        spec = self.loaded.spec
+        block_shape = (spec.num_layers, 2, self.config.block_size, spec.num_kv_heads, spec.head_dim)
+        layout = {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                  "block_size": self.config.block_size, "kv_layout": "layer,kv,block,token,head,dim"}
+        return Tiering.build(self.config, self.loaded.model, block_shape, self.dtype, layout)
+
+    def _run_tier_copies(self, copies) -> None:
+        """Run tier copies (the plan's; None: those decided since, by finishing requests)
+        before anything reuses the blocks they read."""
+        if self.cache is None or self.tiering.store is None:
+            return
+        if copies is None:
+            copies = self.cache.take_copies()
+        self.tiering.execute(self.runner.pool, copies, self.cache.take_tier_events())
+
+    def _tier_stats(self) -> dict[str, Any]:
+        if self.cache is None:
+            return {}
+        sessions = self.scheduler.sessions
+        return {
+            "restored_prompt_tokens": self.scheduler.stats.restored_prompt_tokens,
+            "tier_hits": self.cache.tier_hits,
+            "restored_blocks": self.cache.restored_blocks,
+            **{f"evicted_blocks_{reason}": n for reason, n in self.cache.evictions.items()},
+            "sessions_open": sessions.num_open if sessions is not None else 0,
+            "pins": sessions.num_pins if sessions is not None else 0,
+            **self.tiering.stats(self.cache),
+        }
 
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec

@@ -26,6 +26,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    restored_tokens: int = 0  # of cached_tokens, restored from the second KV tier
     logprobs: list[TokenLogprob] | None = None
     # One entry per prompt token; None before prompt_logprobs_start and at index 0.
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -36,6 +36,7 @@ class PreparedRequest:
     max_total_tokens: int
     cache_salt: str | None = None
     grammar: GrammarMatcher | None = None
+    session_id: str | None = None  # the agent conversation it continues (a cache hint)
     admitted: bool = field(default=False, repr=False)
 
 

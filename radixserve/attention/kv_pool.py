@@ -29,6 +29,21 @@ class KVPool:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]
 
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block's K/V over all layers: [num_layers, 2, block_size, heads, dim]."""
+        shape = self.kv.shape
+        return (shape[0], shape[1], *shape[3:])
+
+    def copy_blocks_out(self, blocks: list[int], dest: torch.Tensor, slots: list[int]) -> None:
+        """dest[slot] = the K/V of pool block `block`, pairwise (dest: [slots, *block_shape])."""
+        for b, s in zip(blocks, slots):
+            dest[s].copy_(self.kv[:, :, b])
+
+    def copy_blocks_in(self, slots: list[int], src: torch.Tensor, blocks: list[int]) -> None:
+        """The K/V of pool block `block` = src[slot], pairwise."""
+        for s, b in zip(slots, blocks):
+            self.kv[:, :, b].copy_(src[s])
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

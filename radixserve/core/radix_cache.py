@@ -1,81 +1,130 @@
-"""RadixCache: a radix tree of token prefixes over reference-counted KV blocks (plain Python).
+"""RadixCache: a radix tree of token prefixes over reference-counted KV blocks (plain Python),
+with an optional second tier that evicted blocks move to instead of being dropped.
 
-The tree is block-granular: every node holds a run of whole blocks, its token ids and
-the ids of the blocks that store their K/V. A child is keyed by the token ids of its
-first block, so two children of one node never start with the same block.
+The tree is block-granular: every node holds a run of whole blocks and their token ids. A
+child is keyed by the token ids of its first block, so two children of one node never
+start with the same block. Each node knows where its blocks live: in the pool (`blocks`,
+pool block ids), in the tier (`slots`, tier slot ids), or both (a clean copy in the tier).
 
-    root ── [sys prompt: blocks 3 7 9] ─┬─ [question A: 12 13] ── [answer A: 20]
-                                        └─ [question B: 15]
+    root ── [sys prompt: pool 3 7 9] ─┬─ [question A: pool 12 13] ── [answer A: tier 4]
+                                      └─ [question B: tier 0 1, pool 15 16]
 
-Ownership: the tree holds one BlockPool reference on every block it stores. A request
-that reuses a prefix takes its own reference on each block and locks the node where the
-prefix ends; locking a node locks its ancestors. Only unlocked leaves are evicted,
-least recently used first, so a block a running request reads is never evicted.
+Residency is top-connected: a node in the pool has its parent in the pool, so the pool
+part of any match is a prefix of it, and restoring a match brings in its tail top down.
+
+Ownership: the tree holds one BlockPool reference on every pool block it stores and owns
+its tier slots. A request that reuses a prefix takes its own reference on each block and
+locks the node where the prefix ends; locking a node locks its ancestors. Only unlocked
+pool leaves (no child in the pool) leave the pool: least recently used first, within the
+eviction rank that sessions give (demoted, then normal, then protected). A leaving node
+moves to the tier when the tier has room (taking its least valuable entries if the one
+leaving is worth more), else it is dropped with everything below it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from sortedcontainers import SortedSet
 
 from radixserve.core.block_pool import BlockPool
+from radixserve.core.kv_tier import KVCopy, KVTier, TierEntry, chain_digests, root_digest
+
+RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
 
 
 class RadixNode:
-    __slots__ = ("node_id", "parent", "children", "tokens", "blocks", "lock_ref", "last_access")
+    __slots__ = (
+        "node_id", "parent", "children", "tokens", "blocks", "slots", "digests", "salt", "lock_ref",
+        "last_access", "protect", "demoted", "alive", "sort_key", "ev_count",
+    )
 
     def __init__(self, node_id: int, parent: "RadixNode | None", tokens: list[int], blocks: list[int]):
         self.node_id = node_id
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.tokens = tokens
-        self.blocks = blocks
+        self.blocks = blocks  # pool block ids; [] when the node is only in the tier
+        self.slots: list[int] = []  # tier slot ids; [] when the node has no tier copy
+        self.digests: list[bytes] = []  # chained digest of each block's prefix (tier on)
+        self.salt: str | None = None
         self.lock_ref = 0
         self.last_access = 0
+        self.protect = 0  # sessions and pins whose context passes through this node
+        self.demoted = False  # a session moved past this branch: evict it first
+        self.alive = True
+        self.sort_key: tuple[int, int, int] = (RANK_NORMAL, 0, node_id)
+        self.ev_count = 0  # pool blocks this node adds to num_evictable_blocks
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def in_pool(self) -> bool:
+        return bool(self.blocks)
+
+    @property
+    def rank(self) -> int:
+        if self.protect > 0:
+            return RANK_PROTECTED
+        return RANK_DEMOTED if self.demoted else RANK_NORMAL
+
     def __repr__(self) -> str:
-        return f"RadixNode(#{self.node_id}, blocks={self.blocks}, lock={self.lock_ref})"
+        return f"RadixNode(#{self.node_id}, blocks={self.blocks}, slots={self.slots}, lock={self.lock_ref})"
 
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The longest cached block-aligned prefix: its blocks and the node where it ends."""
+    """The longest cached block-aligned prefix: the pool blocks of its pool part, how many
+    blocks follow them in the tier only (restore() brings those in), and where it ends."""
 
     blocks: list[int]
     node: RadixNode
+    num_tier_blocks: int = 0
 
 
 class RadixCache:
-    """Prefix tree over KV blocks; see the module docstring for the ownership rules."""
+    """Prefix tree over KV blocks in one or two tiers; see the module docstring."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(
+        self, pool: BlockPool, block_size: int, tier: KVTier | None = None,
+        write_through: bool = False, record_entries: bool = False,
+    ):
         self.pool = pool
         self.block_size = block_size
+        self.tier = tier
+        self.write_through = write_through and tier is not None  # every new block gets a tier copy
+        self.record_entries = record_entries and tier is not None  # report slot contents (persistence)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self._roots: dict[str | None, RadixNode] = {}
-        # Unlocked leaves, least recently used first: eviction never scans the tree.
-        self._evictable = SortedSet(key=lambda n: (n.last_access, n.node_id))
-        self.num_cached_blocks = 0  # blocks stored in the tree
+        # Pool leaves and tier candidates in eviction order: eviction never scans the tree.
+        self._evictable = SortedSet(key=lambda n: n.sort_key)
+        self._tier_evictable = SortedSet(key=lambda n: n.sort_key)
+        self.num_cached_blocks = 0  # pool blocks stored in the tree
         self.num_evictable_blocks = 0  # of those, blocks in unlocked nodes
+        self.num_tier_blocks = 0  # tier slots held by the tree
         self.num_nodes = 0  # excluding roots
-        self.evicted_blocks = 0  # cumulative
+        self.evicted_blocks = 0  # cumulative: blocks that left the pool
+        self.evictions: Counter[str] = Counter()  # blocks by reason: demoted, dropped, tier_dropped, flushed
+        self.restored_blocks = 0
+        self.tier_hits = 0  # matches that restored at least one block
+        self.copies: list[KVCopy] = []  # tier copies decided since the last take_copies()
+        self.tier_events: list[tuple[str, object]] = []  # ("set", TierEntry) / ("free", slot)
 
-    # ---- public API -------------------------------------------------------------
+    # ---- matching and inserting -----------------------------------------------------
 
     def match_prefix(self, tokens: list[int], salt: str | None = None) -> MatchResult:
-        """Longest stored prefix of `tokens` made of whole blocks. Splits the last node
-        when the match ends inside it, so the returned node ends exactly at the match.
-        Marks the path as recently used. Takes no references and no locks."""
+        """Longest stored prefix of `tokens` made of whole blocks, in either tier. Splits the
+        last node when the match ends inside it, so the returned node ends exactly at the
+        match. Marks the path as recently used. Takes no references and no locks."""
         bs = self.block_size
         node = self._root(salt)
         blocks: list[int] = []
+        tier_blocks = 0
         pos = 0
         now = next(self._clock)
         while pos + bs <= len(tokens):
@@ -83,13 +132,16 @@ class RadixCache:
             if child is None:
                 break
             n = self._common_blocks(child, tokens, pos, len(tokens))
-            if n < len(child.blocks):
+            if n < self._size(child):
                 child = self._split(child, n)
             self._touch(child, now)
-            blocks.extend(child.blocks)
+            if child.in_pool and not tier_blocks:
+                blocks.extend(child.blocks)
+            else:
+                tier_blocks += n
             pos += n * bs
             node = child
-        return MatchResult(blocks, node)
+        return MatchResult(blocks, node, tier_blocks)
 
     def peek_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[int, RadixNode | None]:
         """Read-only match for ordering the queue: (cached tokens, node the match reaches).
@@ -106,16 +158,45 @@ class RadixCache:
             n = self._common_blocks(child, tokens, pos, len(tokens))
             pos += n * bs
             node = child
-            if n < len(child.blocks):
+            if n < self._size(child):
                 break
         return pos, node
+
+    def restore(self, match: MatchResult) -> list[int]:
+        """Bring the tier-only tail of a (locked) match into the pool, top down, evicting
+        other entries as needed; returns the pool blocks of the whole match. The copies are
+        queued in `copies`. Raises MemoryError (nothing restored) if the pool cannot hold it."""
+        if not match.num_tier_blocks:
+            return list(match.blocks)
+        path = []
+        node = match.node
+        while not node.is_root and not node.in_pool:
+            path.append(node)
+            node = node.parent
+        need = sum(self._size(n) for n in path)
+        if need > self.pool.num_free:
+            self.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            raise MemoryError(f"restoring {need} blocks: only {self.pool.num_free} free")
+        blocks = list(match.blocks)
+        for node in reversed(path):
+            node.blocks = self.pool.allocate(len(node.slots))
+            self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
+            self.num_cached_blocks += len(node.blocks)
+            blocks.extend(node.blocks)
+            self._refresh(node)
+            self._refresh(node.parent)
+        self.restored_blocks += need
+        self.tier_hits += 1
+        return blocks
 
     def insert(self, tokens: list[int], blocks: list[int], salt: str | None = None) -> RadixNode:
         """Store the prefix `tokens[:len(blocks) * block_size]` held in `blocks`.
 
-        Where the tree already holds a block for the same tokens, the tree keeps its own
-        and the caller's duplicate is not adopted (the caller frees it with the rest of
-        its references). Returns the node where the inserted prefix ends.
+        Where the tree already holds a pool block for the same tokens, the tree keeps its own
+        and the caller's duplicate is not adopted (the caller frees it with the rest of its
+        references); where it holds the tokens only in the tier, it adopts the caller's
+        blocks. Returns the node where the inserted prefix ends.
         """
         bs = self.block_size
         if len(tokens) < len(blocks) * bs:
@@ -125,25 +206,26 @@ class RadixCache:
         now = next(self._clock)
         end = len(blocks) * bs
         while pos < end:
-            key = tuple(tokens[pos:pos + bs])
-            child = node.children.get(key)
+            child = node.children.get(tuple(tokens[pos:pos + bs]))
             if child is None:
                 return self._add_leaf(node, tokens[pos:end], blocks[pos // bs:], now)
             n = self._common_blocks(child, tokens, pos, end)
-            if n < len(child.blocks):
+            if n < self._size(child):
                 child = self._split(child, n)
+            if not child.in_pool:
+                self._adopt(child, blocks[pos // bs:pos // bs + n])
             self._touch(child, now)
             pos += n * bs
             node = child
         return node
 
+    # ---- locks and hints ------------------------------------------------------------
+
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (counted: lock twice, unlock twice)."""
         while not node.is_root:
-            if node.lock_ref == 0:
-                self.num_evictable_blocks -= len(node.blocks)
-                self._evictable.discard(node)
             node.lock_ref += 1
+            self._refresh(node)
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
@@ -151,35 +233,100 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of unlocked node {node}")
             node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.num_evictable_blocks += len(node.blocks)
-                self._update_evictable(node)
+            self._refresh(node)
             node = node.parent
 
+    def protect(self, node: RadixNode, delta: int = 1) -> None:
+        """Raise (delta=1) or lower (delta=-1) the eviction rank of node and its ancestors:
+        protected entries leave after unprotected ones. A hint, never a reservation."""
+        while node is not None and not node.is_root:
+            node.protect += delta
+            if node.protect < 0:
+                raise RuntimeError(f"unprotect of unprotected node {node}")
+            self._refresh(node)
+            node = node.parent
+
+    def demote_branch(self, old: RadixNode, keep: RadixNode | None) -> int:
+        """Mark the nodes on old's path that are not on keep's path as first to evict (a
+        session moved on from them); returns how many were marked."""
+        on_keep = set()
+        node = keep
+        while node is not None and not node.is_root:
+            on_keep.add(node.node_id)
+            node = node.parent
+        marked = 0
+        node = old
+        while node is not None and not node.is_root and node.node_id not in on_keep:
+            if node.alive and node.protect == 0:
+                node.demoted = True
+                self._refresh(node)
+                marked += 1
+            node = node.parent
+        return marked
+
+    # ---- eviction -------------------------------------------------------------------
+
     def evict(self, num_blocks: int) -> int:
-        """Free at least `num_blocks` blocks if that many are evictable, taking unlocked
-        leaves least recently used first and each leaf's deepest blocks first.
-        Returns how many blocks were freed."""
+        """Free at least `num_blocks` pool blocks if that many are evictable, taking unlocked
+        pool leaves in eviction order and each leaf's deepest blocks first; with a tier they
+        move there. Returns how many pool blocks were freed."""
         freed = 0
         while freed < num_blocks and self._evictable:
             leaf = self._evictable[0]
-            take = min(num_blocks - freed, len(leaf.blocks))
-            victims = leaf.blocks[len(leaf.blocks) - take:]
-            if take == len(leaf.blocks):
-                self._remove_leaf(leaf)
-            else:
-                keep = len(leaf.blocks) - take
-                del leaf.blocks[keep:]
-                del leaf.tokens[keep * self.block_size:]
-            self.num_cached_blocks -= take
-            self.num_evictable_blocks -= take
-            self.evicted_blocks += take
-            freed += self.pool.free(reversed(victims))
+            take = min(num_blocks - freed, self._size(leaf))
+            if take < self._size(leaf):
+                self._split(leaf, self._size(leaf) - take)  # leaf keeps the deepest `take` blocks
+            freed += self._leave_pool(leaf)
         return freed
 
     def flush(self) -> int:
-        """Drop every unlocked entry; returns the number of blocks freed."""
-        return self.evict(self.num_evictable_blocks)
+        """Drop every unlocked entry from both tiers; returns the number of pool blocks freed."""
+        freed = 0
+        for node in reversed(list(self.nodes())):  # children before parents
+            if node.alive and node.lock_ref == 0 and not node.children:
+                freed += self._drop(node, "flushed")
+        return freed
+
+    def take_copies(self) -> list[KVCopy]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def take_tier_events(self) -> list[tuple[str, object]]:
+        events, self.tier_events = self.tier_events, []
+        return events
+
+    # ---- loading a persisted tier ---------------------------------------------------
+
+    def load_tier_entries(self, entries: list[TierEntry]) -> list[TierEntry]:
+        """Rebuild tier-only nodes from persisted block entries (before any request runs).
+        An entry is adopted only if its digest chain from its namespace's root checks out
+        and its slot is unused; returns the entries adopted."""
+        if self.tier is None:
+            return []
+        by_parent: dict[tuple[str | None, bytes], list[TierEntry]] = {}
+        for e in entries:
+            if 0 <= e.slot < self.tier.num_slots and len(e.tokens) == self.block_size:
+                by_parent.setdefault((e.salt, e.parent), []).append(e)
+        adopted: list[TierEntry] = []
+        used: set[int] = set()
+        for salt in {e.salt for e in entries}:
+            root = self._root(salt)
+            stack = [(root, root_digest(salt))]
+            while stack:
+                node, digest = stack.pop()
+                for e in by_parent.get((salt, digest), ()):
+                    key = tuple(e.tokens)
+                    if e.slot in used or key in node.children:
+                        continue
+                    if chain_digests(digest, list(e.tokens), self.block_size) != [e.digest]:
+                        continue
+                    used.add(e.slot)
+                    adopted.append(e)
+                    stack.append((self._add_tier_leaf(node, e), e.digest))
+        self.tier.take(used)
+        return adopted
+
+    # ---- reading the tree -----------------------------------------------------------
 
     def nodes(self):
         """Every node except the roots, parents before children."""
@@ -191,51 +338,68 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def held_blocks(self) -> list[int]:
-        """Every block id the tree holds a reference on (for integrity checks)."""
+        """Every pool block id the tree holds a reference on (for integrity checks)."""
         return [b for node in self.nodes() for b in node.blocks]
 
+    def held_slots(self) -> list[int]:
+        return [s for node in self.nodes() for s in node.slots]
+
     def check_integrity(self) -> None:
-        """Raise AssertionError if the counters or the evictable set disagree with the tree."""
-        cached = evictable = nodes = 0
-        want_evictable = set()
+        """Raise AssertionError if the counters, the eviction sets, the block locations or
+        the tier's slots disagree with the tree."""
+        cached = evictable = nodes = tier_blocks = 0
+        want_evictable, want_tier = set(), set()
         stack = [(root, 0) for root in self._roots.values()]
         while stack:
             node, parent_lock = stack.pop()
             if not node.is_root:
                 nodes += 1
                 cached += len(node.blocks)
-                if len(node.tokens) != len(node.blocks) * self.block_size or not node.blocks:
-                    raise AssertionError(f"{node}: {len(node.tokens)} tokens for {len(node.blocks)} blocks")
-                if node.lock_ref > parent_lock:
-                    raise AssertionError(f"{node} locked more than its parent")
+                tier_blocks += len(node.slots)
+                self._check_node(node, parent_lock)
                 if node.lock_ref == 0:
                     evictable += len(node.blocks)
-                    if not node.children:
-                        want_evictable.add(node.node_id)
+                if self._pool_evictable(node):
+                    want_evictable.add(node.node_id)
+                if self._tier_candidate(node):
+                    want_tier.add(node.node_id)
             lock = node.lock_ref if not node.is_root else float("inf")
             stack.extend((c, lock) for c in node.children.values())
-        got = {n.node_id for n in self._evictable}
-        if (cached, evictable, nodes) != (self.num_cached_blocks, self.num_evictable_blocks, self.num_nodes):
+        counters = (self.num_cached_blocks, self.num_evictable_blocks, self.num_nodes, self.num_tier_blocks)
+        if counters != (cached, evictable, nodes, tier_blocks):
             raise AssertionError(
-                f"counters (cached, evictable, nodes) = {(self.num_cached_blocks, self.num_evictable_blocks, self.num_nodes)}"
-                f", tree says {(cached, evictable, nodes)}"
+                f"counters (cached, evictable, nodes, tier) = {counters}, tree says {(cached, evictable, nodes, tier_blocks)}"
             )
+        got = {n.node_id for n in self._evictable}
         if got != want_evictable:
-            raise AssertionError(f"evictable set {sorted(got)} != unlocked leaves {sorted(want_evictable)}")
+            raise AssertionError(f"evictable set {sorted(got)} != unlocked pool leaves {sorted(want_evictable)}")
+        got_tier = {n.node_id for n in self._tier_evictable}
+        if got_tier != want_tier:
+            raise AssertionError(f"tier eviction set {sorted(got_tier)} != candidates {sorted(want_tier)}")
+        if self.tier is not None:
+            self.tier.check_integrity(self.held_slots())
+        elif tier_blocks:
+            raise AssertionError("tier slots held without a tier")
 
     # ---- helpers ----------------------------------------------------------------
+
+    def _size(self, node: RadixNode) -> int:
+        return len(node.tokens) // self.block_size
 
     def _root(self, salt: str | None) -> RadixNode:
         root = self._roots.get(salt)
         if root is None:
             root = self._roots[salt] = RadixNode(next(self._ids), None, [], [])
+            root.salt = salt
+            if self.tier is not None:
+                root.digests = [root_digest(salt)]
         return root
 
     def _common_blocks(self, node: RadixNode, tokens: list[int], pos: int, end: int) -> int:
         """How many of node's blocks match tokens[pos:end] (at least 1: the key matched)."""
         bs = self.block_size
         n = 1
-        limit = min(len(node.blocks), (end - pos) // bs)
+        limit = min(self._size(node), (end - pos) // bs)
         while n < limit and node.tokens[n * bs:(n + 1) * bs] == tokens[pos + n * bs:pos + (n + 1) * bs]:
             n += 1
         return n
@@ -245,45 +409,177 @@ class RadixCache:
         bs = self.block_size
         parent = node.parent
         upper = RadixNode(next(self._ids), parent, node.tokens[:n_blocks * bs], node.blocks[:n_blocks])
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
+        upper.slots = node.slots[:n_blocks]
+        upper.digests = node.digests[:n_blocks]
+        for attr in ("salt", "lock_ref", "last_access", "protect", "demoted"):
+            setattr(upper, attr, getattr(node, attr))
         parent.children[tuple(upper.tokens[:bs])] = upper
         node.tokens = node.tokens[n_blocks * bs:]
         node.blocks = node.blocks[n_blocks:]
+        node.slots = node.slots[n_blocks:]
+        node.digests = node.digests[n_blocks:]
         node.parent = upper
         upper.children[tuple(node.tokens[:bs])] = node
         self.num_nodes += 1
+        self._refresh(node)
+        self._refresh(upper)
         return upper
 
-    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
-        leaf = RadixNode(next(self._ids), parent, list(tokens), list(blocks))
-        leaf.last_access = now
-        self.pool.share(blocks)
-        if not parent.children:
-            self._evictable.discard(parent)
-        parent.children[tuple(tokens[:self.block_size])] = leaf
+    def _new_node(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
+        node = RadixNode(next(self._ids), parent, list(tokens), list(blocks))
+        node.last_access = now
+        node.salt = parent.salt
+        if self.tier is not None:
+            node.digests = chain_digests(parent.digests[-1], node.tokens, self.block_size)
+        parent.children[tuple(tokens[:self.block_size])] = node
         self.num_nodes += 1
+        return node
+
+    def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
+        leaf = self._new_node(parent, tokens, blocks, now)
+        self.pool.share(blocks)
         self.num_cached_blocks += len(blocks)
-        self.num_evictable_blocks += len(blocks)
-        self._evictable.add(leaf)
+        self._refresh(leaf)
+        self._refresh(parent)
+        if self.write_through and self._make_tier_room(len(blocks), leaf.sort_key):
+            self._save(leaf)
         return leaf
 
-    def _remove_leaf(self, leaf: RadixNode) -> None:
-        self._evictable.discard(leaf)
-        parent = leaf.parent
-        del parent.children[tuple(leaf.tokens[:self.block_size])]
+    def _add_tier_leaf(self, parent: RadixNode, entry: TierEntry) -> RadixNode:
+        node = self._new_node(parent, list(entry.tokens), [], next(self._clock))
+        node.slots = [entry.slot]
+        self.num_tier_blocks += 1
+        self._refresh(node)
+        self._refresh(parent)
+        return node
+
+    def _adopt(self, node: RadixNode, blocks: list[int]) -> None:
+        """A tier-only node gets pool blocks computed by a request (the same tokens)."""
+        self.pool.share(blocks)
+        node.blocks = list(blocks)
+        self.num_cached_blocks += len(blocks)
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _leave_pool(self, leaf: RadixNode) -> int:
+        """Take an unlocked pool leaf out of the pool: keep it in the tier if it has a copy
+        there or the tier makes room for it, else drop it with its subtree."""
+        n = len(leaf.blocks)
+        if not leaf.slots and not self._make_tier_room(n, leaf.sort_key):
+            return self._drop(leaf, "dropped")
+        if not leaf.slots:
+            self._save(leaf)
+        freed = self.pool.free(reversed(leaf.blocks))
+        self.num_cached_blocks -= n
+        self.evicted_blocks += n
+        self.evictions["demoted"] += n
+        leaf.blocks = []
+        self._refresh(leaf)
+        self._refresh(leaf.parent)
+        return freed
+
+    def _save(self, node: RadixNode) -> None:
+        node.slots = self.tier.allocate(len(node.blocks))
+        self.num_tier_blocks += len(node.slots)
+        self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
+        if self.record_entries:
+            parents = [node.parent.digests[-1]] + node.digests[:-1]
+            bs = self.block_size
+            for i, slot in enumerate(node.slots):
+                entry = TierEntry(slot, node.salt, parents[i], node.digests[i], tuple(node.tokens[i * bs:(i + 1) * bs]))
+                self.tier_events.append(("set", entry))
+        self._refresh(node)
+
+    def _make_tier_room(self, n: int, worth: tuple[int, int, int]) -> bool:
+        """Free tier slots until n are free, taking tier entries that are worth less than
+        `worth` (eviction order); False (nothing more taken) if that is not possible."""
+        if self.tier is None or n > self.tier.num_slots:
+            return False
+        while self.tier.num_free < n:
+            if not self._tier_evictable or self._tier_evictable[0].sort_key > worth:
+                return False
+            victim = self._tier_evictable[0]
+            if victim.in_pool:
+                self._free_slots(victim)  # a clean copy: nothing is lost
+            else:
+                self._drop(victim, "tier_dropped")
+        return True
+
+    def _free_slots(self, node: RadixNode) -> None:
+        self.tier.free(node.slots)
+        if self.record_entries:
+            self.tier_events.extend(("free", s) for s in node.slots)
+        self.num_tier_blocks -= len(node.slots)
+        node.slots = []
+        self._refresh(node)
+
+    def _drop(self, node: RadixNode, reason: str) -> int:
+        """Remove an unlocked node and its whole subtree from both tiers; returns the pool
+        blocks freed."""
+        freed = 0
+        for child in list(node.children.values()):
+            freed += self._drop(child, reason)
+        if node.slots:
+            if not node.blocks:
+                self.evictions[reason] += len(node.slots)
+            self._free_slots(node)
+        if node.blocks:
+            n = len(node.blocks)
+            freed += self.pool.free(reversed(node.blocks))
+            self.num_cached_blocks -= n
+            self.evicted_blocks += n
+            self.evictions[reason] += n
+            node.blocks = []
+        parent = node.parent
+        del parent.children[tuple(node.tokens[:self.block_size])]
+        node.alive = False
         self.num_nodes -= 1
-        if not parent.is_root:
-            self._update_evictable(parent)
+        self._refresh(node)
+        self._refresh(parent)
+        return freed
 
     def _touch(self, node: RadixNode, now: int) -> None:
-        in_set = node in self._evictable
-        if in_set:
-            self._evictable.discard(node)
         node.last_access = now
-        if in_set:
-            self._evictable.add(node)
+        node.demoted = False
+        self._refresh(node)
 
-    def _update_evictable(self, node: RadixNode) -> None:
-        if node.lock_ref == 0 and not node.children and not node.is_root:
+    def _pool_evictable(self, node: RadixNode) -> bool:
+        return node.in_pool and node.lock_ref == 0 and not any(c.blocks for c in node.children.values())
+
+    def _tier_candidate(self, node: RadixNode) -> bool:
+        return bool(node.slots) and (node.in_pool or (not node.children and node.lock_ref == 0))
+
+    def _refresh(self, node: RadixNode) -> None:
+        """Recompute node's eviction key, its place in both eviction sets and its share of
+        num_evictable_blocks. Called after anything about the node changes."""
+        if node.is_root:
+            return
+        self._evictable.discard(node)
+        self._tier_evictable.discard(node)
+        ev = len(node.blocks) if node.alive and node.lock_ref == 0 else 0
+        self.num_evictable_blocks += ev - node.ev_count
+        node.ev_count = ev
+        if not node.alive:
+            return
+        node.sort_key = (node.rank, node.last_access, node.node_id)
+        if self._pool_evictable(node):
             self._evictable.add(node)
+        if self._tier_candidate(node):
+            self._tier_evictable.add(node)
+
+    def _check_node(self, node: RadixNode, parent_lock: float) -> None:
+        size = self._size(node)
+        if len(node.tokens) != size * self.block_size or size == 0:
+            raise AssertionError(f"{node}: {len(node.tokens)} tokens is not a positive number of blocks")
+        if len(node.blocks) not in (0, size) or len(node.slots) not in (0, size):
+            raise AssertionError(f"{node}: {size} blocks but {len(node.blocks)} in pool, {len(node.slots)} in tier")
+        if not node.blocks and not node.slots:
+            raise AssertionError(f"{node} lives nowhere")
+        if node.blocks and not node.parent.is_root and not node.parent.blocks:
+            raise AssertionError(f"{node} is in the pool but its parent is not")
+        if node.lock_ref > parent_lock:
+            raise AssertionError(f"{node} locked more than its parent")
+        if self.tier is not None and len(node.digests) != size:
+            raise AssertionError(f"{node}: {len(node.digests)} digests for {size} blocks")
+        if not node.alive or node.parent.children.get(tuple(node.tokens[:self.block_size])) is not node:
+            raise AssertionError(f"{node} is not its parent's child")

@@ -45,6 +45,8 @@ class Request:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.restored_tokens = 0  # of those, restored from the second KV tier
+        self.session_id: str | None = None  # the agent conversation this request continues
         self.cache_node: Any = None
         self.grammar: Any = None  # an xgrammar matcher when the request is constrained
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily

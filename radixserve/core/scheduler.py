@@ -17,6 +17,7 @@ One step:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
@@ -34,6 +35,7 @@ class SchedulerStats:
     computed_tokens: int = 0  # tokens run through the model, recomputation included
     preemptions: int = 0
     deferred_for_sharing: int = 0  # admissions postponed a step to hit a prefix being computed
+    restored_prompt_tokens: int = 0  # of cached_prompt_tokens, restored from the second tier
     steps: int = 0
 
 
@@ -49,6 +51,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.sessions: Any = None  # a SessionTable when sessions are on (core/sessions.py)
 
     # ---- public API -------------------------------------------------------------
 
@@ -61,12 +64,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        if self.sessions is not None:
+            self.sessions.expire()
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             self._admit_waiting(plan, budget)
         for request in self.waiting:
             request.waited_steps += 1
         self.stats.steps += 1
+        if self.cache is not None:
+            plan.copies = self.cache.take_copies()
         return plan
 
     def commit(self, plan: StepPlan) -> None:
@@ -106,6 +113,8 @@ class Scheduler:
                 expected[b] += 1
             self.cache.check_integrity()
             self._check_locks()
+            if self.sessions is not None:
+                self.sessions.check_integrity()
         self.pool.check_integrity(expected)
 
     # ---- scheduling -------------------------------------------------------------
@@ -159,7 +168,8 @@ class Scheduler:
             match = self.cache.match_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
             self.cache.lock(match.node)
         matched = match.blocks if match is not None else []
-        cached = len(matched) * bs
+        tier_blocks = match.num_tier_blocks if match is not None else 0
+        cached = (len(matched) + tier_blocks) * bs
         n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
         # Admission control: the whole rest of the sequence plus one generated token must fit
         # in what is free or evictable, so an admitted request is not preempted at once.
@@ -169,6 +179,8 @@ class Scheduler:
             if match is not None:
                 self.cache.unlock(match.node)
             return None
+        if tier_blocks:
+            matched = self.cache.restore(match)
         self.pool.share(matched)
         request.block_table = list(matched)
         request.cache_node = match.node if match is not None else None
@@ -178,7 +190,9 @@ class Scheduler:
         if not request.admitted_once:
             request.admitted_once = True
             request.cached_tokens = cached
+            request.restored_tokens = tier_blocks * bs
             self.stats.cached_prompt_tokens += min(cached, request.num_prompt_tokens)
+            self.stats.restored_prompt_tokens += min(tier_blocks * bs, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
         request.waited_steps = 0
         self.running.append(request)
@@ -209,8 +223,11 @@ class Scheduler:
         (tail first) and its lock."""
         if self.cache is not None:
             full = request.num_computed_tokens // self.block_size
+            node = request.cache_node
             if full:
-                self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+                node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+            if self.sessions is not None and request.session_id is not None and node is not None:
+                self.sessions.advance(request.cache_salt, request.session_id, node)
             if request.cache_node is not None:
                 self.cache.unlock(request.cache_node)
         request.cache_node = None

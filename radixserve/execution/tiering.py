@@ -1,0 +1,123 @@
+"""Tiering: sets up the second KV tier (slots, bytes, persistence) from an EngineConfig and
+runs each step's tier copies. Anything that cannot be set up (an unwritable directory, a
+full disk) degrades to one tier with a log line saying why; it never stops the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from typing import Any
+
+import torch
+
+from radixserve.attention.kv_pool import KVPool
+from radixserve.config import EngineConfig
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.kv_tier import KVCopy, KVTier
+from radixserve.core.radix_cache import RadixCache
+from radixserve.execution.kv_persist import TierPersister
+from radixserve.execution.tier_store import TierStore
+
+log = logging.getLogger("radixserve.tiering")
+
+DEFAULT_PERSIST_BYTES = 2 << 30
+_SAMPLES_PER_TENSOR = 4096
+
+
+@dataclasses.dataclass
+class Tiering:
+    slots: KVTier | None = None
+    store: TierStore | None = None
+    persister: TierPersister | None = None
+    disabled_reason: str | None = None
+    loaded_blocks: int = 0  # blocks found on disk at start and adopted
+
+    @classmethod
+    def build(cls, config: EngineConfig, model: torch.nn.Module, block_shape: tuple[int, ...],
+              dtype: torch.dtype, layout: dict[str, Any]) -> "Tiering":
+        size = config.kv_offload_memory
+        if size is None and config.kv_persist_dir is None:
+            return cls()
+        size = size or DEFAULT_PERSIST_BYTES
+        element = torch.empty((), dtype=dtype).element_size()
+        per_block = element * int(torch.Size(block_shape).numel())
+        num_slots = size // per_block
+        if num_slots < 1:
+            return cls._degrade(f"kv_offload_memory of {size} bytes holds no block ({per_block} bytes each)")
+        directory = config.kv_persist_dir or config.kv_offload_dir
+        try:
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            store = TierStore(num_slots, block_shape, dtype, directory)
+        except (OSError, ValueError) as exc:
+            return cls._degrade(f"cannot create a {size}-byte tier in {directory}: {type(exc).__name__}: {exc}")
+        tiering = cls(KVTier(num_slots), store)
+        if config.kv_persist_dir:
+            header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size}
+            tiering.persister = TierPersister(config.kv_persist_dir, store, header)
+        log.info("KV tier: %d blocks (%.2f GiB) in %s%s", num_slots, num_slots * per_block / 2**30,
+                 store.path or "memory", ", persisted" if tiering.persister else "")
+        return tiering
+
+    @classmethod
+    def _degrade(cls, reason: str) -> "Tiering":
+        log.warning("KV tier disabled, running with one tier (the pool): %s", reason)
+        return cls(disabled_reason=reason)
+
+    def make_cache(self, pool: BlockPool, block_size: int) -> RadixCache:
+        persist = self.persister is not None
+        return RadixCache(pool, block_size, self.slots, write_through=persist, record_entries=persist)
+
+    def load(self, cache: RadixCache) -> int:
+        """Adopt what a previous run persisted (before any request); returns blocks adopted."""
+        if self.persister is None:
+            return 0
+        kept = cache.load_tier_entries(self.persister.load())
+        self.persister.adopt(kept)
+        self.loaded_blocks = len(kept)
+        if kept:
+            log.info("KV persist: %d block(s) from a previous run are in the tier", len(kept))
+        return len(kept)
+
+    def execute(self, pool: KVPool, copies: list[KVCopy], events: list[tuple[str, Any]]) -> None:
+        """Run tier copies in order, then hand what they changed to the persistence thread."""
+        if self.store is None:
+            return
+        if copies:
+            self.store.run(pool, copies)
+        if self.persister is not None:
+            self.persister.submit(events)
+
+    def stats(self, cache: RadixCache | None) -> dict[str, Any]:
+        if self.store is None or cache is None:
+            return {}
+        return {
+            "tier_blocks_total": self.slots.num_slots,
+            "tier_blocks_used": cache.num_tier_blocks,
+            "tier_bytes": cache.num_tier_blocks * self.store.slot_bytes,
+            "tier_persist_failed": int(self.persister is not None and self.persister.failed is not None),
+        }
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return self.persister.flush(timeout_s) if self.persister is not None else True
+
+    def close(self) -> None:
+        if self.persister is not None:
+            self.persister.close()
+            self.persister = None
+
+
+def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, layout: dict[str, Any]) -> str:
+    """A digest of the KV layout, the dtype and the weights (each tensor's name, shape and
+    an evenly spaced sample of its values), so a cache is never used with another model."""
+    h = hashlib.sha256(repr((str(dtype), sorted(layout.items()))).encode())
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            sample = flat[::step][:_SAMPLES_PER_TENSOR].to(torch.float32).cpu().contiguous()
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
