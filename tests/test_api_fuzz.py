@@ -28,10 +28,15 @@ from radixserve.server.testing import BackgroundServer
 pytestmark = pytest.mark.real_model
 
 EXAMPLES = {GenerationMode.POSITIVE: 40, GenerationMode.NEGATIVE: 25}
-BUDGET_S = 60.0
+BUDGET_S = 50.0
 MAX_TOKENS = 3
 MODEL = "SmolLM2-135M-Instruct"
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The token-limit fields of each OpenAI body (absent: up to the context, so the fuzzer must set one).
+TOKEN_LIMITS = {
+    "/v1/completions": ["max_tokens"],
+    "/v1/chat/completions": ["max_tokens", "max_completion_tokens"],
+    "/v1/responses": ["max_output_tokens"],
+}
 SCHEMA_CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
@@ -57,14 +62,16 @@ def _default_float_environment() -> None:
 def test_fuzz_every_operation(server):
     _default_float_environment()
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    deadline = time.monotonic() + BUDGET_S
     answered: Counter[tuple[str, int]] = Counter()
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/generate", "/health"}
+    # Each operation with a body gets an equal share of the budget per mode (the others are instant).
+    share_s = BUDGET_S / (len(EXAMPLES) * max(1, sum(1 for op in operations if op.body)))
 
     for operation in operations:
         modes = list(EXAMPLES) if operation.body else [GenerationMode.POSITIVE]
         for mode in modes:
+            deadline = time.monotonic() + share_s
 
             @given(case=operation.as_strategy(generation_mode=mode))
             @settings(
@@ -86,6 +93,7 @@ def test_fuzz_every_operation(server):
 
             run()
 
+    assert {f"{op.method.upper()} {op.path}" for op in operations} == {where for where, _ in answered}, answered
     assert sum(answered.values()) >= 50, answered
     assert any(status == 200 for (_, status) in answered), answered
     assert any(400 <= status < 500 for (_, status) in answered), answered
@@ -102,10 +110,10 @@ def _bound(case) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = MODEL  # a random name is a 404 (covered elsewhere); reach the engine instead
-    if case.path in OPENAI_PATHS:
-        names = ["max_tokens", "max_completion_tokens"] if case.path != "/v1/completions" else ["max_tokens"]
+    if case.path in TOKEN_LIMITS:
+        names = TOKEN_LIMITS[case.path]
         if not any(isinstance(body.get(name), int) for name in names):
-            body["max_tokens"] = MAX_TOKENS
+            body[names[0]] = MAX_TOKENS
         for name in names:
             _clamp(body, name)
     elif case.path == "/generate":

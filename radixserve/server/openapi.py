@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.responses_api import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -68,6 +69,10 @@ OPERATIONS = {
     ),
     "/v1/chat/completions": Operation(
         "post", "OpenAI chat completions (stream: server-sent events)", ChatCompletionRequest,
+        {"application/json": {"schema": JSON_OBJECT}, **SSE}, (400, 401, 404, 413, 500, 503, 504),
+    ),
+    "/v1/responses": Operation(
+        "post", "OpenAI Responses API (stream: typed server-sent events)", ResponsesRequest,
         {"application/json": {"schema": JSON_OBJECT}, **SSE}, (400, 401, 404, 413, 500, 503, 504),
     ),
     "/generate": Operation(
