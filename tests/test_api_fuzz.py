@@ -8,7 +8,6 @@ reproducible), a wall-clock budget, and generation lengths clamped to a few toke
 
 from __future__ import annotations
 
-import ctypes
 import json
 import time
 from collections import Counter
@@ -51,16 +50,7 @@ def server(real_engine):
     real_engine.flush_cache()
 
 
-def _default_float_environment() -> None:
-    """Hypothesis refuses to generate floats while subnormals are flushed to zero, and loading
-    the C kernels (built with -ffast-math) turns that on in the loading thread. Restore the
-    default floating-point environment of this thread (glibc's FE_DFL_ENV is (fenv_t *) -1)."""
-    libm = ctypes.CDLL("libm.so.6")
-    assert libm.fesetenv(ctypes.c_void_p(-1)) == 0
-
-
 def test_fuzz_every_operation(server):
-    _default_float_environment()
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     answered: Counter[tuple[str, int]] = Counter()
     operations = [result.ok() for result in schema.get_all_operations()]

@@ -3,6 +3,9 @@ references, on every tile edge, and the cases they must hand back to torch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -151,6 +154,19 @@ def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.ops.native_build import build_all
 
     assert build_all() == ["layer_ops.c", "paged_attention.c", "skinny_linear.c"]
+
+
+@needs_kernel
+def test_loading_the_kernels_keeps_subnormals():
+    """Linking a shared object with -ffast-math turns on flush-to-zero for the whole process
+    when it loads; the kernels are compiled with it but must be linked without it."""
+    code = (
+        "import sys; x = float('5e-324')\n"
+        "from radixserve.ops.native_build import build_all\n"
+        "assert len(build_all()) == 3\n"
+        "sys.exit(0 if x * 1.0 == x else 1)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0
 
 
 def test_skinny_linear_declines_mismatched_shapes():

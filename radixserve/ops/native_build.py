@@ -33,7 +33,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+# Linked without -ffast-math: linking a shared object with it pulls in crtfastmath.o, whose
+# constructor turns on flush-to-zero for the whole process when the kernel is loaded.
+_LINK_FLAGS = ["-shared", "-fPIC"]
 _OPENMP = ["-fopenmp"]  # dropped, with a warning, where the compiler has no OpenMP
 
 _PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -120,7 +123,7 @@ def build_path(source: Path, compiler: str, cpu: str | None = None) -> Path:
     from radixserve.model.default_model import cache_root
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([*_FLAGS, *_OPENMP]).encode(), compiler.encode(),
+    for part in (source.read_bytes(), " ".join([*_FLAGS, *_LINK_FLAGS, *_OPENMP]).encode(), compiler.encode(),
                  _compiler_version(compiler).encode(), (cpu_features() if cpu is None else cpu).encode()):
         key.update(hashlib.sha256(part).digest())
     return cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -157,7 +160,10 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _compile(compiler: str, source: Path, extra: list[str], output: Path) -> None:
-    subprocess.run(
-        [compiler, *_FLAGS, *extra, str(source), "-o", str(output), "-lm"],
-        check=True, capture_output=True, text=True,
-    )
+    obj = output.with_suffix(".o")
+    try:
+        for cmd in ([compiler, *_FLAGS, *extra, "-c", str(source), "-o", str(obj)],
+                    [compiler, *_LINK_FLAGS, *extra, str(obj), "-o", str(output), "-lm"]):
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+    finally:
+        obj.unlink(missing_ok=True)
