@@ -16,7 +16,9 @@ from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
 
 sgl = pytest.importorskip("sglang")  # the `sglang` extra (scripts/setup.sh installs it)
-from sglang.lang.choices import greedy_token_selection, token_length_normalized  # noqa: E402
+from sglang.lang.choices import (  # noqa: E402
+    greedy_token_selection, token_length_normalized, unconditional_likelihood_normalized,
+)
 from sglang.lang.ir import REGEX_INT  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -68,6 +70,10 @@ class Expected:
         self.reviews = [outs[f"review{i}"].text for i in range(len(REVIEWS))]
         self.fewshot_tokens = len(engine.tokenizer.encode(FEWSHOT))
         self.choice_entries = [self._choice_entries(outs[f"choice{i}"]) for i in range(len(COLOURS))]
+        alone = engine.generate([[e[1] for e in lst] for lst in self.choice_entries],
+                                SamplingParams(max_tokens=0, prompt_logprobs=0))
+        self.unconditional = [[[lp.logprob if lp else None, t] for lp, t in zip(o.prompt_logprobs, o.prompt_token_ids)]
+                              for o in alone]
 
     def _choice_entries(self, out) -> list[list]:
         """SGLang's select input (input_token_logprobs from prompt_len - 2 on, the token
@@ -174,18 +180,27 @@ def sky(s, method):
     s += PICK + sgl.select("colour", choices=COLOURS, choices_method=method)
 
 
-@pytest.mark.parametrize("method", [token_length_normalized, greedy_token_selection], ids=["normalized", "greedy"])
+@pytest.mark.parametrize(
+    "method", [token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized],
+    ids=["normalized", "greedy", "unconditional"],
+)
 def test_select_picks_the_argmax_of_the_engine_logprobs(served, method):
     state = run(served, sky, method=method)
     entries = served.expected.choice_entries
     normalized = [sum(e[0] for e in lst) / len(lst) for lst in entries]
     want = method(choices=COLOURS, normalized_prompt_logprobs=normalized, input_token_logprobs=entries,
-                  output_token_logprobs=[[] for _ in COLOURS])
+                  output_token_logprobs=[[] for _ in COLOURS],
+                  unconditional_token_logprobs=served.expected.unconditional)
     assert state["colour"] == want.decision
     got = state.get_meta_info("colour")["input_token_logprobs"]
     for got_list, want_list in zip(got, entries):
         assert [e[1] for e in got_list] == [e[1] for e in want_list]
         assert [e[0] for e in got_list] == pytest.approx([e[0] for e in want_list], abs=2e-3)
+    if method is unconditional_likelihood_normalized:
+        got = state.get_meta_info("colour")["unconditional_token_logprobs"]
+        for got_list, want_list in zip(got, served.expected.unconditional):
+            assert [e[1] for e in got_list] == [e[1] for e in want_list] and got_list[0][0] is None
+            assert [e[0] for e in got_list[1:]] == pytest.approx([e[0] for e in want_list[1:]], abs=2e-3)
 
 
 # ---- fork / join, streaming, logprobs ------------------------------------------------------
