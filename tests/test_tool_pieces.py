@@ -344,3 +344,19 @@ def test_structural_tag_is_one_constraint_among_the_others():
         SamplingParams(structural_tag=tag, regex="a+")
     with pytest.raises(ValueError, match="structural_tag must be"):
         SamplingParams(structural_tag=5)
+
+
+def test_tool_call_parser_flag():
+    import argparse
+
+    from radixserve.server.launch import add_server_args, server_options
+    from radixserve.server.options import ServerOptions
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert server_options(parser.parse_args([])).tool_call_parser == "auto"
+    assert server_options(parser.parse_args(["--tool-call-parser", "llama3"])).tool_call_parser == "llama3"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerOptions(tool_call_parser="nope")
