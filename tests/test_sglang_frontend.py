@@ -307,3 +307,41 @@ def test_abort_request_by_rid_ends_the_generate_call(served):
     assert len(answer["output_ids"]) < 400
     assert httpx.post(served.url + "/abort_request", json={"rid": "long-one"}).json() == {"aborted": 0}
     assert httpx.post(served.url + "/abort_request", json={}).status_code == 400
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"sampling_params": {"max_tokens": 2, "max_new_tokens": 2}}, "give one of 'max_tokens' and 'max_new_tokens'",
+     "sampling_params.max_new_tokens"),
+    ({"sampling_params": {"max_new_tokens": -1}}, "'sampling_params.max_new_tokens' must be >= 0", None),
+    ({"sampling_params": {"stop_regex": "(a"}}, "stop_regex '(a' is not a valid regular expression", None),
+    ({"sampling_params": {"stop_regex": "a*"}}, "matches the empty string", None),
+    ({"sampling_params": {"n": 0}}, "'sampling_params.n' must be >= 1", None),
+    ({"rid": ["a", "b"]}, "'rid' must give one id per prompt (1), got 2", "rid"),
+    ({"return_logprob": True, "sampling_params": {"logprobs": 1}}, "either as 'return_logprob'", "return_logprob"),
+    ({"logprob_start_len": -2}, "'logprob_start_len' must be >= -1", None),
+    ({"top_logprobs_num": 21}, "'top_logprobs_num' must be <= 20", None),
+    ({"token_ids_logprob": [1, 2]}, "unknown field(s): token_ids_logprob", None),
+])
+def test_bad_sglang_fields_are_a_clear_400(served, body, message, param):
+    response = httpx.post(served.url + "/generate", json={"text": "Hello", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"], error
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_n_rids_and_a_prefill_only_batch(served):
+    body = {"text": [STORY, COUNT], "rid": ["s", "c"], "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0}}
+    answers = httpx.post(served.url + "/generate", json=body, timeout=120).json()
+    assert [a["meta_info"]["id"] for a in answers] == ["s", "s", "c", "c"]
+    assert answers[0]["output_ids"] == answers[1]["output_ids"] == served.expected.story.token_ids[:3]
+    warm = {"text": [STORY, COUNT], "sampling_params": {"max_new_tokens": 0}, "stream": True}
+    with httpx.stream("POST", served.url + "/generate", json=warm, timeout=120) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 3
+    import json
+
+    finals = sorted((json.loads(e) for e in events[:-1]), key=lambda e: e["index"])
+    assert [f["output_ids"] for f in finals] == [[], []]
+    assert [f["meta_info"]["finish_reason"] for f in finals] == [{"type": "length", "length": 0}] * 2
