@@ -345,3 +345,22 @@ def test_n_rids_and_a_prefill_only_batch(served):
     finals = sorted((json.loads(e) for e in events[:-1]), key=lambda e: e["index"])
     assert [f["output_ids"] for f in finals] == [[], []]
     assert [f["meta_info"]["finish_reason"] for f in finals] == [{"type": "length", "length": 0}] * 2
+
+
+def test_abort_request_ends_a_stream_with_an_abort_answer(served):
+    import json
+
+    body = {"text": STORY, "rid": "streamed", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", served.url + "/generate", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 3:
+                assert httpx.post(served.url + "/abort_request", json={"rid": "streamed"}).json() == {"aborted": 1}
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["id"] == "streamed" and last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= len(last["output_ids"]) < 400
