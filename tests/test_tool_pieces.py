@@ -360,3 +360,35 @@ def test_tool_call_parser_flag():
         parser.parse_args(["--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerOptions(tool_call_parser="nope")
+
+
+def _assembled(fmt, text, cuts, allowed):
+    parser = ToolCallParser(fmt, allowed)
+    events, at = [], 0
+    for cut in sorted(cuts) + [len(text)]:
+        events += parser.feed(text[at:cut])
+        at = max(at, cut)
+    events += parser.finish()
+    return parser.result(), events
+
+
+def test_parser_never_raises_and_streams_equal_whole_on_arbitrary_text():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(['<tool_call>', '</tool_call>', '\n', '{"name": "add", "arguments": ', '{"name": ',
+                              '"add"', '"x"', ', ', '{', '}', '[', ']', '"', '\\', ' ', 'text', ';', '<|python_tag|>',
+                              '"parameters": ', '1', ':'])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(pieces, max_size=30), st.lists(st.integers(0, 200), max_size=8), st.sampled_from([HERMES, LLAMA3]))
+    def check(parts, cuts, fmt):
+        text = "".join(parts)
+        whole = parse_tool_calls(text, fmt, {"add"})
+        result, events = _assembled(fmt, text, [c for c in cuts if c <= len(text)], {"add"})
+        assert result == whole
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        assert (content or None if whole.calls else content) == whole.content
+        assert all(c.name == "add" for c in whole.calls)
+
+    check()
