@@ -34,7 +34,7 @@ from radixserve.cluster import agent_workload
 from radixserve.cluster.agent_workload import Workload
 from radixserve.cluster.metrics_merge import sample_total
 
-ROUTERS = ("affinity", "round_robin", "pow2", "ray_prefix")
+from radixserve.cluster.options import ROUTERS
 TARGET = 0.95
 
 
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--observation-words", type=int, default=40, help="words of tool output in each user turn")
+    parser.add_argument("--think", type=float, default=1.0,
+                        help="seconds a tool may run between turns (random within [0, THINK]): arrivals interleave")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, of {', '.join(ROUTERS)}")
     parser.add_argument("--num-threads", type=int, default=1, help="engine threads per replica")
@@ -79,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(routers) - set(ROUTERS)
     if unknown:
         parser.error(f"unknown router(s): {', '.join(sorted(unknown))}")
-    workload = Workload(args.sessions, args.turns, args.system_prompts, args.max_tokens)
+    workload = Workload(args.sessions, args.turns, args.system_prompts, args.max_tokens, args.observation_words,
+                        args.think)
 
     import ray
     from ray import serve
 
-    from radixserve.cluster.app import ClusterOptions, deploy
+    from radixserve.cluster.app import deploy
+    from radixserve.cluster.options import ClusterOptions
     from radixserve.server.options import ServerOptions
 
     configs = [("single", 1, "pow2")] + [(r, args.replicas, r) for r in routers]
@@ -95,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  compared: {compared}")
     print(f"  machine: {os.cpu_count()} CPUs (timings are not throughput results on a small shared machine)")
     started = time.monotonic()
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas), include_dashboard=False, logging_level="error",
+    # Logical CPUs: one per replica, and one for ray_prefix's prefix-tree actor (it is never scheduled
+    # without one, and its router then waits for it forever).
+    ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas) + 1, include_dashboard=False, logging_level="error",
              log_to_driver=False)
     print(f"  ray started in {time.monotonic() - started:.0f}s", flush=True)
     results: list[Result] = []
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] up in {deploy_s:.0f}s; running the workload", flush=True)
             t0 = time.monotonic()
             try:
-                turns = agent_workload.run(url, workload, progress=_progress(name))
+                turns = agent_workload.run(url, workload, timeout_s=90, progress=_progress(name))
             except Exception as exc:
                 print(f"[{name}] failed: {type(exc).__name__}: {exc}", flush=True)
                 serve.delete("radixserve")
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         single = _single(results)
         names = [r.name for r in results]
-        plot_bars(args.plot, f"Prefix reuse vs one replica ({workload.describe()})", names,
+        plot_bars(args.plot, f"Cached prompt tokens vs one replica ({args.replicas} replicas, agent workload)", names,
                   {"reuse / single": [r.cached / single if single else 0.0 for r in results]}, "ratio")
     return 0
 

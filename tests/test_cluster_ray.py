@@ -47,7 +47,8 @@ def reference() -> list[agent_workload.Turn]:
 
 @pytest.fixture(scope="module")
 def cluster(reference) -> str:
-    from radixserve.cluster.app import ClusterOptions, deploy
+    from radixserve.cluster.app import deploy
+    from radixserve.cluster.options import ClusterOptions
 
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
@@ -87,6 +88,42 @@ def test_bad_request_gets_the_servers_own_error(cluster):
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
     answer = httpx.post(cluster + "/v1/completions", content=b"{not json", timeout=30)
     assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
+
+
+def test_a_stream_through_the_cluster_says_what_the_whole_answer_says(cluster):
+    model = httpx.get(cluster + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 10,
+            "temperature": 0}
+    whole = httpx.post(cluster + "/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200
+    pieces = []
+    with httpx.stream("POST", cluster + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as answer:
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        pieces.append(json.loads(event)["choices"][0]["delta"].get("content") or "")
+    assert "".join(pieces) == whole.json()["choices"][0]["message"]["content"] != ""
+
+
+def test_previous_response_id_follows_the_replica_that_stored_it(cluster):
+    model = httpx.get(cluster + "/v1/models", timeout=30).json()["data"][0]["id"]
+    first = httpx.post(cluster + "/v1/responses", timeout=60,
+                       json={"model": model, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0})
+    if first.status_code == 404:
+        pytest.skip("this server has no /v1/responses")
+    assert first.status_code == 200, first.text
+    home, previous = first.headers[REPLICA_HEADER], first.json()["id"]
+    # Each follow-up's own input matches nothing routed before: only the binding keeps it home
+    # (unbound, each would go to the replica with less load or the smaller tree).
+    for text in ("Blue?", "Why not red?", "Green, then.", "Okay, stop."):
+        answer = httpx.post(cluster + "/v1/responses", timeout=60, json={
+            "model": model, "input": text, "previous_response_id": previous, "max_output_tokens": 4,
+            "temperature": 0,
+        })
+        assert answer.status_code == 200, answer.text
+        assert answer.headers[REPLICA_HEADER] == home
+        previous = answer.json()["id"]
 
 
 def test_killed_replica_fails_its_stream_only_and_is_replaced(cluster):

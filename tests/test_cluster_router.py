@@ -341,7 +341,9 @@ def test_an_app_that_raises_answers_500_or_fails_the_forwarded_call():
 
 def test_forwarded_request_exposes_its_prompt_for_rays_prefix_router():
     request = ForwardedRequest("POST", "/v1/completions", routing=RoutingKey((1, 2)))
-    assert request.prompt == "1 2" and ForwardedRequest("GET", "/").prompt == ""
+    assert request.prompt == "1 2"
+    assert ForwardedRequest("GET", "/v1/models").prompt == "GET /v1/models"  # never empty
+    assert ForwardedRequest("POST", "/v1/completions", routing=RoutingKey("")).prompt == "POST /v1/completions"
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -379,3 +381,28 @@ def test_a_short_incidental_match_counts_as_no_match():
     assert choice.reason == "new" and choice.ranking[0] != home
     with pytest.raises(ValueError, match="min_match_fraction"):
         AffinityConfig(min_match_fraction=1.5)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def test_serve_flags_pick_the_cluster_mode_and_check_it_before_starting_ray(capsys):
+    import argparse
+
+    from radixserve.__main__ import main
+    from radixserve.cluster.launch import cluster_options, cluster_requested
+    from radixserve.server.launch import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert not cluster_requested(parser.parse_args([]))
+    args = parser.parse_args(["--replicas", "3", "--router", "round_robin", "--balance-threshold", "7"])
+    options = cluster_options(args)
+    assert cluster_requested(args) and options.replicas == 3 and options.router == "round_robin"
+    assert options.affinity.balance_threshold == 7
+    joined = parser.parse_args(["--ray-address", "auto"])
+    assert cluster_requested(joined) and cluster_options(joined).replicas == 1
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--replica-cpus", "-1"]) == 2
+    assert "replica_cpus must be >= 0" in capsys.readouterr().err

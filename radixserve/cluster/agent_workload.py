@@ -1,7 +1,8 @@
 """An agent workload over HTTP: sessions sharing system prompts, several turns each.
 
-Each session has one of a few long system prompts and grows its chat turn by turn (the
-assistant's answers included), so turn k's prompt extends turn k-1's. Sessions run at
+Each session has one of a few long system prompts and grows its chat turn by turn: each
+user turn carries a tool's output (a few dozen words of its own) and a question, and the
+assistant's answers stay in the history, so turn k's prompt extends turn k-1's. Sessions run at
 once (one thread each); a session's turns run in order. The cache reuse this yields is
 what prefix-affinity routing must keep when the sessions are spread over replicas.
 Used by bench/bench_cluster.py and the cluster tests; plain Python (httpx), no Ray.
@@ -9,6 +10,7 @@ Used by bench/bench_cluster.py and the cluster tests; plain Python (httpx), no R
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -43,22 +45,37 @@ _QUESTIONS = (
 )
 
 
+_WORDS = (
+    "pallet route depot driver invoice order delay north south truck customer window callback status "
+    "function test branch commit review error module import value return string config deploy train "
+    "station ticket platform change price hour minute city budget hotel seat booking confirmed pending"
+).split()
+
+
 @dataclass(frozen=True)
 class Workload:
     sessions: int = 8
     turns: int = 4
     system_prompts: int = 2
     max_tokens: int = 12
+    observation_words: int = 40  # words of tool output in each user turn
+    think_s: float = 0.0  # before each turn, the tool "runs" for a random time within [0, think_s]
 
     def __post_init__(self) -> None:
         if not 1 <= self.system_prompts <= len(_SYSTEM_PROMPTS):
             raise ValueError(f"system_prompts must be within [1, {len(_SYSTEM_PROMPTS)}]")
-        if self.sessions < 1 or self.turns < 1 or self.max_tokens < 1:
-            raise ValueError("sessions, turns and max_tokens must be >= 1")
+        if self.sessions < 1 or self.turns < 1 or self.max_tokens < 1 or self.observation_words < 0 or self.think_s < 0:
+            raise ValueError("sessions, turns and max_tokens must be >= 1, observation_words and think_s >= 0")
 
     def describe(self) -> str:
         return (f"{self.sessions} sessions x {self.turns} turns, {self.system_prompts} distinct system prompts, "
+                f"{self.observation_words}-word tool outputs taking 0-{self.think_s:g}s per turn, "
                 f"greedy chat completions of {self.max_tokens} tokens")
+
+    def user_turn(self, session: int, turn: int) -> str:
+        words = random.Random(session * 1000 + turn).choices(_WORDS, k=self.observation_words)
+        question = _QUESTIONS[(session + turn) % len(_QUESTIONS)]
+        return f"[session {session}, step {turn}] Tool output: {' '.join(words)}\n{question}"
 
 
 @dataclass(frozen=True)
@@ -85,10 +102,11 @@ def run(base_url: str, workload: Workload, *, timeout_s: float = 120.0,
         prompt = index % workload.system_prompts
         messages = [{"role": "system", "content": _SYSTEM_PROMPTS[prompt]}]
         turns = []
+        think = random.Random(index)
         with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
             for turn in range(workload.turns):
-                question = f"[session {index}] {_QUESTIONS[(index + turn) % len(_QUESTIONS)]}"
-                messages.append({"role": "user", "content": question})
+                time.sleep(think.uniform(0, workload.think_s))
+                messages.append({"role": "user", "content": workload.user_turn(index, turn)})
                 body = {"model": model, "messages": messages, "max_tokens": workload.max_tokens,
                         "temperature": 0, "session_id": f"session-{index}"}
                 start = time.monotonic()

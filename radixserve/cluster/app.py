@@ -3,39 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from radixserve.cluster.affinity import AffinityConfig
 from radixserve.cluster.ingress import ClusterIngress, IngressOptions
+from radixserve.cluster.options import ClusterOptions
 from radixserve.cluster.replica import RadixReplica
 from radixserve.cluster.routers import ROUTER_CLASSES
 from radixserve.server.options import ServerOptions
-
-DEFAULT_APP_NAME = "radixserve"
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    replicas: int = 2
-    router: str = "affinity"  # affinity, round_robin, pow2 (Ray's default) or ray_prefix (Ray Serve LLM's)
-    affinity: AffinityConfig = field(default_factory=AffinityConfig)
-    replica_cpus: float = 1.0  # Ray CPUs each replica reserves (its engine's threads are --num-threads)
-    max_ongoing_requests: int = 256  # per replica; the engine queues them (its own cap answers 503)
-    app_name: str = DEFAULT_APP_NAME
-    health_check_period_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.router not in ROUTER_CLASSES:
-            raise ValueError(f"router must be one of {', '.join(ROUTER_CLASSES)}, got {self.router!r}")
-        if self.replica_cpus < 0:
-            raise ValueError(f"replica_cpus must be >= 0, got {self.replica_cpus}")
-
 
 def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions) -> Any:
     """The application: an ingress (no CPU reserved) in front of `cluster.replicas` replicas,

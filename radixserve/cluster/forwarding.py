@@ -28,12 +28,13 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
     routing: RoutingKey | None = None  # None: any replica will do
-    target: str | None = None  # a replica id: only that replica (used by a retry-free health probe)
 
     @property
     def prompt(self) -> str:
-        """The routing key as text: Ray Serve LLM's prefix router reads `.prompt`."""
-        return self.routing.text if self.routing is not None else ""
+        """The routing key as text, for Ray Serve LLM's prefix router (it reads `.prompt`). Never
+        empty: that router divides by its length, and its routing loop dies on a ZeroDivisionError."""
+        text = self.routing.text if self.routing is not None else ""
+        return text or f"{self.method} {self.path}"
 
     def header(self, name: str) -> str | None:
         wanted = name.lower().encode("latin-1")

@@ -21,7 +21,7 @@ from radixserve.cluster import registry
 from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
 from radixserve.cluster.forwarding import ForwardedRequest
 
-ROUTER_CLASSES = {
+ROUTER_CLASSES = {  # by options.ROUTERS name
     "affinity": "radixserve.cluster.routers.PrefixAffinityRouter",
     "round_robin": "radixserve.cluster.routers.RoundRobinRouter",
     "pow2": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
@@ -53,11 +53,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.policy.set_replicas(r.replica_id.unique_id for r in self._replicas.values())
         request = _forwarded(pending_request)
-        if request is None or request.routing is None:
+        live = [r for r in by_id if r in self.policy.trees]
+        if request is None or request.routing is None or not live:  # (never raise here: Ray's routing loop would die)
             ranking = sorted(by_id, key=lambda r: (self.policy.in_flight.get(r, 0), r))
             return [[by_id[r]] for r in ranking]
         routing = request.routing
-        choice = self.policy.choose(by_id, routing.key, routing.session_id, time.monotonic())
+        choice = self.policy.choose(live, routing.key, routing.session_id, time.monotonic())
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         assert pending_request is not None
         self._chosen[pending_request.metadata.internal_request_id] = choice.ranking[0]
