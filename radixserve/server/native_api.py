@@ -96,11 +96,11 @@ class Answer:
 
     def result(self, index: int, output: RequestOutput | None) -> dict[str, Any]:
         """One member's answer; a member with no output (or unfinished) after an abort by
-        rid is reported as aborted."""
+        rid is reported as aborted (with prompt_tokens null when it was never tokenized)."""
         timing = self.group.timing(index)
         if output is None:
             meta = {"id": self._id(index, None), "finish_reason": {"type": "abort", "message": "aborted by rid"},
-                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                    "prompt_tokens": None, "completion_tokens": 0, "cached_tokens": 0,
                     "ttft_s": None, "e2e_latency": timing.e2e_s}
             return {"text": "", "output_ids": [], "meta_info": meta}
         finished = output.finished or self.group.done
