@@ -8,6 +8,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
+SPECULATIVE_METHODS = ("prompt-lookup",)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # the tier is a file here (mmap); None: anonymous memory
     kv_persist_dir: str | None = None  # keep the tier and its index here across restarts
     session_ttl_s: int = 600  # an agent session idle this long releases its hold on the cache
+    # Step-time target while requests decode: each step's prefill tokens are sized by a cost
+    # model fitted to measured step times so that the step stays under it; 0: no target.
+    max_step_ms: int = 0
+    speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
+    num_speculative_tokens: int = 4  # draft tokens per request and step
+    prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
+    prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft
+    speculative_max_batch: int = 8  # speculate only while at most this many requests decode
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -51,6 +60,16 @@ class EngineConfig:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("starvation_steps", self.starvation_steps)
         _check_positive("policy_fcfs_threshold", self.policy_fcfs_threshold)
+        if self.speculative is not None:
+            _check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
+        if isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, int) or self.max_step_ms < 0:
+            raise ValueError(f"max_step_ms must be a non-negative integer (0: off), got {self.max_step_ms!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
+            _check_positive(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         _check_positive("session_ttl_s", self.session_ttl_s)
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "kv_offload_memory"):
             value = getattr(self, name)

@@ -31,6 +31,8 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.core.scheduler import Scheduler
 from radixserve.core.sessions import SessionTable
 from radixserve.execution.tiering import Tiering
+from radixserve.core.step_cost import StepCostModel
+from radixserve.core.prompt_lookup import PromptLookupDrafter
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
@@ -88,7 +90,11 @@ class Engine:
         self.pool = BlockPool(num_blocks)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         self.cache = self.tiering.make_cache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
-        self.scheduler = Scheduler(cfg, self.pool, self.cache)
+        self.drafter = PromptLookupDrafter(
+            cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+            default_on=cfg.speculative == "prompt-lookup",
+        )
+        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter)
         if self.cache is not None:
             self.scheduler.sessions = SessionTable(self.cache, cfg.session_ttl_s)
             self.tiering.load(self.cache)
@@ -108,6 +114,8 @@ class Engine:
         self.generated_tokens = 0
         self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
         self.last_step_timings = dict(self.timings)
+        self.step_cost = StepCostModel()  # fitted from every step's measured time
+        self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
 
     # ---- online API -------------------------------------------------------------
 
@@ -161,12 +169,13 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._prefill_token_budget())
         self._run_tier_copies(plan.copies)
         t1 = time.perf_counter()
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
             return []
+        decode_tokens = sum(c.num_tokens for c in plan.chunks if c.decodes)  # before commit moves them on
         result = self.runner.run(plan)
         t2 = time.perf_counter()
         self.scheduler.commit(plan)
@@ -175,10 +184,12 @@ class Engine:
         outputs = [
             self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
         ]
+        outputs += [self._append_verified(chunk, tokens) for chunk, tokens in result.speculative]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
         self._run_tier_copies(None)  # what finished requests moved to the tier
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
+        self._observe_step(decode_tokens, plan.num_tokens - decode_tokens, (t3 - t0) * 1000.0)
         for name, value in self.last_step_timings.items():
             self.timings[name] += value
         return outputs
@@ -260,6 +271,11 @@ class Engine:
             "blocks_evictable": self.cache.num_evictable_blocks if self.cache is not None else 0,
             "evicted_blocks": self.cache.evicted_blocks if self.cache is not None else 0,
             "cache_nodes": self.cache.num_nodes if self.cache is not None else 0,
+            "spec_drafts": self.drafter.stats.drafts,
+            "spec_draft_tokens": self.drafter.stats.draft_tokens,
+            "spec_accepted_tokens": self.drafter.stats.accepted_tokens,
+            "spec_acceptance_rate": self.drafter.stats.acceptance_rate,
+            "spec_pauses": self.drafter.stats.pauses,
             **self._tier_stats(),
             **self.timings,
         }
@@ -307,6 +323,18 @@ class Engine:
 
     # ---- helpers ----------------------------------------------------------------
 
+    def _prefill_token_budget(self) -> int | None:
+        """Prefill tokens the next step may take under max_step_ms (None: no target)."""
+        target = self.config.max_step_ms
+        if not target:
+            return None
+        decodes = self.scheduler.num_decoding()
+        return self.step_cost.prefill_budget(decodes, target, self.config.max_num_batched_tokens)
+
+    def _observe_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
+        self.last_step_tokens = (decode_tokens, prefill_tokens)
+        self.step_cost.observe(decode_tokens, prefill_tokens, step_ms)
+
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
         if self.tokenizer is not None:
@@ -335,6 +363,21 @@ class Engine:
             self._forget(request)
             return output
         return self._output(request)
+
+    def _append_verified(self, chunk, tokens: list[int]) -> RequestOutput:
+        """Append a verified draft's tokens one by one, with every stop check between them;
+        a stop drops the rest. Accepted draft tokens' K/V count as computed only once they are
+        appended, and blocks only rejected tokens used go back to the pool."""
+        request = chunk.request
+        self.drafter.record(request, len(chunk.draft), len(tokens) - 1)
+        for i, token in enumerate(tokens):
+            if i:
+                self.scheduler.accept_draft_token(request)
+            output = self._append_token(request, token, None)
+            if request.finished:
+                return output
+        self.scheduler.release_unverified(request)
+        return output
 
     def _finish_prefill_only(self, request: Request) -> RequestOutput:
         """A max_tokens=0 request whose prompt is computed: it finishes without a token, its
@@ -426,6 +469,7 @@ class Engine:
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
+        self.drafter.forget(request.request_id)
 
     def _build_tiering(self) -> Tiering:
         spec = self.loaded.spec
@@ -447,12 +491,16 @@ class Engine:
         if self.cache is None:
             return {}
         sessions = self.scheduler.sessions
+        spec = self.loaded.spec
         return {
             "restored_prompt_tokens": self.scheduler.stats.restored_prompt_tokens,
             "tier_hits": self.cache.tier_hits,
             "restored_blocks": self.cache.restored_blocks,
             **{f"evicted_blocks_{reason}": n for reason, n in self.cache.evictions.items()},
             "sessions_open": sessions.num_open if sessions is not None else 0,
+            "pool_cached_bytes": self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
+                spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
+            ),
             "pins": sessions.num_pins if sessions is not None else 0,
             **self.tiering.stats(self.cache),
         }

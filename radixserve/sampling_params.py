@@ -29,6 +29,12 @@ class SamplingParams:
     structural tag, a dict or JSON string: how the server constrains tool calls). The
     output then always matches it (unless max_tokens cuts it short).
 
+    `speculative`: True drafts this request's next tokens from its own prompt and output and
+    verifies them in one step (prompt lookup), False never, None as the engine's
+    `speculative` option says. Outputs are the same either way (greedy: token for token;
+    sampled: in distribution). Constrained requests, and those asking for logprobs or using
+    penalties or a seed with temperature > 0, never speculate.
+
     `stop_regex` (a pattern or a list of them) stops like a stop string: at the earliest
     match in the generated text, which is cut before it (or after it with
     `include_stop_str_in_output`); the matched text is the stop reason.
@@ -58,6 +64,7 @@ class SamplingParams:
     json_object: bool = False
     choices: list[str] | None = None
     structural_tag: dict | str | None = None
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +149,8 @@ class SamplingParams:
                     raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
         _require_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=0)
         self._validate_constraint()
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a boolean or None, got {self.speculative!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

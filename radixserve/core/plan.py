@@ -15,12 +15,23 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    # Speculative tokens proposed after the request's last token: the chunk computes
+    # token_ids[start:] followed by these (num_tokens counts both), and the step verifies them.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the last token, so the step samples the request's next token
         (unless the request is prefill-only: max_tokens=0 samples nothing)."""
-        return self.start + self.num_tokens == self.request.num_tokens and not self.request.params.prefill_only
+        return (
+            self.start + self.num_tokens - len(self.draft) == self.request.num_tokens
+            and not self.request.params.prefill_only
+        )
+
+    @property
+    def decodes(self) -> bool:
+        """The chunk computes only the request's last token (plus any draft)."""
+        return self.num_tokens - len(self.draft) == 1 and self.samples
 
 
 @dataclass

@@ -24,6 +24,7 @@ from radixserve.config import EngineConfig
 from radixserve.core.hashing import extend_block_hashes
 from radixserve.core.plan import ScheduledChunk, StepPlan
 from radixserve.core.policy import SchedulePolicy
+from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request, RequestStatus
 
@@ -40,8 +41,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None):
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None, drafter: PromptLookupDrafter | None = None
+    ):
         self.config = config
+        self.drafter = drafter  # proposes speculative tokens for decoding requests
         self.block_size = config.block_size
         self.pool = pool
         self.cache = cache
@@ -62,13 +66,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def num_decoding(self) -> int:
+        """Running requests past their prompt (each computes one token a step)."""
+        return sum(1 for r in self.running if not r.in_prefill)
+
+    def schedule(self, prefill_token_budget: int | None = None) -> StepPlan:
+        """Plan the next step. `prefill_token_budget` caps the prefill tokens of a step in
+        which requests decode (the engine sizes it to a step-time target); a step with no
+        decodes gives prefill the whole max_num_batched_tokens."""
         plan = StepPlan()
         if self.sessions is not None:
             self.sessions.expire()
-        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        prefill = budget
+        if prefill_token_budget is not None and self.num_decoding() > 0:
+            prefill = max(0, min(budget, prefill_token_budget))
+        budget, prefill = self._schedule_running(plan, budget, prefill)
         if not plan.preempted:
-            self._admit_waiting(plan, budget)
+            self._admit_waiting(plan, min(budget, prefill))
         for request in self.waiting:
             request.waited_steps += 1
         self.stats.steps += 1
@@ -80,10 +95,25 @@ class Scheduler:
         """The step ran: advance each request and publish finished prefill chunks to the cache."""
         for chunk in plan.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            verified = chunk.num_tokens - len(chunk.draft)  # draft tokens count once accepted
+            request.num_computed_tokens += verified
             self.stats.computed_tokens += chunk.num_tokens
-            if self.cache is not None and chunk.num_tokens > 1:
+            if self.cache is not None and verified > 1:
                 self._cache_computed_blocks(request)
+
+    def accept_draft_token(self, request: Request) -> None:
+        """The token just appended to the request was a draft token that verification
+        accepted: its K/V, computed this step, now counts."""
+        request.num_computed_tokens += 1
+
+    def release_unverified(self, request: Request) -> None:
+        """After verification: drop the blocks that only rejected draft tokens used (tail
+        first). Their slots were never published to the cache; the rest get overwritten."""
+        keep = -(-request.num_tokens // self.block_size)
+        extra = request.block_table[keep:]
+        if extra:
+            del request.block_table[keep:]
+            self.pool.free(reversed(extra))
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -119,17 +149,26 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, prefill: int) -> tuple[int, int]:
         # Decodes go first so that prefill chunks never crowd them out of the budget;
         # the last request in this order is the first to be preempted.
         queue = [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]
+        decodes = sum(1 for r in queue if not r.in_prefill)
         i = 0
         while i < len(queue) and budget > 0:
             request = queue[i]
             n = min(request.num_tokens - request.num_computed_tokens, self.config.chunked_prefill_size, budget)
+            if request.in_prefill:
+                n = min(n, prefill)
+                if n == 0:  # the prefill budget is spent: it waits for the next step
+                    i += 1
+                    continue
             if self._grow(request, request.num_computed_tokens + n):
-                plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-                budget -= n
+                draft = [] if request.in_prefill else self._draft(request, budget - n, decodes)
+                plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), draft))
+                budget -= n + len(draft)
+                if request.in_prefill:
+                    prefill -= n
                 i += 1
                 continue
             victim = queue.pop()
@@ -138,7 +177,7 @@ class Scheduler:
             plan.preempted.append(victim)
             if victim is request:
                 break
-        return budget
+        return budget, prefill
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         admitted: list[Request] = []
@@ -209,6 +248,22 @@ class Scheduler:
             return False
         request.block_table.extend(self.pool.allocate(need))
         return True
+
+    def _draft(self, request: Request, room: int, decodes: int) -> list[int]:
+        """Speculative tokens for a decoding request, with blocks for them taken from free
+        blocks only (never by evicting), leaving one free block per running request."""
+        if self.drafter is None or decodes > self.config.speculative_max_batch:
+            return []
+        limit = min(room, request.max_total_tokens - request.num_tokens - 1)
+        draft = self.drafter.propose(request, limit)
+        if not draft:
+            return []
+        need = -(-(request.num_tokens + len(draft)) // self.block_size) - len(request.block_table)
+        if need > self.pool.num_free - len(self.running):
+            return []
+        if need > 0:
+            request.block_table.extend(self.pool.allocate(need))
+        return draft
 
     def _preempt(self, request: Request) -> None:
         self._release(request)

@@ -3,7 +3,7 @@ model and the attention backends, that touches tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class StepResult:
     tokens: list[int]  # the next token of each, in the same order
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Request, int, TokenLogprob]]  # (request, prompt index, logprob)
+    # chunks with a draft, and the tokens each appends: its accepted draft tokens, then the
+    # token sampled after them (the correction of the first rejected one, or a bonus token)
+    speculative: list[tuple[ScheduledChunk, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -53,7 +56,7 @@ class ModelRunner:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
         that reaches its request's last token, and score prompt tokens where asked."""
         chunks = sorted(plan.chunks, key=_batch_order)
-        input_ids, positions, meta, logits_indices, sampling = self._prepare(chunks)
+        input_ids, positions, meta, logits_indices, sampling, drafted = self._prepare(chunks)
         prompt_rows = _prompt_logprob_rows(chunks, meta.query_start_loc_list)
         if prompt_rows:
             extra = [row for _, row, _, _ in prompt_rows]
@@ -64,8 +67,14 @@ class ModelRunner:
         if sampling:
             rows = [self._sampling_row(c) for c in sampling]
             result.tokens, result.logprobs = self.sampler(logits[: len(sampling)], rows)
+        verified = len(sampling) + sum(c.num_tokens for c in drafted)
+        if drafted:
+            rows = [self._sampling_row(c) for c in drafted]
+            drafts = [c.draft for c in drafted]
+            accepted = self.sampler.verify(logits[len(sampling):verified], rows, drafts)
+            result.speculative = list(zip(drafted, accepted))
         if prompt_rows:
-            result.prompt_logprobs = _score_prompt_tokens(logits[len(sampling):], prompt_rows)
+            result.prompt_logprobs = _score_prompt_tokens(logits[verified:], prompt_rows)
         return result
 
     def _prepare(self, chunks: list[ScheduledChunk]):
@@ -76,16 +85,22 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        draft_indices: list[int] = []  # every row of a drafted chunk: each verifies the next token
         sampling: list[ScheduledChunk] = []
+        drafted: list[ScheduledChunk] = []
         for c in chunks:
             request, start, end = c.request, c.start, c.start + c.num_tokens
             table = request.block_table
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(request.token_ids[start:end - len(c.draft)])
+            input_ids.extend(c.draft)
             positions.extend(range(start, end))
             _extend_slots(slots, table, start, end, bs)
             query_start.append(query_start[-1] + c.num_tokens)
             seq_lens.append(end)
-            if c.samples:
+            if c.draft:
+                draft_indices.extend(range(query_start[-2], query_start[-1]))
+                drafted.append(c)
+            elif c.samples:
                 logits_indices.append(query_start[-1] - 1)
                 sampling.append(c)
         width = max(len(c.request.block_table) for c in chunks)
@@ -105,8 +120,9 @@ class ModelRunner:
             self._tensor(input_ids, torch.int64),
             self._tensor(positions, torch.int64),
             meta,
-            self._tensor(logits_indices, torch.int64),
+            self._tensor(logits_indices + draft_indices, torch.int64),
             sampling,
+            drafted,
         )
 
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:

@@ -58,7 +58,65 @@ class Sampler:
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, token_list, rows)
 
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> list[list[int]]:
+        """Check each request's draft against the model: logits holds len(draft) + 1 rows per
+        request (row i scores the token after draft[:i]). Returns the tokens each request
+        appends: the longest accepted prefix of its draft, then one token sampled after it.
+
+        Greedy: a draft token is accepted when it is the argmax. Sampled (rejection rule for
+        a deterministic draft, exact in distribution): draft token d is accepted with
+        probability p(d); on rejection the token is drawn from p with d removed and
+        renormalised; when all are accepted the last row gives a bonus token from p.
+        Requests here have no constraint, penalties or seed (see core/prompt_lookup.py)."""
+        counts = [len(d) + 1 for d in drafts]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        targets = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        probs = accept = None
+        if sampled:
+            index = [starts[i] + j for i in sampled for j in range(counts[i])]
+            expanded = [rows[i] for i in sampled for _ in range(counts[i])]
+            probs = torch.zeros_like(logits)
+            probs[index] = self._probs(logits[index], expanded)
+            accept = self._accept_flags(probs, drafts, starts)
+        out = []
+        for i, draft in enumerate(drafts):
+            if i not in sampled:
+                tokens = _greedy_prefix(draft, targets[starts[i]:starts[i] + counts[i]])
+            else:
+                tokens = self._sampled_prefix(draft, probs[starts[i]:starts[i] + counts[i]], accept[i])
+            out.append(tokens)
+        return out
+
     # ---- helpers ----------------------------------------------------------------
+
+    def _accept_flags(self, probs: torch.Tensor, drafts: list[list[int]], starts: list[int]) -> dict[int, list[bool]]:
+        """u < p(d) for every draft token of the sampled requests, one batched draw."""
+        rows, cols, owners = [], [], []
+        for i, draft in enumerate(drafts):
+            for j, d in enumerate(draft):
+                rows.append(starts[i] + j)
+                cols.append(d)
+                owners.append(i)
+        p = probs[rows, cols] if rows else probs.new_zeros(0)
+        u = torch.rand(len(rows), generator=self.generator, device=self.device)
+        flags: dict[int, list[bool]] = {i: [] for i in range(len(drafts))}
+        for owner, ok in zip(owners, (u < p).tolist()):
+            flags[owner].append(ok)
+        return flags
+
+    def _sampled_prefix(self, draft: list[int], probs: torch.Tensor, accepted: list[bool]) -> list[int]:
+        for j, d in enumerate(draft):
+            if not accepted[j]:
+                residual = probs[j].clone()
+                residual[d] = 0.0
+                return draft[:j] + [self._race(residual)]
+        return list(draft) + [self._race(probs[len(draft)])]
+
+    def _race(self, probs: torch.Tensor) -> int:
+        """One token from an (unnormalised) probability row: the exponential race."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return int((probs / noise).argmax())
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         penalized = [i for i, r in enumerate(rows) if r.params.uses_penalties]
@@ -91,6 +149,13 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        probs = self._probs(logits, rows)
+        noise = self._noise(probs.shape, rows).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k/top-p, min-p (normalised)."""
         temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         logits = logits / temperature[:, None]
         if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
@@ -99,8 +164,8 @@ class Sampler:
         if any(r.params.min_p > 0 for r in rows):
             min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = self._noise(probs.shape, rows).clamp_(min=torch.finfo(probs.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
 
     def _noise(self, shape: torch.Size, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device)
@@ -137,6 +202,15 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist()))
             out.append(TokenLogprob(tokens[i], chosen, top))
         return out
+
+
+def _greedy_prefix(draft: list[int], targets: list[int]) -> list[int]:
+    """Draft tokens while they equal the argmax, then the argmax where they first differ
+    (or after the last one)."""
+    for j, d in enumerate(draft):
+        if targets[j] != d:
+            return draft[:j] + [targets[j]]
+    return list(draft) + [targets[len(draft)]]
 
 
 def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

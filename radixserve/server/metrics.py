@@ -23,7 +23,13 @@ _ENGINE_COUNTERS = {
     "computed_tokens": ("radixserve_computed_tokens", "Tokens run through the model"),
     "preemptions": ("radixserve_preemptions", "Requests preempted to free KV blocks"),
     "evicted_blocks": ("radixserve_evicted_blocks", "KV blocks evicted from the prefix cache"),
+    "restored_prompt_tokens": ("radixserve_restored_prompt_tokens", "Cached prompt tokens restored from the second KV tier"),
+    "tier_hits": ("radixserve_kv_tier_hits", "Prefix matches that restored blocks from the second KV tier"),
+    "restored_blocks": ("radixserve_kv_restored_blocks", "KV blocks restored from the second tier into the pool"),
     "steps": ("radixserve_engine_steps", "Engine steps that ran the model"),
+    "spec_drafts": ("radixserve_spec_drafts", "Speculative drafts verified (one per request and step)"),
+    "spec_draft_tokens": ("radixserve_spec_draft_tokens", "Speculative tokens proposed"),
+    "spec_accepted_tokens": ("radixserve_spec_accepted_tokens", "Speculative tokens accepted by verification"),
 }
 _ENGINE_GAUGES = {
     "running": ("radixserve_requests_running", "Requests running in the engine"),
@@ -33,6 +39,12 @@ _ENGINE_GAUGES = {
     "blocks_cached": ("radixserve_kv_blocks_cached", "KV blocks held by the prefix cache"),
     "blocks_evictable": ("radixserve_kv_blocks_evictable", "Cached KV blocks no request uses"),
     "cache_nodes": ("radixserve_cache_nodes", "Nodes of the radix prefix cache"),
+    "tier_blocks_total": ("radixserve_kv_tier_blocks_total", "Block slots of the second KV tier"),
+    "tier_blocks_used": ("radixserve_kv_tier_blocks_used", "Second-tier slots holding cached blocks"),
+    "sessions_open": ("radixserve_sessions_open", "Agent sessions holding their latest context in the cache"),
+    "pins": ("radixserve_pinned_prefixes", "Prefixes pinned with a TTL"),
+    "tier_persist_failed": ("radixserve_kv_persist_failed", "1 when the persisted tier could not be written"),
+    "spec_acceptance_rate": ("radixserve_spec_acceptance_rate", "Accepted / proposed speculative tokens so far"),
 }
 
 
@@ -90,8 +102,28 @@ class _EngineCollector(Collector):
         for key, (name, doc) in _ENGINE_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=stats[key])
+        yield from _tier_families(stats)
         if "blocks_total" in stats and "blocks_free" in stats:
             used = stats["blocks_total"] - stats["blocks_free"]
             yield GaugeMetricFamily("radixserve_kv_blocks_used", "KV blocks in use (requests or cache)", value=used)
         for name, value in self.server_gauges().items():
             yield GaugeMetricFamily(name, "server-side request gauge", value=value)
+
+
+def _tier_families(stats: dict[str, Any]) -> Iterator[Any]:
+    """Evictions by reason and cached bytes by tier, from the engine's stats."""
+    reasons = {k[len("evicted_blocks_"):]: v for k, v in stats.items() if k.startswith("evicted_blocks_")}
+    if reasons:
+        family = CounterMetricFamily(
+            "radixserve_kv_evicted_blocks_by_reason",
+            "KV blocks evicted, by reason (demoted: moved to the second tier; dropped: gone from the pool; "
+            "tier_dropped: gone from the second tier; flushed)", labels=["reason"],
+        )
+        for reason, value in sorted(reasons.items()):
+            family.add_metric([reason], value)
+        yield family
+    if "pool_cached_bytes" in stats:
+        family = GaugeMetricFamily("radixserve_kv_cached_bytes", "Bytes of cached KV, by tier", labels=["tier"])
+        family.add_metric(["pool"], stats["pool_cached_bytes"])
+        family.add_metric(["offload"], stats.get("tier_bytes", 0))
+        yield family

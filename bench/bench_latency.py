@@ -1,0 +1,245 @@
+"""Latency under load: TTFT, inter-token gap and end-to-end p50/p95 with and without the step budget.
+
+    .venv/bin/python -m bench.bench_latency --quick            # no-sharing only, 16 prompts, one run each
+    .venv/bin/python -m bench.bench_latency --repeats 3 --plot latency.png
+    .venv/bin/python -m bench.bench_latency --configs "" "--max-step-ms 120" "--max-step-ms 80"
+
+Two (or more) `radixserve serve` processes, one per configuration, run side by side and take turns:
+each run sends a workload's prompts (token ids) to one server as streaming /v1/completions with
+Poisson arrivals (--rate, default 0.8 req/s), greedy with ignore_eos, and records when each chunk
+of text arrives. Workloads (bench/workloads.py): no-sharing (32 prompts of 64-512 tokens, 32-128
+new) and shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 new). Reports, per
+configuration and workload, the median over runs of each percentile and its spread (min-max),
+then the ratios of every configuration to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench import workloads
+from bench.bench_server import _arrivals, _free_port, _pct, _wait_healthy
+
+TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
+
+
+@dataclass
+class Stream:
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival time of every text chunk
+    end: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    config: str
+    workload: str
+    streams: list[Stream]
+    duration_s: float
+
+    def summary(self) -> dict[str, float]:
+        ok = [s for s in self.streams if s.error is None and s.chunks]
+        ttft = [s.chunks[0] - s.sent for s in ok]
+        gaps = [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:])]
+        e2e = [s.end - s.sent for s in ok]
+        return {
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
+            "gap_p50_ms": _pct(gaps, 50) * 1000, "gap_p95_ms": _pct(gaps, 95) * 1000,
+            "e2e_p50_s": _pct(e2e, 50), "e2e_p95_s": _pct(e2e, 95),
+            "output_tok_s": sum(s.tokens for s in ok) / self.duration_s,
+            "failed": float(len(self.streams) - len(ok)),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(_server(args, extra)) for extra in args.configs]
+        results = asyncio.run(_run_all(urls, args))
+    _report(args, results)
+    if args.plot:
+        _plot(args.plot, args, results)
+        print(f"\nplot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"config": r.config, "workload": r.workload, **r.summary()} for r in results], f, indent=1)
+    return 0
+
+
+def _workload(name: str, args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    if name == "no-sharing":
+        w = workloads.no_sharing(num_prompts=args.prompts)
+    else:
+        w = workloads.shared_prefix(groups=4, prompts_per_group=max(1, args.prompts // 4))
+    return [(s.turns[0].new_tokens, s.turns[0].max_tokens) for s in w.sessions]  # single-turn sessions
+
+
+async def _run_all(urls: list[str], args: argparse.Namespace) -> list[RunResult]:
+    results = []
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        for url in urls:  # one untimed warm-up request each
+            await _stream(client, url, [1, 2, 3, 4], 4)
+        for repeat in range(args.repeats):
+            for name in args.workloads:
+                for config, url in zip(args.configs, urls):
+                    await client.post(url + "/flush_cache")
+                    label = config or "(defaults)"
+                    print(f"run {repeat + 1}/{args.repeats}: {name} on {label}", file=sys.stderr)
+                    results.append(await _one_run(client, url, label, name, args, seed=repeat))
+    return results
+
+
+async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
+    items = _workload(name, args)
+    delays = _arrivals(random.Random(100 + seed), args.rate, len(items))
+    start = time.monotonic()
+
+    async def one(delay, prompt, max_tokens):
+        await asyncio.sleep(delay)
+        return await _stream(client, url, prompt, max_tokens)
+
+    streams = await asyncio.gather(*(one(d, p, m) for d, (p, m) in zip(delays, items)))
+    return RunResult(label, name, list(streams), time.monotonic() - start)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Stream:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    stream = Stream(time.monotonic())
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                stream.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
+                return stream
+            async for line in response.aiter_lines():
+                _on_line(stream, line)
+    except httpx.HTTPError as exc:
+        stream.error = f"{type(exc).__name__}: {exc}"
+    stream.end = time.monotonic()
+    return stream
+
+
+def _on_line(stream: Stream, line: str) -> None:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        stream.error = chunk["error"]["message"]
+        return
+    if any(c.get("text") for c in chunk.get("choices", [])):
+        stream.chunks.append(time.monotonic())
+    if chunk.get("usage"):
+        stream.tokens = chunk["usage"]["completion_tokens"]
+
+
+@contextlib.contextmanager
+def _server(args: argparse.Namespace, extra: str):
+    import os
+    import shlex
+    import signal
+    import subprocess
+
+    port = _free_port()
+    command = [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--log-level", "warning",
+               "--served-model-name", "m"] + shlex.split(args.server_args) + shlex.split(extra)
+    print("starting:", " ".join(command), file=sys.stderr)
+    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
+    process = subprocess.Popen(command, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, process)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _report(args: argparse.Namespace, results: list[RunResult]) -> None:
+    print(f"\nlatency under load: Poisson {args.rate} req/s, streaming /v1/completions, greedy, ignore_eos; "
+          f"{args.repeats} run(s) per configuration, configurations taking turns; median [min-max] over runs")
+    keys = ["ttft_p50_s", "ttft_p95_s", "gap_p50_ms", "gap_p95_ms", "e2e_p50_s", "e2e_p95_s", "output_tok_s"]
+    table: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in results:
+        entry = table.setdefault((r.workload, r.config), {k: [] for k in keys + ["failed"]})
+        for k, v in r.summary().items():
+            entry[k].append(v)
+    for name in args.workloads:
+        print(f"\n== {name}")
+        configs = [c or "(defaults)" for c in args.configs]
+        for config in configs:
+            entry = table[(name, config)]
+            cells = [f"{k} {_median(entry[k]):.3g} [{min(entry[k]):.3g}-{max(entry[k]):.3g}]" for k in keys]
+            print(f"  {config}: " + ", ".join(cells) + f"; failed {int(sum(entry['failed']))}")
+            misses = [f"{k} {_median(entry[k]):.3g} > {t}" for k, t in TARGETS.items() if _median(entry[k]) > t]
+            if name == "no-sharing":
+                print(f"    targets (gap p95 <= 120 ms, TTFT p95 <= 1.5 s): {'met' if not misses else 'NOT met: ' + ', '.join(misses)}")
+        base = table[(name, configs[0])]
+        for config in configs[1:]:
+            entry = table[(name, config)]
+            ratios = [f"{k} {_median(entry[k]) / _median(base[k]):.2f}x" for k in keys]
+            print(f"  {config} / {configs[0]}: " + ", ".join(ratios))
+
+
+def _median(values: list[float]) -> float:
+    return _pct(values, 50)
+
+
+def _plot(path: str, args: argparse.Namespace, results: list[RunResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 4), squeeze=False)
+    for ax, name in zip(axes[0], args.workloads):
+        data, labels = [], []
+        for config in args.configs:
+            label = config or "(defaults)"
+            gaps = [(b - a) * 1000 for r in results if r.workload == name and r.config == label
+                    for s in r.streams for a, b in zip(s.chunks, s.chunks[1:])]
+            data.append(gaps)
+            labels.append(label)
+        ax.boxplot(data, tick_labels=labels, whis=(5, 95), showfliers=False)
+        ax.set_title(f"{name}: inter-token gap (5-95%)")
+        ax.set_ylabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["--max-step-ms 0", "--max-step-ms 120"],
+                   help="server flags of each configuration (the first is the baseline of the ratios)")
+    p.add_argument("--server-args", default="", help="flags for every server")
+    p.add_argument("--workloads", nargs="+", default=["no-sharing", "shared-prefix"],
+                   choices=["no-sharing", "shared-prefix"])
+    p.add_argument("--rate", type=float, default=0.8)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="no-sharing only, 16 prompts, one run each")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--plot", help="write a PNG of the gap distributions")
+    p.add_argument("--json", help="write every run's summary here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workloads, args.prompts, args.repeats = ["no-sharing"], 16, 1
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Prompt-lookup drafting: propose the tokens that followed the latest earlier occurrence of
+a request's last n-gram in its own prompt and output (no draft model; plain Python).
+
+Which requests speculate: those with `params.speculative` True, or None while the engine's
+`speculative` is on; never constrained requests (their masks follow the grammar token by
+token), requests that want logprobs, use penalties, are still below min_tokens, or sample
+with a seed (their noise is keyed by position; speculation would draw differently). A
+request whose drafts stop paying (few accepted tokens per verification) pauses drafting
+for a while, pausing longer each time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.core.request import Request
+
+MIN_ACCEPTED = 0.5  # accepted tokens per verification below which drafting does not pay
+MIN_TRIES = 4  # verifications before the rate is judged
+PAUSE_STEPS = 16  # first pause (decode steps without drafting); doubles on each pause
+MAX_PAUSE_STEPS = 512
+EMA = 0.3  # weight of the newest verification in the running acceptance figure
+
+
+@dataclass
+class _DraftState:
+    tries: int = 0
+    accepted_ema: float = 0.0
+    paused: int = 0
+    next_pause: int = PAUSE_STEPS
+
+
+@dataclass
+class SpeculationStats:
+    drafts: int = 0  # verifications (a request's draft checked in one step)
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted
+    pauses: int = 0  # times a request stopped drafting for low acceptance
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class PromptLookupDrafter:
+    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, default_on: bool):
+        self.num_tokens = num_tokens
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.default_on = default_on
+        self.stats = SpeculationStats()
+        self._states: dict[str, _DraftState] = {}
+
+    def eligible(self, request: Request) -> bool:
+        p = request.params
+        wanted = p.speculative if p.speculative is not None else self.default_on
+        return bool(
+            wanted and request.grammar is None and p.logprobs is None and not p.uses_penalties
+            and request.num_output_tokens >= p.min_tokens and (p.greedy or p.seed is None)
+        )
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to min(num_tokens, max_tokens) draft tokens for the request, or []."""
+        if max_tokens <= 0 or not self.eligible(request):
+            return []
+        state = self._states.setdefault(request.request_id, _DraftState())
+        if state.paused > 0:
+            state.paused -= 1
+            return []
+        return lookup(request.token_ids, min(self.num_tokens, max_tokens), self.ngram_min, self.ngram_max)
+
+    def record(self, request: Request, proposed: int, accepted: int) -> None:
+        """A draft of `proposed` tokens was verified and `accepted` of them agreed."""
+        self.stats.drafts += 1
+        self.stats.draft_tokens += proposed
+        self.stats.accepted_tokens += accepted
+        state = self._states.setdefault(request.request_id, _DraftState())
+        state.tries += 1
+        state.accepted_ema = accepted if state.tries == 1 else (1 - EMA) * state.accepted_ema + EMA * accepted
+        if state.tries >= MIN_TRIES and state.accepted_ema < MIN_ACCEPTED:
+            state.paused = state.next_pause
+            state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
+            state.tries = 0
+            self.stats.pauses += 1
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+
+def lookup(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """The k tokens after the latest earlier occurrence of the longest suffix n-gram
+    (ngram_max down to ngram_min) of `tokens`; [] if none occurs."""
+    size = len(tokens)
+    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
+        pattern = tokens[size - n:]
+        last = pattern[-1]
+        # an occurrence ending at index e (inclusive) with e < size - 1, latest first
+        e = size - 2
+        while e >= n - 1:
+            if tokens[e] == last and tokens[e - n + 1:e + 1] == pattern:
+                return tokens[e + 1:e + 1 + k]
+            e -= 1
+    return []

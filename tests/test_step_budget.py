@@ -1,0 +1,159 @@
+"""Step-time budget: the scheduler's prefill token budget (exact chunks), the online cost
+model (exact fits, budgets), and the engine (greedy outputs unchanged with the budget on)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.core.step_cost import MIN_PREFILL_TOKENS, StepCostModel
+from test_scheduler import add, chunks, make_scheduler, step
+
+
+def budget_step(s, budget, token=7):
+    """A scheduler round trip under a prefill budget (the 'model' samples `token`)."""
+    plan = s.schedule(prefill_token_budget=budget)
+    s.commit(plan)
+    for c in plan.chunks:
+        if c.samples:
+            c.request.token_ids.append(token)
+    s.check_integrity()
+    return plan
+
+
+def test_prefill_budget_caps_prefill_chunks_while_requests_decode():
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=32, cache=False)
+    a = add(s, range(3), max_tokens=8)
+    step(s)  # a's prompt: no decodes yet, so the budget does not apply
+    assert a.num_output_tokens == 1
+    b, c = add(s, range(100, 140)), add(s, range(200, 210))
+    plan = budget_step(s, 12)
+    assert chunks(plan) == [(a.request_id, 3, 1), (b.request_id, 0, 12)]
+    plan = budget_step(s, 30)
+    # b continues first (running prefills before admissions), c gets what is left
+    assert chunks(plan) == [(a.request_id, 4, 1), (b.request_id, 12, 28), (c.request_id, 0, 2)]
+
+
+def test_no_decodes_means_the_whole_token_budget():
+    s = make_scheduler(max_num_batched_tokens=40, chunked_prefill_size=32, cache=False)
+    a, b = add(s, range(50)), add(s, range(100, 120))
+    plan = s.schedule(prefill_token_budget=5)
+    assert chunks(plan) == [(a.request_id, 0, 32), (b.request_id, 0, 8)]
+
+
+def test_spent_prefill_budget_skips_running_prefills_without_preempting():
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, cache=False)
+    a = add(s, range(2), max_tokens=8)
+    step(s)
+    b, c = add(s, range(100, 130)), add(s, range(200, 230))
+    plan = budget_step(s, 20)
+    assert chunks(plan) == [(a.request_id, 2, 1), (b.request_id, 0, 16), (c.request_id, 0, 4)]
+    plan = budget_step(s, 10)
+    assert chunks(plan) == [(a.request_id, 3, 1), (b.request_id, 16, 10)]
+    assert not plan.preempted and c.num_computed_tokens == 4
+
+
+def test_budget_of_zero_still_runs_the_decodes():
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=32, cache=False)
+    a = add(s, range(2), max_tokens=8)
+    step(s)
+    b = add(s, range(100, 120))
+    plan = s.schedule(prefill_token_budget=0)
+    assert chunks(plan) == [(a.request_id, 2, 1)] and b in s.waiting
+
+
+def test_cost_model_recovers_an_exact_linear_cost():
+    model = StepCostModel(decay=1.0, prior_weight=1e-9)
+    rng = random.Random(0)
+    for _ in range(50):
+        d, p = rng.randrange(0, 33), rng.randrange(0, 513)
+        model.observe(d, p, 40.0 + 2.5 * d + 0.75 * p)
+    a, b, c = model.coefficients
+    assert a == pytest.approx(40.0, abs=1e-3) and b == pytest.approx(2.5, abs=1e-4) and c == pytest.approx(0.75, abs=1e-5)
+    # (120 - 40 - 2.5 * 8) / 0.75 = 80 tokens
+    assert model.prefill_budget(8, 120, 2048) == 80
+    assert model.prefill_budget(0, 10_000, 2048) == 2048
+    assert model.prefill_budget(32, 50, 2048) == MIN_PREFILL_TOKENS
+
+
+def test_cost_model_follows_a_slower_machine():
+    model = StepCostModel(decay=0.9)
+    for i in range(200):
+        d, p = i % 9, (i * 37) % 300
+        model.observe(d, p, 2 * (40.0 + 2.5 * d + 0.75 * p))  # twice the prior's scale
+    assert model.predict_ms(8, 100) == pytest.approx(2 * (40 + 20 + 75), rel=0.02)
+
+
+def test_cost_model_prior_before_any_observation():
+    model = StepCostModel()
+    a, b, c = model.coefficients
+    assert model.prefill_budget(4, 200, 2048) == int((200 - a - 4 * b) / c)
+
+
+def test_max_step_ms_is_validated():
+    with pytest.raises(ValueError, match="max_step_ms"):
+        EngineConfig(max_step_ms=-1)
+    assert EngineConfig(max_step_ms=120).max_step_ms == 120
+
+
+class FixedBudget:
+    """A fake cost model: every step with decodes may prefill `tokens` tokens."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.asked: list[int] = []
+
+    def prefill_budget(self, decodes: int, target_ms: float, max_tokens: int) -> int:
+        self.asked.append(decodes)
+        return self.tokens
+
+    def observe(self, decodes: int, prefill_tokens: int, step_ms: float) -> None:
+        pass
+
+
+def test_engine_greedy_outputs_unchanged_with_the_budget_on(tiny_model_dir, monkeypatch):
+    directory = tiny_model_dir("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(97) for _ in range(n)] for n in (40, 3, 57, 9, 30, 2)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    options = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=16, max_num_batched_tokens=32)
+    plain = Engine(str(directory), **options)
+    budgeted = Engine(str(directory), max_step_ms=50, **options)
+    budgeted.step_cost = FixedBudget(5)
+    seen = []
+    original = budgeted._observe_step
+
+    def record(decode_tokens, prefill_tokens, step_ms):
+        if decode_tokens:
+            seen.append(prefill_tokens)
+        original(decode_tokens, prefill_tokens, step_ms)
+
+    monkeypatch.setattr(budgeted, "_observe_step", record)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    got = [o.token_ids for o in _run_staggered(budgeted, prompts, params)]
+    assert got == expected
+    assert budgeted.step_cost.asked and max(seen) <= 5 and any(n == 5 for n in seen)
+    budgeted.check_integrity()
+    assert not budgeted.has_unfinished_requests()
+
+
+def _run_staggered(engine, prompts, params):
+    ids, done, queue = {}, {}, list(enumerate(prompts))
+    while queue or engine.has_unfinished_requests():
+        if queue:
+            i, p = queue.pop(0)
+            ids[engine.add_request(p, params)] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_engine_fits_its_cost_model_from_real_steps(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=128, max_step_ms=1000)
+    engine.generate([[1, 2, 3] * 10, [5, 6]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert engine.step_cost.observations == engine.stats()["steps"]
+    engine.check_integrity()
