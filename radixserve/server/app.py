@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from radixserve.server import native_api, sglang_api
+from radixserve.server import native_api, sessions_api, sglang_api
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -103,6 +103,7 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *sglang_api.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
+        *sessions_api.routes(),  # /v1/sessions/{id}/close, /v1/sessions/pin
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
     if options.enable_debug_endpoints:

@@ -264,7 +264,7 @@ def _prepare_inputs(engine: "Engine", inputs: list[GenerationInput]) -> list[Pre
             if id(prompt) not in templated:
                 templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages))
             prompt = templated[id(prompt)]
-        prepared.append(engine.prepare(prompt, item.params, item.cache_salt))
+        prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id))
     return prepared
 
 

@@ -28,6 +28,7 @@ class GenerationInput:
     prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     cache_salt: str | None = None
+    session_id: str | None = None  # the agent conversation it continues (a cache hint)
 
 
 @dataclass(frozen=True)

@@ -168,5 +168,6 @@ class ChatCompletionRequest(OpenAISamplingFields):
         params = self.sampling_params(served, max_tokens, logprobs, **constraint, **formatted)
         stream, include_usage = self.stream_flags()
         return GenerationJob(
-            model, [prompt], self.samples(params), self.n, stream, include_usage, False, logprobs, self.cache_salt
+            model, [prompt], self.samples(params), self.n, stream, include_usage, False, logprobs, self.cache_salt,
+            session_id=self.session_id,
         )

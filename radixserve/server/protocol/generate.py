@@ -23,7 +23,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol.common import MAX_SEED, NativeModel, ServedModel, expects
 from radixserve.server.protocol.jobs import NativeJob
-from radixserve.server.protocol.sampling import MAX_CHOICES, Logprobs, NonEmptyString, StopStrings, TokenId
+from radixserve.server.protocol.sampling import MAX_CHOICES, Logprobs, NonEmptyString, SessionId, StopStrings, TokenId
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
@@ -89,6 +89,9 @@ class GenerateRequest(NativeModel):
     sampling_params: GenerateSamplingParams | None = None
     stream: bool = False
     cache_salt: str | None = Field(None, description="requests share cached prefixes only with the same salt")
+    session_id: SessionId | None = Field(
+        None, description="an agent conversation: its latest context is kept ahead of other cached prefixes"
+    )
     model: str | None = Field(None, description="checked when given")
     # SGLang's request fields:
     rid: Annotated[NonEmptyString | list[NonEmptyString], expects("a string or a list of strings")] | None = Field(
@@ -115,6 +118,7 @@ class GenerateRequest(NativeModel):
         return NativeJob(
             prompts, params, self.stream, batched, self.cache_salt, n=sampling.n, rids=self._rids(len(prompts)),
             return_logprob=self.return_logprob, return_text_in_logprobs=self.return_text_in_logprobs,
+            session_id=self.session_id,
         )
 
     def _with_logprobs(self, params: SamplingParams) -> SamplingParams:

@@ -24,10 +24,12 @@ class GenerationJob:
     echo: bool = False
     logprobs: int | None = None  # alternatives per token (0: the chosen token only); None: off
     cache_salt: str | None = None  # the engine's salt: the tenant's namespace and the client's cache_salt
+    session_id: str | None = None  # the agent conversation it continues (a cache hint)
 
     def inputs(self) -> list[GenerationInput]:
         return [
-            GenerationInput(prompt, self.params[i], self.cache_salt) for prompt in self.prompts for i in range(self.n)
+            GenerationInput(prompt, self.params[i], self.cache_salt, self.session_id)
+            for prompt in self.prompts for i in range(self.n)
         ]
 
 
@@ -45,6 +47,7 @@ class NativeJob:
     rids: list[str] | None = None  # the client's id of each prompt (SGLang's rid)
     return_logprob: bool = False  # report logprob lists even where empty
     return_text_in_logprobs: bool = False
+    session_id: str | None = None  # the agent conversation it continues (a cache hint)
 
     @property
     def answers_list(self) -> bool:
@@ -54,4 +57,4 @@ class NativeJob:
         samples = [self.params] * self.n
         if self.params.seed is not None:
             samples = [replace(self.params, seed=self.params.seed + i) for i in range(self.n)]
-        return [GenerationInput(p, params, self.cache_salt) for p in self.prompts for params in samples]
+        return [GenerationInput(p, params, self.cache_salt, self.session_id) for p in self.prompts for params in samples]

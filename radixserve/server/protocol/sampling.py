@@ -17,6 +17,7 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
 
 NonEmptyString = Annotated[str, Field(min_length=1)]
+SessionId = Annotated[str, Field(min_length=1, max_length=256)]
 StopStrings = Annotated[
     NonEmptyString | Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)],
     expects(f"a string or a list of strings (non-empty, at most {MAX_STOP_STRINGS})"),
@@ -55,6 +56,9 @@ class OpenAISamplingFields(OpenAIModel):
     regex: str | None = None
     choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     cache_salt: str | None = Field(None, description="requests share cached prefixes only with the same salt")
+    session_id: SessionId | None = Field(
+        None, description="an agent conversation: its latest context is kept ahead of other cached prefixes"
+    )
     # Accepted and ignored (type-checked all the same):
     user: str | None = None
     metadata: dict[str, Any] | None = None

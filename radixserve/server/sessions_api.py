@@ -1,0 +1,85 @@
+"""Agent sessions over HTTP: an optional `session_id` on /generate, /v1/completions and
+/v1/chat/completions names an agent's conversation (its latest context is kept ahead of
+unreferenced prefixes); these routes end a session and pin a shared prefix.
+
+- POST /v1/sessions/{session_id}/close [{"cache_salt"}]: release the session's hold on the
+  cache (its context stays cached as an ordinary entry). 404 if no such session is open.
+- POST /v1/sessions/pin {"text" | "input_ids", "ttl_s", "cache_salt"}: keep the cached part
+  of this prefix (a system prompt and tool list) ahead of other entries for ttl_s seconds.
+
+Sessions and pins live in the caller's cache namespace (API key and cache_salt), like the
+prefixes they protect. They order eviction; they never reserve memory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from radixserve.server.errors import APIError, bad_request
+from radixserve.server.middleware import cache_namespace
+from radixserve.server.protocol.body import read_body, read_json
+from radixserve.server.protocol.common import Integer, NativeModel, parse
+
+MAX_SESSION_ID_CHARS = 256
+MAX_PIN_TTL_S = 7 * 24 * 3600
+
+
+class CloseSessionRequest(NativeModel):
+    cache_salt: str | None = Field(None, description="the cache_salt the session's requests used")
+
+
+class PinPrefixRequest(NativeModel):
+    text: str | None = Field(None, min_length=1)
+    input_ids: Annotated[list[Integer], Field(min_length=1)] | None = None
+    ttl_s: float = Field(gt=0, le=MAX_PIN_TTL_S, description="seconds the prefix stays pinned")
+    cache_salt: str | None = None
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/sessions/pin", pin_prefix, methods=["POST"]),
+        Route("/v1/sessions/{session_id}/close", close_session, methods=["POST"]),
+    ]
+
+
+async def close_session(request: Request) -> Response:
+    session_id = request.path_params["session_id"]
+    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+        raise bad_request(f"session_id must have 1 to {MAX_SESSION_ID_CHARS} characters", param="session_id")
+    raw = await read_body(request, 1 << 16)
+    body = CloseSessionRequest()
+    if raw.strip():
+        try:
+            body = parse(CloseSessionRequest, json.loads(raw))
+        except ValueError as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+    salt = cache_namespace(request.scope, body.cache_salt)
+    closed = await _server(request).engine.call(lambda engine: engine.close_session(session_id, salt))
+    if not closed:
+        raise APIError(404, f"no open session {session_id!r}", type="not_found_error", param="session_id",
+                       code="session_not_found")
+    return JSONResponse({"id": session_id, "object": "session", "closed": True})
+
+
+async def pin_prefix(request: Request) -> Response:
+    body = parse(PinPrefixRequest, await read_json(request))
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of 'text' and 'input_ids'", param="text")
+    prompt = body.text if body.text is not None else list(body.input_ids)
+    salt = cache_namespace(request.scope, body.cache_salt)
+    server = _server(request)
+    try:
+        pinned = await server.engine.call(lambda engine: engine.pin_prefix(prompt, body.ttl_s, salt))
+    except ValueError as exc:
+        raise bad_request(str(exc), param="input_ids" if body.input_ids is not None else "text") from None
+    return JSONResponse({"object": "session.pin", "pinned_tokens": pinned, "ttl_s": body.ttl_s})
+
+
+def _server(request: Request):
+    return request.app.state.server
