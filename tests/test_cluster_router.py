@@ -406,3 +406,14 @@ def test_serve_flags_pick_the_cluster_mode_and_check_it_before_starting_ray(caps
     assert "replicas must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--replicas", "2", "--replica-cpus", "-1"]) == 2
     assert "replica_cpus must be >= 0" in capsys.readouterr().err
+
+
+def test_common_prefix_length_at_every_split_point():
+    from radixserve.cluster.prefix_tree import common_prefix_length
+
+    base = "abcdefghij" * 7
+    for i in range(len(base) + 1):
+        other = base[:i] + "#" + base[i + 1:]
+        assert common_prefix_length(base, other) == (i if i < len(base) else len(base))
+        assert common_prefix_length(base, base[:i]) == i
+        assert common_prefix_length(tuple(base), tuple(other)) == min(i, len(base))

@@ -26,11 +26,18 @@ class _Node:
 
 
 def common_prefix_length(a: Key, b: Key) -> int:
+    """By bisection over slice comparisons (each runs in C), not element by element."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class ApproxPrefixTree:
