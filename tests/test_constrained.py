@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.execution.constrained import GrammarFactory, GrammarLimits
 
 pytestmark = pytest.mark.real_model
 
@@ -86,3 +88,71 @@ def test_invalid_constraints_are_value_errors(real_engine, prompt, params, messa
         real_engine.add_request(prompt, SamplingParams(**params))
     real_engine.check_integrity()
     assert not real_engine.has_unfinished_requests()
+
+
+def _enum(values: int, prefix: str = "v") -> dict:
+    return {"type": "object", "properties": {"pick": {"enum": [f"{prefix}{i}" for i in range(values)]}},
+            "required": ["pick"]}
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"k": schema}, "required": ["k"]}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(json_schema=_enum(50_000)), "json schema has .* characters; the limit is 65536"),
+        (dict(json_schema=_enum(3000)), "3000 enum/const values; the limit is 2048"),
+        (dict(json_schema=_nested(40)), "nests deeper than 64 levels"),
+        (dict(regex="a" * 5000), "regex has 5000 characters; the limit is 4096"),
+        (dict(choices=[f"c{i}" for i in range(3000)]), "choices has 3000 entries; the limit is 2048"),
+    ],
+)
+def test_too_large_constraints_are_refused_before_compiling(real_engine, prompt, params, message):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        real_engine.prepare(prompt, SamplingParams(**params))
+    assert time.monotonic() - start < 2.0
+    real_engine.check_integrity()
+
+
+def test_a_slow_grammar_is_refused_at_the_compile_time_limit(real_engine):
+    factory = GrammarFactory(real_engine.tokenizer, real_engine.loaded.spec.vocab_size, real_engine.eos_token_ids,
+                             GrammarLimits(compile_timeout_s=0.05))
+    assert factory.matcher(SamplingParams(regex="(yes|no)")) is not None  # builds the compiler
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="did not compile within 0.05 s"):
+        factory.matcher(SamplingParams(regex="." * 400))  # about 2 s to compile
+    assert time.monotonic() - start < 1.0
+    factory.limits = GrammarLimits(compile_timeout_s=120)
+    assert factory.matcher(SamplingParams(regex="(yes|no|maybe)")) is not None  # still works, after the orphan
+
+
+def test_the_compiled_grammar_cache_is_bounded(real_engine):
+    limit = 1 << 20
+    factory = GrammarFactory(real_engine.tokenizer, real_engine.loaded.spec.vocab_size, real_engine.eos_token_ids,
+                             GrammarLimits(cache_limit_bytes=limit))
+    sizes = []
+    for i in range(40):  # distinct schemas of roughly 100 KB compiled grammar each
+        factory.matcher(SamplingParams(json_schema=_enum(300, prefix=f"s{i}-")))
+        sizes.append(factory.cache_size_bytes())
+    assert max(sizes) > limit // 4  # it does cache
+    assert max(sizes) <= limit * 1.25
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(real_engine, monkeypatch):
+    preparer = real_engine.preparer
+    assert preparer.max_prompt_chars == 81 * real_engine.max_model_len  # SmolLM2: longest token, 81 chars
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(real_engine.tokenizer, "encode", no_tokenizing)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="characters, more than the 663552 that can fit"):
+        real_engine.prepare("x" * 25_000_000)
+    assert time.monotonic() - start < 1.0
