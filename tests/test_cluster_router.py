@@ -246,6 +246,8 @@ def test_routing_keys_share_prefixes_where_prompts_do():
     assert routing_key("/v1/completions", {"prompt": [5, 6, 7]}).key == (5, 6, 7)
     assert routing_key("/generate", {"input_ids": [[1, 2], [3]]}).key == (1, 2)
     assert routing_key("/generate", {"text": "t"}).key == "t"
+    assert routing_key("/generate", {"text": "t", "session_id": "s"}) == RoutingKey("t", "s")
+    assert routing_key("/v1/sessions/pin", {"text": SYS_A, "ttl_s": 60}).key == SYS_A
     responses = routing_key("/v1/responses", {"instructions": "I", "input": "x", "previous_response_id": "resp_1"})
     assert responses.key == "I\x1fx" and responses.session_id == "response:resp_1"
 

@@ -4,7 +4,8 @@ Every request goes to one replica through the deployment handle, whose request r
 the replica from the request's RoutingKey; the replica's own app answers it (see
 forwarding.py). Cluster-wide endpoints are broadcast to every replica and merged: /health
 (each replica's health), /metrics (every replica's series, labelled by replica),
-/flush_cache and the debug endpoints.
+/flush_cache, /abort_request (a rid lives on one replica), /v1/sessions/{id}/close and the
+debug endpoints.
 
 A replica that dies while serving a request fails that request with a 503
 (code "replica_failed"; not retried: generation may already have streamed to the client);
@@ -33,7 +34,8 @@ from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
 REPLICA_HEADER = "x-radixserve-replica"  # on every forwarded answer: the replica that served it
-BROADCAST_PATHS = ("/flush_cache", "/debug/check_integrity", "/debug/stats")
+BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats")
+_SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted"}  # answers added up over replicas
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 
@@ -60,6 +62,8 @@ class ClusterIngress:
                 return await self._metrics(request)
             if path in BROADCAST_PATHS:
                 return await self._broadcast_endpoint(request)
+            if path.startswith("/v1/sessions/") and path.endswith("/close"):
+                return await self._close_session(request)
             return await self._forward(request)
         except APIError as exc:
             return exc.response()
@@ -189,12 +193,24 @@ class ClusterIngress:
             if head.status != 200:
                 return Response(body, status_code=head.status, headers=_headers(head))
             answers[head.replica] = json.loads(body)
-        if request.url.path == "/flush_cache":
-            router = router_for(self.options.app_name)
-            if router is not None:
-                router.forget_prefixes()
-            return JSONResponse({"freed_blocks": sum(a["freed_blocks"] for a in answers.values()), "replicas": answers})
+        path = request.url.path
+        router = router_for(self.options.app_name)
+        if path == "/flush_cache" and router is not None:
+            router.forget_prefixes()
+        if path in _SUMMED:
+            field = _SUMMED[path]
+            return JSONResponse({field: sum(a[field] for a in answers.values()), "replicas": answers})
         return JSONResponse({"replicas": answers})
+
+    async def _close_session(self, request: Request) -> Response:
+        """A session may be open on more than one replica (after a balance move): close it on
+        each; 200 when some replica had it open, else the replicas' own answer (404, 400)."""
+        results = await self._everyone(request, "POST", request.url.path)
+        answers = [r for r in results if not isinstance(r, Exception)]
+        if not answers:
+            raise _failure(results[0] if results and isinstance(results[0], Exception) else RuntimeError("no replica"))
+        head, body = next((a for a in answers if a[0].status == 200), answers[0])
+        return Response(body, status_code=head.status, headers=_headers(head))
 
 
 def _headers(head: ResponseHead) -> dict[str, str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from radixserve.cluster.prefix_tree import Key
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/v1/sessions/pin")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _prompt(path: str, body: dict) -> str | tuple[int, ...] | None:
         return _chat_text(body.get("messages"), body.get("tools"))
     if path == "/v1/responses":
         return _responses_text(body.get("instructions"), body.get("input"))
-    if path == "/generate":
+    if path in ("/generate", "/v1/sessions/pin"):  # a pinned prefix goes where requests with it will
         return _first_prompt(body.get("text") if body.get("text") is not None else body.get("input_ids"))
     return _first_prompt(body.get("prompt"))
 
