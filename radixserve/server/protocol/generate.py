@@ -15,39 +15,39 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from dataclasses import replace
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import MAX_SEED, NativeModel, ServedModel, expects
+from radixserve.server.protocol.common import MAX_SEED, Integer, NativeModel, ServedModel, expects
 from radixserve.server.protocol.jobs import NativeJob
 from radixserve.server.protocol.sampling import MAX_CHOICES, Logprobs, NonEmptyString, SessionId, StopStrings, TokenId
 
-TokenIds = Annotated[list[int], Field(min_length=1)]
+TokenIds = Annotated[list[Integer], Field(min_length=1)]
 
 
 class GenerateSamplingParams(NativeModel):
     """SamplingParams' fields, with its defaults and bounds (see radixserve.SamplingParams)."""
 
-    max_tokens: int | None = Field(16, ge=0, description="null: up to the model's context; 0: prefill only")
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: Integer | None = Field(16, ge=0, description="null: up to the model's context; 0: prefill only")
+    min_tokens: Integer = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: Integer = Field(0, ge=-1)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Integer | None = Field(None, ge=0, le=MAX_SEED)
     stop: StopStrings | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
-    prompt_logprobs_start: int = Field(0, ge=0)
+    prompt_logprobs_start: Integer = Field(0, ge=0)
     skip_special_tokens: bool = True
     regex: str | None = None
     json_schema: Annotated[dict[str, Any] | str, expects("an object or a JSON string")] | None = None
@@ -81,6 +81,11 @@ _SGLANG_ONLY = ("max_new_tokens", "min_new_tokens", "n", "spaces_between_special
 
 class GenerateRequest(NativeModel):
     """The body of POST /generate."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"text": "The capital of France is", "sampling_params": {"max_tokens": 8, "temperature": 0}},
+        {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_tokens": 2, "logprobs": 0}, "stream": True},
+    ]})
 
     text: Annotated[str | Annotated[list[str], Field(min_length=1)],
                     expects("a string or a non-empty list of strings")] | None = None
