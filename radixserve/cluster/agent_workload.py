@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
-REPLICA_HEADER = "x-radixserve-replica"
+from radixserve.cluster.forwarding import REPLICA_HEADER
+
 
 _SYSTEM_PROMPTS = (
     "You are the operations agent of a small logistics company. You plan deliveries, answer "

@@ -17,6 +17,7 @@ from typing import Any
 
 from radixserve.cluster.routing_key import RoutingKey
 
+REPLICA_HEADER = "x-radixserve-replica"  # on every forwarded answer: the replica that served it
 APP_EXIT_TIMEOUT_S = 10.0  # after the consumer stopped: time for the app to notice the disconnect and end
 
 

@@ -25,7 +25,7 @@ from ray import exceptions as ray_exceptions
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from radixserve.cluster.forwarding import ForwardedRequest, ResponseHead
+from radixserve.cluster.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseHead
 from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.registry import router_for
 from radixserve.cluster.routing_key import routing_key
@@ -33,7 +33,6 @@ from radixserve.server.errors import APIError
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
-REPLICA_HEADER = "x-radixserve-replica"  # on every forwarded answer: the replica that served it
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats")
 _SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted"}  # answers added up over replicas
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
