@@ -25,6 +25,7 @@ class KVPool:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv, self._memory = _zeros(shape, dtype, torch.device(device))
         self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]  # views, made once
+        self._numpy_copies = self.kv.device.type == "cpu" and self.kv.dtype != torch.bfloat16
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]
@@ -35,14 +36,25 @@ class KVPool:
         return (shape[0], shape[1], *shape[3:])
 
     def copy_blocks_out(self, blocks: list[int], dest: torch.Tensor, slots: list[int]) -> None:
-        """dest[slot] = the K/V of pool block `block`, pairwise (dest: [slots, *block_shape])."""
+        """dest[slot] = the K/V of pool block `block`, pairwise (dest: [slots, *block_shape],
+        on the pool's device)."""
+        if self._numpy_copies:  # numpy copies in this thread: torch's intra-op
+            pool, out = self.kv.numpy(), dest.numpy()  # threads cost 10x more on a busy machine
+            for b, s in zip(blocks, slots):
+                out[s] = pool[:, :, b]
+            return
         for b, s in zip(blocks, slots):
-            dest[s].copy_(self.kv[:, :, b])
+            dest[s].copy_(self.kv[:, :, b], non_blocking=True)
 
     def copy_blocks_in(self, slots: list[int], src: torch.Tensor, blocks: list[int]) -> None:
         """The K/V of pool block `block` = src[slot], pairwise."""
+        if self._numpy_copies:
+            pool, tier = self.kv.numpy(), src.numpy()
+            for s, b in zip(slots, blocks):
+                pool[:, :, b] = tier[s]
+            return
         for s, b in zip(slots, blocks):
-            self.kv[:, :, b].copy_(src[s])
+            self.kv[:, :, b].copy_(src[s], non_blocking=True)
 
     @staticmethod
     def bytes_per_block(

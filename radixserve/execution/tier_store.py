@@ -35,14 +35,17 @@ class TierStore:
         self.seq = [0] * num_slots
 
     def run(self, pool: KVPool, copies: list[KVCopy]) -> None:
-        """Execute tier copies in order (the engine thread, before the forward pass)."""
-        for c in copies:
-            if c.to_tier:
-                self.seq[c.slot] += 1
-                pool.copy_blocks_out([c.block], self.data, [c.slot])
-                self.seq[c.slot] += 1
+        """Execute tier copies in order (the engine thread, before the forward pass): runs
+        of the same direction touching distinct slots and blocks go in one batch."""
+        for to_tier, blocks, slots in _batches(copies):
+            if to_tier:
+                for s in slots:
+                    self.seq[s] += 1  # odd: being written
+                pool.copy_blocks_out(blocks, self.data, slots)
+                for s in slots:
+                    self.seq[s] += 1
             else:
-                pool.copy_blocks_in([c.slot], self.data, [c.block])
+                pool.copy_blocks_in(slots, self.data, blocks)
 
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -59,6 +62,18 @@ class TierStore:
             self._memory.close()
         except BufferError:  # a tensor view still refers to it; the mapping goes with the process
             pass
+
+
+def _batches(copies: list[KVCopy]):
+    """(to_tier, blocks, slots) runs of consecutive copies that can run as one batch."""
+    batch: list[KVCopy] = []
+    for c in copies:
+        if batch and (c.to_tier != batch[0].to_tier or any(c.slot == b.slot or c.block == b.block for b in batch)):
+            yield batch[0].to_tier, [b.block for b in batch], [b.slot for b in batch]
+            batch = []
+        batch.append(c)
+    if batch:
+        yield batch[0].to_tier, [b.block for b in batch], [b.slot for b in batch]
 
 
 def _map(path: str | None, size: int) -> mmap.mmap:

@@ -4,6 +4,7 @@ full disk) degrades to one tier with a log line saying why; it never stops the e
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import logging
@@ -57,6 +58,7 @@ class Tiering:
         if config.kv_persist_dir:
             header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size}
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
+            atexit.register(tiering.close)  # the last index write, also when nobody calls close()
         log.info("KV tier: %d blocks (%.2f GiB) in %s%s", num_slots, num_slots * per_block / 2**30,
                  store.path or "memory", ", persisted" if tiering.persister else "")
         return tiering

@@ -55,7 +55,8 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None) -> Completion:
-        """Generate after `prompt_ids`; `on_text(delta)` sees the text as it grows.
+        """Generate after `prompt_ids`; `on_text(delta)` sees the text as it grows. The
+        built-in backends also take `session_id=` (an agent session, a cache hint).
         Raises ValueError for a request the engine refuses (bad regex, too long...)."""
 
     @abstractmethod

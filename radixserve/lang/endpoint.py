@@ -51,8 +51,13 @@ class Endpoint(Backend):
                 self._tokenizer = _load_tokenizer(self._tokenizer or self._served_model_dir())
             return self._tokenizer
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None) -> Completion:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None,
+        session_id: str | None = None,
+    ) -> Completion:
         body = {"input_ids": prompt_ids, "sampling_params": _params_dict(params), "stream": on_text is not None}
+        if session_id is not None:
+            body["session_id"] = session_id
         if on_text is None:
             return _completion(self._post_json("/generate", body))
         last = None

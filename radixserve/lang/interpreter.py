@@ -23,10 +23,11 @@ class Interpreter:
     """Runs ops over a record with one backend and one run's sampling defaults; with
     `streaming`, gens push their text to the record's stream as it decodes."""
 
-    def __init__(self, backend: Backend, defaults: dict[str, Any], streaming: bool):
+    def __init__(self, backend: Backend, defaults: dict[str, Any], streaming: bool, session_id: str | None = None):
         self.backend = backend
         self.defaults = defaults
         self.streaming = streaming
+        self.session = {"session_id": session_id} if session_id is not None else {}  # a cache hint
 
     def run(self, record: StateRecord, ops: list[Expr]) -> None:
         for op in ops:
@@ -58,7 +59,9 @@ class Interpreter:
             streamed.append(delta)
             record.stream.push(delta, op.name)
 
-        completion = self.backend.generate(self._prompt_ids(record), params, on_text if self.streaming else None)
+        completion = self.backend.generate(
+            self._prompt_ids(record), params, on_text if self.streaming else None, **self.session
+        )
         sent = "".join(streamed)
         if completion.text.startswith(sent):
             record.stream.push(completion.text[len(sent):], op.name)

@@ -22,7 +22,7 @@ from radixserve.lang.state import ProgramState
 from radixserve.sampling_params import SamplingParams
 
 SAMPLING_DEFAULTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
-RESERVED = ("backend", "stream", "num_threads", "progress_bar", *SAMPLING_DEFAULTS)
+RESERVED = ("backend", "stream", "num_threads", "progress_bar", "session_id", *SAMPLING_DEFAULTS)
 MAX_THREADS = 64
 
 
@@ -59,14 +59,16 @@ class Program:
         top_k: int | None = None,
         min_p: float | None = None,
         seed: int | None = None,
+        session_id: str | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program; returns its state once everything ran (with `stream=True`, as soon
         as the function returned: read `state.text_iter()` meanwhile). The sampling options
         are defaults for the program's gens; the function's return value is `state.ret_value`.
-        Raises what the program raised."""
+        Raises what the program raised. `session_id` names the agent conversation the run
+        continues: its gens keep their context ahead of other cached prefixes."""
         defaults = _sampling_defaults(max_tokens, temperature, top_p, top_k, min_p, seed)
-        state = ProgramState(resolve_backend(backend), defaults, stream=stream)
+        state = ProgramState(resolve_backend(backend), defaults, stream=stream, session_id=session_id)
         state.ret_value = self.fn(state, *args, **kwargs)
         if not stream:
             state.sync()

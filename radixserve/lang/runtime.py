@@ -40,9 +40,12 @@ class Runtime(Backend):
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None) -> Completion:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_text: TextCallback | None = None,
+        session_id: str | None = None,
+    ) -> Completion:
         outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
-        prepared = self.engine.prepare(prompt_ids, params)
+        prepared = self.engine.prepare(prompt_ids, params, session_id=session_id)
         (request_id,) = self._loop.submit([prepared], outputs.put).result()
         try:
             final = _follow(outputs, on_text)

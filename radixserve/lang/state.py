@@ -30,9 +30,12 @@ _state_ids = itertools.count()
 class ProgramState:
     """Text, messages and variables of one program run (see the module docstring)."""
 
-    def __init__(self, backend: Backend, defaults: dict[str, Any] | None = None, stream: bool = False):
+    def __init__(
+        self, backend: Backend, defaults: dict[str, Any] | None = None, stream: bool = False,
+        session_id: str | None = None,
+    ):
         self.ret_value: Any = None  # what the program function returned (set by run / run_batch)
-        self._interpreter = Interpreter(backend, dict(defaults or {}), stream)
+        self._interpreter = Interpreter(backend, dict(defaults or {}), stream, session_id)
         self._cond = threading.Condition()
         self._executor = SerialExecutor(self._cond, f"radixserve-program-{next(_state_ids)}")
         self._record = StateRecord(self._cond)
