@@ -23,7 +23,6 @@ from radixserve.execution.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
 from radixserve.prepare import PreparedRequest, Prompt, RequestPreparer
-from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
 from radixserve.outputs import TokenLogprob

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from radixserve import Engine, SamplingParams
 from radixserve.execution.kv_persist import INDEX_FILE
 from radixserve.execution.tier_store import TIER_FILE

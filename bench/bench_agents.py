@@ -1,0 +1,332 @@
+"""An agent swarm under memory pressure: today's LRU prefix cache, + a second KV tier,
++ tier and sessions, and the cache off, in one run on the default model.
+
+    python -m bench.bench_agents [--quick] [--agents 32 --turns 6 ...] [--plot agents.png]
+                                 [--json agents.json] [--measure-tier]
+
+Every agent sends `turns` requests. Turn t's prompt is the shared tool prompt, the agent's
+own instructions and its whole history: every earlier answer (generated token ids, kept
+byte-stable) and tool result. Between an answer and its next request the agent waits a
+simulated tool latency (uniform in [min, max] seconds, seeded). The KV pool holds about a
+third of the working set (the tool prompt once plus every agent's final context), so
+paused agents' contexts are evicted while they wait.
+
+For each system it reports prompt tokens computed, reuse as a share of the ideal (what
+an unbounded cache could serve: the longest block-aligned prefix any earlier request
+computed), wall time and TTFT p50/p95. `--measure-tier` first measures restoring 1,000
+tokens of KV from each tier medium against recomputing them (ms per 1,000 tokens).
+Token ids are synthetic (no tokenizer), greedy, EOS ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from radixserve.core.hashing import extend_block_hashes
+
+BLOCK_SIZE = 16
+VOCAB_LOW, VOCAB_HIGH = 200, 40000  # plain tokens of the default model's vocabulary
+
+
+@dataclass
+class Workload:
+    agents: int
+    turns: int
+    tool_prompt: int
+    instructions: int
+    tool_result: int
+    answer: int
+    latency: tuple[float, float]
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.agents} agents x {self.turns} turns; tool prompt {self.tool_prompt} tokens, "
+                f"instructions {self.instructions}, tool result {self.tool_result}, answer {self.answer}; "
+                f"tool latency {self.latency[0]}-{self.latency[1]} s")
+
+    def working_set_tokens(self) -> int:
+        per_agent = self.instructions + self.turns * (self.answer + self.tool_result)
+        return self.tool_prompt + self.agents * per_agent
+
+
+FULL = Workload(32, 6, 1536, 64, 160, 32, (0.5, 3.0))
+QUICK = Workload(6, 3, 256, 32, 48, 8, (0.3, 1.0))
+
+
+@dataclass
+class SystemResult:
+    name: str
+    wall_s: float
+    prompt_tokens: int
+    computed_prompt_tokens: int
+    cached_tokens: int
+    restored_tokens: int
+    ideal_cached: int
+    ttfts: list[float] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def reuse_of_ideal(self) -> float:
+        return self.cached_tokens / self.ideal_cached if self.ideal_cached else 0.0
+
+    def ttft(self, q: float) -> float:
+        xs = sorted(self.ttfts)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+class Agent:
+    def __init__(self, index: int, workload: Workload, tool_prompt: list[int], rng: random.Random):
+        self.index = index
+        self.rng = rng
+        self.workload = workload
+        self.context = tool_prompt + _tokens(rng, workload.instructions)
+        self.turn = 0
+        self.ready_at = 0.0
+
+    def next_prompt(self) -> list[int]:
+        return list(self.context)
+
+    def answered(self, answer: list[int], now: float) -> None:
+        """The answer joins the history, the tool runs, its result joins too."""
+        self.turn += 1
+        self.context += answer + _tokens(self.rng, self.workload.tool_result)
+        low, high = self.workload.latency
+        self.ready_at = now + self.rng.uniform(low, high)
+
+
+def run_system(name: str, workload: Workload, engine_options: dict, use_sessions: bool, progress: bool) -> SystemResult:
+    from radixserve import Engine, SamplingParams
+
+    engine = Engine(**engine_options)
+    engine.generate([[VOCAB_LOW + 1] * 20], SamplingParams(max_tokens=1))  # untimed warm-up
+    engine.flush_cache()
+    rng = random.Random(workload.seed)
+    tool_prompt = _tokens(rng, workload.tool_prompt)
+    agents = [Agent(i, workload, tool_prompt, random.Random(workload.seed * 1000 + i)) for i in range(workload.agents)]
+    params = SamplingParams(max_tokens=workload.answer, temperature=0.0, ignore_eos=True)
+    seen: set[int] = set()  # block hashes any earlier request computed: the ideal cache
+    result = SystemResult(name, 0.0, 0, 0, 0, 0, 0)
+    owner: dict[str, Agent] = {}
+    total = workload.agents * workload.turns
+    done = 0
+    start = time.monotonic()
+    while done < total:
+        now = time.monotonic() - start
+        for agent in agents:
+            if agent.turn < workload.turns and agent.ready_at <= now and agent not in owner.values():
+                prompt = agent.next_prompt()
+                result.ideal_cached += _ideal_cached(prompt, seen)
+                _remember(prompt[:-1], seen)  # later requests may share it once it is computed
+                session = f"agent-{agent.index}" if use_sessions else None
+                owner[engine.add_request(prompt, params, session_id=session)] = agent
+        if not engine.has_unfinished_requests():
+            time.sleep(0.01)
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            agent = owner.pop(out.request_id)
+            _remember((out.prompt_token_ids + out.token_ids)[:-1], seen)  # the last token is never computed
+            result.prompt_tokens += out.prompt_tokens
+            result.cached_tokens += out.cached_tokens
+            result.restored_tokens += out.restored_tokens
+            result.computed_prompt_tokens += out.prompt_tokens - out.cached_tokens
+            result.ttfts.append(out.metrics.get("ttft_s", float("nan")))
+            agent.answered(list(out.token_ids), time.monotonic() - start)
+            done += 1
+            if progress and (done % max(1, total // 10) == 0 or done == total):
+                print(f"  [{name}] {done}/{total} requests, {time.monotonic() - start:.0f} s", flush=True)
+    result.wall_s = time.monotonic() - start
+    engine.check_integrity()
+    result.stats = engine.stats()
+    engine.close()
+    del engine
+    gc.collect()
+    return result
+
+
+def measure_tier(tokens: int = 1000) -> dict[str, float]:
+    """ms to bring `tokens` tokens of KV into the pool from each medium, and to recompute them."""
+    import zlib
+
+    import torch
+
+    from radixserve import Engine, SamplingParams
+    from radixserve.attention.kv_pool import KVPool
+    from radixserve.core.kv_tier import KVCopy
+    from radixserve.execution.tier_store import TierStore
+
+    engine = Engine(num_kv_blocks=256)
+    spec = engine.loaded.spec
+    n = -(-tokens // BLOCK_SIZE)
+    pool = KVPool(spec.num_layers, 2 * n, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, torch.device("cpu"))
+    pool.kv.normal_()
+    shape = pool.block_shape()
+    out = {}
+    ids = [(7 * i) % (VOCAB_HIGH - VOCAB_LOW) + VOCAB_LOW for i in range(tokens)]
+    engine.generate([ids[:32]], SamplingParams(max_tokens=1))
+    t = time.perf_counter()
+    engine.generate([ids], SamplingParams(max_tokens=1))
+    out["recompute (prefill)"] = (time.perf_counter() - t) * 1000 * 1000 / tokens
+    saves = [KVCopy(True, b, b) for b in range(n)]
+    restores = [KVCopy(False, n + b, b) for b in range(n)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, directory in (("RAM tier (anonymous memory)", None), ("disk tier (mmap file, page cache)", tmp)):
+            store = TierStore(n, shape, torch.float32, directory)
+            store.run(pool, saves)
+            t = time.perf_counter()
+            store.run(pool, restores)
+            out[label] = (time.perf_counter() - t) * 1000 * 1000 / tokens
+            if directory is not None:
+                store.sync()
+                fd = os.open(store.path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop it from the page cache
+                os.close(fd)
+                t = time.perf_counter()
+                store.run(pool, restores)
+                out["disk tier (mmap file, read from disk)"] = (time.perf_counter() - t) * 1000 * 1000 / tokens
+            store.close()
+    raw = pool.kv[:, :, :n].contiguous().numpy().tobytes()
+    packed = zlib.compress(raw, 1)
+    t = time.perf_counter()
+    restored = zlib.decompress(packed)
+    pool.kv[:, :, n:2 * n].copy_(torch.frombuffer(bytearray(restored), dtype=torch.float32).view(pool.kv[:, :, :n].shape))
+    out[f"compressed RAM tier (zlib-1, ratio {len(raw) / len(packed):.2f})"] = (time.perf_counter() - t) * 1000 * 1000 / tokens
+    engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"a small swarm: {QUICK.describe()}")
+    parser.add_argument("--agents", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=None)
+    parser.add_argument("--tool-prompt", type=int, default=None)
+    parser.add_argument("--pool-share", type=float, default=1 / 3, help="KV pool size as a share of the working set")
+    parser.add_argument("--systems", default="lru,tier,tier+sessions,off")
+    parser.add_argument("--measure-tier", action="store_true")
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args()
+    workload = QUICK if args.quick else FULL
+    for name in ("agents", "turns", "tool_prompt"):
+        if getattr(args, name) is not None:
+            setattr(workload, name, getattr(args, name))
+    report: dict = {"workload": workload.describe()}
+    if args.measure_tier:
+        print("restore vs recompute, ms per 1,000 tokens (default model, float32):")
+        report["tier_ms_per_1000_tokens"] = measure_tier()
+        for label, ms in report["tier_ms_per_1000_tokens"].items():
+            print(f"  {label:<48}{ms:>10.1f}")
+    pool_blocks = max(8, int(workload.working_set_tokens() * args.pool_share) // BLOCK_SIZE)
+    tier_bytes = 4 * workload.working_set_tokens() * 30 * 2 * 3 * 64 * 4  # 4x the working set
+    base = dict(num_kv_blocks=pool_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=1024, chunked_prefill_size=512)
+    systems = {
+        "lru": ("LRU (one tier)", base, False),
+        "tier": ("+ tier", {**base, "kv_offload_memory": tier_bytes}, False),
+        "tier+sessions": ("+ tier + sessions", {**base, "kv_offload_memory": tier_bytes}, True),
+        "off": ("cache off", {**base, "enable_prefix_cache": False}, False),
+    }
+    print(f"workload: {workload.describe()}")
+    print(f"working set {workload.working_set_tokens()} tokens; KV pool {pool_blocks} blocks "
+          f"({pool_blocks * BLOCK_SIZE} tokens, {args.pool_share:.2f} of it)")
+    results = []
+    for key in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        label, options, sessions = systems[key]
+        print(f"running {label} ...", flush=True)
+        results.append(run_system(label, workload, options, sessions, not args.quiet))
+    _print(results)
+    report["systems"] = [_summary(r) for r in results]
+    by = {r.name: r for r in results}
+    if "LRU (one tier)" in by and "+ tier + sessions" in by:
+        lru, best = by["LRU (one tier)"], by["+ tier + sessions"]
+        report["speedup_vs_lru"] = lru.wall_s / best.wall_s
+        print(f"\ntier + sessions: {best.reuse_of_ideal:.0%} of ideal reuse (target >= 90%), LRU {lru.reuse_of_ideal:.0%}; "
+              f"wall time {report['speedup_vs_lru']:.2f}x LRU's (target >= 1.5x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        _plot(args.plot, results, workload)
+
+
+def _print(results: list[SystemResult]) -> None:
+    head = f"{'system':<22}{'wall s':>9}{'computed':>10}{'cached':>9}{'restored':>10}{'of ideal':>10}{'TTFT p50':>10}{'TTFT p95':>10}"
+    print("\n" + head)
+    for r in results:
+        print(f"{r.name:<22}{r.wall_s:>9.1f}{r.computed_prompt_tokens:>10}{r.cached_tokens:>9}{r.restored_tokens:>10}"
+              f"{r.reuse_of_ideal:>10.0%}{r.ttft(0.5):>10.2f}{r.ttft(0.95):>10.2f}")
+    if results:
+        print(f"(prompt tokens {results[0].prompt_tokens}, ideal reuse {results[0].ideal_cached})")
+
+
+def _summary(r: SystemResult) -> dict:
+    keys = ("evicted_blocks", "tier_hits", "restored_blocks", "preemptions")
+    return {
+        "system": r.name, "wall_s": r.wall_s, "prompt_tokens": r.prompt_tokens,
+        "computed_prompt_tokens": r.computed_prompt_tokens, "cached_tokens": r.cached_tokens,
+        "restored_tokens": r.restored_tokens, "ideal_cached": r.ideal_cached, "reuse_of_ideal": r.reuse_of_ideal,
+        "ttft_p50_s": r.ttft(0.5), "ttft_p95_s": r.ttft(0.95),
+        **{k: r.stats.get(k) for k in keys},
+        **{k: v for k, v in r.stats.items() if k.startswith("evicted_blocks_")},
+    }
+
+
+def _plot(path: str, results: list[SystemResult], workload: Workload) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in results]
+    panels = [
+        ("prompt tokens computed", [r.computed_prompt_tokens for r in results]),
+        ("reuse, share of ideal", [r.reuse_of_ideal for r in results]),
+        ("wall time (s)", [r.wall_s for r in results]),
+        ("TTFT p50 / p95 (s)", None),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    for ax, (title, values) in zip(axes, panels):
+        if values is None:
+            x = range(len(results))
+            ax.bar([i - 0.2 for i in x], [r.ttft(0.5) for r in results], 0.4, label="p50")
+            ax.bar([i + 0.2 for i in x], [r.ttft(0.95) for r in results], 0.4, label="p95")
+            ax.legend()
+        else:
+            ax.bar(range(len(results)), values)
+        ax.set_xticks(range(len(results)), names, rotation=20, ha="right")
+        ax.set_title(title)
+    fig.suptitle(f"agent swarm under memory pressure: {workload.describe()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def _ideal_cached(prompt: list[int], seen: set[int]) -> int:
+    """Tokens an unbounded cache could serve: whole blocks of the longest prefix computed
+    before, never the prompt's last token (its logits are needed)."""
+    hashes = extend_block_hashes([], prompt[: len(prompt) - 1], BLOCK_SIZE, None)
+    n = 0
+    while n < len(hashes) and hashes[n] in seen:
+        n += 1
+    return n * BLOCK_SIZE
+
+
+def _remember(tokens: list[int], seen: set[int]) -> None:
+    seen.update(extend_block_hashes([], tokens, BLOCK_SIZE, None))
+
+
+if __name__ == "__main__":
+    main()
