@@ -229,7 +229,7 @@ def test_engine_step_failure_fails_requests_and_loop_survives(engine, monkeypatc
 
 
 def test_unexpected_error_while_queueing_is_a_500_and_the_loop_survives(engine, monkeypatch):
-    real_add = engine.add_request
+    real_add = engine.admit
     calls = {"n": 0}
 
     def failing_once(*args, **kwargs):
@@ -238,7 +238,7 @@ def test_unexpected_error_while_queueing_is_a_500_and_the_loop_survives(engine, 
             raise RuntimeError("injected add failure")
         return real_add(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "add_request", failing_once)
+    monkeypatch.setattr(engine, "admit", failing_once)
     with BackgroundServer(create_app(engine, ServerOptions(enable_debug_endpoints=True))) as server:
         failed = httpx.post(server.url + C, json=completion(n=2), timeout=60)
         assert failed.status_code == 500 and "injected add failure" in failed.json()["error"]["message"]
