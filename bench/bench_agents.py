@@ -57,7 +57,7 @@ class Workload:
 
 
 FULL = Workload(32, 6, 1536, 64, 160, 32, (0.5, 3.0))
-QUICK = Workload(6, 3, 256, 32, 48, 8, (0.3, 1.0))
+QUICK = Workload(8, 3, 128, 64, 96, 8, (0.3, 1.0))
 
 
 @dataclass
