@@ -66,10 +66,12 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    common = dict(max_num_seqs=16, num_threads=args.num_threads)
     engines = {
-        "off": Engine(args.model, max_num_seqs=16),
-        "prompt-lookup": Engine(args.model, max_num_seqs=16, speculative="prompt-lookup",
-                                num_speculative_tokens=args.k, speculative_max_batch=max(args.batches)),
+        "off": Engine(args.model, **common),
+        "prompt-lookup": Engine(args.model, **common, speculative="prompt-lookup",
+                                num_speculative_tokens=args.k, speculative_max_batch=max(args.batches),
+                                prompt_lookup_min=args.ngram_min),
     }
     prompts = [engines["off"].apply_chat_template(m) for m in tasks(args.tasks)]
     for engine in engines.values():  # untimed warm-up
@@ -110,6 +112,8 @@ def _parse_args(argv):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="4 tasks, batch 1 only")
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)

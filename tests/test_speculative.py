@@ -67,11 +67,24 @@ def test_drafter_pauses_a_request_whose_drafts_do_not_pay():
         drafter.record(request, 3, 0)
     assert drafter.stats.pauses == 1
     assert all(drafter.propose(request, 8) == [] for _ in range(PAUSE_STEPS))
-    assert drafter.propose(request, 8) == [3, 1, 2]  # tries again after the pause
+    assert drafter.propose(request, 8) == [3]  # tries again after the pause, one token past what was accepted
     for _ in range(MIN_TRIES):
         drafter.record(request, 3, 3)  # now it pays: no pause
-    assert drafter.stats.pauses == 1 and drafter.propose(request, 8)
+    assert drafter.stats.pauses == 1 and drafter.propose(request, 8) == [3, 1, 2]
     assert drafter.stats.draft_tokens == 6 * MIN_TRIES and drafter.stats.accepted_tokens == 3 * MIN_TRIES
+
+
+def test_draft_length_follows_what_was_accepted():
+    drafter = PromptLookupDrafter(4, 1, 3, default_on=True)
+    request = _request([1, 2, 3, 4, 5, 6, 1, 2], temperature=0.0)
+    assert drafter.propose(request, 8) == [3, 4, 5, 6]
+    drafter.record(request, 4, 1)
+    assert drafter.propose(request, 8) == [3, 4]  # accepted 1: draft 2
+    drafter.record(request, 2, 2)
+    assert drafter.propose(request, 8) == [3, 4, 5]  # all accepted: one more
+    drafter.record(request, 3, 3)
+    drafter.record(request, 4, 4)
+    assert drafter.propose(request, 8) == [3, 4, 5, 6]  # never past num_tokens
     drafter.forget("r")
     assert not drafter._states
 

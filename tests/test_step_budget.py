@@ -73,10 +73,14 @@ def test_cost_model_recovers_an_exact_linear_cost():
         model.observe(d, p, 40.0 + 2.5 * d + 0.75 * p)
     a, b, c = model.coefficients
     assert a == pytest.approx(40.0, abs=1e-3) and b == pytest.approx(2.5, abs=1e-4) and c == pytest.approx(0.75, abs=1e-5)
+    model.coefficients = (40.0, 2.5, 0.75)  # exactly, for exact budgets
     # (120 - 40 - 2.5 * 8) / 0.75 = 80 tokens
     assert model.prefill_budget(8, 120, 2048) == 80
     assert model.prefill_budget(0, 10_000, 2048) == 2048
-    assert model.prefill_budget(32, 50, 2048) == MIN_PREFILL_TOKENS
+    # decodes alone take 120 ms, over the 50 ms target: prefill gets as much again, 160 tokens
+    assert model.prefill_budget(32, 50, 2048) == 160
+    assert model.prefill_budget(0, 1, 2048) == 53  # (2 * 40 - 40) / 0.75
+    assert StepCostModel(prior=(0.0, 0.0, 100.0)).prefill_budget(1, 50, 2048) == MIN_PREFILL_TOKENS
 
 
 def test_cost_model_follows_a_slower_machine():

@@ -6,7 +6,7 @@ Which requests speculate: those with `params.speculative` True, or None while th
 token), requests that want logprobs, use penalties, are still below min_tokens, or sample
 with a seed (their noise is keyed by position; speculation would draw differently). A
 request whose drafts stop paying (few accepted tokens per verification) pauses drafting
-for a while, pausing longer each time.
+for a while, pausing longer each time; a request's draft length follows what it had accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class _DraftState:
     accepted_ema: float = 0.0
     paused: int = 0
     next_pause: int = PAUSE_STEPS
+    length: int = 0  # draft length for the next step (0: num_tokens); follows what was accepted
 
 
 @dataclass
@@ -67,7 +68,8 @@ class PromptLookupDrafter:
         if state.paused > 0:
             state.paused -= 1
             return []
-        return lookup(request.token_ids, min(self.num_tokens, max_tokens), self.ngram_min, self.ngram_max)
+        length = state.length or self.num_tokens
+        return lookup(request.token_ids, min(length, max_tokens), self.ngram_min, self.ngram_max)
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """A draft of `proposed` tokens was verified and `accepted` of them agreed."""
@@ -76,6 +78,9 @@ class PromptLookupDrafter:
         self.stats.accepted_tokens += accepted
         state = self._states.setdefault(request.request_id, _DraftState())
         state.tries += 1
+        # Verifying costs more per drafted token on a compute-bound device: draft one past
+        # what was accepted last time, and grow again while whole drafts are accepted.
+        state.length = min(self.num_tokens, accepted + 1 if accepted < proposed else proposed + 1)
         state.accepted_ema = accepted if state.tries == 1 else (1 - EMA) * state.accepted_ema + EMA * accepted
         if state.tries >= MIN_TRIES and state.accepted_ema < MIN_ACCEPTED:
             state.paused = state.next_pause

@@ -45,9 +45,12 @@ class StepCostModel:
 
     def prefill_budget(self, decodes: int, target_ms: float, max_tokens: int) -> int:
         """Most prefill tokens a step with `decodes` decoding requests may add and stay under
-        target_ms (at least MIN_PREFILL_TOKENS, at most max_tokens)."""
+        target_ms (at least MIN_PREFILL_TOKENS, at most max_tokens). Where the decodes alone
+        take half the target or more, prefill still gets as much time as they take, so an
+        unreachable target stretches steps at most twice instead of starving prompts."""
         a, b, c = self.coefficients
-        room = target_ms - a - b * decodes
+        base = a + b * decodes
+        room = max(target_ms, 2 * base) - base
         tokens = int(room / c) if c > 0 else max_tokens
         return max(MIN_PREFILL_TOKENS, min(max_tokens, tokens))
 

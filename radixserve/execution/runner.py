@@ -56,8 +56,8 @@ class ModelRunner:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
         that reaches its request's last token, and score prompt tokens where asked."""
         chunks = sorted(plan.chunks, key=_batch_order)
-        input_ids, positions, meta, logits_indices, sampling, drafted = self._prepare(chunks)
-        prompt_rows = _prompt_logprob_rows(chunks, meta.query_start_loc_list)
+        input_ids, positions, meta, logits_indices, sampling, drafted, chunk_starts = self._prepare(chunks)
+        prompt_rows = _prompt_logprob_rows(chunks, chunk_starts)
         if prompt_rows:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
@@ -78,34 +78,48 @@ class ModelRunner:
         return result
 
     def _prepare(self, chunks: list[ScheduledChunk]):
+        """Flat token batch and attention metadata. A drafted chunk (a decode plus its draft)
+        enters attention as one single-query row per token, each with its own context length,
+        so the decode kernel verifies it exactly as it would decode those tokens one by one."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
+        query_start = [0]  # per attention row
         seq_lens: list[int] = []
+        row_tables: list[list[int]] = []
+        chunk_starts: list[int] = []  # where each chunk's tokens begin in the batch
         logits_indices: list[int] = []
         draft_indices: list[int] = []  # every row of a drafted chunk: each verifies the next token
         sampling: list[ScheduledChunk] = []
         drafted: list[ScheduledChunk] = []
+        num_decodes = 0
         for c in chunks:
             request, start, end = c.request, c.start, c.start + c.num_tokens
             table = request.block_table
+            chunk_starts.append(query_start[-1])
             input_ids.extend(request.token_ids[start:end - len(c.draft)])
             input_ids.extend(c.draft)
             positions.extend(range(start, end))
             _extend_slots(slots, table, start, end, bs)
+            if c.draft:
+                draft_indices.extend(range(query_start[-1], query_start[-1] + c.num_tokens))
+                for pos in range(start, end):
+                    query_start.append(query_start[-1] + 1)
+                    seq_lens.append(pos + 1)
+                    row_tables.append(table)
+                num_decodes += c.num_tokens
+                drafted.append(c)
+                continue
             query_start.append(query_start[-1] + c.num_tokens)
             seq_lens.append(end)
-            if c.draft:
-                draft_indices.extend(range(query_start[-2], query_start[-1]))
-                drafted.append(c)
-            elif c.samples:
+            row_tables.append(table)
+            num_decodes += c.num_tokens == 1
+            if c.samples:
                 logits_indices.append(query_start[-1] - 1)
                 sampling.append(c)
-        width = max(len(c.request.block_table) for c in chunks)
-        tables = [c.request.block_table + [0] * (width - len(c.request.block_table)) for c in chunks]
-        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        width = max(len(t) for t in row_tables)
+        tables = [t + [0] * (width - len(t)) for t in row_tables]
         meta = AttentionMetadata(
             num_decodes=num_decodes,
             block_size=bs,
@@ -123,6 +137,7 @@ class ModelRunner:
             self._tensor(logits_indices + draft_indices, torch.int64),
             sampling,
             drafted,
+            chunk_starts,
         )
 
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
@@ -144,7 +159,7 @@ class ModelRunner:
 def _batch_order(chunk: ScheduledChunk) -> tuple[bool, list[int]]:
     """Single-token queries first, ordered by block table, so that requests sharing
     prefix blocks are neighbours (decode attention reads a shared block once for them)."""
-    single = chunk.num_tokens == 1
+    single = chunk.num_tokens == 1 or bool(chunk.draft)  # a drafted chunk runs as single-query rows
     return not single, chunk.request.block_table if single else []
 
 
@@ -159,7 +174,7 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bloc
         pos = stop
 
 
-def _prompt_logprob_rows(chunks: list[ScheduledChunk], query_start: list[int]):
+def _prompt_logprob_rows(chunks: list[ScheduledChunk], chunk_starts: list[int]):
     """(request, logits row, prompt index j, token j) for every computed position whose next
     token is a prompt token the request wants scored."""
     rows = []
@@ -169,7 +184,7 @@ def _prompt_logprob_rows(chunks: list[ScheduledChunk], query_start: list[int]):
             continue
         first = max(request.params.prompt_logprobs_start, 1)
         for p in range(max(c.start, first - 1), min(c.start + c.num_tokens, request.num_prompt_tokens - 1)):
-            rows.append((request, query_start[i] + p - c.start, p + 1, request.token_ids[p + 1]))
+            rows.append((request, chunk_starts[i] + p - c.start, p + 1, request.token_ids[p + 1]))
     return rows
 
 
