@@ -30,10 +30,12 @@ tokens_strategy = st.builds(
 
 
 class TieredCacheMachine(RuleBasedStateMachine):
+    write_through = False  # True: every new block is also saved to the tier (persistence)
+
     def __init__(self):
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS)
-        self.cache = RadixCache(self.pool, BS, KVTier(NUM_SLOTS), write_through=False, record_entries=True)
+        self.cache = RadixCache(self.pool, BS, KVTier(NUM_SLOTS), write_through=self.write_through, record_entries=True)
         self.now = 0.0
         self.sessions = SessionTable(self.cache, ttl_s=10.0, clock=lambda: self.now)
         self.pool_bytes: list[tuple | None] = [None] * NUM_BLOCKS
@@ -168,6 +170,14 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
 TieredCacheMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=40, deadline=None)
 TestTieredCacheProperties = TieredCacheMachine.TestCase
+
+
+class WriteThroughMachine(TieredCacheMachine):
+    write_through = True
+
+
+WriteThroughMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWriteThroughProperties = WriteThroughMachine.TestCase
 
 
 def test_sessions_order_eviction_but_never_reserve():
