@@ -111,7 +111,7 @@ def _parse_args(argv):
     p.add_argument("--tasks", type=int, default=8)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="4 tasks, batch 1 only")
