@@ -8,9 +8,12 @@ import sys
 import types
 from typing import Any
 
-from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from radixserve.config import ATTENTION_BACKENDS, DTYPES, SCHEDULE_POLICIES, SPECULATIVE_METHODS, EngineConfig
 
-_CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES}
+_CHOICES = {
+    "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
+    "speculative": SPECULATIVE_METHODS,
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

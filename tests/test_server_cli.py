@@ -94,3 +94,15 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -
             pass
         time.sleep(0.2)
     raise AssertionError("server did not become healthy")
+
+
+def test_engine_flags_with_a_fixed_set_of_values_refuse_others():
+    from radixserve.__main__ import add_engine_args
+    from radixserve.config import SPECULATIVE_METHODS
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--speculative", SPECULATIVE_METHODS[0]]).speculative == SPECULATIVE_METHODS[0]
+    for flag, value in (("--speculative", "bogus"), ("--attention-backend", "cuda"), ("--schedule-policy", "lru")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, value])
