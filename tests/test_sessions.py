@@ -90,8 +90,11 @@ def test_session_routes_and_fields_over_http(tiny_model_dir):
         r = http.post("/v1/completions", json={"model": engine.model_name, "prompt": turn(SYSTEM, 8),
                                                 "max_tokens": 2, "session_id": "web-2"})
         assert r.status_code == 200, r.text
-        metrics = http.get("/metrics").text
-        assert "radixserve_sessions_open 2.0" in metrics
+        # /metrics shows the engine's stats as of its last step, which may finish after the answer.
+        deadline = time.monotonic() + 10
+        while "radixserve_sessions_open 2.0" not in http.get("/metrics").text:
+            assert time.monotonic() < deadline, "sessions_open never reached 2 in /metrics"
+            time.sleep(0.05)
         assert http.post("/v1/sessions/web-1/close").json() == {"id": "web-1", "object": "session", "closed": True}
         missing = http.post("/v1/sessions/web-1/close")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
