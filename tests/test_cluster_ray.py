@@ -10,7 +10,6 @@ Needs the `cluster` extra (scripts/setup.sh installs it); to run these alone:
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from radixserve.cluster import agent_workload  # noqa: E402
 from radixserve.cluster.agent_workload import REPLICA_HEADER, Workload  # noqa: E402
 from radixserve.cluster.metrics_merge import sample_total  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
+from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
@@ -50,7 +50,7 @@ def cluster(reference) -> str:
     from radixserve.cluster.app import deploy
     from radixserve.cluster.options import ClusterOptions
 
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         deploy(ENGINE, ServerOptions(enable_debug_endpoints=True), ClusterOptions(replicas=2, app_name=APP),
@@ -183,8 +183,3 @@ def _check_integrity(url: str, expected_replicas: int) -> None:
     replicas = answer.json()["replicas"]
     assert len(replicas) == expected_replicas and all(r["ok"] for r in replicas.values())
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

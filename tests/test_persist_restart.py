@@ -4,7 +4,6 @@ before from disk: time to first token at most 30% of a cold miss, the same greed
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from subprocess_server import free_port, wait_healthy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def test_restarted_server_serves_a_seen_prompt_from_disk(real_model_dir, tmp_pat
 def _serve_once(model_dir: Path, persist: Path, log_path: Path) -> tuple[dict, float]:
     """Start a server, send the prompt (streamed, to time the first token), check integrity,
     stop it with SIGTERM; returns the final answer and the TTFT."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir), "--port", str(port),
@@ -45,7 +45,7 @@ def _serve_once(model_dir: Path, persist: Path, log_path: Path) -> tuple[dict, f
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_healthy(url, process, log_path)
+        wait_healthy(url, process, log_path.read_text)
         start = time.monotonic()
         ttft = None
         final = None
@@ -68,21 +68,3 @@ def _serve_once(model_dir: Path, persist: Path, log_path: Path) -> tuple[dict, f
             process.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited early:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from subprocess_server import free_port, wait_healthy
 
 pytestmark = pytest.mark.real_model
 
@@ -24,7 +24,7 @@ MAX_TOKENS = 2000  # far more than 9 requests decode in the grace on 2 cores
 
 
 def test_sigterm_ends_streams_and_answers_waiting_requests(real_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable, "-m", "radixserve", "serve", "--model", str(real_model_dir), "--port", str(port),
@@ -35,7 +35,7 @@ def test_sigterm_ends_streams_and_answers_waiting_requests(real_model_dir, tmp_p
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_healthy(url, process, log_path)
+        wait_healthy(url, process, log_path.read_text)
         streams = [_Stream(url, i) for i in range(NUM_STREAMS)]
         plain = _Plain(url)
         for worker in [*streams, plain]:
@@ -131,21 +131,3 @@ class _Plain:
             self.error = exc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited early:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")

@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
 from radixserve.server.launch import add_server_args, server_options
+from subprocess_server import free_port, wait_healthy
 
 pytestmark = pytest.mark.real_model
 
@@ -49,7 +48,7 @@ def test_several_keys_from_flags_and_a_file(tmp_path):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT])
 def test_serve_subprocess_answers_and_stops_on_signal(real_model_dir, stop_signal):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, RADIXSERVE_API_KEY="sekret")
     command = [
         sys.executable, "-m", "radixserve", "serve", "--model", str(real_model_dir), "--port", str(port),
@@ -58,7 +57,7 @@ def test_serve_subprocess_answers_and_stops_on_signal(real_model_dir, stop_signa
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process)
+        wait_healthy(url, process, process.stdout.read)
         client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=60)
         out = client.chat.completions.create(
             model=str(real_model_dir), messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
@@ -76,24 +75,6 @@ def test_serve_subprocess_answers_and_stops_on_signal(real_model_dir, stop_signa
     assert "Traceback" not in output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited early:\n{process.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
 
 
 def test_engine_flags_with_a_fixed_set_of_values_refuse_others():
