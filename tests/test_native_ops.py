@@ -23,8 +23,8 @@ def _reference(x, weight, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 31, MAX_ROWS])
-@pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (7, 576), (48, 136)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 31, MAX_ROWS])
+@pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (4, 8), (5, 24), (7, 576), (9, 40), (48, 136)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_float64(rows, features, k, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + features * 10 + k)
@@ -43,6 +43,31 @@ def test_skinny_linear_reads_strided_rows():
     x = wide[:, 16:80]  # rows 96 floats apart
     weight = torch.randn(10, 64, generator=gen)
     torch.testing.assert_close(skinny_linear(x, weight, None), _reference(x, weight, None), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], []])
+def test_skinny_linear_builds_for_each_vector_width(tmp_path, flags):
+    """The AVX-512 tiles (this build) and the AVX2-only tiles (older CPUs) both compute
+    the product: the second is built here with AVX-512 switched off."""
+    import ctypes
+    import shutil
+
+    from radixserve.ops import native_build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or native_ops._skinny_kernel() is None:
+        pytest.skip("no C compiler here")
+    library = tmp_path / "skinny.so"
+    native_build._compile(compiler, native_build.CSRC / "skinny_linear.c", ["-fopenmp", *flags], library)
+    fn = ctypes.CDLL(str(library)).skinny_linear_f32
+    fn.argtypes = list(native_build.SIGNATURES["skinny_linear_f32"].argtypes)
+    fn.restype = native_build.SIGNATURES["skinny_linear_f32"].restype
+    gen = torch.Generator().manual_seed(11)
+    for rows, features, k in [(1, 7, 64), (3, 5, 24), (4, 9, 40), (6, 10, 576), (13, 17, 136)]:
+        x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(features, k, generator=gen), torch.randn(features, generator=gen)
+        out = torch.empty(rows, features)
+        assert fn(x.data_ptr(), rows, k, weight.data_ptr(), features, k, bias.data_ptr(), out.data_ptr(), features) == 0
+        torch.testing.assert_close(out, _reference(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
