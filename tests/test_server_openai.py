@@ -315,6 +315,37 @@ def test_metrics_parse_and_move(served):
     assert "radixserve_preemptions_total" in after
 
 
+COPY_PROMPT = "Copy this line twice: red apple, blue river, green stone, gold ring.\n" * 2 + "red apple, blue"
+
+
+def test_per_request_speculative_keeps_the_output_and_drafts(served):
+    """`speculative` (an extension field, off by the server's default here) turns on
+    prompt-lookup drafting for one request: same greedy text, and drafts were verified."""
+    def stats() -> dict:
+        return httpx.get(served.url + "/debug/stats").json()
+
+    client = served.client()
+    kwargs = dict(model=MODEL, prompt=COPY_PROMPT, max_tokens=24, temperature=0)
+    before = stats()
+    plain = client.completions.create(**kwargs, extra_body={"speculative": False})
+    assert stats()["spec_drafts"] == before["spec_drafts"]
+    drafted = client.completions.create(**kwargs, extra_body={"speculative": True})
+    assert drafted.choices[0].text == plain.choices[0].text
+    after = stats()
+    assert after["spec_drafts"] > before["spec_drafts"] and after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY_PROMPT}],
+                                          max_tokens=16, temperature=0, extra_body={"speculative": True})
+    chat_plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COPY_PROMPT}],
+                                                max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == chat_plain.choices[0].message.content
+    native = httpx.post(served.url + "/generate", json={
+        "text": COPY_PROMPT, "sampling_params": {"max_tokens": 24, "temperature": 0, "speculative": True}}).json()
+    assert native["text"] == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs, extra_body={"speculative": "sometimes"})
+    assert "speculative" in str(info.value)
+
+
 def test_flush_cache(served):
     served.client().completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
     freed = httpx.post(served.url + "/flush_cache").json()["freed_blocks"]

@@ -54,6 +54,9 @@ class GenerateSamplingParams(NativeModel):
     json_object: bool = False
     choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     stop_regex: StopStrings | None = Field(None, description="stop at the earliest match of a regex (or of any of a list)")
+    speculative: bool | None = Field(
+        None, description="prompt-lookup speculative decoding for this request (same output); null: the server's --speculative"
+    )
     # SGLang's names:
     max_new_tokens: int | None = Field(None, ge=0, description="SGLang's max_tokens (0: prefill only)")
     min_new_tokens: int | None = Field(None, ge=0, description="SGLang's min_tokens")

@@ -59,6 +59,9 @@ class OpenAISamplingFields(OpenAIModel):
     session_id: SessionId | None = Field(
         None, description="an agent conversation: its latest context is kept ahead of other cached prefixes"
     )
+    speculative: bool | None = Field(
+        None, description="prompt-lookup speculative decoding for this request (same output); null: the server's --speculative"
+    )
     # Accepted and ignored (type-checked all the same):
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -91,6 +94,7 @@ class OpenAISamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             regex=self.regex,
             choices=self.choices,
+            speculative=self.speculative,
         )
         values.update(constraint)
         try:
