@@ -7,8 +7,10 @@ KV layout, block size, slot size) and one entry per slot: [slot, salt, parent di
 digest, token ids, CRC-32 of the slot's bytes].
 
 Writes never stall a step: the engine thread only enqueues what changed in a step (and the
-slot sequence numbers after its copies); a background thread checksums the slots, syncs the
-data file and replaces the index (write to a temporary file, fsync, rename). On load,
+slot sequence numbers after its copies); a background thread checksums the slots, writes
+the slots set since its last index back to disk (msync of their range, through ctypes so
+that the GIL is free while it waits) and replaces the index (write to a temporary file,
+fsync, rename), each entry's JSON encoded once when it is set. On load,
 anything that does not check out (index checksum, header, a slot's CRC, a digest chain) is
 logged and ignored, so a torn write or another model's cache is never used as KV.
 """
@@ -43,7 +45,8 @@ class TierPersister:
         self.index_path = os.path.join(directory, INDEX_FILE)
         self.failed: str | None = None
         self.index_writes = 0
-        self._entries: dict[int, tuple[TierEntry, int]] = {}  # slot -> (entry, crc)
+        self._entries: dict[int, tuple[TierEntry, int, bytes]] = {}  # slot -> (entry, crc, its JSON)
+        self._unsynced: set[int] = set()  # slots set since the last index write
         self._queue: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -80,7 +83,7 @@ class TierPersister:
                 continue
             entry = TierEntry(slot, salt, bytes.fromhex(parent), bytes.fromhex(digest), tuple(tokens))
             entries.append(entry)
-            self._entries[slot] = (entry, crc)
+            self._entries[slot] = (entry, crc, _encode(entry, crc))
         if bad:
             log.warning("KV persist: %d block(s) in %s failed their checksum; ignored", bad, self.index_path)
         return entries
@@ -146,16 +149,17 @@ class TierPersister:
             seq = seqs[slot]
             crc = zlib.crc32(self.store.slot_view(slot))
             if self.store.seq[slot] == seq and seq % 2 == 0:  # not rewritten while summed
-                self._entries[slot] = (entry, crc)
+                self._entries[slot] = (entry, crc, _encode(entry, crc))
+                self._unsynced.add(slot)
 
     def _write_index(self) -> None:
         try:
-            self.store.sync()
-            entries = [
-                [e.slot, e.salt, e.parent.hex(), e.digest.hex(), list(e.tokens), crc]
-                for e, crc in self._entries.values()
-            ]
-            body = json.dumps({"header": self.header, "entries": entries}, separators=(",", ":")).encode()
+            self.store.sync(self._unsynced)
+            self._unsynced = set()
+            body = b"".join([
+                b'{"header":', json.dumps(self.header, separators=(",", ":")).encode(), b',"entries":[',
+                b",".join(encoded for _, _, encoded in self._entries.values()), b"]}",
+            ])
             tmp = self.index_path + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
@@ -167,6 +171,12 @@ class TierPersister:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.error("KV persist: cannot write %s (%s); the cache will not survive a restart",
                       self.index_path, self.failed)
+
+
+def _encode(e: TierEntry, crc: int) -> bytes:
+    """One index entry: [slot, salt, parent digest, digest, token ids, CRC-32]."""
+    return json.dumps([e.slot, e.salt, e.parent.hex(), e.digest.hex(), list(e.tokens), crc],
+                      separators=(",", ":")).encode()
 
 
 def _checked_body(raw: bytes) -> dict[str, Any] | None:

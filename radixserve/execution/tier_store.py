@@ -7,17 +7,22 @@ directory it is anonymous memory. Slot s holds tensor data[s] of the pool's bloc
 
 Every slot has a sequence counter, odd while the engine thread writes the slot, so the
 persistence thread can tell whether the bytes it checksummed are the ones it was told of.
+Other threads may fault slots in (tier_prefetch.py), checksum them and write them back
+(kv_persist.py); only the engine thread writes their bytes, in run().
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import weakref
+from collections.abc import Iterable
 
 import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.core.kv_tier import KVCopy
+from radixserve.execution.mapped_pages import PAGE, MappedPages, page_span
 
 TIER_FILE = "kv_tier.bin"
 
@@ -29,10 +34,13 @@ class TierStore:
         self.slot_bytes = element * int(torch.Size(block_shape).numel())
         size = num_slots * self.slot_bytes
         self.path = os.path.join(directory, TIER_FILE) if directory else None
-        self._memory = _map(self.path, size)
+        self._memory, self._fd = _map(self.path, size)
+        self._close_fd = weakref.finalize(self, os.close, self._fd) if self._fd is not None else None
         flat = torch.frombuffer(self._memory, dtype=torch.uint8, count=size)
         self.data = flat.view(dtype).view(num_slots, *block_shape)
+        self._base = self.data.data_ptr()  # the mapping's address, for page calls
         self.seq = [0] * num_slots
+        self.pages = MappedPages()
 
     def run(self, pool: KVPool, copies: list[KVCopy]) -> None:
         """Execute tier copies in order (the engine thread, before the forward pass): runs
@@ -51,17 +59,66 @@ class TierStore:
         start = slot * self.slot_bytes
         return memoryview(self._memory)[start:start + self.slot_bytes]
 
-    def sync(self) -> None:
-        """Write dirty pages of a file-backed tier to disk."""
-        if self.path is not None:
-            self._memory.flush()
+    def slot_span(self, slot: int, count: int = 1) -> tuple[int, int]:
+        """(address, length) of `count` slots from `slot` in this process's mapping."""
+        return self._base + slot * self.slot_bytes, count * self.slot_bytes
+
+    def read_slot(self, slot: int, buf: bytearray) -> None:
+        """Read a file-backed slot with pread (into the page cache, and `buf`, discarded)."""
+        os.preadv(self._fd, [buf], slot * self.slot_bytes)
+
+    def sync(self, slots: Iterable[int] | None = None) -> None:
+        """Write dirty pages of a file-backed tier to disk and wait: those of `slots`, or the
+        whole file. Releases the GIL while it waits (mmap.flush would hold it)."""
+        if self.path is None:
+            return
+        if slots is None or not self.pages.available:
+            os.fsync(self._fd)
+            return
+        for first, count in slot_runs(slots):
+            self.pages.sync(*self.slot_span(first, count))
+
+    def drop_cached_pages(self) -> int:
+        """Write a file-backed tier to disk and drop its pages from memory (this process's
+        mapping and the page cache), as after a restart or under memory pressure; returns
+        how many of its pages are still in memory (measurements and tests use it)."""
+        if self.path is None:
+            return 0
+        os.fsync(self._fd)
+        self._memory.madvise(mmap.MADV_DONTNEED)  # unmapped; a shared mapping keeps its data
+        os.fsync(self._fd)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return self.resident_pages()
+
+    def resident_pages(self, slots: Iterable[int] | None = None) -> int:
+        """Pages of these slots (all when None) that are in memory."""
+        total = missing = 0
+        for first, count in slot_runs(range(self.num_slots) if slots is None else slots):
+            addr, length = self.slot_span(first, count)
+            total += page_span(addr, length)[1] // PAGE
+            missing += self.pages.missing_pages(addr, length)
+        return total - missing
 
     def close(self) -> None:
+        """Unmap (callers stop the threads that use the store first)."""
         self.data = None
+        if self._close_fd is not None:
+            self._close_fd()
         try:
             self._memory.close()
         except BufferError:  # a tensor view still refers to it; the mapping goes with the process
             pass
+
+
+def slot_runs(slots: Iterable[int]) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive slot ids, ascending."""
+    runs: list[tuple[int, int]] = []
+    for s in sorted(set(slots)):
+        if runs and runs[-1][0] + runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
 
 
 def _batches(copies: list[KVCopy]):
@@ -76,17 +133,19 @@ def _batches(copies: list[KVCopy]):
         yield batch[0].to_tier, [b.block for b in batch], [b.slot for b in batch]
 
 
-def _map(path: str | None, size: int) -> mmap.mmap:
-    """A shared mapping of `size` bytes: of a file at `path` (created or resized, its blocks
-    reserved up front so a full disk fails here and not on a later page write), or anonymous."""
+def _map(path: str | None, size: int) -> tuple[mmap.mmap, int | None]:
+    """A shared mapping of `size` bytes and the file descriptor it maps (kept open for
+    fsync and pread): of a file at `path` (created or resized, its blocks reserved up front
+    so a full disk fails here and not on a later page write), or anonymous (no descriptor)."""
     if path is None:
-        return mmap.mmap(-1, size)
+        return mmap.mmap(-1, size), None
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size)
-    finally:
+        return mmap.mmap(fd, size), fd
+    except BaseException:
         os.close(fd)
+        raise
