@@ -35,6 +35,7 @@ from radixserve.core.prompt_lookup import PromptLookupDrafter
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
+_HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier pages
 
 THREAD_RULE = (
     "an Engine is used by one thread at a time; another thread is inside it now. "
@@ -168,6 +169,8 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
+        if not self._queue_prefetched():
+            return []
         plan = self.scheduler.schedule(self._prefill_token_budget())
         self._run_tier_copies(plan.copies)
         t1 = time.perf_counter()
@@ -199,13 +202,15 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return False
+        if self.tiering.unhold(request):  # held for a tier prefetch: it leaves from the queue
+            self.scheduler.add(request)
         self.scheduler.finish(request, "abort")
         self._forget(request)
         self._run_tier_copies(None)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.tiering.num_held > 0
 
     @_one_thread
     def unfinished_request_ids(self) -> list[str]:
@@ -263,7 +268,7 @@ class Engine:
             "deferred_for_sharing": s.deferred_for_sharing,
             "steps": s.steps,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + self.tiering.num_held,
             "blocks_total": self.pool.num_blocks,
             "blocks_free": self.pool.num_free,
             "blocks_cached": cached_blocks,
@@ -340,7 +345,18 @@ class Engine:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
             )
-        self.scheduler.add(request)
+        if not self.tiering.hold(self.cache, request):  # else queued once its tier pages are read in
+            self.scheduler.add(request)
+
+    def _queue_prefetched(self) -> bool:
+        """Queue the held requests whose tier pages are in memory now, waiting a moment for
+        one when nothing else could run; False when there is still nothing to schedule."""
+        if not self.tiering.num_held:
+            return True
+        idle = not self.scheduler.has_unfinished()
+        for request in self.tiering.ready(wait_s=_HELD_POLL_S if idle else 0.0):
+            self.scheduler.add(request)
+        return self.scheduler.has_unfinished()
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.token_ids.append(token)

@@ -11,6 +11,7 @@ before anything overwrites it, and a restored block is written before attention 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import deque
 from collections.abc import Iterable
@@ -49,10 +50,15 @@ class KVTier:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self._is_free = [True] * num_slots
+        self.version = 0  # changes whenever the free list does
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def peek_free(self, n: int) -> list[int]:
+        """The next (up to) n slots allocate() hands out, in that order."""
+        return list(itertools.islice(self._free, n))
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -60,6 +66,7 @@ class KVTier:
         slots = [self._free.popleft() for _ in range(n)]
         for s in slots:
             self._is_free[s] = False
+        self.version += 1
         return slots
 
     def take(self, slots: Iterable[int]) -> None:
@@ -70,6 +77,7 @@ class KVTier:
                 raise RuntimeError(f"tier slot {s} is already held")
             self._is_free[s] = False
         self._free = deque(s for s in self._free if s not in wanted)
+        self.version += 1
 
     def free(self, slots: Iterable[int]) -> None:
         for s in slots:
@@ -77,6 +85,7 @@ class KVTier:
                 raise RuntimeError(f"double free of tier slot {s}")
             self._is_free[s] = True
             self._free.append(s)
+        self.version += 1
 
     def check_integrity(self, held: list[int]) -> None:
         """Raise AssertionError unless every slot is free xor held by exactly one holder."""

@@ -1,6 +1,8 @@
-"""Tiering: sets up the second KV tier (slots, bytes, persistence) from an EngineConfig and
-runs each step's tier copies. Anything that cannot be set up (an unwritable directory, a
-full disk) degrades to one tier with a log line saying why; it never stops the engine."""
+"""Tiering: sets up the second KV tier (slots, bytes, persistence, prefetch) from an
+EngineConfig, runs each step's tier copies, and holds back requests whose restore would
+read the disk until their pages are in (tier_prefetch.py). Anything that cannot be set up
+(an unwritable directory, a full disk) degrades to one tier with a log line saying why; it
+never stops the engine."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from radixserve.core.block_pool import BlockPool
 from radixserve.core.kv_tier import KVCopy, KVTier
 from radixserve.core.radix_cache import RadixCache
 from radixserve.execution.kv_persist import TierPersister
+from radixserve.execution.tier_prefetch import TierPrefetcher, tier_only_slots
 from radixserve.execution.tier_store import TierStore
 
 log = logging.getLogger("radixserve.tiering")
@@ -32,6 +35,7 @@ class Tiering:
     slots: KVTier | None = None
     store: TierStore | None = None
     persister: TierPersister | None = None
+    prefetch: TierPrefetcher | None = None
     disabled_reason: str | None = None
     loaded_blocks: int = 0  # blocks found on disk at start and adopted
 
@@ -54,7 +58,7 @@ class Tiering:
             store = TierStore(num_slots, block_shape, dtype, directory)
         except (OSError, ValueError) as exc:
             return cls._degrade(f"cannot create a {size}-byte tier in {directory}: {type(exc).__name__}: {exc}")
-        tiering = cls(KVTier(num_slots), store)
+        tiering = cls(KVTier(num_slots), store, prefetch=TierPrefetcher.start(store))
         if config.kv_persist_dir:
             header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size}
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
@@ -91,6 +95,30 @@ class Tiering:
             self.store.run(pool, copies)
         if self.persister is not None:
             self.persister.submit(events)
+        if self.prefetch is not None:
+            self.prefetch.warm(self.slots)
+
+    # ---- requests held for a prefetch (engine thread) ---------------------------------
+
+    def hold(self, cache: RadixCache | None, request: Any) -> bool:
+        """Hold back a new request whose restore would read tier pages that are not in
+        memory, while the prefetch thread reads them; True when held (the engine queues
+        it once ready() hands it back)."""
+        if self.prefetch is None or cache is None:
+            return False
+        slots = tier_only_slots(cache, request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
+        return self.prefetch.hold(request, slots)
+
+    def ready(self, wait_s: float = 0.0) -> list[Any]:
+        """Held requests to queue now (see TierPrefetcher.ready)."""
+        return self.prefetch.ready(wait_s) if self.prefetch is not None else []
+
+    def unhold(self, request: Any) -> bool:
+        return self.prefetch is not None and self.prefetch.unhold(request)
+
+    @property
+    def num_held(self) -> int:
+        return self.prefetch.num_held if self.prefetch is not None else 0
 
     def stats(self, cache: RadixCache | None) -> dict[str, Any]:
         if self.store is None or cache is None:
@@ -100,6 +128,9 @@ class Tiering:
             "tier_blocks_used": cache.num_tier_blocks,
             "tier_bytes": cache.num_tier_blocks * self.store.slot_bytes,
             "tier_persist_failed": int(self.persister is not None and self.persister.failed is not None),
+            "tier_prefetched_blocks": self.prefetch.read_blocks if self.prefetch is not None else 0,
+            "tier_prefetch_holds": self.prefetch.holds if self.prefetch is not None else 0,
+            "tier_warmed_blocks": self.prefetch.warmed_blocks if self.prefetch is not None else 0,
         }
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -109,6 +140,8 @@ class Tiering:
         if self.persister is not None:
             self.persister.close()
             self.persister = None
+        if self.prefetch is not None:
+            self.prefetch.close()
 
 
 def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, layout: dict[str, Any]) -> str:

@@ -1,0 +1,203 @@
+"""TierPrefetcher: a thread that faults the second tier's slots into memory ahead of the
+engine thread's copies, so that no step waits on the disk.
+
+Restores. A request whose prefix match reaches blocks that live only in a file-backed tier,
+some of whose pages are not in memory (mincore), is held back at admission: the engine
+queues it in the scheduler once this thread has read those slots in (readahead for all of
+them, then MADV_POPULATE_READ each, or pread where the kernel has no populate), or once
+`max_hold_s` has passed. Other requests step on meanwhile. A request whose pages are in
+memory is never held.
+
+Saves. The thread keeps the next slots the tier will hand out faulted in for writing
+(MADV_POPULATE_WRITE): the first write to a page costs a fault (in a file mapping, with
+the filesystem's bookkeeping), which the engine thread's copy would otherwise take.
+
+Safety. The engine thread alone changes the tree, the pool, the tier's free list and the
+bytes of the slots. This thread gets slot ids and only faults pages in: it never writes a
+byte, and faulting a page in never changes what it holds. A slot that is freed and reused
+while it is read just has its old or new bytes brought in: harmless either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.core.kv_tier import KVTier
+from radixserve.core.radix_cache import RadixCache
+from radixserve.execution.tier_store import TierStore
+
+log = logging.getLogger("radixserve.tier_prefetch")
+
+MAX_HOLD_S = 2.0  # a request is queued after this long even if its pages are not all in
+WARM_WINDOW_BYTES = 128 << 20  # the next slots the tier hands out, kept faulted in for writing
+_READ, _WARM, _STOP = 0, 1, -1  # job priorities: reads (a request waits) before warming
+
+
+@dataclass(eq=False)
+class _Held:
+    request: Any
+    done: threading.Event
+    deadline: float
+
+
+class TierPrefetcher:
+    def __init__(self, store: TierStore, max_hold_s: float = MAX_HOLD_S):
+        self.store = store
+        self.pages = store.pages
+        self.max_hold_s = max_hold_s
+        self.window_slots = max(1, min(store.num_slots // 4, WARM_WINDOW_BYTES // store.slot_bytes))
+        self.read_blocks = 0  # slots read in for held requests (written by the thread)
+        self.warmed_blocks = 0  # slots faulted in for writing (written by the thread)
+        self.holds = 0  # requests held so far
+        self._held: list[_Held] = []  # engine thread only
+        self._window: set[int] = set()
+        self._window_version = -1
+        self._jobs: queue.PriorityQueue[tuple[int, int, Any]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._any_done = threading.Event()
+        self._failed = False
+        self._closed = False
+        # The thread holds no reference to the prefetcher: it ends when the engine drops it.
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._jobs),
+                                        name="radixserve-kv-prefetch", daemon=True)
+        self._thread.start()
+        weakref.finalize(self, self._jobs.put, (_STOP, -1, None))
+
+    @classmethod
+    def start(cls, store: TierStore) -> "TierPrefetcher | None":
+        """A prefetcher for `store`, or None where page calls are unavailable."""
+        return cls(store) if store.pages.available else None
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def hold(self, request: Any, slots: list[int]) -> bool:
+        """Hold `request` back if any of these tier slots (the ones its restore will read)
+        has pages out of memory, and start reading those slots; True when held."""
+        if self.store.path is None or not slots or self._closed:
+            return False
+        missing = [s for s in slots if self.pages.missing_pages(*self.store.slot_span(s))]
+        if not missing:
+            return False
+        done = threading.Event()
+        self._held.append(_Held(request, done, time.monotonic() + self.max_hold_s))
+        self.holds += 1
+        self._jobs.put((_READ, next(self._seq), (missing, done)))
+        return True
+
+    def ready(self, wait_s: float = 0.0) -> list[Any]:
+        """Held requests whose slots are in memory (or whose hold ran out), in the order
+        they were held. With wait_s, first waits up to that long for one when none is."""
+        if not self._held:
+            return []
+        if wait_s > 0 and not any(h.done.is_set() for h in self._held):
+            until = min(h.deadline for h in self._held) - time.monotonic()
+            self._any_done.wait(max(0.0, min(wait_s, until)))
+        self._any_done.clear()  # before the flags are read: no completion is missed
+        now = time.monotonic()
+        out = [h for h in self._held if h.done.is_set() or now >= h.deadline or self._closed]
+        if out:
+            self._held = [h for h in self._held if h not in out]
+        return [h.request for h in out]
+
+    def unhold(self, request: Any) -> bool:
+        """Forget a held request (it is aborted); False if it is not held."""
+        for i, h in enumerate(self._held):
+            if h.request is request:
+                del self._held[i]
+                return True
+        return False
+
+    def warm(self, tier: KVTier) -> None:
+        """Keep the next slots `tier` hands out faulted in for writing (call after the
+        copies of a step: only slots that newly entered that window are sent)."""
+        if tier.version == self._window_version:
+            return
+        self._window_version = tier.version
+        window = tier.peek_free(self.window_slots)
+        new = [s for s in window if s not in self._window]
+        self._window = set(window)
+        if new:
+            self._jobs.put((_WARM, next(self._seq), (new, None)))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread; from now on nothing is held (what is held is ready)."""
+        self._closed = True
+        self._jobs.put((_STOP, next(self._seq), None))
+        self._thread.join(timeout_s)
+
+    # ---- prefetch thread ------------------------------------------------------------
+
+    def _do(self, kind: int, slots: list[int], done: threading.Event | None) -> None:
+        try:
+            if kind == _READ:
+                self._read(slots)
+            else:
+                self._warm(slots)
+        except Exception as exc:  # a hint failed: the engine thread's copy will fault the pages in
+            if not self._failed:
+                self._failed = True
+                log.warning("KV tier prefetch failed (%s: %s); steps read the tier themselves",
+                            type(exc).__name__, exc)
+        finally:
+            if done is not None:
+                done.set()
+                self._any_done.set()
+
+    def _read(self, slots: list[int]) -> None:
+        for s in slots:
+            self.pages.will_need(*self.store.slot_span(s))  # all reads queued at once
+        buf = None
+        for s in slots:
+            if not self.pages.populate(*self.store.slot_span(s), write=False):
+                buf = buf if buf is not None else bytearray(self.store.slot_bytes)
+                self.store.read_slot(s, buf)
+        self.read_blocks += len(slots)
+
+    def _warm(self, slots: list[int]) -> None:
+        for s in slots:
+            if not self.pages.populate(*self.store.slot_span(s), write=True):
+                return
+        self.warmed_blocks += len(slots)
+
+
+def _serve(ref: "weakref.ref[TierPrefetcher]", jobs: queue.PriorityQueue) -> None:
+    """The prefetch thread: run jobs until told to stop or the prefetcher is gone."""
+    while True:
+        kind, _, item = jobs.get()
+        prefetcher = ref() if kind != _STOP else None
+        if prefetcher is None:
+            return
+        prefetcher._do(kind, *item)
+        del prefetcher
+
+
+def tier_only_slots(cache: RadixCache, tokens: list[int], salt: str | None) -> list[int]:
+    """The tier slots a restore of `tokens`' cached prefix would read (its tier-only part),
+    found without changing the tree (no split, no recency)."""
+    matched, node = cache.peek_prefix(tokens, salt)
+    if node is None or node.is_root:
+        return []
+    path = []
+    while not node.is_root:
+        path.append(node)
+        node = node.parent
+    bs = cache.block_size
+    left = matched // bs
+    slots: list[int] = []
+    for node in reversed(path):
+        take = min(len(node.tokens) // bs, left)
+        left -= take
+        if not node.blocks:
+            slots.extend(node.slots[:take])
+    return slots
