@@ -88,8 +88,9 @@ class EngineLoop:
         return self._post_call(lambda: self._admit_all(prepared, ids, listener))
 
     def call(self, fn: Callable[["Engine"], T]) -> concurrent.futures.Future[T]:
-        """Run fn(engine) on the engine thread between steps."""
-        return self._post_call(lambda: fn(self.engine))
+        """Run fn(engine) on the engine thread between steps; the stats snapshot is
+        refreshed before the result is handed back (fn may close a session, pin, flush)."""
+        return self._post_call(lambda: self._call(fn))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop these requests if still running and free their blocks; does not wait. Their
@@ -206,6 +207,7 @@ class EngineLoop:
             log.exception("engine step failed; failing the requests in flight")
             self._recover(exc)
             return
+        self._refresh_stats()  # before any output goes out: whoever it reaches sees this step
         for output in outputs:
             listener = self._listeners.get(output.request_id)
             if listener is None:
@@ -213,7 +215,12 @@ class EngineLoop:
             if output.finished:
                 del self._listeners[output.request_id]
             _notify(listener, output)
-        self._refresh_stats()
+
+    def _call(self, fn: Callable[["Engine"], T]) -> T:
+        try:
+            return fn(self.engine)
+        finally:
+            self._refresh_stats()
 
     def _admit_all(self, prepared: list["PreparedRequest"], ids: list[str | None], listener: Listener) -> list[str]:
         if self._closing:
