@@ -3,8 +3,15 @@
     .venv/bin/python -m bench.bench_speculative            # 8 tasks, batch 1 and 8, speculation off and on
     .venv/bin/python -m bench.bench_speculative --quick    # 4 tasks, batch 1 only
 
-Tasks (chat template, greedy): "return this JSON record with one field changed" and "repeat
-this function with the bug fixed", each with its record or function in the prompt. One engine
+Workloads (chat template, greedy):
+- edits (default): an agent's file edits, the file shown as a tool would show it (fenced,
+  formatted the way the model writes it) and the whole file asked back with one change: a
+  JSON record with a field changed, a function renamed or fixed, a YAML value changed, a
+  paragraph's typo fixed, a CSV cell changed.
+- records: "return this JSON record with one field changed" (the record on one line, which
+  the model re-formats) and "repeat this function with the bug fixed" (which it often
+  rewrites): less is copied.
+One engine
 per configuration, both in this process; every configuration gets an untimed warm-up. For batch 1
 every task runs alone; for batch 8 all run at once. Reports decode tokens/s (output tokens after
 the first, over the time after the first token), the speedup, the acceptance rate, and whether
@@ -32,7 +39,52 @@ FUNCTIONS = [
 ]
 
 
+YAML = ("server:\n  host: 0.0.0.0\n  port: {port}\n  workers: 4\ndatabase:\n  url: postgres://db:5432/{name}\n"
+        "  pool_size: 10\n  timeout: 30\nlogging:\n  level: info\n  format: json\n")
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog. It was a sunny day in the valey and the birds were "
+    "singing in the tall trees near the river.",
+    "Our team shipped the new release on Friday. The update improves startup time, fixes the crash on "
+    "empty files, and adds a dark theme that many users had asked for in the last survey. Please report any "
+    "problms you find.",
+]
+EDIT_FUNCTIONS = [
+    ("def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError(\"negative size\")\n"
+     "    return width * height\n", "Rename the function to rectangle_area"),
+    ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(value)\n",
+     "Fix the bug (the last line uses the wrong name)"),
+]
+
+
+def edit_tasks(n: int, seed: int = 0) -> list[list[dict]]:
+    """File edits whose answer repeats the file with one change."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 5
+        if kind == 0:
+            record = {"id": 1000 + i, "name": rng.choice(NAMES), "city": rng.choice(CITIES), "age": rng.randint(20, 70),
+                      "status": "open", "tags": rng.sample(["admin", "beta", "vip", "new", "legacy"], 2)}
+            text = (f"Here is a JSON record:\n```json\n{json.dumps(record, indent=2)}\n```\n"
+                    f"Return the same JSON record with \"status\" changed to \"closed\".")
+        elif kind == 1:
+            code, change = EDIT_FUNCTIONS[(i // 5) % len(EDIT_FUNCTIONS)]
+            text = f"Here is a function:\n```python\n{code}```\n{change} and return the whole function."
+        elif kind == 2:
+            config = YAML.format(port=8000 + i, name=rng.choice(NAMES).lower())
+            text = f"Here is a config file:\n```yaml\n{config}```\nChange the workers to 8 and return the whole file."
+        elif kind == 3:
+            text = f"Fix the spelling mistake and return the whole paragraph:\n{PARAGRAPHS[(i // 5) % len(PARAGRAPHS)]}"
+        else:
+            rows = [f"{rng.choice(NAMES)},{rng.choice(CITIES)},{rng.randint(20, 70)}" for _ in range(6)]
+            table = "name,city,age\n" + "\n".join(rows)
+            text = f"Here is a CSV table:\n```\n{table}\n```\nChange the age in the first row to 99 and return the whole table."
+        out.append([{"role": "user", "content": text}])
+    return out
+
+
 def tasks(n: int, seed: int = 0) -> list[list[dict]]:
+    """JSON records on one line and buggy functions, to be returned changed."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -67,17 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     common = dict(max_num_seqs=16, num_threads=args.num_threads)
-    engines = {
-        "off": Engine(args.model, **common),
-        "prompt-lookup": Engine(args.model, **common, speculative="prompt-lookup",
-                                num_speculative_tokens=args.k, speculative_max_batch=max(args.batches),
-                                prompt_lookup_min=args.ngram_min),
-    }
-    prompts = [engines["off"].apply_chat_template(m) for m in tasks(args.tasks)]
+    spec = dict(speculative="prompt-lookup", speculative_max_batch=max(args.batches))
+    if args.k is not None:
+        spec["num_speculative_tokens"] = args.k
+    if args.ngram_min is not None:
+        spec["prompt_lookup_min"] = args.ngram_min
+    engines = {"off": Engine(args.model, **common), "prompt-lookup": Engine(args.model, **common, **spec)}
+    k = engines["prompt-lookup"].config.num_speculative_tokens
+    prompts = [engines["off"].apply_chat_template(m) for m in WORKLOADS[args.workload](args.tasks)]
     for engine in engines.values():  # untimed warm-up
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
-    print(f"speculative decoding (prompt lookup, k={args.k}) on {args.tasks} copy-the-context agent tasks "
-          f"(JSON record with a field changed / function with a fix), greedy, max_tokens {args.max_tokens}, "
+    print(f"speculative decoding (prompt lookup, up to k={k} tokens) on {args.tasks} copy-the-context agent "
+          f"tasks ({args.workload}: {WORKLOAD_NOTES[args.workload]}), greedy, max_tokens {args.max_tokens}, "
           f"model {engines['off'].model_name}")
     results = {}
     for batch in args.batches:
@@ -105,20 +158,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+WORKLOADS = {"edits": edit_tasks, "records": tasks}
+WORKLOAD_NOTES = {"edits": "files shown fenced and asked back with one change",
+                  "records": "one-line JSON record / buggy function asked back changed"}
+
+
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="edits")
+    p.add_argument("--tasks", type=int, default=10)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
+    p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--quick", action="store_true", help="4 tasks, batch 1 only")
+    p.add_argument("--quick", action="store_true", help="5 tasks, batch 1 only")
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)
     if args.quick:
-        args.tasks, args.batches = 4, [1]
+        args.tasks, args.batches = 5, [1]
     return args
 
 

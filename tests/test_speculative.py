@@ -41,20 +41,20 @@ def _request(tokens, **params):
 def test_drafter_eligibility():
     drafter = PromptLookupDrafter(4, 1, 3, default_on=True)
     tokens = [1, 2, 3, 1, 2]
-    assert drafter.propose(_request(tokens, temperature=0.0), 8) == [3, 1, 2]
-    assert drafter.propose(_request(tokens, temperature=0.0), 2) == [3, 1]
+    assert drafter.propose(_request(tokens, temperature=0.0), 8) == [3, 1]  # a first draft is short
+    assert drafter.propose(_request(tokens, temperature=0.0), 1) == [3]
     assert drafter.propose(_request(tokens, temperature=0.0, speculative=False), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.0, logprobs=1), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.0, repetition_penalty=1.2), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.7, seed=3), 8) == []
-    assert drafter.propose(_request(tokens, temperature=0.7), 8) == [3, 1, 2]
+    assert drafter.propose(_request(tokens, temperature=0.7), 8) == [3, 1]
     assert drafter.propose(_request(tokens, temperature=0.0, min_tokens=2), 8) == []
     constrained = _request(tokens, temperature=0.0)
     constrained.grammar = object()
     assert drafter.propose(constrained, 8) == []
     off_by_default = PromptLookupDrafter(4, 1, 3, default_on=False)
     assert off_by_default.propose(_request(tokens, temperature=0.0), 8) == []
-    assert off_by_default.propose(_request(tokens, temperature=0.0, speculative=True), 8) == [3, 1, 2]
+    assert off_by_default.propose(_request(tokens, temperature=0.0, speculative=True), 8) == [3, 1]
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="yes")
 
@@ -69,22 +69,26 @@ def test_drafter_pauses_a_request_whose_drafts_do_not_pay():
     assert all(drafter.propose(request, 8) == [] for _ in range(PAUSE_STEPS))
     assert drafter.propose(request, 8) == [3]  # tries again after the pause, one token past what was accepted
     for _ in range(MIN_TRIES):
-        drafter.record(request, 3, 3)  # now it pays: no pause
+        drafter.record(request, 3, 3)  # now it pays: no pause; whole drafts accepted: it grows
     assert drafter.stats.pauses == 1 and drafter.propose(request, 8) == [3, 1, 2]
     assert drafter.stats.draft_tokens == 6 * MIN_TRIES and drafter.stats.accepted_tokens == 3 * MIN_TRIES
 
 
 def test_draft_length_follows_what_was_accepted():
-    drafter = PromptLookupDrafter(4, 1, 3, default_on=True)
-    request = _request([1, 2, 3, 4, 5, 6, 1, 2], temperature=0.0)
-    assert drafter.propose(request, 8) == [3, 4, 5, 6]
-    drafter.record(request, 4, 1)
-    assert drafter.propose(request, 8) == [3, 4]  # accepted 1: draft 2
+    drafter = PromptLookupDrafter(6, 1, 3, default_on=True)
+    request = _request([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], temperature=0.0)
+    assert drafter.propose(request, 8) == [3, 4]  # starts short
     drafter.record(request, 2, 2)
-    assert drafter.propose(request, 8) == [3, 4, 5]  # all accepted: one more
-    drafter.record(request, 3, 3)
+    assert drafter.propose(request, 8) == [3, 4, 5, 6]  # all accepted: double
+    drafter.record(request, 4, 1)
+    assert drafter.propose(request, 8) == [3, 4]  # accepted 1: one past it
+    drafter.record(request, 2, 0)
+    assert drafter.propose(request, 8) == [3]
+    drafter.record(request, 1, 1)
+    drafter.record(request, 2, 2)
     drafter.record(request, 4, 4)
-    assert drafter.propose(request, 8) == [3, 4, 5, 6]  # never past num_tokens
+    assert drafter.propose(request, 8) == [3, 4, 5, 6, 7, 8]  # never past num_tokens
+    assert drafter.propose(request, 3) == [3, 4, 5]  # nor past what the caller has room for
     drafter.forget("r")
     assert not drafter._states
 
