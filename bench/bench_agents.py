@@ -11,6 +11,13 @@ simulated tool latency (uniform in [min, max] seconds, seeded). The KV pool hold
 third of the working set (the tool prompt once plus every agent's final context), so
 paused agents' contexts are evicted while they wait.
 
+The smalltier systems (`--systems smalltier,smalltier+sessions`) give the second tier only
+`--tier-share` of the working set, so entries leave the tier too and the order matters:
+LRU, or sessions' (an agent's latest context kept, a superseded branch first out, a
+finished agent's session closed). `--retry-share P` retries a tool call with chance P,
+which supersedes the context the answer followed (e.g. `--quick --systems
+lru,smalltier,smalltier+sessions --retry-share 0.3`).
+
 For each system it reports prompt tokens computed, reuse as a share of the ideal (what
 an unbounded cache could serve: the longest block-aligned prefix any earlier request
 computed), wall time and TTFT p50/p95. `--measure-tier` first measures restoring 1,000
@@ -47,11 +54,13 @@ class Workload:
     answer: int
     latency: tuple[float, float]
     seed: int = 0
+    retry_share: float = 0.0  # chance that an answer's tool call is retried (see Agent.answered)
 
     def describe(self) -> str:
+        retries = f"; {self.retry_share:.0%} of tool calls retried" if self.retry_share else ""
         return (f"{self.agents} agents x {self.turns} turns; tool prompt {self.tool_prompt} tokens, "
                 f"instructions {self.instructions}, tool result {self.tool_result}, answer {self.answer}; "
-                f"tool latency {self.latency[0]}-{self.latency[1]} s")
+                f"tool latency {self.latency[0]}-{self.latency[1]} s{retries}")
 
     def working_set_tokens(self) -> int:
         per_agent = self.instructions + self.turns * (self.answer + self.tool_result)
@@ -89,6 +98,7 @@ class Agent:
         self.rng = rng
         self.workload = workload
         self.context = tool_prompt + _tokens(rng, workload.instructions)
+        self.before_result = 0  # where the last tool result begins in the context (0: none yet)
         self.turn = 0
         self.ready_at = 0.0
 
@@ -96,9 +106,18 @@ class Agent:
         return list(self.context)
 
     def answered(self, answer: list[int], now: float) -> None:
-        """The answer joins the history, the tool runs, its result joins too."""
+        """The answer joins the history, the tool runs, its result joins too. A retry (with
+        chance retry_share): the previous tool call failed, so its result and this answer
+        are dropped and the retried call's result takes their place; the context this
+        answer extended is superseded (a session demotes it)."""
         self.turn += 1
-        self.context += answer + _tokens(self.rng, self.workload.tool_result)
+        retry = self.workload.retry_share > 0 and self.rng.random() < self.workload.retry_share
+        if retry and self.before_result:
+            self.context = self.context[:self.before_result]
+        else:
+            self.context += answer
+            self.before_result = len(self.context)
+        self.context += _tokens(self.rng, self.workload.tool_result)
         low, high = self.workload.latency
         self.ready_at = now + self.rng.uniform(low, high)
 
@@ -142,6 +161,8 @@ def run_system(name: str, workload: Workload, engine_options: dict, use_sessions
             result.computed_prompt_tokens += out.prompt_tokens - out.cached_tokens
             result.ttfts.append(out.metrics.get("ttft_s", float("nan")))
             agent.answered(list(out.token_ids), time.monotonic() - start)
+            if use_sessions and agent.turn == workload.turns:
+                engine.close_session(f"agent-{agent.index}")  # the agent is done: its context is ordinary
             done += 1
             if progress and (done % max(1, total // 10) == 0 or done == total):
                 print(f"  [{name}] {done}/{total} requests, {time.monotonic() - start:.0f} s", flush=True)
@@ -308,6 +329,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--tool-prompt", type=int, default=None)
     parser.add_argument("--pool-share", type=float, default=1 / 3, help="KV pool size as a share of the working set")
+    parser.add_argument("--tier-share", type=float, default=0.25,
+                        help="second tier of the smalltier systems, as a share of the working set")
+    parser.add_argument("--retry-share", type=float, default=None,
+                        help="chance that a tool call is retried, superseding the context it followed")
     parser.add_argument("--systems", default="lru,tier,tier+sessions,off")
     parser.add_argument("--measure-tier", action="store_true")
     parser.add_argument("--measure-prefetch", action="store_true",
@@ -317,7 +342,7 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     workload = QUICK if args.quick else FULL
-    for name in ("agents", "turns", "tool_prompt"):
+    for name in ("agents", "turns", "tool_prompt", "retry_share"):
         if getattr(args, name) is not None:
             setattr(workload, name, getattr(args, name))
     report: dict = {"workload": workload.describe()}
@@ -336,17 +361,23 @@ def main() -> None:
                 json.dump(report, f, indent=2)
         return
     pool_blocks = max(8, int(workload.working_set_tokens() * args.pool_share) // BLOCK_SIZE)
-    tier_bytes = 4 * workload.working_set_tokens() * 30 * 2 * 3 * 64 * 4  # 4x the working set
+    token_bytes = 30 * 2 * 3 * 64 * 4  # the default model's K/V per token, float32
+    tier_bytes = 4 * workload.working_set_tokens() * token_bytes  # 4x the working set
+    tier_blocks = max(1, int(workload.working_set_tokens() * args.tier_share) // BLOCK_SIZE)
+    small_tier = {"kv_offload_memory": tier_blocks * BLOCK_SIZE * token_bytes}
     base = dict(num_kv_blocks=pool_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=1024, chunked_prefill_size=512)
     systems = {
         "lru": ("LRU (one tier)", base, False),
         "tier": ("+ tier", {**base, "kv_offload_memory": tier_bytes}, False),
         "tier+sessions": ("+ tier + sessions", {**base, "kv_offload_memory": tier_bytes}, True),
+        "smalltier": ("+ small tier", {**base, **small_tier}, False),
+        "smalltier+sessions": ("+ small tier + sessions", {**base, **small_tier}, True),
         "off": ("cache off", {**base, "enable_prefix_cache": False}, False),
     }
     print(f"workload: {workload.describe()}")
     print(f"working set {workload.working_set_tokens()} tokens; KV pool {pool_blocks} blocks "
-          f"({pool_blocks * BLOCK_SIZE} tokens, {args.pool_share:.2f} of it)")
+          f"({pool_blocks * BLOCK_SIZE} tokens, {args.pool_share:.2f} of it); small tier {tier_blocks} blocks "
+          f"({args.tier_share:.2f} of it)")
     results = []
     for key in [s.strip() for s in args.systems.split(",") if s.strip()]:
         label, options, sessions = systems[key]
@@ -360,6 +391,16 @@ def main() -> None:
         report["speedup_vs_lru"] = lru.wall_s / best.wall_s
         print(f"\ntier + sessions: {best.reuse_of_ideal:.0%} of ideal reuse (target >= 90%), LRU {lru.reuse_of_ideal:.0%}; "
               f"wall time {report['speedup_vs_lru']:.2f}x LRU's (target >= 1.5x)")
+    if "+ small tier" in by and "+ small tier + sessions" in by:
+        plain, hinted = by["+ small tier"], by["+ small tier + sessions"]
+        report["small_tier_sessions_vs_lru"] = {
+            "reuse_of_ideal": [plain.reuse_of_ideal, hinted.reuse_of_ideal],
+            "computed_prompt_tokens": [plain.computed_prompt_tokens, hinted.computed_prompt_tokens],
+            "wall_s": [plain.wall_s, hinted.wall_s],
+        }
+        print(f"small tier ({args.tier_share:.2f} of the working set): with sessions {hinted.reuse_of_ideal:.0%} of ideal "
+              f"reuse, {hinted.computed_prompt_tokens} prompt tokens computed; LRU order {plain.reuse_of_ideal:.0%}, "
+              f"{plain.computed_prompt_tokens}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -368,11 +409,14 @@ def main() -> None:
 
 
 def _print(results: list[SystemResult]) -> None:
-    head = f"{'system':<22}{'wall s':>9}{'computed':>10}{'cached':>9}{'restored':>10}{'of ideal':>10}{'TTFT p50':>10}{'TTFT p95':>10}"
+    head = (f"{'system':<25}{'wall s':>9}{'computed':>10}{'cached':>9}{'restored':>10}{'of ideal':>10}"
+            f"{'TTFT p50':>10}{'TTFT p95':>10}{'tier out':>10}")
     print("\n" + head)
     for r in results:
-        print(f"{r.name:<22}{r.wall_s:>9.1f}{r.computed_prompt_tokens:>10}{r.cached_tokens:>9}{r.restored_tokens:>10}"
-              f"{r.reuse_of_ideal:>10.0%}{r.ttft(0.5):>10.2f}{r.ttft(0.95):>10.2f}")
+        print(f"{r.name:<25}{r.wall_s:>9.1f}{r.computed_prompt_tokens:>10}{r.cached_tokens:>9}{r.restored_tokens:>10}"
+              f"{r.reuse_of_ideal:>10.0%}{r.ttft(0.5):>10.2f}{r.ttft(0.95):>10.2f}"
+              f"{r.stats.get('evicted_blocks_tier_dropped', 0):>10}")
+    print("(tier out: blocks dropped from the second tier to make room)")
     if results:
         print(f"(prompt tokens {results[0].prompt_tokens}, ideal reuse {results[0].ideal_cached})")
 
