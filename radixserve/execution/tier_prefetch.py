@@ -86,7 +86,11 @@ class TierPrefetcher:
         has pages out of memory, and start reading those slots; True when held."""
         if self.store.path is None or not slots or self._closed:
             return False
-        missing = [s for s in slots if self.pages.missing_pages(*self.store.slot_span(s))]
+        try:
+            missing = [s for s in slots if self.pages.missing_pages(*self.store.slot_span(s))]
+        except OSError as exc:  # no residency to go by: the restore reads the tier itself
+            log.warning("KV tier prefetch: mincore failed (%s); not holding", exc)
+            return False
         if not missing:
             return False
         done = threading.Event()

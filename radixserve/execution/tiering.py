@@ -104,8 +104,8 @@ class Tiering:
         """Hold back a new request whose restore would read tier pages that are not in
         memory, while the prefetch thread reads them; True when held (the engine queues
         it once ready() hands it back)."""
-        if self.prefetch is None or cache is None:
-            return False
+        if self.prefetch is None or cache is None or self.store.path is None:
+            return False  # an anonymous tier is in memory (its prefetcher only warms slots)
         slots = tier_only_slots(cache, request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
         return self.prefetch.hold(request, slots)
 
