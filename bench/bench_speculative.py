@@ -1,7 +1,9 @@
 """Prompt-lookup speculative decoding on an agent workload whose outputs copy their context.
 
-    .venv/bin/python -m bench.bench_speculative            # 8 tasks, batch 1 and 8, speculation off and on
-    .venv/bin/python -m bench.bench_speculative --quick    # 4 tasks, batch 1 only
+    .venv/bin/python -m bench.bench_speculative                # 10 edit tasks, batch 1 and 8, off and on
+    .venv/bin/python -m bench.bench_speculative --repeats 3    # the speedup's spread over three runs
+    .venv/bin/python -m bench.bench_speculative --quick        # 5 tasks, batch 1 only
+    .venv/bin/python -m bench.bench_speculative --workload records   # one-line records, buggy functions
 
 Workloads (chat template, greedy):
 - edits (default): an agent's file edits, the file shown as a tool would show it (fenced,
@@ -11,11 +13,11 @@ Workloads (chat template, greedy):
 - records: "return this JSON record with one field changed" (the record on one line, which
   the model re-formats) and "repeat this function with the bug fixed" (which it often
   rewrites): less is copied.
-One engine
-per configuration, both in this process; every configuration gets an untimed warm-up. For batch 1
-every task runs alone; for batch 8 all run at once. Reports decode tokens/s (output tokens after
-the first, over the time after the first token), the speedup, the acceptance rate, and whether
-greedy outputs are equal token for token.
+One engine per configuration, both in this process; every configuration gets an untimed
+warm-up. For batch 1 every task runs alone; for batch 8 eight at once; each group runs on both
+engines in turn, which goes first alternating, so the machine's drift falls on both. Reports
+decode tokens/s (output tokens after the first, over the time after the first token), the
+speedup, the acceptance rate, and whether greedy outputs are equal token for token.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 
 from radixserve import Engine, SamplingParams
 
@@ -100,19 +103,34 @@ def tasks(n: int, seed: int = 0) -> list[list[dict]]:
     return out
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int):
-    """Returns (outputs, decode tokens/s, wall seconds)."""
-    outputs, decode_tokens, decode_time = [], 0, 0.0
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts[i:i + batch], params)
-        wall = time.perf_counter() - t0
-        first = max(o.metrics["ttft_s"] for o in outs)
-        decode_tokens += sum(len(o.token_ids) - 1 for o in outs)
-        decode_time += max(1e-9, wall - first)
-        outputs += outs
-    return outputs, decode_tokens / decode_time, time.perf_counter() - start
+@dataclass
+class Tally:
+    outputs: list = field(default_factory=list)
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    wall: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.decode_tokens / max(1e-9, self.decode_time)
+
+
+def run(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams, batch: int) -> dict[str, Tally]:
+    """Every group of `batch` prompts on each engine in turn (which goes first alternates), so
+    that the machine's drift falls on both alike."""
+    tallies = {name: Tally() for name in engines}
+    for g, i in enumerate(range(0, len(prompts), batch)):
+        order = list(engines) if g % 2 == 0 else list(reversed(engines))
+        for name in order:
+            t0 = time.perf_counter()
+            outs = engines[name].generate(prompts[i:i + batch], params)
+            wall = time.perf_counter() - t0
+            tally = tallies[name]
+            tally.decode_tokens += sum(len(o.token_ids) - 1 for o in outs)
+            tally.decode_time += max(1e-9, wall - max(o.metrics["ttft_s"] for o in outs))
+            tally.wall += wall
+            tally.outputs += outs
+    return tallies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,26 +152,32 @@ def main(argv: list[str] | None = None) -> int:
           f"model {engines['off'].model_name}")
     results = {}
     for batch in args.batches:
-        for name, engine in engines.items():
-            before = engine.stats()
-            outs, rate, wall = run(engine, prompts, params, batch)
-            after = engine.stats()
+        speedups, spec = [], engines["prompt-lookup"]
+        for repeat in range(args.repeats):
+            before = spec.stats()
+            tallies = run(engines, prompts, params, batch)
+            after = spec.stats()
+            for engine in engines.values():
+                engine.check_integrity()
+            off, on = tallies["off"], tallies["prompt-lookup"]
             drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-            results[(batch, name)] = (outs, rate, wall, drafted, accepted, after["steps"] - before["steps"])
-            engine.check_integrity()
-        off, on = results[(batch, "off")], results[(batch, "prompt-lookup")]
-        equal = sum(a.token_ids == b.token_ids for a, b in zip(off[0], on[0]))
-        tokens = sum(len(o.token_ids) for o in off[0])
-        print(f"\n== batch {batch}: {tokens} output tokens")
-        print(f"   off:           {off[1]:7.1f} decode tok/s, {off[2]:6.1f} s, {off[5]} steps")
-        print(f"   prompt-lookup: {on[1]:7.1f} decode tok/s, {on[2]:6.1f} s, {on[5]} steps; "
-              f"acceptance {on[4]}/{on[3]} = {on[4] / max(1, on[3]):.1%}")
-        print(f"   speedup {on[1] / off[1]:.2f}x decode tok/s ({off[2] / on[2]:.2f}x wall)"
-              + ("  (target >= 1.8x at batch 1)" if batch == 1 else ""))
-        print(f"   greedy outputs equal token for token: {equal}/{len(prompts)}")
+            steps = after["steps"] - before["steps"]
+            speedups.append(on.rate / off.rate)
+            results[batch] = on
+            equal = sum(a.token_ids == b.token_ids for a, b in zip(off.outputs, on.outputs))
+            tokens = sum(len(o.token_ids) for o in off.outputs)
+            print(f"\n== batch {batch}, run {repeat + 1}/{args.repeats}: {tokens} output tokens")
+            print(f"   off:           {off.rate:7.1f} decode tok/s, {off.wall:6.1f} s")
+            print(f"   prompt-lookup: {on.rate:7.1f} decode tok/s, {on.wall:6.1f} s, {steps} steps; "
+                  f"acceptance {accepted}/{drafted} = {accepted / max(1, drafted):.1%}")
+            print(f"   speedup {on.rate / off.rate:.2f}x decode tok/s ({off.wall / on.wall:.2f}x wall)")
+            print(f"   greedy outputs equal token for token: {equal}/{len(prompts)}")
+        speedups.sort()
+        print(f"-- batch {batch}: speedup median {speedups[len(speedups) // 2]:.2f}x [{speedups[0]:.2f}-{speedups[-1]:.2f}] "
+              f"over {args.repeats} run(s)" + ("  (target >= 1.8x at batch 1)" if batch == 1 else ""))
     if args.show:
-        for o in results[(args.batches[0], "prompt-lookup")][0][:2]:
+        for o in results[args.batches[0]].outputs[:2]:
             print("\n---\n" + o.text)
     return 0
 
@@ -173,6 +197,7 @@ def _parse_args(argv):
     p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each batch size (the speedup's spread)")
     p.add_argument("--quick", action="store_true", help="5 tasks, batch 1 only")
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)

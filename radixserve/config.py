@@ -43,7 +43,7 @@ class EngineConfig:
     # model fitted to measured step times so that the step stays under it; 0: no target.
     max_step_ms: int = 0
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
-    num_speculative_tokens: int = 3  # draft tokens per request and step (1 + 3 rows: one tile of the CPU matmul)
+    num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 2 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft
     speculative_max_batch: int = 8  # speculate only while at most this many requests decode

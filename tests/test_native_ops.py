@@ -23,7 +23,7 @@ def _reference(x, weight, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 31, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 31, MAX_ROWS])
 @pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (4, 8), (5, 24), (7, 576), (9, 40), (48, 136)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_float64(rows, features, k, with_bias):
@@ -63,7 +63,7 @@ def test_skinny_linear_builds_for_each_vector_width(tmp_path, flags):
     fn.argtypes = list(native_build.SIGNATURES["skinny_linear_f32"].argtypes)
     fn.restype = native_build.SIGNATURES["skinny_linear_f32"].restype
     gen = torch.Generator().manual_seed(11)
-    for rows, features, k in [(1, 7, 64), (3, 5, 24), (4, 9, 40), (6, 10, 576), (13, 17, 136)]:
+    for rows, features, k in [(1, 7, 64), (3, 5, 24), (4, 9, 40), (5, 8, 16), (6, 10, 576), (11, 6, 24), (13, 17, 136)]:
         x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(features, k, generator=gen), torch.randn(features, generator=gen)
         out = torch.empty(rows, features)
         assert fn(x.data_ptr(), rows, k, weight.data_ptr(), features, k, bias.data_ptr(), out.data_ptr(), features) == 0

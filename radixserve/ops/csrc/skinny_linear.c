@@ -9,12 +9,13 @@
  * memory once per call; features are split over OpenMP threads (torch's own workers,
  * see native_build.py).
  *
- * AVX-512 (the default build here): a tile is 4 features x up to 4 rows, 16 vector
+ * AVX-512 (the default build here): a tile is 4 features x up to 6 rows, up to 24 vector
  * accumulators over K (masked loads take K's tail), the 4 features' sums reduced
  * together and stored as one vector. While the first row block of a weight quad is
  * multiplied, the quad two ahead is prefetched: without it the multiply and the weight
  * stream took turns (measured on the 2-core dev machine, cold weights, the default
- * model's 121 matmuls: 8 rows 47 -> 29 ms, 32 rows 97 -> 57 ms). At 1-3 rows one
+ * model's 121 matmuls: 8 rows 47 -> 29 ms, 32 rows 97 -> 57 ms; 6-row tiles over 4-row ones
+ * another 3-8% at 5 rows and more). At 1-3 rows one
  * 8-lane dot per feature and row streams the weight fastest (memory-bound: ~17 ms).
  * AVX2 + FMA only: 3-feature x 4-row tiles with 8-lane accumulators.
  *
@@ -63,7 +64,8 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* One K step of a tile: the quad's 16 lanes (masked by m) times R rows. */
+/* One K step of a tile: the quad's 16 lanes times R rows (R <= 6: 24 accumulators, 4 weight
+ * vectors and the row's vector fit AVX-512's 32 registers). */
 #define TILE_STEP(LOAD, R)                                                                                     \
     do {                                                                                                     \
         __m512 v[4];                                                                                         \
@@ -72,7 +74,7 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
             _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f)                                              \
                 _mm_prefetch((const char *)(next + f * K + k), _MM_HINT_T0);                                 \
         }                                                                                                    \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {                                                \
             const __m512 u = LOAD(x + r * ldx + k);                                                          \
             _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_fmadd_ps(v[f], u, acc[r][f]); \
         }                                                                                                    \
@@ -86,7 +88,7 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     static void tile4x##R(const float *x, int64_t ldx, const float *w, int64_t K, float *out, int64_t ldo,  \
                           const float *bias, const float *next) {                                            \
         __m512 acc[R][4];                                                                                    \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)                                                  \
             _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_setzero_ps();             \
         int64_t k = 0;                                                                                       \
         for (; k + 16 <= K; k += 16) TILE_STEP(LOAD_FULL, R);                                                \
@@ -95,13 +97,15 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
             TILE_STEP(LOAD_TAIL, R);                                                                         \
         }                                                                                                    \
         const __m128 b = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();                                       \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r)                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r)                                                  \
             _mm_storeu_ps(out + r * ldo, _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b));   \
     }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(3)
 DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
 
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
@@ -118,10 +122,12 @@ int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
         const float *wq = w + n * K, *bq = bias ? bias + n : 0;
         const float *next = q + 2 < quads ? wq + 8 * K : 0;  /* for the first row block only */
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4, next = 0) tile4x4(x + m * ldx, ldx, wq, K, out + m * ldo + n, ldo, bq, next);
+        for (; m + 6 <= M; m += 6, next = 0) tile4x6(x + m * ldx, ldx, wq, K, out + m * ldo + n, ldo, bq, next);
         const float *xm = x + m * ldx;
         float *om = out + m * ldo + n;
         switch (M - m) {
+            case 5: tile4x5(xm, ldx, wq, K, om, ldo, bq, next); break;
+            case 4: tile4x4(xm, ldx, wq, K, om, ldo, bq, next); break;
             case 3: tile4x3(xm, ldx, wq, K, om, ldo, bq, next); break;
             case 2: tile4x2(xm, ldx, wq, K, om, ldo, bq, next); break;
             case 1: tile4x1(xm, ldx, wq, K, om, ldo, bq, next); break;
