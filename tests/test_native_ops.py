@@ -11,7 +11,7 @@ import torch
 
 from radixserve.ops import native_ops
 from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
-from radixserve.ops.native_ops import MAX_ROWS, rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.ops.native_ops import MAX_ROWS, max_rows, rms_norm, rope_, silu_mul, skinny_linear
 
 needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
 needs_layer_ops = pytest.mark.skipif(native_ops._load("rms_norm_f32") is None, reason="no C compiler here")
@@ -23,10 +23,12 @@ def _reference(x, weight, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 31, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 31, 32, 67, MAX_ROWS])
 @pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (4, 8), (5, 24), (7, 576), (9, 40), (48, 136)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_float64(rows, features, k, with_bias):
+    if rows > max_rows():
+        pytest.skip(f"this build of the kernel takes at most {max_rows()} rows")
     gen = torch.Generator().manual_seed(rows * 1000 + features * 10 + k)
     x = torch.randn(rows, k, generator=gen)
     weight = torch.randn(features, k, generator=gen)
@@ -59,11 +61,15 @@ def test_skinny_linear_builds_for_each_vector_width(tmp_path, flags):
         pytest.skip("no C compiler here")
     library = tmp_path / "skinny.so"
     native_build._compile(compiler, native_build.CSRC / "skinny_linear.c", ["-fopenmp", *flags], library)
-    fn = ctypes.CDLL(str(library)).skinny_linear_f32
+    built = ctypes.CDLL(str(library))
+    fn = built.skinny_linear_f32
     fn.argtypes = list(native_build.SIGNATURES["skinny_linear_f32"].argtypes)
     fn.restype = native_build.SIGNATURES["skinny_linear_f32"].restype
+    wide = "avx512f" in native_build.cpu_features().split() and not flags
+    assert built.skinny_linear_max_rows() == (128 if wide else 32)
     gen = torch.Generator().manual_seed(11)
-    for rows, features, k in [(1, 7, 64), (3, 5, 24), (4, 9, 40), (5, 8, 16), (6, 10, 576), (11, 6, 24), (13, 17, 136)]:
+    for rows, features, k in [(1, 7, 64), (3, 5, 24), (4, 9, 40), (5, 8, 16), (6, 10, 576), (11, 6, 24), (13, 17, 136),
+                              (built.skinny_linear_max_rows(), 9, 64)]:
         x, weight, bias = torch.randn(rows, k, generator=gen), torch.randn(features, k, generator=gen), torch.randn(features, generator=gen)
         out = torch.empty(rows, features)
         assert fn(x.data_ptr(), rows, k, weight.data_ptr(), features, k, bias.data_ptr(), out.data_ptr(), features) == 0
@@ -74,6 +80,7 @@ def test_skinny_linear_builds_for_each_vector_width(tmp_path, flags):
     "x, weight",
     [
         (torch.randn(MAX_ROWS + 1, 64), torch.randn(5, 64)),  # too many rows: the BLAS wins
+        (torch.randn(0, 64), torch.randn(5, 64)),  # no rows
         (torch.randn(4, 60), torch.randn(5, 60)),  # K not a multiple of 8
         (torch.randn(4, 64, dtype=torch.float64), torch.randn(5, 64, dtype=torch.float64)),
         (torch.randn(4, 64), torch.randn(64, 5).t()),  # weight not contiguous

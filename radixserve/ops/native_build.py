@@ -60,6 +60,7 @@ SIGNATURES: dict[str, Signature] = {
     ),
     "paged_store_f32": Signature("paged_attention.c", (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT),
     "skinny_linear_available": Signature("skinny_linear.c", (), _INT),
+    "skinny_linear_max_rows": Signature("skinny_linear.c", (), _INT),
     "skinny_linear_f32": Signature("skinny_linear.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64), _INT),
     "rms_norm_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32), None),
     "rope_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64), None),

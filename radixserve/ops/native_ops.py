@@ -4,8 +4,9 @@ returning None where it does not apply so that the caller keeps its torch path.
 - skinny_linear: x @ weight.T (+ bias) for decode-sized batches. At a few rows a BLAS
   spends as long packing the weight as multiplying by it; the kernel reads the weight
   in its own layout, once, prefetching the next tile's. Measured on the 2-core dev
-  machine, cold weights: 2x MKL at 1 row (the weight read at memory speed), 1.5x at 8
-  rows, 1.2-1.4x at 32 rows. Above MAX_ROWS the BLAS wins.
+  machine, cold weights, the default model's matmuls: at 1 row as fast as the weight
+  streams, 1.6x MKL at 8 rows, 1.2x at 32, 1.07-1.2x up to 128 (AVX-512 build; the
+  AVX2 build stops at 32). Above `max_rows()` the BLAS wins (prefill chunks).
 - rms_norm, rope_, silu_mul: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
@@ -19,7 +20,7 @@ import torch
 
 from radixserve.ops.native_build import load_kernel
 
-MAX_ROWS = 32
+MAX_ROWS = 128  # the most any build takes; max_rows() is this build's own limit
 
 
 def model_ops_enabled() -> bool:
@@ -42,10 +43,19 @@ def _skinny_kernel():
     return _load("skinny_linear_f32")
 
 
+@functools.cache
+def max_rows() -> int:
+    """The most rows this build of the kernel takes (where it still beats the BLAS); 0 without it."""
+    if _skinny_kernel() is None:
+        return 0
+    limit = _load("skinny_linear_max_rows")
+    return min(MAX_ROWS, limit()) if limit is not None else 32
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The product by the C kernel, or None where it does not apply."""
     if not (
-        x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % 8 == 0 and _rows_f32(x)
+        x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.shape[1] % 8 == 0 and _rows_f32(x)
         and _dense_f32(weight) and weight.dim() == 2 and weight.shape[1] == x.shape[1]
         and (bias is None or (_dense_f32(bias) and bias.shape == weight.shape[:1]))
     ):
