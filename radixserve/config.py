@@ -26,6 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
     chunked_prefill_size: int = 512  # most prompt tokens one request computes in one step
+    # Prompt tokens a step may compute while requests decode (None: chunked_prefill_size): a
+    # burst of prompts is prefilled over several steps instead of stalling every stream in one.
+    max_prefill_tokens_decoding: int | None = None
     max_num_seqs: int = 128  # most requests running at once
     enable_prefix_cache: bool = True
     schedule_policy: str = "lpm"
@@ -57,6 +60,8 @@ class EngineConfig:
         _check_positive("block_size", self.block_size)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        if self.max_prefill_tokens_decoding is not None:
+            _check_positive("max_prefill_tokens_decoding", self.max_prefill_tokens_decoding)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("starvation_steps", self.starvation_steps)
         _check_positive("policy_fcfs_threshold", self.policy_fcfs_threshold)

@@ -71,16 +71,19 @@ class Scheduler:
         return sum(1 for r in self.running if not r.in_prefill)
 
     def schedule(self, prefill_token_budget: int | None = None) -> StepPlan:
-        """Plan the next step. `prefill_token_budget` caps the prefill tokens of a step in
-        which requests decode (the engine sizes it to a step-time target); a step with no
-        decodes gives prefill the whole max_num_batched_tokens."""
+        """Plan the next step. A step in which requests decode computes at most
+        max_prefill_tokens_decoding prompt tokens, and at most `prefill_token_budget` (the
+        engine sizes it to a step-time target); a step with no decodes gives prefill the
+        whole max_num_batched_tokens."""
         plan = StepPlan()
         if self.sessions is not None:
             self.sessions.expire()
         budget = self.config.max_num_batched_tokens
         prefill = budget
-        if prefill_token_budget is not None and self.num_decoding() > 0:
-            prefill = max(0, min(budget, prefill_token_budget))
+        if self.num_decoding() > 0:
+            prefill = min(budget, self.config.max_prefill_tokens_decoding or self.config.chunked_prefill_size)
+            if prefill_token_budget is not None:
+                prefill = max(0, min(prefill, prefill_token_budget))
         budget, prefill = self._schedule_running(plan, budget, prefill)
         if not plan.preempted:
             self._admit_waiting(plan, min(budget, prefill))
