@@ -26,8 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
     chunked_prefill_size: int = 512  # most prompt tokens one request computes in one step
-    # Prompt tokens a step may compute while requests decode (None: chunked_prefill_size): a
-    # burst of prompts is prefilled over several steps instead of stalling every stream in one.
+    # Prompt tokens a step may compute while requests decode (None: no cap beyond
+    # max_num_batched_tokens). A cap spreads a burst of prompts over several steps: shorter
+    # stalls of every stream, but more of them (measured here: gap p95 and TTFT p95 rose).
     max_prefill_tokens_decoding: int | None = None
     max_num_seqs: int = 128  # most requests running at once
     enable_prefix_cache: bool = True

@@ -45,7 +45,7 @@ def test_no_decodes_means_the_whole_token_budget():
 
 
 def test_spent_prefill_budget_skips_running_prefills_without_preempting():
-    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, max_prefill_tokens_decoding=64, cache=False)
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, cache=False)
     a = add(s, range(2), max_tokens=8)
     step(s)
     b, c = add(s, range(100, 130)), add(s, range(200, 230))
@@ -163,17 +163,18 @@ def test_engine_fits_its_cost_model_from_real_steps(tiny_model_dir):
     engine.check_integrity()
 
 
-def test_prefill_beside_decodes_is_one_chunk_by_default():
-    """While requests decode, a burst of prompts is prefilled over several steps (one chunk's
-    worth each) instead of all in one long step; with nothing decoding they share a step."""
-    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, cache=False)
+def test_max_prefill_tokens_decoding_spreads_a_burst_over_steps():
+    """With the cap, while requests decode a burst of prompts is prefilled over several steps
+    instead of all in one long step; with nothing decoding they share a step; without the cap
+    the burst shares the step."""
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, max_prefill_tokens_decoding=16, cache=False)
     burst = [add(s, range(100 * i, 100 * i + 12)) for i in range(3)]
     plan = step(s)  # nothing decodes yet: the whole burst in one step
     assert chunks(plan) == [(r.request_id, 0, 12) for r in burst]
     late = [add(s, range(1000 + 100 * i, 1000 + 100 * i + 12)) for i in range(2)]
     plan = step(s)  # three decodes: 16 prompt tokens beside them
     assert chunks(plan) == [(r.request_id, 12, 1) for r in burst] + [(late[0].request_id, 0, 12), (late[1].request_id, 0, 4)]
-    wide = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, max_prefill_tokens_decoding=64, cache=False)
+    wide = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=16, cache=False)
     first = add(wide, range(5))
     step(wide)
     others = [add(wide, range(100 * i, 100 * i + 12)) for i in range(1, 4)]

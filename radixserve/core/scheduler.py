@@ -81,7 +81,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         prefill = budget
         if self.num_decoding() > 0:
-            prefill = min(budget, self.config.max_prefill_tokens_decoding or self.config.chunked_prefill_size)
+            prefill = min(budget, self.config.max_prefill_tokens_decoding or budget)
             if prefill_token_budget is not None:
                 prefill = max(0, min(prefill, prefill_token_budget))
         budget, prefill = self._schedule_running(plan, budget, prefill)
