@@ -15,8 +15,8 @@
  * multiplied, the quad two ahead is prefetched: without it the multiply and the weight
  * stream took turns (measured on the 2-core dev machine, cold weights, the default
  * model's 121 matmuls: 8 rows 47 -> 29 ms, 32 rows 97 -> 57 ms; 6-row tiles over 4-row ones
- * another 3-8% at 5 rows and more). At 1-3 rows one
- * 8-lane dot per feature and row streams the weight fastest (memory-bound: ~17 ms).
+ * another 3-8% at 5 rows and more). At 1-2 rows a pass per feature with two FMA
+ * chains per row streams the weight fastest (memory-bound: ~17 ms at 1 row, 14-17 at 2).
  * AVX2 + FMA only: 3-feature x 4-row tiles with 8-lane accumulators.
  *
  * Requires K % 8 == 0; the caller uses torch elsewhere.
@@ -27,20 +27,48 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* One feature for one row, 8 lanes at a time. */
-static float dot8(const float *a, const float *b, int64_t K) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(_mm_hadd_ps(t, t));
 }
 
-/* Features [from, to) of every row by one dot each. */
+/* One feature for R <= 3 rows: its weight row read once, two FMA chains per row (one chain
+ * waits on the FMA latency: at 2-3 rows that, not the weight stream, set the pace). */
+static inline __attribute__((always_inline)) void feature_rows(const float *x, int64_t ldx, const float *w, int64_t K,
+                                                              float bias, float *out, int64_t ldo, const int R) {
+    __m256 a[3][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 v0 = _mm256_loadu_ps(w + k), v1 = _mm256_loadu_ps(w + k + 8);
+        for (int r = 0; r < R; ++r) {
+            a[r][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + r * ldx + k), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x + r * ldx + k + 8), a[r][1]);
+        }
+    }
+    if (k < K) {  /* K % 16 == 8 */
+        const __m256 v0 = _mm256_loadu_ps(w + k);
+        for (int r = 0; r < R; ++r) a[r][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(x + r * ldx + k), a[r][0]);
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = hsum8(_mm256_add_ps(a[r][0], a[r][1])) + bias;
+}
+
+/* Features [from, to) of every row, three rows at a time. */
 static inline void dots(const float *x, int64_t M, int64_t ldx, const float *w, int64_t from, int64_t to, int64_t K,
-                 const float *bias, float *out, int64_t ldo) {
-    for (int64_t i = from; i < to; ++i)
-        for (int64_t m = 0; m < M; ++m) out[m * ldo + i] = dot8(x + m * ldx, w + i * K, K) + (bias ? bias[i] : 0.0f);
+                        const float *bias, float *out, int64_t ldo) {
+    for (int64_t i = from; i < to; ++i) {
+        const float b = bias ? bias[i] : 0.0f;
+        for (int64_t m = 0; m < M; m += 3) {
+            const float *xm = x + m * ldx, *wi = w + i * K;
+            float *om = out + m * ldo + i;
+            switch (M - m) {
+                case 1: feature_rows(xm, ldx, wi, K, b, om, ldo, 1); break;
+                case 2: feature_rows(xm, ldx, wi, K, b, om, ldo, 2); break;
+                default: feature_rows(xm, ldx, wi, K, b, om, ldo, 3); break;
+            }
+        }
+    }
 }
 #endif
 
@@ -120,8 +148,8 @@ DEFINE_TILE(6)
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     if (K % 8) return -1;
-    const int64_t quads = M <= 3 ? 0 : N / 4;
-    if (quads == 0) {  /* the weight stream is the whole cost: one dot per feature */
+    const int64_t quads = M <= 2 ? 0 : N / 4;
+    if (quads == 0) {  /* the weight stream is the whole cost: one pass per feature */
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < N; ++i) dots(x, M, ldx, w, i, i + 1, K, bias, out, ldo);
         return 0;
@@ -149,6 +177,16 @@ int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, in
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
+
+/* One feature for one row, 8 lanes at a time. */
+static float dot8(const float *a, const float *b, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 t = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(t, t));
+}
+
 
 /* The 4 lane-sums of a, b, c, d as one vector. */
 static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
