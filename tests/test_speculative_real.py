@@ -34,8 +34,9 @@ def _params(speculative: bool, **extra) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def expected(real_engine, prompts):
+    before = real_engine.stats()["spec_drafts"]  # the engine is shared with other test modules
     outs = real_engine.generate(prompts, _params(False))
-    assert real_engine.stats()["spec_drafts"] == 0
+    assert real_engine.stats()["spec_drafts"] == before
     return [o.token_ids for o in outs]
 
 
