@@ -200,12 +200,26 @@ def test_writing_the_tier_back_leaves_the_gil_to_other_threads(tmp_path):
     """The persistence thread's sync waits on the disk without the GIL (mmap.flush holds it:
     the engine thread would stop for the whole write-back)."""
     store = TierStore(64, (32, 2, 16, 4, 64), torch.float32, str(tmp_path))  # 128 MiB
-    store.data.normal_()  # every page dirty
+    for _ in range(3):  # the kernel may write pages back on its own first: dirty them again
+        store.data.normal_()  # every page dirty
+        start, end, beats = _timed_write_back(store)
+        if end - start >= 0.02:
+            break
+    else:
+        pytest.skip(f"the write-back took {1000 * (end - start):.1f} ms three times: too quick to tell")
+    inside = [start] + [t for t in beats if start < t < end] + [end]
+    longest = max(b - a for a, b in zip(inside, inside[1:]))
+    assert longest < 0.5 * (end - start), f"other threads stopped for {longest * 1000:.0f} ms of a {(end - start) * 1000:.0f} ms sync"
+    store.close()
+
+
+def _timed_write_back(store: TierStore) -> tuple[float, float, list[float]]:
+    """(start, end) of a sync of every slot on another thread, and when this thread ran meanwhile."""
     span: list[float] = []
 
     def write_back() -> None:
         span.append(time.perf_counter())
-        store.sync(range(64))
+        store.sync(range(store.num_slots))
         span.append(time.perf_counter())
 
     beats: list[float] = []
@@ -214,10 +228,4 @@ def test_writing_the_tier_back_leaves_the_gil_to_other_threads(tmp_path):
     while worker.is_alive():
         beats.append(time.perf_counter())
     worker.join()
-    start, end = span
-    if end - start < 0.02:
-        pytest.skip(f"the write-back took {1000 * (end - start):.1f} ms: too quick to tell")
-    inside = [start] + [t for t in beats if start < t < end] + [end]
-    longest = max(b - a for a, b in zip(inside, inside[1:]))
-    assert longest < 0.5 * (end - start), f"other threads stopped for {longest * 1000:.0f} ms of a {(end - start) * 1000:.0f} ms sync"
-    store.close()
+    return span[0], span[1], beats
