@@ -22,30 +22,21 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from bench import workloads
-from bench.bench_server import _arrivals, _free_port, _pct, _wait_healthy
+from bench.bench_server import Record, _arrivals, _complete, _free_port, _pct, _wait_healthy
 
 TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
-
-
-@dataclass
-class Stream:
-    sent: float
-    chunks: list[float] = field(default_factory=list)  # arrival time of every text chunk
-    end: float | None = None
-    tokens: int = 0
-    error: str | None = None
 
 
 @dataclass
 class RunResult:
     config: str
     workload: str
-    streams: list[Stream]
+    streams: list[Record]
     duration_s: float
 
     def summary(self) -> dict[str, float]:
@@ -57,7 +48,7 @@ class RunResult:
             "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
             "gap_p50_ms": _pct(gaps, 50) * 1000, "gap_p95_ms": _pct(gaps, 95) * 1000,
             "e2e_p50_s": _pct(e2e, 50), "e2e_p95_s": _pct(e2e, 95),
-            "output_tok_s": sum(s.tokens for s in ok) / self.duration_s,
+            "output_tok_s": sum(s.completion_tokens for s in ok) / self.duration_s,
             "failed": float(len(self.streams) - len(ok)),
         }
 
@@ -89,7 +80,7 @@ async def _run_all(urls: list[str], args: argparse.Namespace) -> list[RunResult]
     results = []
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         for url in urls:  # one untimed warm-up request each
-            await _stream(client, url, [1, 2, 3, 4], 4)
+            await _complete(client, "m", [1, 2, 3, 4], 4, "warm-up", url)
         for repeat in range(args.repeats):
             for name in args.workloads:
                 for config, url in zip(args.configs, urls):
@@ -107,40 +98,10 @@ async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
 
     async def one(delay, prompt, max_tokens):
         await asyncio.sleep(delay)
-        return await _stream(client, url, prompt, max_tokens)
+        return await _complete(client, "m", prompt, max_tokens, label, url)
 
     streams = await asyncio.gather(*(one(d, p, m) for d, (p, m) in zip(delays, items)))
     return RunResult(label, name, list(streams), time.monotonic() - start)
-
-
-async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Stream:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    stream = Stream(time.monotonic())
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                stream.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
-                return stream
-            async for line in response.aiter_lines():
-                _on_line(stream, line)
-    except httpx.HTTPError as exc:
-        stream.error = f"{type(exc).__name__}: {exc}"
-    stream.end = time.monotonic()
-    return stream
-
-
-def _on_line(stream: Stream, line: str) -> None:
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return
-    chunk = json.loads(line[6:])
-    if "error" in chunk:
-        stream.error = chunk["error"]["message"]
-        return
-    if any(c.get("text") for c in chunk.get("choices", [])):
-        stream.chunks.append(time.monotonic())
-    if chunk.get("usage"):
-        stream.tokens = chunk["usage"]["completion_tokens"]
 
 
 @contextlib.contextmanager

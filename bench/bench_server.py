@@ -55,6 +55,7 @@ class Record:
     sent: float
     first: float | None = None
     end: float | None = None
+    chunks: list[float] = field(default_factory=list)  # when each chunk with text arrived
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -184,14 +185,16 @@ async def _hit_vs_miss(client: httpx.AsyncClient, model: str, args: argparse.Nam
 # ---- one request ---------------------------------------------------------------------------
 
 
-async def _complete(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, label: str) -> Record:
+async def _complete(client: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int, label: str,
+                    url: str = "") -> Record:
+    """One streaming greedy completion (EOS ignored) to `url` (default: the client's base URL)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }
     record = Record(label, time.monotonic())
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 record.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
                 return record
@@ -213,6 +216,8 @@ def _on_event(record: Record, line: str) -> None:
     for choice in chunk["choices"]:
         if record.first is None:
             record.first = time.monotonic()
+        if choice["text"]:
+            record.chunks.append(time.monotonic())
         record.text += choice["text"]
     usage = chunk.get("usage")
     if usage:
