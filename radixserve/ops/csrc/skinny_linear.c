@@ -12,10 +12,11 @@
  * AVX-512 (the default build here): a tile is 4 features x up to 6 rows, up to 24 vector
  * accumulators over K (masked loads take K's tail), the 4 features' sums reduced
  * together and stored as one vector. While the first row block of a weight quad is
- * multiplied, the quad two ahead is prefetched: without it the multiply and the weight
- * stream took turns (measured on the 2-core dev machine, cold weights, the default
+ * multiplied, the quad two ahead is prefetched into L2: without it the multiply and the
+ * weight stream took turns (measured on the 2-core dev machine, cold weights, the default
  * model's 121 matmuls: 8 rows 47 -> 29 ms, 32 rows 97 -> 57 ms; 6-row tiles over 4-row ones
- * another 3-8% at 5 rows and more). At 1-2 rows a pass per feature with two FMA
+ * another 3-8% at 5 rows and more). Into L2, not L1: prefetching into L1 evicted the rows
+ * of x and the quad in use (4 rows 23 -> 13 ms, 8 rows 28 -> 18 ms with the L2 hint). At 1-2 rows a pass per feature with two FMA
  * chains per row streams the weight fastest (memory-bound: ~17 ms at 1 row, 14-17 at 2).
  * AVX2 + FMA only: 3-feature x 4-row tiles with 8-lane accumulators.
  *
@@ -110,7 +111,7 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
         _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) v[f] = LOAD(w + f * K + k);                     \
         if (next) {                                                                                          \
             _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f)                                              \
-                _mm_prefetch((const char *)(next + f * K + k), _MM_HINT_T0);                                 \
+                _mm_prefetch((const char *)(next + f * K + k), _MM_HINT_T1);                                 \
         }                                                                                                    \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {                                                \
             const __m512 u = LOAD(x + r * ldx + k);                                                          \
