@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.bench_latency --quick            # no-sharing only, 16 prompts, one run each
     .venv/bin/python -m bench.bench_latency --repeats 3 --plot latency.png
     .venv/bin/python -m bench.bench_latency --configs "" "--max-step-ms 120" "--max-step-ms 80"
+    .venv/bin/python -m bench.bench_latency --llama-server ~/llama.cpp/build/bin/llama-server \
+        --llama-model smollm2-135m-f32.gguf                   # plus the llama.cpp server, side by side
 
 Two (or more) `radixserve serve` processes, one per configuration, run side by side and take turns:
 each run sends a workload's prompts (token ids) to one server as streaming /v1/completions with
@@ -10,7 +12,9 @@ Poisson arrivals (--rate, default 0.8 req/s), greedy with ignore_eos, and record
 of text arrives. Workloads (bench/workloads.py): no-sharing (32 prompts of 64-512 tokens, 32-128
 new) and shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 new). Reports, per
 configuration and workload, the median over runs of each percentile and its spread (min-max),
-then the ratios of every configuration to the first.
+then the ratios of every configuration to the first. With --llama-server, a llama.cpp server
+(`llama-server -m --llama-model`, --llama-args: 8 slots, 2 threads by default) takes its turn too,
+under the label "llama.cpp", with the same requests (its /v1/completions takes token ids).
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -56,11 +64,13 @@ class RunResult:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(_server(args, extra)) for extra in args.configs]
-        results = asyncio.run(_run_all(urls, args))
-    _report(args, results)
+        systems = [(config or "(defaults)", stack.enter_context(_server(args, config))) for config in args.configs]
+        if args.llama_server:
+            systems.append(("llama.cpp", stack.enter_context(_llama_server(args))))
+        results = asyncio.run(_run_all(systems, args))
+    _report(args, [label for label, _ in systems], results)
     if args.plot:
-        _plot(args.plot, args, results)
+        _plot(args.plot, args, [label for label, _ in systems], results)
         print(f"\nplot written to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
@@ -76,16 +86,15 @@ def _workload(name: str, args: argparse.Namespace) -> list[tuple[list[int], int]
     return [(s.turns[0].new_tokens, s.turns[0].max_tokens) for s in w.sessions]  # single-turn sessions
 
 
-async def _run_all(urls: list[str], args: argparse.Namespace) -> list[RunResult]:
+async def _run_all(systems: list[tuple[str, str]], args: argparse.Namespace) -> list[RunResult]:
     results = []
     async with httpx.AsyncClient(timeout=args.timeout) as client:
-        for url in urls:  # one untimed warm-up request each
+        for _, url in systems:  # one untimed warm-up request each
             await _complete(client, "m", [1, 2, 3, 4], 4, "warm-up", url)
         for repeat in range(args.repeats):
             for name in args.workloads:
-                for config, url in zip(args.configs, urls):
-                    await client.post(url + "/flush_cache")
-                    label = config or "(defaults)"
+                for label, url in systems:
+                    await client.post(url + "/flush_cache")  # llama.cpp has none: a 404, nothing flushed
                     print(f"run {repeat + 1}/{args.repeats}: {name} on {label}", file=sys.stderr)
                     results.append(await _one_run(client, url, label, name, args, seed=repeat))
     return results
@@ -104,19 +113,26 @@ async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
     return RunResult(label, name, list(streams), time.monotonic() - start)
 
 
-@contextlib.contextmanager
 def _server(args: argparse.Namespace, extra: str):
-    import os
-    import shlex
-    import signal
-    import subprocess
-
-    port = _free_port()
-    command = [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--log-level", "warning",
+    command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
                "--served-model-name", "m"] + shlex.split(args.server_args) + shlex.split(extra)
+    return _process_server(command, "--port")
+
+
+def _llama_server(args: argparse.Namespace):
+    if not args.llama_model:
+        raise SystemExit("--llama-server needs --llama-model (a GGUF file)")
+    command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m"]
+    return _process_server(command + shlex.split(args.llama_args), "--port")
+
+
+@contextlib.contextmanager
+def _process_server(command: list[str], port_flag: str):
+    port = _free_port()
+    command = command + [port_flag, str(port)]
     print("starting:", " ".join(command), file=sys.stderr)
     env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, process)
@@ -130,7 +146,7 @@ def _server(args: argparse.Namespace, extra: str):
             process.wait()
 
 
-def _report(args: argparse.Namespace, results: list[RunResult]) -> None:
+def _report(args: argparse.Namespace, labels: list[str], results: list[RunResult]) -> None:
     print(f"\nlatency under load: Poisson {args.rate} req/s, streaming /v1/completions, greedy, ignore_eos; "
           f"{args.repeats} run(s) per configuration, configurations taking turns; median [min-max] over runs")
     keys = ["ttft_p50_s", "ttft_p95_s", "gap_p50_ms", "gap_p95_ms", "e2e_p50_s", "e2e_p95_s", "output_tok_s"]
@@ -141,7 +157,7 @@ def _report(args: argparse.Namespace, results: list[RunResult]) -> None:
             entry[k].append(v)
     for name in args.workloads:
         print(f"\n== {name}")
-        configs = [c or "(defaults)" for c in args.configs]
+        configs = labels
         for config in configs:
             entry = table[(name, config)]
             cells = [f"{k} {_median(entry[k]):.3g} [{min(entry[k]):.3g}-{max(entry[k]):.3g}]" for k in keys]
@@ -160,7 +176,7 @@ def _median(values: list[float]) -> float:
     return _pct(values, 50)
 
 
-def _plot(path: str, args: argparse.Namespace, results: list[RunResult]) -> None:
+def _plot(path: str, args: argparse.Namespace, labels: list[str], results: list[RunResult]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,8 +185,7 @@ def _plot(path: str, args: argparse.Namespace, results: list[RunResult]) -> None
     fig, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 4), squeeze=False)
     for ax, name in zip(axes[0], args.workloads):
         data, labels = [], []
-        for config in args.configs:
-            label = config or "(defaults)"
+        for label in labels:
             gaps = [(b - a) * 1000 for r in results if r.workload == name and r.config == label
                     for s in r.streams for a, b in zip(s.chunks, s.chunks[1:])]
             data.append(gaps)
@@ -196,6 +211,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", help="write a PNG of the gap distributions")
     p.add_argument("--json", help="write every run's summary here")
+    p.add_argument("--llama-server", help="a llama.cpp `llama-server` binary: run it side by side too")
+    p.add_argument("--llama-model", help="the GGUF file the llama.cpp server loads")
+    p.add_argument("--llama-args", default="-np 8 -c 8192 -t 2", help="its flags (slots, context, threads)")
     args = p.parse_args(argv)
     if args.quick:
         args.workloads, args.prompts, args.repeats = ["no-sharing"], 16, 1

@@ -46,6 +46,10 @@ class EngineConfig:
     # Step-time target while requests decode: each step's prefill tokens are sized by a cost
     # model fitted to measured step times so that the step stays under it; 0: no target.
     max_step_ms: int = 0
+    # With max_step_ms: a prompt's first token is due this long after it arrived. A step
+    # takes more prompt tokens than max_step_ms allows when fewer would miss that (steps
+    # with decodes stretch then, but the prompt's TTFT holds); 0: steps stay under target.
+    ttft_target_ms: int = 0
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
     num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 2 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
@@ -68,8 +72,10 @@ class EngineConfig:
         _check_positive("policy_fcfs_threshold", self.policy_fcfs_threshold)
         if self.speculative is not None:
             _check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
-        if isinstance(self.max_step_ms, bool) or not isinstance(self.max_step_ms, int) or self.max_step_ms < 0:
-            raise ValueError(f"max_step_ms must be a non-negative integer (0: off), got {self.max_step_ms!r}")
+        for name in ("max_step_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer (0: off), got {value!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
             _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:

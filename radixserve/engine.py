@@ -328,12 +328,19 @@ class Engine:
     # ---- helpers ----------------------------------------------------------------
 
     def _prefill_token_budget(self) -> int | None:
-        """Prefill tokens the next step may take under max_step_ms (None: no target)."""
+        """Prefill tokens the next step may take under max_step_ms, or more where a pending
+        prompt would otherwise miss ttft_target_ms (None: no target)."""
         target = self.config.max_step_ms
         if not target:
             return None
-        decodes = self.scheduler.num_decoding()
-        return self.step_cost.prefill_budget(decodes, target, self.config.max_num_batched_tokens)
+        decodes, most = self.scheduler.num_decoding(), self.config.max_num_batched_tokens
+        budget = self.step_cost.prefill_budget(decodes, target, most)
+        ttft_ms = self.config.ttft_target_ms
+        if ttft_ms and decodes:
+            now = time.monotonic()
+            pending = [((arrived - now) * 1000.0 + ttft_ms, left) for arrived, left in self.scheduler.pending_prefills()]
+            budget = self.step_cost.deadline_budget(pending, decodes, budget, most)
+        return budget
 
     def _observe_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
         self.last_step_tokens = (decode_tokens, prefill_tokens)

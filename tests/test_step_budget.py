@@ -4,6 +4,7 @@ model (exact fits, budgets), and the engine (greedy outputs unchanged with the b
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -179,3 +180,111 @@ def test_max_prefill_tokens_decoding_spreads_a_burst_over_steps():
     step(wide)
     others = [add(wide, range(100 * i, 100 * i + 12)) for i in range(1, 4)]
     assert chunks(step(wide)) == [(first.request_id, 5, 1)] + [(r.request_id, 0, 12) for r in others]
+
+
+def exact_cost(a=20.0, b=5.0, c=1.0) -> StepCostModel:
+    model = StepCostModel()
+    model.coefficients = (a, b, c)
+    return model
+
+
+def test_deadline_budget_keeps_the_step_target_while_every_prompt_makes_its_deadline():
+    model = exact_cost()  # 2 decodes and 20 prompt tokens: 20 + 10 + 20 = 50 ms a step
+    # 300 tokens in 20-token steps: 15 steps, 750 ms; due in 900 ms: the step target holds.
+    assert model.deadline_budget([(900.0, 300)], decodes=2, step_tokens=20, max_tokens=2048) == 20
+    assert model.deadline_budget([], decodes=2, step_tokens=20, max_tokens=2048) == 20
+    # A second prompt counts with everything before it: 400 tokens, 20 steps, 1,000 ms <= 1,100.
+    assert model.deadline_budget([(900.0, 300), (1100.0, 100)], decodes=2, step_tokens=20, max_tokens=2048) == 20
+
+
+def test_deadline_budget_computes_a_prompt_that_would_be_late_at_once():
+    model = exact_cost()
+    assert model.deadline_budget([(700.0, 300)], decodes=2, step_tokens=20, max_tokens=2048) == 300
+    assert model.deadline_budget([(700.0, 600)], decodes=2, step_tokens=20, max_tokens=512) == 512
+    assert model.deadline_budget([(-50.0, 10)], decodes=2, step_tokens=20, max_tokens=512) == 10  # late already
+    # The prompt behind it makes the deadline: 300 + 100 tokens in 20 steps = 1,000 ms <= 1,100.
+    assert model.deadline_budget([(700.0, 300), (1100.0, 100)], decodes=2, step_tokens=20, max_tokens=2048) == 300
+    # The late one (second) takes the first with it, not the third (due in 5 s).
+    pending = [(5000.0, 100), (100.0, 10), (5000.0, 400)]
+    assert model.deadline_budget(pending, decodes=2, step_tokens=20, max_tokens=2048) == 110
+
+
+def test_pending_prefills_lists_running_prefills_then_the_waiting_by_arrival():
+    s = make_scheduler(max_num_batched_tokens=8, chunked_prefill_size=8, cache=False)
+    a = add(s, range(20), max_tokens=4)
+    b = add(s, range(30, 35), max_tokens=4)
+    c = add(s, range(40, 46), max_tokens=4)
+    c.arrival_time, b.arrival_time = b.arrival_time, c.arrival_time  # c arrived before b
+    step(s)  # a computes 8 of its 20 prompt tokens
+    assert s.pending_prefills() == [(a.arrival_time, 12), (c.arrival_time, 6), (b.arrival_time, 5)]
+
+
+def test_ttft_target_raises_the_prefill_budget_only_where_a_deadline_needs_it(tiny_model_dir):
+    options = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=64, max_num_batched_tokens=128)
+    engine = Engine(str(tiny_model_dir("llama")), max_step_ms=50, ttft_target_ms=10_000, **options)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for p in ([1, 2, 3], [4, 5, 6]):
+        engine.add_request(p, params)
+    engine.step()
+    engine.step_cost = exact_cost(a=10.0, b=5.0, c=1.0)  # 2 decodes: 20 ms, so 50 ms leaves 30 tokens
+    engine.add_request([t % 97 for t in range(7, 107)], params)  # 100 tokens, due in 10 s: the step target rules
+    assert engine.scheduler.num_decoding() == 2
+    assert engine._prefill_token_budget() == 30
+    waiting = engine.scheduler.waiting[0]
+    # 30-token steps take 50 ms: 100 tokens need 4 of them, 200 ms. Due in 250 ms: still the target.
+    waiting.arrival_time = time.monotonic() - 9.75
+    assert engine._prefill_token_budget() == 30
+    waiting.arrival_time = time.monotonic() - 9.85  # due in 150 ms: all of it now
+    assert engine._prefill_token_budget() == 100
+    engine.step()
+    assert engine.last_step_tokens == (2, 64)  # one request's chunk is capped at chunked_prefill_size
+    engine.abort(waiting.request_id)
+    engine.check_integrity()
+
+
+def test_ttft_target_ms_is_validated():
+    with pytest.raises(ValueError, match="ttft_target_ms"):
+        EngineConfig(ttft_target_ms=-5)
+    assert EngineConfig(max_step_ms=100, ttft_target_ms=1500).ttft_target_ms == 1500
+
+
+@pytest.mark.parametrize("ttft_target_ms", [1, 600_000])  # every prompt late / none ever late
+def test_engine_greedy_outputs_unchanged_with_a_ttft_target(tiny_model_dir, ttft_target_ms):
+    directory = tiny_model_dir("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(97) for _ in range(n)] for n in (45, 4, 60, 11, 33)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    options = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=32, max_num_batched_tokens=64)
+    expected = [o.token_ids for o in Engine(str(directory), **options).generate(prompts, params)]
+    engine = Engine(str(directory), max_step_ms=1, ttft_target_ms=ttft_target_ms, **options)
+    engine.step_cost = FrozenCost()
+    prefill_with_decodes = []
+    original = engine._observe_step
+
+    def record(decode_tokens, prefill_tokens, step_ms):
+        if decode_tokens:
+            prefill_with_decodes.append(prefill_tokens)
+        original(decode_tokens, prefill_tokens, step_ms)
+
+    engine._observe_step = record
+    assert [o.token_ids for o in _run_staggered(engine, prompts, params)] == expected
+    if ttft_target_ms > 1000:
+        assert max(prefill_with_decodes) == 4  # the step target's budget, every step
+    else:
+        assert max(prefill_with_decodes) > 32  # late prompts: whole chunks, several in one step
+    engine.check_integrity()
+
+
+class FrozenCost(StepCostModel):
+    """A cost model that does not learn (10 + 5 per decode + 1 per prompt token, in ms) and
+    whose step-target budget is always 4 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefficients = (10.0, 5.0, 1.0)
+
+    def observe(self, decodes: int, prefill_tokens: int, step_ms: float) -> None:
+        pass
+
+    def prefill_budget(self, decodes: int, target_ms: float, max_tokens: int) -> int:
+        return 4

@@ -70,6 +70,13 @@ class Scheduler:
         """Running requests past their prompt (each computes one token a step)."""
         return sum(1 for r in self.running if not r.in_prefill)
 
+    def pending_prefills(self) -> list[tuple[float, int]]:
+        """(arrival time, prompt tokens left) of every request still before its first token:
+        running prefills first (the order they are scheduled in), then the waiting by arrival."""
+        pending = [r for r in self.running if r.in_prefill]
+        pending += sorted(self.waiting, key=lambda r: r.arrival_time)
+        return [(r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in pending]
+
     def schedule(self, prefill_token_budget: int | None = None) -> StepPlan:
         """Plan the next step. A step in which requests decode computes at most
         max_prefill_tokens_decoding prompt tokens, and at most `prefill_token_budget` (the

@@ -54,6 +54,22 @@ class StepCostModel:
         tokens = int(room / c) if c > 0 else max_tokens
         return max(MIN_PREFILL_TOKENS, min(max_tokens, tokens))
 
+    def deadline_budget(self, pending: list[tuple[float, int]], decodes: int, step_tokens: int, max_tokens: int) -> int:
+        """Prefill tokens for the next step so that pending prompts, served in the given order,
+        meet their deadlines. `pending`: (ms until its first token is due, prompt tokens left)
+        per prompt; `step_tokens`: what a step under the step-time target may take. While
+        steps of that size finish every prompt in time, that is the answer; a prompt they
+        would finish late is computed now with everything before it, in full-size chunks: one
+        long step at once instead of a slow start and a long step anyway, later."""
+        a, b, c = self.coefficients
+        step_ms = a + b * decodes + c * step_tokens
+        need, total = step_tokens, 0
+        for ms_left, tokens in pending:
+            total += tokens
+            if -(-total // step_tokens) * step_ms > ms_left:
+                need = total
+        return min(max_tokens, need)
+
     def _solve(self) -> tuple[float, float, float]:
         m = [[self._xtx[i][j] + (self._floor[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         v = [self._xty[i] + self._floor[i] * self.prior[i] for i in range(3)]
