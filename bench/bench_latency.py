@@ -14,7 +14,9 @@ new) and shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 ne
 configuration and workload, the median over runs of each percentile and its spread (min-max),
 then the ratios of every configuration to the first. With --llama-server, a llama.cpp server
 (`llama-server -m --llama-model`, --llama-args: 8 slots, 2 threads by default) takes its turn too,
-under the label "llama.cpp", with the same requests (its /v1/completions takes token ids).
+under the label "llama.cpp", with the same requests (its /v1/completions takes token ids). Every
+server's cache is emptied before each run (llama.cpp: its slots erased, its RAM prompt cache off):
+the runs repeat the same prompts, and a cache kept from the run before would answer them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -94,10 +97,22 @@ async def _run_all(systems: list[tuple[str, str]], args: argparse.Namespace) -> 
         for repeat in range(args.repeats):
             for name in args.workloads:
                 for label, url in systems:
-                    await client.post(url + "/flush_cache")  # llama.cpp has none: a 404, nothing flushed
+                    await _flush(client, label, url)
                     print(f"run {repeat + 1}/{args.repeats}: {name} on {label}", file=sys.stderr)
                     results.append(await _one_run(client, url, label, name, args, seed=repeat))
     return results
+
+
+async def _flush(client: httpx.AsyncClient, label: str, url: str) -> None:
+    """Empty the server's prefix cache so that no run reuses an earlier run's prompts (the
+    workload's prompts are the same every run). llama.cpp: erase every slot's KV (its RAM
+    prompt cache is off, -cram 0)."""
+    if label != "llama.cpp":
+        (await client.post(url + "/flush_cache")).raise_for_status()
+        return
+    slots = (await client.get(url + "/props")).json()["total_slots"]
+    for i in range(slots):
+        (await client.post(url + f"/slots/{i}?action=erase")).raise_for_status()
 
 
 async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
@@ -122,7 +137,9 @@ def _server(args: argparse.Namespace, extra: str):
 def _llama_server(args: argparse.Namespace):
     if not args.llama_model:
         raise SystemExit("--llama-server needs --llama-model (a GGUF file)")
-    command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m"]
+    slot_dir = tempfile.mkdtemp(prefix="llama-slots-")  # erasing slots (see _flush) needs one
+    command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m",
+               "--slot-save-path", slot_dir, "-cram", "0"]
     return _process_server(command + shlex.split(args.llama_args), "--port")
 
 
@@ -184,12 +201,8 @@ def _plot(path: str, args: argparse.Namespace, labels: list[str], results: list[
 
     fig, axes = plt.subplots(1, len(args.workloads), figsize=(6 * len(args.workloads), 4), squeeze=False)
     for ax, name in zip(axes[0], args.workloads):
-        data, labels = [], []
-        for label in labels:
-            gaps = [(b - a) * 1000 for r in results if r.workload == name and r.config == label
-                    for s in r.streams for a, b in zip(s.chunks, s.chunks[1:])]
-            data.append(gaps)
-            labels.append(label)
+        data = [[(b - a) * 1000 for r in results if r.workload == name and r.config == label
+                 for s in r.streams for a, b in zip(s.chunks, s.chunks[1:])] for label in labels]
         ax.boxplot(data, tick_labels=labels, whis=(5, 95), showfliers=False)
         ax.set_title(f"{name}: inter-token gap (5-95%)")
         ax.set_ylabel("ms")
