@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import sys
 import threading
@@ -338,7 +339,8 @@ class Engine:
         ttft_ms = self.config.ttft_target_ms
         if ttft_ms and decodes:
             now = time.monotonic()
-            pending = [((arrived - now) * 1000.0 + ttft_ms, left) for arrived, left in self.scheduler.pending_prefills()]
+            pending = [(math.inf if arrived is None else (arrived - now) * 1000.0 + ttft_ms, left)
+                       for arrived, left in self.scheduler.pending_prefills()]
             budget = self.step_cost.deadline_budget(pending, decodes, budget, most)
         return budget
 

@@ -3,6 +3,7 @@ model (exact fits, budgets), and the engine (greedy outputs unchanged with the b
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -288,3 +289,15 @@ class FrozenCost(StepCostModel):
 
     def prefill_budget(self, decodes: int, target_ms: float, max_tokens: int) -> int:
         return 4
+
+
+def test_pending_prefills_give_no_deadline_to_a_request_past_its_first_token():
+    s = make_scheduler(max_num_batched_tokens=64, chunked_prefill_size=64, cache=False)
+    a = add(s, range(10), max_tokens=4)
+    a.first_token_time = a.arrival_time + 0.5  # as if preempted after its first token, now recomputed
+    b = add(s, range(20, 26), max_tokens=4)
+    assert s.pending_prefills() == [(None, 10), (b.arrival_time, 6)]
+    model = exact_cost()
+    # a's 10 tokens go before b's 6 (16 in 20-token steps: one 50 ms step), however late a is.
+    assert model.deadline_budget([(math.inf, 10), (60.0, 6)], decodes=2, step_tokens=20, max_tokens=512) == 20
+    assert model.deadline_budget([(math.inf, 30), (60.0, 6)], decodes=2, step_tokens=20, max_tokens=512) == 36

@@ -70,12 +70,15 @@ class Scheduler:
         """Running requests past their prompt (each computes one token a step)."""
         return sum(1 for r in self.running if not r.in_prefill)
 
-    def pending_prefills(self) -> list[tuple[float, int]]:
-        """(arrival time, prompt tokens left) of every request still before its first token:
-        running prefills first (the order they are scheduled in), then the waiting by arrival."""
+    def pending_prefills(self) -> list[tuple[float | None, int]]:
+        """(arrival time, tokens left to compute) of every request with tokens to prefill:
+        running prefills first (the order they are scheduled in), then the waiting by arrival.
+        The arrival time is None for a request whose first token is out already (preempted,
+        now recomputed): it has no TTFT to meet, but is computed before those behind it."""
         pending = [r for r in self.running if r.in_prefill]
         pending += sorted(self.waiting, key=lambda r: r.arrival_time)
-        return [(r.arrival_time, r.num_tokens - r.num_computed_tokens) for r in pending]
+        return [(r.arrival_time if r.first_token_time is None else None, r.num_tokens - r.num_computed_tokens)
+                for r in pending]
 
     def schedule(self, prefill_token_budget: int | None = None) -> StepPlan:
         """Plan the next step. A step in which requests decode computes at most
