@@ -120,7 +120,7 @@ class FixedBudget:
         pass
 
 
-def test_engine_greedy_outputs_unchanged_with_the_budget_on(tiny_model_dir, monkeypatch):
+def test_engine_greedy_outputs_unchanged_with_the_budget_on(tiny_model_dir):
     directory = tiny_model_dir("llama")
     rng = random.Random(3)
     prompts = [[rng.randrange(97) for _ in range(n)] for n in (40, 3, 57, 9, 30, 2)]
@@ -129,21 +129,27 @@ def test_engine_greedy_outputs_unchanged_with_the_budget_on(tiny_model_dir, monk
     plain = Engine(str(directory), **options)
     budgeted = Engine(str(directory), max_step_ms=50, **options)
     budgeted.step_cost = FixedBudget(5)
-    seen = []
-    original = budgeted._observe_step
-
-    def record(decode_tokens, prefill_tokens, step_ms):
-        if decode_tokens:
-            seen.append(prefill_tokens)
-        original(decode_tokens, prefill_tokens, step_ms)
-
-    monkeypatch.setattr(budgeted, "_observe_step", record)
+    seen = record_prefill_with_decodes(budgeted)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     got = [o.token_ids for o in _run_staggered(budgeted, prompts, params)]
     assert got == expected
     assert budgeted.step_cost.asked and max(seen) <= 5 and any(n == 5 for n in seen)
     budgeted.check_integrity()
     assert not budgeted.has_unfinished_requests()
+
+
+def record_prefill_with_decodes(engine) -> list[int]:
+    """The prompt tokens of every step that also decoded, as the engine runs them."""
+    seen: list[int] = []
+    original = engine._observe_step
+
+    def record(decode_tokens, prefill_tokens, step_ms):
+        if decode_tokens:
+            seen.append(prefill_tokens)
+        original(decode_tokens, prefill_tokens, step_ms)
+
+    engine._observe_step = record
+    return seen
 
 
 def _run_staggered(engine, prompts, params):
@@ -259,15 +265,7 @@ def test_engine_greedy_outputs_unchanged_with_a_ttft_target(tiny_model_dir, ttft
     expected = [o.token_ids for o in Engine(str(directory), **options).generate(prompts, params)]
     engine = Engine(str(directory), max_step_ms=1, ttft_target_ms=ttft_target_ms, **options)
     engine.step_cost = FrozenCost()
-    prefill_with_decodes = []
-    original = engine._observe_step
-
-    def record(decode_tokens, prefill_tokens, step_ms):
-        if decode_tokens:
-            prefill_with_decodes.append(prefill_tokens)
-        original(decode_tokens, prefill_tokens, step_ms)
-
-    engine._observe_step = record
+    prefill_with_decodes = record_prefill_with_decodes(engine)
     assert [o.token_ids for o in _run_staggered(engine, prompts, params)] == expected
     if ttft_target_ms > 1000:
         assert max(prefill_with_decodes) == 4  # the step target's budget, every step
