@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench import workloads
-from bench.bench_server import Record, _arrivals, _complete, _free_port, _pct, _wait_healthy
+from bench.bench_server import Record, _arrivals, _complete, _pct, served
 
 TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
 
@@ -131,7 +130,7 @@ async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
 def _server(args: argparse.Namespace, extra: str):
     command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
                "--served-model-name", "m"] + shlex.split(args.server_args) + shlex.split(extra)
-    return _process_server(command, "--port")
+    return served(command, env=_env(), stdout=subprocess.DEVNULL)
 
 
 def _llama_server(args: argparse.Namespace):
@@ -140,27 +139,11 @@ def _llama_server(args: argparse.Namespace):
     slot_dir = tempfile.mkdtemp(prefix="llama-slots-")  # erasing slots (see _flush) needs one
     command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m",
                "--slot-save-path", slot_dir, "-cram", "0"]
-    return _process_server(command + shlex.split(args.llama_args), "--port")
+    return served(command + shlex.split(args.llama_args), env=_env(), stdout=subprocess.DEVNULL)
 
 
-@contextlib.contextmanager
-def _process_server(command: list[str], port_flag: str):
-    port = _free_port()
-    command = command + [port_flag, str(port)]
-    print("starting:", " ".join(command), file=sys.stderr)
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process)
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
 
 
 def _report(args: argparse.Namespace, labels: list[str], results: list[RunResult]) -> None:

@@ -261,11 +261,20 @@ def _server(args: argparse.Namespace):
     if args.url:
         yield args.url.rstrip("/")
         return
-    port = _free_port()
-    command = [sys.executable, "-m", "radixserve", "serve", "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning"]
     command += (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
+    with served(command, env=dict(os.environ, RADIXSERVE_API_KEY=args.api_key or "")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def served(command: list[str], env: dict[str, str] | None = None, port_flag: str = "--port", **popen):
+    """Run a server `command` (given `port_flag` and a free port) until it answers /health;
+    yield its URL; stop it with SIGINT at the end (killed after 60 s)."""
+    port = _free_port()
+    command = command + [port_flag, str(port)]
     print("starting:", " ".join(command), file=sys.stderr)
-    process = subprocess.Popen(command, env=dict(os.environ, RADIXSERVE_API_KEY=args.api_key or ""))
+    process = subprocess.Popen(command, env=env, **popen)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, process)
