@@ -76,6 +76,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer (0: off), got {value!r}")
+        if self.ttft_target_ms and not self.max_step_ms:
+            raise ValueError("ttft_target_ms works with the step budget: set max_step_ms too")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
             _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -253,6 +253,8 @@ def test_ttft_target_ms_is_validated():
     with pytest.raises(ValueError, match="ttft_target_ms"):
         EngineConfig(ttft_target_ms=-5)
     assert EngineConfig(max_step_ms=100, ttft_target_ms=1500).ttft_target_ms == 1500
+    with pytest.raises(ValueError, match="set max_step_ms too"):
+        EngineConfig(ttft_target_ms=1500)  # would do nothing without the step budget
 
 
 @pytest.mark.parametrize("ttft_target_ms", [1, 600_000])  # every prompt late / none ever late
