@@ -133,13 +133,15 @@ def _server(args: argparse.Namespace, extra: str):
     return served(command, env=_env(), stdout=subprocess.DEVNULL)
 
 
+@contextlib.contextmanager
 def _llama_server(args: argparse.Namespace):
     if not args.llama_model:
         raise SystemExit("--llama-server needs --llama-model (a GGUF file)")
-    slot_dir = tempfile.mkdtemp(prefix="llama-slots-")  # erasing slots (see _flush) needs one
-    command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m",
-               "--slot-save-path", slot_dir, "-cram", "0"]
-    return served(command + shlex.split(args.llama_args), env=_env(), stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="llama-slots-") as slot_dir:  # erasing slots (see _flush) needs one
+        command = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1", "--alias", "m",
+                   "--slot-save-path", slot_dir, "-cram", "0"]
+        with served(command + shlex.split(args.llama_args), env=_env(), stdout=subprocess.DEVNULL) as url:
+            yield url
 
 
 def _env() -> dict[str, str]:
