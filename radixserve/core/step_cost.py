@@ -60,7 +60,9 @@ class StepCostModel:
         per prompt; `step_tokens`: what a step under the step-time target may take. While
         steps of that size finish every prompt in time, that is the answer; a prompt they
         would finish late is computed now with everything before it, in full-size chunks: one
-        long step at once instead of a slow start and a long step anyway, later."""
+        long step at once instead of a slow start and a long step anyway, later. The caller
+        counts a waiting prompt's tokens before any prefix-cache hit is known: with hits this
+        errs toward computing sooner, never toward a late first token."""
         a, b, c = self.coefficients
         step_ms = a + b * decodes + c * step_tokens
         need, total = step_tokens, 0
