@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -65,6 +66,9 @@ SIGNATURES: dict[str, Signature] = {
     "rms_norm_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32), None),
     "rope_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64), None),
     "silu_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
+    "decoder_layers_f32": Signature(
+        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR), _INT,
+    ),
 }
 
 
@@ -124,10 +128,29 @@ def build_path(source: Path, compiler: str, cpu: str | None = None) -> Path:
     from radixserve.model.default_model import cache_root
 
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join([*_FLAGS, *_LINK_FLAGS, *_OPENMP]).encode(), compiler.encode(),
+    for part in (_source_text(source), " ".join([*_FLAGS, *_LINK_FLAGS, *_OPENMP]).encode(), compiler.encode(),
                  _compiler_version(compiler).encode(), (cpu_features() if cpu is None else cpu).encode()):
         key.update(hashlib.sha256(part).digest())
     return cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def _source_text(source: Path) -> bytes:
+    """The source's bytes followed by those of every file it includes with `#include "..."`
+    (from its own directory, recursively): a build depends on all of them."""
+    seen: list[Path] = []
+
+    def visit(path: Path) -> None:
+        if path in seen:
+            return
+        seen.append(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_text()):
+            visit(path.parent / name)
+
+    visit(source)
+    return b"".join(path.read_bytes() for path in seen)
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def _build(source: Path) -> Path:

@@ -1,0 +1,90 @@
+/*
+ * Every decoder layer of a step whose rows are all single-query attention rows (decodes,
+ * and the rows of speculative drafts), on CPU in float32, in one call.
+ *
+ * The per-layer work is the same kernels the model otherwise calls one by one from Python
+ * (rms_norm_f32, skinny_linear_f32, rope_f32, the paged store, paged_decode_attention_f32,
+ * silu_mul_f32) in the same order on the same data, so the result is bit for bit the
+ * model's. What goes is the Python between them: at decode sizes each of the ~15 calls of a
+ * layer costs 10-25 us of interpreter and dispatch (more once the weight stream has pushed
+ * the interpreter out of the caches), 6-8 ms of a 27-40 ms step on the 2-core dev machine.
+ *
+ * Llama layers as transformers computes them, with optional biases on the fused qkv, o,
+ * gate_up and down projections; not q/k norms (the caller keeps its own path for those).
+ *   x          [rows, hidden] the residual stream, updated in place
+ *   cos, sin   [rows, head_dim] of each row's position
+ *   slots      [rows] flat pool slot of each row's new K/V
+ *   tables     [rows, table_stride] int32 block table of each row's request
+ *   seq_lens   [rows] int32 context length of each row, this row's token included
+ *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
+ *              projection out, gate_up, activation (qkv = q + 2 kv)
+ * Returns 0; -1 when a kernel refuses its shapes or scratch memory cannot be had (x is then
+ * unchanged only if the refusal came before the first layer: the caller checks shapes
+ * first); -2 (nothing changed) for a slot, length or block id outside the pool.
+ */
+#include "layer_ops.c"
+#include "paged_attention.c"
+#include "skinny_linear.c"
+
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *o, *o_bias;
+    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} DecoderLayer;
+
+typedef struct {
+    int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size;
+    float eps, scale;
+} DecoderShape;
+
+static void add_rows(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+}
+
+static int slots_valid(const int64_t *slots, int64_t rows, int64_t num_slots) {
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 0;
+    return 1;
+}
+
+int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
+                       const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
+                       const int32_t *tables, int64_t table_stride, int64_t table_width,
+                       const int32_t *seq_lens, float *workspace) {
+    const DecoderShape s = *shape;
+    const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
+    if (!slots_valid(slots, rows, s.num_blocks * s.block_size) ||
+        !tables_valid(tables, table_stride, table_width, seq_lens, rows, s.block_size, s.num_blocks))
+        return -2;
+    float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
+    float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
+    float *act = gate_up + rows * 2 * inter;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const DecoderLayer *w = layers + i;
+        rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
+        if (skinny_linear_f32(normed, rows, s.hidden, w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv, qkv_size))
+            return -1;
+        rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, cos, sin, rows, s.head_dim);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *row = qkv + r * qkv_size;
+            memcpy(q + r * q_size, row, sizeof(float) * q_size);
+            memcpy(w->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * kv_size);
+            memcpy(w->v_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+        }
+        if (paged_decode_attention_f32(q, w->k_cache, w->v_cache, s.num_blocks, tables, table_stride, table_width,
+                                       seq_lens, attn, rows, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size,
+                                       s.scale))
+            return -1;
+        if (skinny_linear_f32(attn, rows, q_size, w->o, s.hidden, q_size, w->o_bias, proj, s.hidden)) return -1;
+        add_rows(x, proj, rows * s.hidden);
+        rms_norm_f32(x, s.hidden, w->post_norm, normed, s.hidden, rows, s.hidden, s.eps);
+        if (skinny_linear_f32(normed, rows, s.hidden, w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up,
+                              2 * inter))
+            return -1;
+        silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
+        if (skinny_linear_f32(act, rows, inter, w->down, s.hidden, inter, w->down_bias, proj, s.hidden)) return -1;
+        add_rows(x, proj, rows * s.hidden);
+    }
+    return 0;
+}

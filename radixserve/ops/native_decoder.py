@@ -1,0 +1,124 @@
+"""NativeDecoder: all decoder layers of a decode step in one C call (csrc/decoder_layers.c).
+
+A decode step's layers are ~15 small kernel calls each, and at a few rows the Python and
+dispatch between them cost a fifth of the step (6-8 ms of 27-40 ms on the 2-core dev
+machine). For a step whose rows are all single-query attention rows (decodes and
+speculative draft rows) and few enough for the skinny matmul kernel, the C side runs the
+same kernels in the same order, so the logits are bit for bit those of the layer-by-layer
+path; any other step, model or device keeps that path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from radixserve.attention.cpu_backend import CpuPlan
+from radixserve.attention.kv_pool import KVPool
+from radixserve.model.spec import ModelSpec
+from radixserve.ops.native_build import load_kernel
+from radixserve.ops.native_ops import max_rows, model_ops_enabled
+
+_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (*_WEIGHTS, "k_cache", "v_cache")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "num_blocks", "block_size")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class NativeDecoder:
+    """Holds the layers' weight pointers (the weights are never reallocated after loading),
+    the pool's, and a workspace reused across steps."""
+
+    def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList):
+        self._kernel = kernel
+        self._spec = spec
+        self._weights = [_layer_weights(layer) for layer in layers]
+        self._keep = layers  # the pointers above stay valid while the modules live
+        self._layers: ctypes.Array | None = None
+        self._pool_key: tuple[int, int] | None = None
+        self._shape: _Shape | None = None
+        self._workspace = torch.empty(0)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, layers: nn.ModuleList) -> NativeDecoder | None:
+        """The decoder for these layers, or None where the C path does not apply (another
+        device or dtype, q/k norms, sizes the matmul kernel refuses, kernels disabled or
+        not buildable)."""
+        params = list(layers.parameters())
+        q_size = spec.num_heads * spec.head_dim
+        if not (
+            model_ops_enabled() and max_rows() > 0 and not spec.qk_norm
+            and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
+            and spec.hidden_size % 8 == 0 and q_size % 8 == 0 and spec.intermediate_size % 8 == 0
+        ):
+            return None
+        kernel = _kernel()
+        return None if kernel is None else cls(kernel, spec, layers)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan) -> bool:
+        """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
+        not one this path takes: prefill chunks, more rows than the matmul kernel takes, or
+        another attention backend's plan."""
+        rows = x.shape[0]
+        if not (isinstance(plan, CpuPlan) and plan.num_decodes == rows and 0 < rows <= max_rows()
+                and x.is_contiguous() and x.dtype == torch.float32 and pool.kv.dtype == torch.float32):
+            return False
+        tables, seq_lens = plan.decode_block_tables, plan.decode_seq_lens
+        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        status = self._kernel(
+            x.data_ptr(), rows, self._layer_array(pool), len(self._weights), ctypes.byref(self._shape),
+            cos.data_ptr(), sin.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+            tables.shape[1], seq_lens.data_ptr(), self._workspace_for(rows).data_ptr(),
+        )
+        if status == -2:
+            raise ValueError("a slot, context length or block id is outside the KV pool")
+        if status:
+            raise RuntimeError("the native decoder could not allocate its scratch memory")
+        return True
+
+    def _layer_array(self, pool: KVPool) -> ctypes.Array:
+        key = (id(pool), pool.kv.data_ptr())
+        if key != self._pool_key:
+            caches = [pool.layer(i) for i in range(len(self._weights))]
+            self._layers = (_Layer * len(caches))(*[
+                _Layer(*weights, k.data_ptr(), v.data_ptr()) for weights, (k, v) in zip(self._weights, caches)
+            ])
+            spec, k = self._spec, caches[0][0]
+            self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
+                                 spec.head_dim, k.shape[0], k.shape[1], spec.rms_norm_eps, spec.head_dim**-0.5)
+            self._pool_key = key
+        return self._layers
+
+    def _workspace_for(self, rows: int) -> torch.Tensor:
+        spec = self._spec
+        q = spec.num_heads * spec.head_dim
+        qkv = q + 2 * spec.num_kv_heads * spec.head_dim
+        need = rows * (2 * spec.hidden_size + qkv + 2 * q + 3 * spec.intermediate_size)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32)
+        return self._workspace
+
+
+@functools.cache
+def _kernel():
+    return load_kernel("decoder_layers_f32")
+
+
+def _layer_weights(layer: nn.Module) -> tuple[int | None, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    tensors = (
+        layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+        attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+        mlp.down_proj.weight, mlp.down_proj.bias,
+    )
+    return tuple(None if t is None else t.data_ptr() for t in tensors)

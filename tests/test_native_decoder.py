@@ -1,0 +1,140 @@
+"""NativeDecoder: a decode step's layers in one C call give the layer-by-layer path's logits bit
+for bit (decodes and speculative draft rows, with and without biases), every other step keeps
+that path, bad slots are refused before anything is written, and the build digest covers the
+sources that decoder_layers.c includes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.attention.cpu_backend import CpuPlan
+from radixserve.ops.native_decoder import NativeDecoder
+from radixserve.ops.native_ops import max_rows
+
+needs_kernel = pytest.mark.skipif(max_rows() == 0, reason="no skinny matmul kernel for this CPU")
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _recording(engine: Engine) -> tuple[list[torch.Tensor], list[bool]]:
+    """Every step's logits, and for each step whether the native decoder ran it."""
+    logits: list[torch.Tensor] = []
+    native: list[bool] = []
+    model = engine.runner.model
+    model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+    run = model._run_native
+
+    def recorded(*args):
+        took = run(*args)
+        native.append(took)
+        return took
+
+    model._run_native = recorded
+    return logits, native
+
+
+def _twin_engines(path, **config) -> tuple[Engine, Engine]:
+    """The same model twice: one with the native decoder, one that keeps the layer path."""
+    fused, layers = Engine(str(path), **config), Engine(str(path), **config)
+    layers.runner.model._native = None
+    return fused, layers
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind):
+    fused, layers = _twin_engines(tiny_model_dir(kind))
+    prompts = [[5, 9, 2, 7], list(range(3, 40)), [11] * 19]  # 1-3 blocks, decodes cross block ends
+    runs = []
+    for engine in (fused, layers):
+        logits, native = _recording(engine)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+        runs.append((logits, native, [o.token_ids for o in outputs]))
+    (fused_logits, fused_native, fused_tokens), (layer_logits, layer_native, layer_tokens) = runs
+    assert fused_tokens == layer_tokens
+    assert len(fused_logits) == len(layer_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    assert not any(layer_native)
+    assert fused_native[0] is False, "the prefill step keeps the layer path"
+    assert sum(fused_native) >= 20, "the decode steps ran natively"
+    fused.check_integrity()
+
+
+@needs_kernel
+def test_speculative_draft_rows_run_natively_and_match(tiny_model_dir):
+    config = dict(speculative="prompt-lookup", prompt_lookup_min=1)
+    fused, layers = _twin_engines(tiny_model_dir("llama"), **config)
+    prompt = [3, 4, 5, 6, 7, 8] * 6
+    runs = []
+    for engine in (fused, layers):
+        logits, native = _recording(engine)
+        out = engine.generate([prompt], SamplingParams(max_tokens=40, **GREEDY))[0]
+        runs.append((logits, native, out.token_ids, engine.stats()))
+    (fused_logits, native, fused_tokens, stats), (layer_logits, _, layer_tokens, _) = runs
+    assert stats["spec_draft_tokens"] > 0, "some steps verified drafts"
+    assert fused_tokens == layer_tokens
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    multi_row = [n for n, logits in zip(native, fused_logits) if logits.shape[0] > 1]
+    assert multi_row and all(multi_row), "verify steps (several rows of one request) ran natively"
+
+
+def test_models_with_query_key_norms_keep_the_layer_path(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("qwen3")))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))
+    assert engine.runner.model._native is None
+
+
+@needs_kernel
+def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))  # builds the decoder
+    decoder, pool = engine.runner.model._native, engine.runner.pool
+    assert isinstance(decoder, NativeDecoder)
+    spec = engine.runner.spec
+    cos = sin = torch.ones(2, 1, spec.head_dim)
+    x = torch.randn(2, spec.hidden_size)
+    before = x.clone()
+    with_prefill = _plan(num_decodes=1, rows=2)
+    assert decoder.run(x, cos, sin, pool, with_prefill) is False
+    too_many = max_rows() + 1
+    assert decoder.run(torch.randn(too_many, spec.hidden_size), torch.ones(too_many, 1, spec.head_dim),
+                       torch.ones(too_many, 1, spec.head_dim), pool, _plan(too_many, too_many)) is False
+    assert decoder.run(x, cos, sin, pool, object()) is False  # another backend's plan
+    assert torch.equal(x, before)
+
+
+@needs_kernel
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))
+    decoder, pool, spec = engine.runner.model._native, engine.runner.pool, engine.runner.spec
+    num_slots = pool.kv.shape[2] * pool.kv.shape[3]
+    x = torch.randn(1, spec.hidden_size)
+    before, kv_before = x.clone(), pool.kv.clone()
+    plan = _plan(1, 1, slot=num_slots)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        decoder.run(x, torch.ones(1, 1, spec.head_dim), torch.ones(1, 1, spec.head_dim), pool, plan)
+    assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
+
+
+def test_build_digest_covers_included_sources(tmp_path, monkeypatch):
+    from radixserve.ops import native_build
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "main.c").write_text('#include "part.c"\nint f(void) { return g(); }\n')
+    (tmp_path / "part.c").write_text("static int g(void) { return 1; }\n")
+    before = native_build.build_path(tmp_path / "main.c", "cc", "cpu")
+    (tmp_path / "part.c").write_text("static int g(void) { return 2; }\n")
+    assert native_build.build_path(tmp_path / "main.c", "cc", "cpu") != before
+
+
+def _plan(num_decodes: int, rows: int, slot: int = 0) -> CpuPlan:
+    return CpuPlan(
+        num_decodes,
+        torch.full((rows,), slot, dtype=torch.int64),
+        torch.zeros(num_decodes, 1, dtype=torch.int32),
+        torch.ones(num_decodes, dtype=torch.int32),
+        [],
+    )
