@@ -24,21 +24,25 @@ def _recording(engine: Engine) -> tuple[list[torch.Tensor], list[bool]]:
     native: list[bool] = []
     model = engine.runner.model
     model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
-    run = model._run_native
+    decoder = model.native
+    if decoder is None:
+        model.register_forward_hook(lambda *_: native.append(False))
+        return logits, native
+    run = decoder.run
 
     def recorded(*args):
         took = run(*args)
         native.append(took)
         return took
 
-    model._run_native = recorded
+    decoder.run = recorded
     return logits, native
 
 
 def _twin_engines(path, **config) -> tuple[Engine, Engine]:
     """The same model twice: one with the native decoder, one that keeps the layer path."""
     fused, layers = Engine(str(path), **config), Engine(str(path), **config)
-    layers.runner.model._native = None
+    layers.runner.model.native = None  # same row layout, layer by layer
     return fused, layers
 
 
@@ -46,7 +50,9 @@ def _twin_engines(path, **config) -> tuple[Engine, Engine]:
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind):
     fused, layers = _twin_engines(tiny_model_dir(kind))
-    prompts = [[5, 9, 2, 7], list(range(3, 40)), [11] * 19]  # 1-3 blocks, decodes cross block ends
+    # 1-10 blocks, decodes cross block ends; the first step (172 tokens) is too big for the
+    # native decoder, the second prompt's later steps are not
+    prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19]
     runs = []
     for engine in (fused, layers):
         logits, native = _recording(engine)
@@ -57,8 +63,8 @@ def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, ki
     assert len(fused_logits) == len(layer_logits)
     assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
     assert not any(layer_native)
-    assert fused_native[0] is False, "the prefill step keeps the layer path"
-    assert sum(fused_native) >= 20, "the decode steps ran natively"
+    assert fused_native[0] is False, "the 172-token prefill step keeps the layer path"
+    assert len(fused_native) == 24 and all(fused_native[1:]), "the decode steps ran natively"
     fused.check_integrity()
 
 
@@ -80,17 +86,36 @@ def test_speculative_draft_rows_run_natively_and_match(tiny_model_dir):
     assert multi_row and all(multi_row), "verify steps (several rows of one request) ran natively"
 
 
+@needs_kernel
+def test_small_steps_lay_prefill_chunks_out_as_single_query_rows(tiny_model_dir):
+    from radixserve.core.plan import ScheduledChunk
+    from radixserve.core.request import Request
+    from radixserve.execution.runner import ROWS_ATTENTION_WORK
+
+    runner = Engine(str(tiny_model_dir("llama"))).runner
+
+    def chunk(start: int, tokens: int) -> ScheduledChunk:
+        request = Request("r", list(range(start + tokens)), SamplingParams(max_tokens=1), start + tokens + 1)
+        return ScheduledChunk(request, start, tokens)
+
+    decodes = [chunk(300, 1) for _ in range(8)]
+    assert runner._as_single_query_rows(decodes + [chunk(0, 100)])
+    assert not runner._as_single_query_rows(decodes + [chunk(0, runner.row_limit - 7)]), "too many rows"
+    longest = ROWS_ATTENTION_WORK // 100 - 100
+    assert runner._as_single_query_rows([chunk(longest, 100)])
+    assert not runner._as_single_query_rows([chunk(longest + 1, 100)]), "too much attention for the rows"
+
+
 def test_models_with_query_key_norms_keep_the_layer_path(tiny_model_dir):
     engine = Engine(str(tiny_model_dir("qwen3")))
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))
-    assert engine.runner.model._native is None
+    assert engine.runner.model.native is None and engine.runner.row_limit == 0
 
 
 @needs_kernel
 def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
     engine = Engine(str(tiny_model_dir("llama")))
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))  # builds the decoder
-    decoder, pool = engine.runner.model._native, engine.runner.pool
+    decoder, pool = engine.runner.model.native, engine.runner.pool
     assert isinstance(decoder, NativeDecoder)
     spec = engine.runner.spec
     cos = sin = torch.ones(2, 1, spec.head_dim)
@@ -108,8 +133,7 @@ def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
 @needs_kernel
 def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_model_dir):
     engine = Engine(str(tiny_model_dir("llama")))
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))
-    decoder, pool, spec = engine.runner.model._native, engine.runner.pool, engine.runner.spec
+    decoder, pool, spec = engine.runner.model.native, engine.runner.pool, engine.runner.spec
     num_slots = pool.kv.shape[2] * pool.kv.shape[3]
     x = torch.randn(1, spec.hidden_size)
     before, kv_before = x.clone(), pool.kv.clone()

@@ -47,6 +47,11 @@ class CpuAttentionBackend(AttentionBackend):
             logger.info("cpu attention backend: the C kernels are float32; %s runs the torch paths", dtype)
             self._torch = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, dtype)
 
+    @property
+    def runs_kernels(self) -> bool:
+        """Whether attention runs the C kernels (float32 pools) rather than the torch paths."""
+        return self._torch is None
+
     def prepare(self, meta: AttentionMetadata) -> AttentionPlan:
         if self._torch is not None:
             return self._torch.prepare(meta)

@@ -9,9 +9,12 @@ import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.registry import get_backend_class
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.spec import ModelSpec
+from radixserve.ops.native_decoder import NativeDecoder
+from radixserve.ops.native_ops import max_rows
 from radixserve.outputs import TokenLogprob
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
@@ -51,6 +54,11 @@ class ModelRunner:
         self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype)
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
+        if isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels:
+            model.native = NativeDecoder.for_model(spec, model.layers)
+        # Steps of at most this many tokens lay every token out as its own attention row
+        # (see _as_single_query_rows); 0: never.
+        self.row_limit = max_rows() if model.native is not None else 0
 
     def run(self, plan: StepPlan) -> StepResult:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
@@ -80,7 +88,8 @@ class ModelRunner:
     def _prepare(self, chunks: list[ScheduledChunk]):
         """Flat token batch and attention metadata. A drafted chunk (a decode plus its draft)
         enters attention as one single-query row per token, each with its own context length,
-        so the decode kernel verifies it exactly as it would decode those tokens one by one."""
+        so the decode kernel verifies it exactly as it would decode those tokens one by one;
+        in a small step (_as_single_query_rows) every chunk does."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -94,6 +103,7 @@ class ModelRunner:
         sampling: list[ScheduledChunk] = []
         drafted: list[ScheduledChunk] = []
         num_decodes = 0
+        as_rows = self._as_single_query_rows(chunks)
         for c in chunks:
             request, start, end = c.request, c.start, c.start + c.num_tokens
             table = request.block_table
@@ -102,14 +112,19 @@ class ModelRunner:
             input_ids.extend(c.draft)
             positions.extend(range(start, end))
             _extend_slots(slots, table, start, end, bs)
-            if c.draft:
-                draft_indices.extend(range(query_start[-1], query_start[-1] + c.num_tokens))
+            if c.draft or as_rows:
+                first = query_start[-1]
                 for pos in range(start, end):
                     query_start.append(query_start[-1] + 1)
                     seq_lens.append(pos + 1)
                     row_tables.append(table)
                 num_decodes += c.num_tokens
-                drafted.append(c)
+                if c.draft:
+                    draft_indices.extend(range(first, first + c.num_tokens))
+                    drafted.append(c)
+                elif c.samples:
+                    logits_indices.append(query_start[-1] - 1)
+                    sampling.append(c)
                 continue
             query_start.append(query_start[-1] + c.num_tokens)
             seq_lens.append(end)
@@ -140,6 +155,19 @@ class ModelRunner:
             chunk_starts,
         )
 
+    def _as_single_query_rows(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether this step lays every token out as its own attention row, as drafts always
+        are, so that the native decoder runs the whole step: at most row_limit tokens, and
+        prefill chunks whose rows x context stay under ROWS_ATTENTION_WORK. The decode
+        kernel reads a chunk's shared context once per group of its rows but does not tile
+        rows the way SDPA does; past that work SDPA's speed outweighs the Python the native
+        decoder saves (8 decodes plus 100-token chunks: 1.12x faster through a 2048-token
+        prompt, 0.89x through a 6000-token one, on the 2-core dev machine)."""
+        if sum(c.num_tokens for c in chunks) > self.row_limit:
+            return False
+        work = sum(c.num_tokens * (c.start + c.num_tokens) for c in chunks if c.num_tokens > 1 and not c.draft)
+        return work <= ROWS_ATTENTION_WORK
+
     def _sampling_row(self, chunk: ScheduledChunk) -> SamplingRow:
         request = chunk.request
         params = request.params
@@ -154,6 +182,9 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+ROWS_ATTENTION_WORK = 128 * 1024  # query rows x context, summed over a step's prefill chunks
 
 
 def _batch_order(chunk: ScheduledChunk) -> tuple[bool, list[int]]:

@@ -20,8 +20,6 @@ from radixserve.ops.native_ops import rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.model.spec import ModelSpec
 
 
-_UNSET = object()  # LlamaForCausalLM._native before its first step
-
 # Below this many rows, MKL multiplies faster as weight @ x.T (measured 1.2-1.7x at 8-64 rows).
 _SMALL_BATCH_ROWS = 256
 
@@ -155,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec, max_positions)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self._native = _UNSET
+        # Runs a decode step's layers in one C call; set by the runner where its attention
+        # backend is the C one (NativeDecoder.for_model), after the weights are loaded.
+        self.native: NativeDecoder | None = None
 
     @torch.inference_mode()
     def forward(
@@ -171,19 +171,12 @@ class LlamaForCausalLM(nn.Module):
         `plan` is what `backend.prepare` made of the step's metadata."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        if not self._run_native(x, rope, pool, plan):
+        if self.native is None or not self.native.run(x, *rope, pool, plan):
             for layer in self.layers:
                 x = layer(x, rope, backend, pool, plan)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, weight).float().contiguous()
-
-    def _run_native(self, x: torch.Tensor, rope, pool: KVPool, plan: AttentionPlan) -> bool:
-        """Every layer in one C call where the step and the model allow (see NativeDecoder);
-        built on first use, after the weights are loaded."""
-        if self._native is _UNSET:
-            self._native = NativeDecoder.for_model(self.spec, self.layers)
-        return self._native is not None and self._native.run(x, *rope, pool, plan)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load weights named as in transformers' checkpoints, fusing q/k/v and gate/up."""
