@@ -5,7 +5,7 @@
 
 Two engines on the default model, stepping in turns: `native` (the default: a step whose
 rows fit runs every layer in one C call, prefill chunks of small steps as single-query rows)
-and `layers` (the same model with the native decoder off: layer by layer from Python,
+and `layers` (`native_decoder=False`, `--no-native-decoder`: layer by layer from Python,
 prefill chunks through SDPA), each with the same requests.
   decode    --batches requests of --context-token prompts, then --steps decode steps each
   mixed     8 decoding requests, then a --prompt-token prompt computed in --chunks-token chunks
@@ -28,10 +28,7 @@ NAMES = ("native", "layers")
 
 
 def twin_engines(**config) -> dict[str, Engine]:
-    engines = {name: Engine(**config) for name in NAMES}
-    runner = engines["layers"].runner
-    runner.model.native, runner.row_limit = None, 0
-    return engines
+    return {name: Engine(native_decoder=name == "native", **config) for name in NAMES}
 
 
 def prompt(seed: int, length: int) -> list[int]:

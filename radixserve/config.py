@@ -38,6 +38,9 @@ class EngineConfig:
     seed: int = 0  # seeds the sampler of requests that set no seed of their own
     model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    # CPU, float32: run a decode step's layers in one C call where the step allows (the
+    # logits are the layer path's bit for bit); off: layer by layer from Python, to compare.
+    native_decoder: bool = True
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when kv_persist_dir is set)
     kv_offload_dir: str | None = None  # the tier is a file here (mmap); None: anonymous memory

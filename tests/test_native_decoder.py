@@ -106,6 +106,14 @@ def test_small_steps_lay_prefill_chunks_out_as_single_query_rows(tiny_model_dir)
     assert not runner._as_single_query_rows([chunk(longest + 1, 100)]), "too much attention for the rows"
 
 
+def test_the_native_decoder_can_be_switched_off(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")), native_decoder=False)
+    assert engine.runner.model.native is None and engine.runner.row_limit == 0
+    on = Engine(str(tiny_model_dir("llama")))
+    greedy = SamplingParams(max_tokens=8, **GREEDY)
+    assert engine.generate([[4, 5, 6]], greedy)[0].token_ids == on.generate([[4, 5, 6]], greedy)[0].token_ids
+
+
 def test_models_with_query_key_norms_keep_the_layer_path(tiny_model_dir):
     engine = Engine(str(tiny_model_dir("qwen3")))
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))

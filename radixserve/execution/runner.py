@@ -44,6 +44,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         stop_token_ids: list[int],
+        native_decoder: bool = True,
     ):
         self.model = model
         self.spec = spec
@@ -54,7 +55,7 @@ class ModelRunner:
         self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype)
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
-        if isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels:
+        if native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels:
             model.native = NativeDecoder.for_model(spec, model.layers)
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
