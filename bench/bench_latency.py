@@ -17,6 +17,11 @@ then the ratios of every configuration to the first. With --llama-server, a llam
 under the label "llama.cpp", with the same requests (its /v1/completions takes token ids). Every
 server's cache is emptied before each run (llama.cpp: its slots erased, its RAM prompt cache off):
 the runs repeat the same prompts, and a cache kept from the run before would answer them.
+
+With --trace DIR every radixserve server also writes its step trace there (`--step-trace`: each
+step's end, ms, decode and prompt tokens, on the clock the client uses), and the report adds,
+per run, the anatomy of the gap tail: how many gaps exceed the 120 ms target, how many of those
+overlap a step that carried prompt tokens, and the step times with and without prompt tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class RunResult:
     config: str
     workload: str
     streams: list[Record]
+    start: float  # time.monotonic()
     duration_s: float
 
     def summary(self) -> dict[str, float]:
@@ -65,12 +71,21 @@ class RunResult:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    traces = {config or "(defaults)": os.path.join(args.trace, f"steps-{i}.jsonl") if args.trace else None
+              for i, config in enumerate(args.configs)}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        for path in traces.values():
+            open(path, "w").close()
     with contextlib.ExitStack() as stack:
-        systems = [(config or "(defaults)", stack.enter_context(_server(args, config))) for config in args.configs]
+        systems = [(label, stack.enter_context(_server(args, config, traces[label])))
+                   for label, config in zip(traces, args.configs)]
         if args.llama_server:
             systems.append(("llama.cpp", stack.enter_context(_llama_server(args))))
         results = asyncio.run(_run_all(systems, args))
     _report(args, [label for label, _ in systems], results)
+    if args.trace:
+        _report_anatomy(results, {label: _read_trace(path) for label, path in traces.items()})
     if args.plot:
         _plot(args.plot, args, [label for label, _ in systems], results)
         print(f"\nplot written to {args.plot}")
@@ -124,12 +139,14 @@ async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
         return await _complete(client, "m", prompt, max_tokens, label, url)
 
     streams = await asyncio.gather(*(one(d, p, m) for d, (p, m) in zip(delays, items)))
-    return RunResult(label, name, list(streams), time.monotonic() - start)
+    return RunResult(label, name, list(streams), start, time.monotonic() - start)
 
 
-def _server(args: argparse.Namespace, extra: str):
+def _server(args: argparse.Namespace, extra: str, trace: str | None):
     command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
                "--served-model-name", "m"] + shlex.split(args.server_args) + shlex.split(extra)
+    if trace:
+        command += ["--step-trace", trace]
     return served(command, env=_env(), stdout=subprocess.DEVNULL)
 
 
@@ -174,6 +191,32 @@ def _report(args: argparse.Namespace, labels: list[str], results: list[RunResult
             print(f"  {config} / {configs[0]}: " + ", ".join(ratios))
 
 
+def _read_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _report_anatomy(results: list[RunResult], traces: dict[str, list[dict]]) -> None:
+    """Per run: the gaps over the target, and whether a step with prompt tokens overlaps them."""
+    limit = TARGETS["gap_p95_ms"] / 1000
+    print(f"\ntail anatomy (--trace): gaps over {TARGETS['gap_p95_ms']:.0f} ms and the steps they overlap; "
+          "step ms p50 / p95 of steps that carried decodes, without and with prompt tokens")
+    for r in results:
+        steps = [s for s in traces.get(r.config, []) if r.start <= s["end"] <= r.start + r.duration_s]
+        if not steps:
+            continue
+        spans = [(s["end"] - s["ms"] / 1000, s["end"], s["prefill"]) for s in steps]
+        gaps = [(a, b) for st in r.streams if st.error is None for a, b in zip(st.chunks, st.chunks[1:])]
+        long = [(a, b) for a, b in gaps if b - a > limit]
+        with_prompt = sum(any(lo < b and hi > a and prefill for lo, hi, prefill in spans) for a, b in long)
+        plain = [s["ms"] for s in steps if s["decode"] and not s["prefill"]]
+        mixed = [s["ms"] for s in steps if s["decode"] and s["prefill"]]
+        print(f"  {r.workload} on {r.config}: {len(long)} of {len(gaps)} gaps over the target, {with_prompt} of them "
+              f"overlapping a step with prompt tokens; {len(steps)} steps: decodes only {_pct(plain, 50):.0f} / "
+              f"{_pct(plain, 95):.0f} ms ({len(plain)}), decodes + prompt {_pct(mixed, 50):.0f} / "
+              f"{_pct(mixed, 95):.0f} ms ({len(mixed)})")
+
+
 def _median(values: list[float]) -> float:
     return _pct(values, 50)
 
@@ -209,6 +252,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--plot", help="write a PNG of the gap distributions")
     p.add_argument("--json", help="write every run's summary here")
+    p.add_argument("--trace", help="a directory for the servers' step traces: adds the gap tail's anatomy")
     p.add_argument("--llama-server", help="a llama.cpp `llama-server` binary: run it side by side too")
     p.add_argument("--llama-model", help="the GGUF file the llama.cpp server loads")
     p.add_argument("--llama-args", default="-np 8 -c 8192 -t 2", help="its flags (slots, context, threads)")

@@ -53,6 +53,9 @@ class EngineConfig:
     # takes more prompt tokens than max_step_ms allows when fewer would miss that (steps
     # with decodes stretch then, but the prompt's TTFT holds); 0: steps stay under target.
     ttft_target_ms: int = 0
+    # Append one JSON line per step here: when it ended (time.monotonic, which every process
+    # on the machine shares), its ms and its decode and prompt tokens; to study latency.
+    step_trace: str | None = None
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
     num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 2 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens

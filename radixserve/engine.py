@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import math
 import os
 import sys
@@ -117,6 +118,7 @@ class Engine:
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
+        self._step_trace = open(cfg.step_trace, "a", buffering=1) if cfg.step_trace else None  # line-buffered
 
     # ---- online API -------------------------------------------------------------
 
@@ -313,8 +315,11 @@ class Engine:
         return self.tiering.flush(timeout_s)
 
     def close(self) -> None:
-        """Write the persisted tier's index a last time and stop its thread."""
+        """Write the persisted tier's index a last time and stop its thread; close the step trace."""
         self.tiering.close()
+        if self._step_trace is not None:
+            self._step_trace.close()
+            self._step_trace = None
 
     @_one_thread
     def check_integrity(self) -> None:
@@ -347,6 +352,9 @@ class Engine:
     def _observe_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
         self.last_step_tokens = (decode_tokens, prefill_tokens)
         self.step_cost.observe(decode_tokens, prefill_tokens, step_ms)
+        if self._step_trace is not None:
+            record = {"end": time.monotonic(), "ms": round(step_ms, 3), "decode": decode_tokens, "prefill": prefill_tokens}
+            self._step_trace.write(json.dumps(record) + "\n")
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
