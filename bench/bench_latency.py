@@ -71,15 +71,18 @@ class RunResult:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    traces = {config or "(defaults)": os.path.join(args.trace, f"steps-{i}.jsonl") if args.trace else None
-              for i, config in enumerate(args.configs)}
+    labels = [config or "(defaults)" for config in args.configs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit("--configs: every configuration once")
+    traces = {label: os.path.join(args.trace, f"steps-{i}.jsonl") if args.trace else None
+              for i, label in enumerate(labels)}
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         for path in traces.values():
             open(path, "w").close()
     with contextlib.ExitStack() as stack:
         systems = [(label, stack.enter_context(_server(args, config, traces[label])))
-                   for label, config in zip(traces, args.configs)]
+                   for label, config in zip(labels, args.configs)]
         if args.llama_server:
             systems.append(("llama.cpp", stack.enter_context(_llama_server(args))))
         results = asyncio.run(_run_all(systems, args))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -38,8 +39,10 @@ class EngineConfig:
     seed: int = 0  # seeds the sampler of requests that set no seed of their own
     model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
     num_threads: int | None = None  # torch CPU threads; None: torch's default
-    # CPU, float32: run a decode step's layers in one C call where the step allows (the
-    # logits are the layer path's bit for bit); off: layer by layer from Python, to compare.
+    # CPU, float32: run a decode step's layers in one C call where the step allows, and lay a
+    # small step's prompt chunks out as single-query rows so that it takes those steps too
+    # (their attention then runs the decode kernel instead of SDPA: same math, other rounding);
+    # off: every step layer by layer from Python, prompt chunks through SDPA, to compare.
     native_decoder: bool = True
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when kv_persist_dir is set)
@@ -95,6 +98,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
+        if self.step_trace is not None:
+            trace = Path(self.step_trace)
+            if trace.is_dir() or not trace.parent.is_dir():
+                raise ValueError(f"step_trace must be a file in an existing directory, got {self.step_trace!r}")
         if self.chunked_prefill_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must not exceed "

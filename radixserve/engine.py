@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import math
 import os
 import sys
@@ -45,6 +46,8 @@ THREAD_RULE = (
     "or radixserve.lang.Runtime)"
 )
 
+log = logging.getLogger("radixserve.engine")
+
 
 def _one_thread(method: Callable) -> Callable:
     """Refuse (RuntimeError, before touching anything) a call while another thread is inside
@@ -78,6 +81,7 @@ class Engine:
     def __init__(self, model: str | None = None, **options: Any):
         self.config = EngineConfig(model=model, **options)
         cfg = self.config
+        self._step_trace = open(cfg.step_trace, "a", buffering=1) if cfg.step_trace else None  # line-buffered
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
@@ -118,7 +122,6 @@ class Engine:
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
-        self._step_trace = open(cfg.step_trace, "a", buffering=1) if cfg.step_trace else None  # line-buffered
 
     # ---- online API -------------------------------------------------------------
 
@@ -314,6 +317,7 @@ class Engine:
         """Wait until the persisted tier and its index are on disk; False on timeout."""
         return self.tiering.flush(timeout_s)
 
+    @_one_thread
     def close(self) -> None:
         """Write the persisted tier's index a last time and stop its thread; close the step trace."""
         self.tiering.close()
@@ -353,8 +357,17 @@ class Engine:
         self.last_step_tokens = (decode_tokens, prefill_tokens)
         self.step_cost.observe(decode_tokens, prefill_tokens, step_ms)
         if self._step_trace is not None:
-            record = {"end": time.monotonic(), "ms": round(step_ms, 3), "decode": decode_tokens, "prefill": prefill_tokens}
+            self._trace_step(decode_tokens, prefill_tokens, step_ms)
+
+    def _trace_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
+        """One line of the step trace; a failed write (the step is already committed) turns
+        the trace off with a warning instead of failing the step."""
+        record = {"end": time.monotonic(), "ms": round(step_ms, 3), "decode": decode_tokens, "prefill": prefill_tokens}
+        try:
             self._step_trace.write(json.dumps(record) + "\n")
+        except (OSError, ValueError) as exc:
+            log.warning("step trace %s off: %s", self.config.step_trace, exc)
+            self._step_trace = None
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request

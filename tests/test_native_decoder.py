@@ -98,12 +98,50 @@ def test_small_steps_lay_prefill_chunks_out_as_single_query_rows(tiny_model_dir)
         request = Request("r", list(range(start + tokens)), SamplingParams(max_tokens=1), start + tokens + 1)
         return ScheduledChunk(request, start, tokens)
 
+    limit = runner.row_limit  # 128 on AVX-512, 32 on AVX2
     decodes = [chunk(300, 1) for _ in range(8)]
-    assert runner._as_single_query_rows(decodes + [chunk(0, 100)])
-    assert not runner._as_single_query_rows(decodes + [chunk(0, runner.row_limit - 7)]), "too many rows"
-    longest = ROWS_ATTENTION_WORK // 100 - 100
-    assert runner._as_single_query_rows([chunk(longest, 100)])
-    assert not runner._as_single_query_rows([chunk(longest + 1, 100)]), "too much attention for the rows"
+    assert runner._as_single_query_rows(decodes + [chunk(0, limit - 8)])
+    assert not runner._as_single_query_rows(decodes + [chunk(0, limit - 7)]), "too many rows"
+    rows = limit // 2
+    longest = ROWS_ATTENTION_WORK // rows - rows
+    assert runner._as_single_query_rows([chunk(longest, rows)])
+    assert not runner._as_single_query_rows([chunk(longest + 1, rows)]), "too much attention for the rows"
+
+
+@needs_kernel
+def test_a_step_mixing_decodes_and_a_prompt_chunk_matches_and_scores_prompts(tiny_model_dir):
+    """A short prompt (with prompt logprobs) arriving while others decode: its chunk runs as
+    single-query rows in the native decoder's step, bit for bit the layer path's with the
+    same layout, and within float rounding of SDPA's (--no-native-decoder)."""
+    path = tiny_model_dir("llama")
+    fused, layers = _twin_engines(path)
+    sdpa = Engine(str(path), native_decoder=False)
+    greedy = SamplingParams(max_tokens=12, **GREEDY)
+    scored = SamplingParams(max_tokens=6, prompt_logprobs=3, **GREEDY)
+    runs = {}
+    for name, engine in (("fused", fused), ("layers", layers), ("sdpa", sdpa)):
+        logits, native = _recording(engine)
+        for prompt in ([5, 9, 2, 7, 1], [8] * 21):
+            engine.add_request(prompt, greedy)
+        engine.step()
+        engine.step()  # both now decode
+        engine.add_request([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], scored, request_id="scored")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        runs[name] = (logits, native, outputs)
+        engine.check_integrity()
+    (fused_logits, native, fused_out), (layer_logits, _, layer_out) = runs["fused"], runs["layers"]
+    assert all(native), "every step, the mixed one included, ran natively"
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    sdpa_out = runs["sdpa"][2]
+    for rid, out in fused_out.items():
+        assert out.token_ids == layer_out[rid].token_ids == sdpa_out[rid].token_ids
+    fused_scores, sdpa_scores = fused_out["scored"].prompt_logprobs, sdpa_out["scored"].prompt_logprobs
+    assert fused_scores[0] is None and len(fused_scores) == 14
+    for a, b in zip(fused_scores[1:], sdpa_scores[1:]):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 def test_the_native_decoder_can_be_switched_off(tiny_model_dir):

@@ -302,20 +302,3 @@ def test_pending_prefills_give_no_deadline_to_a_request_past_its_first_token():
     assert model.deadline_budget([(math.inf, 10), (60.0, 6)], decodes=2, step_tokens=20, max_tokens=512) == 20
     assert model.deadline_budget([(math.inf, 30), (60.0, 6)], decodes=2, step_tokens=20, max_tokens=512) == 36
 
-
-def test_step_trace_writes_one_line_per_step_on_the_shared_clock(tiny_model_dir, tmp_path):
-    import json
-
-    path = tmp_path / "steps.jsonl"
-    engine = Engine(str(tiny_model_dir("llama")), step_trace=str(path), chunked_prefill_size=8)
-    before = time.monotonic()
-    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12]], greedy)
-    after = time.monotonic()
-    engine.close()
-    steps = [json.loads(line) for line in path.read_text().splitlines()]
-    assert all(before < s["end"] < after and s["ms"] > 0 for s in steps)
-    assert [s["end"] for s in steps] == sorted(s["end"] for s in steps)
-    assert sum(s["prefill"] for s in steps) == 12, "every prompt token once"
-    assert sum(s["decode"] for s in steps) == 2 * 3, "every later output token once"
-    assert (steps[0]["decode"], steps[0]["prefill"]) == (0, 10)  # 8 + 2: both prompts' first chunks

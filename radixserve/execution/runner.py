@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.registry import get_backend_class
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.spec import ModelSpec
@@ -19,6 +19,8 @@ from radixserve.outputs import TokenLogprob
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
 from radixserve.core.plan import ScheduledChunk, StepPlan
+
+ROWS_ATTENTION_WORK = 128 * 1024  # query rows x context, summed over a step's prefill chunks
 
 
 @dataclass
@@ -55,8 +57,8 @@ class ModelRunner:
         self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype)
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
-        if native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels:
-            model.native = NativeDecoder.for_model(spec, model.layers)
+        native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
+        model.native = NativeDecoder.for_model(spec, model.layers) if native else None
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
         self.row_limit = max_rows() if model.native is not None else 0
@@ -183,9 +185,6 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
-
-
-ROWS_ATTENTION_WORK = 128 * 1024  # query rows x context, summed over a step's prefill chunks
 
 
 def _batch_order(chunk: ScheduledChunk) -> tuple[bool, list[int]]:

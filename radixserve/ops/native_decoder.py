@@ -75,18 +75,20 @@ class NativeDecoder:
             return False
         tables, seq_lens = plan.decode_block_tables, plan.decode_seq_lens
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        layers, shape = self._layer_array(pool)
         status = self._kernel(
-            x.data_ptr(), rows, self._layer_array(pool), len(self._weights), ctypes.byref(self._shape),
+            x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
             cos.data_ptr(), sin.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             tables.shape[1], seq_lens.data_ptr(), self._workspace_for(rows).data_ptr(),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool")
-        if status:
-            raise RuntimeError("the native decoder could not allocate its scratch memory")
+        if status:  # after some layers: x and the pool's slots of this step are partly written
+            raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
         return True
 
-    def _layer_array(self, pool: KVPool) -> ctypes.Array:
+    def _layer_array(self, pool: KVPool) -> tuple[ctypes.Array, _Shape]:
+        """Every layer's weight and cache pointers, and the shapes, for this pool (made once)."""
         key = (id(pool), pool.kv.data_ptr())
         if key != self._pool_key:
             caches = [pool.layer(i) for i in range(len(self._weights))]
@@ -97,7 +99,7 @@ class NativeDecoder:
             self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                                  spec.head_dim, k.shape[0], k.shape[1], spec.rms_norm_eps, spec.head_dim**-0.5)
             self._pool_key = key
-        return self._layers
+        return self._layers, self._shape
 
     def _workspace_for(self, rows: int) -> torch.Tensor:
         spec = self._spec
