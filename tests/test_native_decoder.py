@@ -208,3 +208,12 @@ def _plan(num_decodes: int, rows: int, slot: int = 0) -> CpuPlan:
         torch.ones(num_decodes, dtype=torch.int32),
         [],
     )
+
+
+def test_the_module_imports_on_its_own():
+    """The model package imports native_decoder; native_decoder must not import the model package."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import radixserve.ops.native_decoder"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

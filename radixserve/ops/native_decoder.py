@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from radixserve.attention.backend import AttentionPlan
 from radixserve.attention.cpu_backend import CpuPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.model.spec import ModelSpec
 from radixserve.ops.native_build import load_kernel
 from radixserve.ops.native_ops import max_rows, model_ops_enabled
+
+if TYPE_CHECKING:  # the model package imports this module
+    from radixserve.model.spec import ModelSpec
 
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias")
 
@@ -65,10 +69,10 @@ class NativeDecoder:
         kernel = _kernel()
         return None if kernel is None else cls(kernel, spec, layers)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan) -> bool:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
-        not one this path takes: prefill chunks, more rows than the matmul kernel takes, or
-        another attention backend's plan."""
+        not one this path takes: prefill chunks laid out as chunks (not single-query rows),
+        more rows than the matmul kernel takes, or another attention backend's plan."""
         rows = x.shape[0]
         if not (isinstance(plan, CpuPlan) and plan.num_decodes == rows and 0 < rows <= max_rows()
                 and x.is_contiguous() and x.dtype == torch.float32 and pool.kv.dtype == torch.float32):
