@@ -87,27 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a bar chart of ms per step here")
     args = p.parse_args(argv)
     print("native decoder vs layer-by-layer path, default model, two engines stepping in turns")
-    groups, series = [], {name: [] for name in NAMES}
+    groups, series, rows = [], {name: [] for name in NAMES}, []
     bar = progress(len(args.batches) + len(args.chunks), "configurations")
-    rows = []
+
+    def record(group: str, what: str, ms: dict[str, float], note: str = "") -> None:
+        rows.append(f"{what}: native {ms['native']:7.2f} ms  layers {ms['layers']:7.2f} ms  "
+                    f"layers/native {ms['layers'] / ms['native']:.3f}x{note}")
+        groups.append(group)
+        for name in NAMES:
+            series[name].append(ms[name])
+        bar.update(1)
+
     for batch in args.batches:
         ms, same = decode_steps(batch, args.context, args.steps)
-        rows.append(f"decode  batch {batch:3d}, {args.context}-token prompts: native {ms['native']:7.2f} ms  "
-                    f"layers {ms['layers']:7.2f} ms  layers/native {ms['layers'] / ms['native']:.3f}x  "
-                    f"greedy tokens equal: {same}")
-        groups.append(f"decode b{batch}")
-        for name in NAMES:
-            series[name].append(ms[name])
-        bar.update(1)
+        record(f"decode b{batch}", f"decode  batch {batch:3d}, {args.context}-token prompts", ms,
+               f"  greedy tokens equal: {same}")
     for chunk in args.chunks:
         ms = mixed_steps(chunk, args.prompt, args.repeats)
-        rows.append(f"mixed   8 decodes + {chunk:3d}-token chunks of a {args.prompt}-token prompt: native "
-                    f"{ms['native']:7.2f} ms  layers {ms['layers']:7.2f} ms  layers/native "
-                    f"{ms['layers'] / ms['native']:.3f}x")
-        groups.append(f"8 + {chunk}")
-        for name in NAMES:
-            series[name].append(ms[name])
-        bar.update(1)
+        record(f"8 + {chunk}", f"mixed   8 decodes + {chunk:3d}-token chunks of a {args.prompt}-token prompt", ms)
     bar.close()
     print("\n".join(rows))
     if args.plot:
