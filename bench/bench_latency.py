@@ -200,24 +200,36 @@ def _read_trace(path: str) -> list[dict]:
 
 
 def _report_anatomy(results: list[RunResult], traces: dict[str, list[dict]]) -> None:
-    """Per run: the gaps over the target, and whether a step with prompt tokens overlaps them."""
-    limit = TARGETS["gap_p95_ms"] / 1000
     print(f"\ntail anatomy (--trace): gaps over {TARGETS['gap_p95_ms']:.0f} ms and the steps they overlap; "
           "step ms p50 / p95 of steps that carried decodes, without and with prompt tokens")
     for r in results:
-        steps = [s for s in traces.get(r.config, []) if r.start <= s["end"] <= r.start + r.duration_s]
-        if not steps:
+        a = tail_anatomy(r, traces.get(r.config, []), TARGETS["gap_p95_ms"] / 1000)
+        if a is None:
             continue
-        spans = [(s["end"] - s["ms"] / 1000, s["end"], s["prefill"]) for s in steps]
-        gaps = [(a, b) for st in r.streams if st.error is None for a, b in zip(st.chunks, st.chunks[1:])]
-        long = [(a, b) for a, b in gaps if b - a > limit]
-        with_prompt = sum(any(lo < b and hi > a and prefill for lo, hi, prefill in spans) for a, b in long)
-        plain = [s["ms"] for s in steps if s["decode"] and not s["prefill"]]
-        mixed = [s["ms"] for s in steps if s["decode"] and s["prefill"]]
-        print(f"  {r.workload} on {r.config}: {len(long)} of {len(gaps)} gaps over the target, {with_prompt} of them "
-              f"overlapping a step with prompt tokens; {len(steps)} steps: decodes only {_pct(plain, 50):.0f} / "
-              f"{_pct(plain, 95):.0f} ms ({len(plain)}), decodes + prompt {_pct(mixed, 50):.0f} / "
-              f"{_pct(mixed, 95):.0f} ms ({len(mixed)})")
+        print(f"  {r.workload} on {r.config}: {a['long']} of {a['gaps']} gaps over the target, {a['with_prompt']} of "
+              f"them overlapping a step with prompt tokens; {a['steps']} steps: decodes only "
+              f"{_pct(a['plain_ms'], 50):.0f} / {_pct(a['plain_ms'], 95):.0f} ms ({len(a['plain_ms'])}), decodes + "
+              f"prompt {_pct(a['mixed_ms'], 50):.0f} / {_pct(a['mixed_ms'], 95):.0f} ms ({len(a['mixed_ms'])})")
+
+
+def tail_anatomy(run: RunResult, steps: list[dict], limit_s: float) -> dict | None:
+    """One run's gaps longer than limit_s, how many of them overlap a step that carried prompt
+    tokens, and the times of the steps that carried decodes (without / with prompt tokens);
+    None when the trace holds no step of the run."""
+    steps = [s for s in steps if run.start <= s["end"] <= run.start + run.duration_s]
+    if not steps:
+        return None
+    spans = [(s["end"] - s["ms"] / 1000, s["end"], s["prefill"]) for s in steps]
+    gaps = [(a, b) for st in run.streams if st.error is None for a, b in zip(st.chunks, st.chunks[1:])]
+    long = [(a, b) for a, b in gaps if b - a > limit_s]
+    return {
+        "gaps": len(gaps),
+        "long": len(long),
+        "with_prompt": sum(any(lo < b and hi > a and prefill for lo, hi, prefill in spans) for a, b in long),
+        "steps": len(steps),
+        "plain_ms": [s["ms"] for s in steps if s["decode"] and not s["prefill"]],
+        "mixed_ms": [s["ms"] for s in steps if s["decode"] and s["prefill"]],
+    }
 
 
 def _median(values: list[float]) -> float:

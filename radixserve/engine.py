@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
-import logging
 import math
 import os
 import sys
@@ -28,6 +26,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.prepare import PreparedRequest, Prompt, RequestPreparer
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
+from radixserve.execution.step_trace import StepTrace
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.core.scheduler import Scheduler
@@ -45,8 +44,6 @@ THREAD_RULE = (
     "For concurrent use, drive it through radixserve.engine_loop.EngineLoop (or the server, "
     "or radixserve.lang.Runtime)"
 )
-
-log = logging.getLogger("radixserve.engine")
 
 
 def _one_thread(method: Callable) -> Callable:
@@ -81,7 +78,7 @@ class Engine:
     def __init__(self, model: str | None = None, **options: Any):
         self.config = EngineConfig(model=model, **options)
         cfg = self.config
-        self._step_trace = open(cfg.step_trace, "a", buffering=1) if cfg.step_trace else None  # line-buffered
+        self.step_trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
@@ -321,9 +318,8 @@ class Engine:
     def close(self) -> None:
         """Write the persisted tier's index a last time and stop its thread; close the step trace."""
         self.tiering.close()
-        if self._step_trace is not None:
-            self._step_trace.close()
-            self._step_trace = None
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     @_one_thread
     def check_integrity(self) -> None:
@@ -356,18 +352,8 @@ class Engine:
     def _observe_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
         self.last_step_tokens = (decode_tokens, prefill_tokens)
         self.step_cost.observe(decode_tokens, prefill_tokens, step_ms)
-        if self._step_trace is not None:
-            self._trace_step(decode_tokens, prefill_tokens, step_ms)
-
-    def _trace_step(self, decode_tokens: int, prefill_tokens: int, step_ms: float) -> None:
-        """One line of the step trace; a failed write (the step is already committed) turns
-        the trace off with a warning instead of failing the step."""
-        record = {"end": time.monotonic(), "ms": round(step_ms, 3), "decode": decode_tokens, "prefill": prefill_tokens}
-        try:
-            self._step_trace.write(json.dumps(record) + "\n")
-        except (OSError, ValueError) as exc:
-            log.warning("step trace %s off: %s", self.config.step_trace, exc)
-            self._step_trace = None
+        if self.step_trace is not None:
+            self.step_trace.record(decode_tokens, prefill_tokens, step_ms)
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request

@@ -1,5 +1,6 @@
 """The step trace (EngineConfig.step_trace, --step-trace): one JSON line per step on the clock
-every process shares, a bad path refused up front, a failed write never failing the step."""
+every process shares, written off the engine thread; a bad path refused up front, a failed
+write never failing the step."""
 
 from __future__ import annotations
 
@@ -37,8 +38,38 @@ def test_a_bad_trace_path_is_refused_before_anything_starts(tiny_model_dir, tmp_
 
 def test_a_failed_trace_write_turns_the_trace_off_and_keeps_the_step(tiny_model_dir, tmp_path, caplog):
     engine = Engine(str(tiny_model_dir("llama")), step_trace=str(tmp_path / "steps.jsonl"))
-    engine._step_trace.close()  # every later write raises ValueError, as a full disk raises OSError
+    engine.step_trace._file.close()  # every later write raises ValueError, as a full disk raises OSError
     out = engine.generate([[1, 2, 3]], GREEDY)[0]
-    assert len(out.token_ids) == 4 and engine._step_trace is None
-    assert "step trace" in caplog.text
+    assert len(out.token_ids) == 4
+    engine.close()  # waits for the trace's thread
+    assert engine.step_trace._failed and "step trace" in caplog.text
+    assert not engine.step_trace._thread.is_alive()
     engine.check_integrity()
+
+
+def test_the_engine_thread_only_queues(tiny_model_dir, tmp_path):
+    engine = Engine(str(tiny_model_dir("llama")), step_trace=str(tmp_path / "steps.jsonl"))
+    assert engine.step_trace._thread.name == "radixserve-step-trace" and engine.step_trace._thread.is_alive()
+    engine.generate([[1, 2, 3]], GREEDY)
+    engine.close()
+    engine.close()  # idempotent
+    assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 4
+
+
+def test_bench_latency_tail_anatomy_lines_gaps_up_with_steps():
+    from bench.bench_latency import RunResult, tail_anatomy
+    from bench.bench_server import Record
+
+    stream = Record("x", 10.0, chunks=[10.5, 10.55, 10.9, 10.95, 11.3])  # gaps 50, 350, 50, 350 ms
+    run = RunResult("c", "no-sharing", [stream], start=10.0, duration_s=2.0)
+    steps = [
+        {"end": 10.55, "ms": 50.0, "decode": 1, "prefill": 0},
+        {"end": 10.9, "ms": 340.0, "decode": 1, "prefill": 400},  # inside the first long gap
+        {"end": 10.95, "ms": 50.0, "decode": 1, "prefill": 0},
+        {"end": 11.3, "ms": 340.0, "decode": 1, "prefill": 0},  # the second: decodes only
+        {"end": 13.0, "ms": 50.0, "decode": 1, "prefill": 0},  # after the run: not counted
+    ]
+    a = tail_anatomy(run, steps, 0.12)
+    assert (a["gaps"], a["long"], a["with_prompt"], a["steps"]) == (4, 2, 1, 4)
+    assert a["plain_ms"] == [50.0, 50.0, 340.0] and a["mixed_ms"] == [340.0]
+    assert tail_anatomy(run, steps[4:], 0.12) is None

@@ -2,8 +2,9 @@
 
 A decode step's layers are ~15 small kernel calls each, and at a few rows the Python and
 dispatch between them cost a fifth of the step (6-8 ms of 27-40 ms on the 2-core dev
-machine). For a step whose rows are all single-query attention rows (decodes and
-speculative draft rows) and few enough for the skinny matmul kernel, the C side runs the
+machine). For a step whose rows are all single-query attention rows (decodes, speculative
+draft rows, and the prompt chunks of small steps, which the runner lays out that way) and
+few enough for the skinny matmul kernel, the C side runs the
 same kernels in the same order, so the logits are bit for bit those of the layer-by-layer
 path; any other step, model or device keeps that path.
 """

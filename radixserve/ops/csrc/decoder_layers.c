@@ -1,6 +1,7 @@
 /*
  * Every decoder layer of a step whose rows are all single-query attention rows (decodes,
- * and the rows of speculative drafts), on CPU in float32, in one call.
+ * the rows of speculative drafts, and prompt chunks that the runner lays out one row per
+ * token), on CPU in float32, in one call.
  *
  * The per-layer work is the same kernels the model otherwise calls one by one from Python
  * (rms_norm_f32, skinny_linear_f32, rope_f32, the paged store, paged_decode_attention_f32,
