@@ -42,12 +42,6 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
 }
 
-static int slots_valid(const int64_t *slots, int64_t rows, int64_t num_slots) {
-    for (int64_t r = 0; r < rows; ++r)
-        if (slots[r] < 0 || slots[r] >= num_slots) return 0;
-    return 1;
-}
-
 int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                        const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,

@@ -291,10 +291,15 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 
 /* k_cache/v_cache row slots[t] = k/v row t, for every new token t; returns 0, or -2 (and
  * writes nothing) when a slot is outside the pool's num_slots rows. */
+static int slots_valid(const int64_t *slots, int64_t tokens, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 0;
+    return 1;
+}
+
 int paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
                     int64_t tokens, int64_t row, int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; ++t)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    if (!slots_valid(slots, tokens, num_slots)) return -2;
 #pragma omp parallel for schedule(static) if (tokens >= 256)
     for (int64_t t = 0; t < tokens; ++t) {
         memcpy(k_cache + slots[t] * row, k + t * row, sizeof(float) * row);
