@@ -1,6 +1,7 @@
-"""The decode-sized matmuls with cold weights: the C kernel (ops/csrc/skinny_linear.c) against MKL.
+"""The model's matmuls with cold weights: the C kernel (ops/csrc/skinny_linear.c), oneDNN and MKL.
 
     python -m bench.bench_matmul                          # rows 1, 2, 4, 8, 16, 32
+    python -m bench.bench_matmul --rows 64,128,256,512    # prefill-sized: oneDNN against MKL
     python -m bench.bench_matmul --against old_skinny_linear.c --rows 4,8,16   # A/B two kernel sources
 
 One pass is the default model's 121 matmuls of a decode step (30 layers of qkv 960x576, o
@@ -11,7 +12,9 @@ dropped), and the report gives the median ms per pass, the weights-read floor (b
 a copy's bandwidth, measured in the same run) and the ratios to the first system:
   kernel    radixserve.ops.native_ops.skinny_linear's source, built as the package builds it
   against   (--against FILE) another source of the same kernel, built with the same flags
+  onednn    radixserve.ops.onednn_linear (oneDNN's matmul on the plain weight)
   mkl       torch's F.linear (MKL here)
+The kernels run only up to the rows their build takes (max_rows).
 Every system's output is checked against MKL's first. Run it alone (see bench_layer_ops).
 """
 
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.ops.native_build import CSRC, SIGNATURES, build_native
+from radixserve.ops.native_ops import max_rows
+from radixserve.ops.onednn_linear import onednn_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (features, K) of the default model
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -51,6 +56,12 @@ def kernel_pass(fn):
             if fn(x.data_ptr(), x.shape[0], k, w.data_ptr(), n, k, None, out.data_ptr(), n) != 0:
                 raise RuntimeError("the kernel refused the shape")
     return run
+
+
+def onednn_pass(weights, xs, outs) -> None:
+    with torch.inference_mode():
+        for w in weights:
+            outs[w.shape[0]] = onednn_linear(xs[w.shape[1]], w, None)  # its own output: no copy
 
 
 def mkl_pass(weights, xs, outs) -> None:
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = {"kernel": kernel_pass(load(CSRC / "skinny_linear.c"))}
     if args.against:
         systems["against"] = kernel_pass(load(args.against))
+    systems["onednn"] = onednn_pass
     systems["mkl"] = mkl_pass
     floor_ms = sum(w.numel() * 4 for w in weights) / (copy_bandwidth_gbs() * 1e9) * 1000
     print(f"{len(weights)} matmuls, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of float32 weights; "
@@ -91,12 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
-        outs = {name: {n: torch.empty(rows, n) for n in {n for n, _ in shapes}} for name in systems}
-        times: dict[str, list[float]] = {name: [] for name in systems}
+        running = {name: run for name, run in systems.items()
+                   if name not in ("kernel", "against") or rows <= max_rows()}
+        outs = {name: {n: torch.empty(rows, n) for n in {n for n, _ in shapes}} for name in running}
+        times: dict[str, list[float]] = {name: [] for name in running}
         for _ in range(args.repeats):
-            for name, run in systems.items():
+            for name, run in running.items():
                 times[name].append(_timed(lambda: run(weights, xs, outs[name])))
-        for name in systems:
+        for name in running:
             torch.testing.assert_close(outs[name][VOCAB], outs["mkl"][VOCAB], rtol=1e-4, atol=1e-3)
         med = {name: statistics.median(t[1:]) * 1000 for name, t in times.items()}
         first = next(iter(med))

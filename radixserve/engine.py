@@ -103,7 +103,7 @@ class Engine:
             self.tiering.load(self.cache)
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
-            self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder,
+            self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
         )
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self.preparer = RequestPreparer(

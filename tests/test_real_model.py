@@ -77,3 +77,21 @@ def test_forced_preemption_equals_transformers(real_model_dir, prompts, referenc
     assert engine.stats()["preemptions"] > 0
     assert [o.token_ids for o in outs] == references
     idle_and_intact(engine)
+
+
+def test_a_long_prompt_equals_transformers(real_engine, hf_real_model):
+    """Hundreds of prompt tokens in one step: its matmuls run on oneDNN (past the skinny
+    kernel's rows), its attention on SDPA; the greedy continuation still matches."""
+    from real_prompts import CHAT, RAW
+
+    text = "Summarize the following notes in one sentence.\n\n" + "\n\n".join(RAW + CHAT) * 2
+    ids = real_engine.apply_chat_template([{"role": "user", "content": text}])
+    assert 400 < len(ids) < 1000
+    gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, do_sample=False)
+    reference = gen[0, len(ids):].tolist()
+    if reference[-1] in real_engine.eos_token_ids:
+        reference = reference[: reference.index(reference[-1]) + 1]
+    out = real_engine.generate([ids], GREEDY)[0]
+    assert out.token_ids == reference
+    idle_and_intact(real_engine)

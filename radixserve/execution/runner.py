@@ -47,6 +47,7 @@ class ModelRunner:
         seed: int,
         stop_token_ids: list[int],
         native_decoder: bool = True,
+        onednn_linear: bool = True,
     ):
         self.model = model
         self.spec = spec
@@ -59,6 +60,7 @@ class ModelRunner:
         self.eos_token_ids = stop_token_ids
         native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
         model.native = NativeDecoder.for_model(spec, model.layers) if native else None
+        model.use_onednn_linear(onednn_linear)
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
         self.row_limit = max_rows() if model.native is not None else 0

@@ -17,6 +17,7 @@ from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.ops.native_decoder import NativeDecoder
 from radixserve.ops.native_ops import rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.ops.onednn_linear import onednn_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -25,14 +26,21 @@ _SMALL_BATCH_ROWS = 256
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, for the few rows of a decode step, computes (W @ x.T).T instead."""
+    """nn.Linear through `linear` below; `onednn` is set for the whole model by
+    LlamaForCausalLM.use_onednn_linear."""
+
+    onednn = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.onednn)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = skinny_linear(x, weight, bias)  # decode-sized float32 batches on CPU
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True) -> torch.Tensor:
+    """x @ weight.T (+ bias): the skinny C kernel for decode-sized float32 batches on CPU,
+    oneDNN for larger ones (unless `onednn` is off), else torch's BLAS."""
+    out = skinny_linear(x, weight, bias)
+    if out is None and onednn:
+        out = onednn_linear(x, weight, bias)
     if out is not None:
         return out
     if x.dim() != 2 or x.shape[0] > _SMALL_BATCH_ROWS or x.device.type != "cpu":
@@ -156,6 +164,15 @@ class LlamaForCausalLM(nn.Module):
         # Runs a decode step's layers in one C call; set by the runner where its attention
         # backend is the C one (NativeDecoder.for_model), after the weights are loaded.
         self.native: NativeDecoder | None = None
+        self.onednn_linear = True
+
+    def use_onednn_linear(self, on: bool) -> None:
+        """Route float32 CPU matmuls too large for the skinny kernel through oneDNN (on) or
+        torch's BLAS (off)."""
+        self.onednn_linear = on
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.onednn = on
 
     @torch.inference_mode()
     def forward(
@@ -176,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, rope, backend, pool, plan)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, weight).float().contiguous()
+        return linear(x, weight, onednn=self.onednn_linear).float().contiguous()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load weights named as in transformers' checkpoints, fusing q/k/v and gate/up."""
