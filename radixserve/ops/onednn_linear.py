@@ -1,10 +1,11 @@
 """onednn_linear: x @ weight.T (+ bias) in float32 on CPU through oneDNN's matmul, or None
 where it does not apply so that the caller keeps torch's F.linear (MKL).
 
-Why: torch sends float32 F.linear to MKL, and MKL does not run its AVX-512 kernels on
-AMD CPUs. On the 2-core dev machine (AMD EPYC with AVX-512) MKL reached 190-210 GFLOPS
-on the default model's prefill matmuls and oneDNN 450-490; over 30 layers' cold weights,
-512 rows took 481 ms with MKL and 231 ms with oneDNN, 256 rows 257 and 115 ms. At the
+Why: torch sends float32 F.linear to MKL, which on the 2-core dev machine (an AMD EPYC
+with AVX-512) runs far below the AVX-512 peak (MKL is known to pick generic paths on
+non-Intel CPUs), while oneDNN dispatches on the ISA itself (ONEDNN_VERBOSE: AVX-512).
+The default model's prefill matmuls: MKL 190-210 GFLOPS, oneDNN 450-490; all 121 of
+them with cold weights (bench_matmul), 512 rows 694 -> 334 ms, 256 rows 380 -> 166 ms. At the
 few rows of a decode step the skinny C kernel is as fast and runs inside the native
 decoder, so this is for the larger steps (prefill chunks, prompt logprobs).
 
