@@ -23,7 +23,7 @@ def _reference(x, weight, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 31, 32, 67, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 31, 32, 67, MAX_ROWS])
 @pytest.mark.parametrize("features, k", [(1, 8), (2, 64), (3, 16), (4, 8), (5, 24), (7, 576), (9, 40), (48, 136)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_linear_matches_float64(rows, features, k, with_bias):
@@ -41,10 +41,11 @@ def test_skinny_linear_matches_float64(rows, features, k, with_bias):
 @needs_kernel
 def test_skinny_linear_reads_strided_rows():
     gen = torch.Generator().manual_seed(7)
-    wide = torch.randn(9, 96, generator=gen)
-    x = wide[:, 16:80]  # rows 96 floats apart
-    weight = torch.randn(10, 64, generator=gen)
-    torch.testing.assert_close(skinny_linear(x, weight, None), _reference(x, weight, None), atol=1e-4, rtol=1e-5)
+    for rows in (5, 9, 14):  # quads, pairs, pairs in two passes
+        wide = torch.randn(rows, 96, generator=gen)
+        x = wide[:, 16:80]  # rows 96 floats apart
+        weight = torch.randn(10, 64, generator=gen)
+        torch.testing.assert_close(skinny_linear(x, weight, None), _reference(x, weight, None), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], []])

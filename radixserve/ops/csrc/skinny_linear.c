@@ -9,7 +9,8 @@
  * memory once per call; features are split over OpenMP threads (torch's own workers,
  * see native_build.py).
  *
- * AVX-512 (the default build here): a tile is 4 features x up to 6 rows, up to 24 vector
+ * AVX-512 (the default build here): a tile is 4 features x up to 6 rows (2 features x up
+ * to 12 rows for 7-16 rows, see pair_rows), up to 24 vector
  * accumulators over K (masked loads take K's tail), the 4 features' sums reduced
  * together and stored as one vector. While the first row block of a weight quad is
  * multiplied, the quad two ahead is prefetched into L2: without it the multiply and the
@@ -17,8 +18,11 @@
  * model's 121 matmuls: 8 rows 47 -> 29 ms, 32 rows 97 -> 57 ms; 6-row tiles over 4-row ones
  * another 3-8% at 5 rows and more). Into L2, not L1: prefetching into L1 evicted the rows
  * of x and the quad in use (`python -m bench.bench_matmul --against` the L1 version: 1.5x
- * at 4-8 rows, 1.4x at 16, 1.2x at 32). At 1-2 rows a pass per feature with two FMA chains
- * per row streams the weight fastest (memory-bound: ~17 ms at 1 row, 14-17 at 2).
+ * at 4-8 rows, 1.4x at 16, 1.2x at 32). The first row block also pulls its own quad four
+ * lines ahead from L2 into L1: its weight loads had waited on L2 (3-12% faster at 3-12
+ * rows, unchanged from 24 up). At 1-3 rows a pass per feature with two FMA chains per row
+ * streams the weight fastest (memory-bound: ~17 ms at 1 row, 14-17 at 2 on a slow day;
+ * at 3 rows 0.85x the quads' time on 2026-12-01).
  * AVX2 + FMA only: 3-feature x 4-row tiles with 8-lane accumulators.
  *
  * Requires K % 8 == 0; the caller uses torch elsewhere.
@@ -113,6 +117,8 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
         if (next) {                                                                                          \
             _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f)                                              \
                 _mm_prefetch((const char *)(next + f * K + k), _MM_HINT_T1);                                 \
+            _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f)                                              \
+                _mm_prefetch((const char *)(w + f * K + k + 64), _MM_HINT_T0);                               \
         }                                                                                                    \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {                                                \
             const __m512 u = LOAD(x + r * ldx + k);                                                          \
@@ -147,10 +153,97 @@ DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
 
+/* One K step of a pair tile: 2 features times R <= 12 rows (up to 24 accumulators). */
+#define PAIR_STEP(LOAD, R)                                                                                     \
+    do {                                                                                                     \
+        const __m512 v0 = LOAD(w + k), v1 = LOAD(w + K + k);                                                 \
+        if (next) {                                                                                          \
+            _mm_prefetch((const char *)(next + k), _MM_HINT_T1);                                             \
+            _mm_prefetch((const char *)(next + K + k), _MM_HINT_T1);                                         \
+            _mm_prefetch((const char *)(w + k + 64), _MM_HINT_T0);                                           \
+            _mm_prefetch((const char *)(w + K + k + 64), _MM_HINT_T0);                                       \
+        }                                                                                                    \
+        _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) {                                               \
+            const __m512 u = LOAD(x + r * ldx + k);                                                          \
+            acc[r][0] = _mm512_fmadd_ps(v0, u, acc[r][0]);                                                   \
+            acc[r][1] = _mm512_fmadd_ps(v1, u, acc[r][1]);                                                   \
+        }                                                                                                    \
+    } while (0)
+
+/* Features n, n+1 (w points at n's row) for rows m..m+R-1 in one pass over the weight. */
+#define DEFINE_PAIR(R)                                                                                       \
+    static void tile2x##R(const float *x, int64_t ldx, const float *w, int64_t K, float *out, int64_t ldo,  \
+                          const float *bias, const float *next) {                                            \
+        __m512 acc[R][2];                                                                                    \
+        _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();    \
+        int64_t k = 0;                                                                                       \
+        for (; k + 16 <= K; k += 16) PAIR_STEP(LOAD_FULL, R);                                                \
+        if (k < K) {                                                                                         \
+            const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);                                         \
+            PAIR_STEP(LOAD_TAIL, R);                                                                         \
+        }                                                                                                    \
+        const float b0 = bias ? bias[0] : 0.0f, b1 = bias ? bias[1] : 0.0f;                                  \
+        _Pragma("GCC unroll 12") for (int r = 0; r < R; ++r) {                                               \
+            out[r * ldo] = _mm512_reduce_add_ps(acc[r][0]) + b0;                                             \
+            out[r * ldo + 1] = _mm512_reduce_add_ps(acc[r][1]) + b1;                                         \
+        }                                                                                                    \
+    }
+DEFINE_PAIR(1)
+DEFINE_PAIR(2)
+DEFINE_PAIR(3)
+DEFINE_PAIR(4)
+DEFINE_PAIR(5)
+DEFINE_PAIR(6)
+DEFINE_PAIR(7)
+DEFINE_PAIR(8)
+DEFINE_PAIR(9)
+DEFINE_PAIR(10)
+DEFINE_PAIR(11)
+DEFINE_PAIR(12)
+
+/* 7-16 rows: pairs of features, up to 12 rows a pass. A quad's second row block re-read its
+ * weights from L2 (24 KB at K = 1536 with 9 rows of x did not stay in L1); a pair's first
+ * pass takes up to 12 rows and what is left re-reads only half as much. Measured with
+ * bench_matmul --against the quads-only kernel: 0.72x the time at 8 rows, 0.67x at 9,
+ * 0.73x at 12, 0.76x at 13, 0.85x at 16; 0.96x at 20 and 1.15x at 24 (so quads from 17 up),
+ * 1.04-1.10x at 3-5 rows (so quads below 7). 7-9 rows are a speculative verify's. */
+static void pair_rows(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
+                      const float *bias, float *out, int64_t ldo) {
+    const int64_t pairs = N / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t n = 2 * p;
+        const float *wp = w + n * K, *bp = bias ? bias + n : 0, *next = p + 4 < pairs ? wp + 8 * K : 0;
+        for (int64_t m = 0; m < M; m += 12, next = 0) {
+            const float *xm = x + m * ldx;
+            float *op = out + m * ldo + n;
+            switch (M - m < 12 ? M - m : 12) {
+                case 1: tile2x1(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 2: tile2x2(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 3: tile2x3(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 4: tile2x4(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 5: tile2x5(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 6: tile2x6(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 7: tile2x7(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 8: tile2x8(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 9: tile2x9(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 10: tile2x10(xm, ldx, wp, K, op, ldo, bp, next); break;
+                case 11: tile2x11(xm, ldx, wp, K, op, ldo, bp, next); break;
+                default: tile2x12(xm, ldx, wp, K, op, ldo, bp, next); break;
+            }
+        }
+    }
+    dots(x, M, ldx, w, 2 * pairs, N, K, bias, out, ldo);
+}
+
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     if (K % 8) return -1;
-    const int64_t quads = M <= 2 ? 0 : N / 4;
+    const int64_t quads = M <= 3 ? 0 : N / 4;
+    if (M >= 7 && M <= 16) {
+        pair_rows(x, M, ldx, w, N, K, bias, out, ldo);
+        return 0;
+    }
     if (quads == 0) {  /* the weight stream is the whole cost: one pass per feature */
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < N; ++i) dots(x, M, ldx, w, i, i + 1, K, bias, out, ldo);
