@@ -63,7 +63,7 @@ class EngineConfig:
     # on the machine shares), its ms and its decode and prompt tokens; to study latency.
     step_trace: str | None = None
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
-    num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 2 and double)
+    num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 4 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft
     speculative_max_batch: int = 8  # speculate only while at most this many requests decode

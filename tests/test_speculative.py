@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
-from radixserve.core.prompt_lookup import MIN_TRIES, PAUSE_STEPS, PromptLookupDrafter, lookup
+from radixserve.core.prompt_lookup import FIRST_LENGTH, MIN_TRIES, PAUSE_STEPS, PromptLookupDrafter, lookup
 from radixserve.core.request import Request
 from test_scheduler import add, chunks, make_scheduler
 
@@ -40,21 +40,23 @@ def _request(tokens, **params):
 
 def test_drafter_eligibility():
     drafter = PromptLookupDrafter(4, 1, 3, default_on=True)
-    tokens = [1, 2, 3, 1, 2]
-    assert drafter.propose(_request(tokens, temperature=0.0), 8) == [3, 1]  # a first draft is short
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    first = [3, 4, 5, 6, 7, 8, 9, 1][:FIRST_LENGTH]
+    assert 0 < FIRST_LENGTH < 8
+    assert drafter.propose(_request(tokens, temperature=0.0), 8) == first  # a first draft is short
     assert drafter.propose(_request(tokens, temperature=0.0), 1) == [3]
     assert drafter.propose(_request(tokens, temperature=0.0, speculative=False), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.0, logprobs=1), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.0, repetition_penalty=1.2), 8) == []
     assert drafter.propose(_request(tokens, temperature=0.7, seed=3), 8) == []
-    assert drafter.propose(_request(tokens, temperature=0.7), 8) == [3, 1]
+    assert drafter.propose(_request(tokens, temperature=0.7), 8) == first
     assert drafter.propose(_request(tokens, temperature=0.0, min_tokens=2), 8) == []
     constrained = _request(tokens, temperature=0.0)
     constrained.grammar = object()
     assert drafter.propose(constrained, 8) == []
     off_by_default = PromptLookupDrafter(4, 1, 3, default_on=False)
     assert off_by_default.propose(_request(tokens, temperature=0.0), 8) == []
-    assert off_by_default.propose(_request(tokens, temperature=0.0, speculative=True), 8) == [3, 1]
+    assert off_by_default.propose(_request(tokens, temperature=0.0, speculative=True), 8) == first
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="yes")
 
@@ -77,10 +79,11 @@ def test_drafter_pauses_a_request_whose_drafts_do_not_pay():
 def test_draft_length_follows_what_was_accepted():
     drafter = PromptLookupDrafter(6, 1, 3, default_on=True)
     request = _request([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], temperature=0.0)
-    assert drafter.propose(request, 8) == [3, 4]  # starts short
-    drafter.record(request, 2, 2)
-    assert drafter.propose(request, 8) == [3, 4, 5, 6]  # all accepted: double
-    drafter.record(request, 4, 1)
+    follows = [3, 4, 5, 6, 7, 8, 9, 1]
+    assert drafter.propose(request, 8) == follows[:FIRST_LENGTH]  # starts short
+    drafter.record(request, FIRST_LENGTH, FIRST_LENGTH)
+    assert drafter.propose(request, 8) == follows[:min(6, 2 * FIRST_LENGTH)]  # all accepted: double
+    drafter.record(request, min(6, 2 * FIRST_LENGTH), 1)
     assert drafter.propose(request, 8) == [3, 4]  # accepted 1: one past it
     drafter.record(request, 2, 0)
     assert drafter.propose(request, 8) == [3]

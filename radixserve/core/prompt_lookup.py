@@ -22,7 +22,10 @@ MIN_TRIES = 4  # verifications before the rate is judged
 PAUSE_STEPS = 16  # first pause (decode steps without drafting); doubles on each pause
 MAX_PAUSE_STEPS = 512
 EMA = 0.3  # weight of the newest verification in the running acceptance figure
-FIRST_LENGTH = 2  # a request's first draft: verifying 1 + 2 rows costs about as much as 1 on a memory-bound step
+# A request's first draft. Verifying 1 + 4 rows costs ~1.2x a 1-row step with the skinny
+# kernel (2026-12-01); against 2: `bench_speculative` edits 1.86-1.88x vs 1.77-1.80x at batch 1,
+# records (lower acceptance) 1.34x vs 1.33x, batch 8 unchanged within noise.
+FIRST_LENGTH = 4
 
 
 @dataclass
