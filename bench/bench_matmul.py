@@ -12,7 +12,7 @@ dropped), and the report gives the median ms per pass, the weights-read floor (b
 a copy's bandwidth, measured in the same run) and the ratios to the first system:
   kernel    radixserve.ops.native_ops.skinny_linear's source, built as the package builds it
   against   (--against FILE) another source of the same kernel, built with the same flags
-  onednn    radixserve.ops.onednn_linear (oneDNN's matmul on the plain weight)
+  onednn    radixserve.ops.onednn_linear (oneDNN's matmul on the plain weight), where torch has it
   mkl       torch's F.linear (MKL here)
 The kernels run only up to the rows their build takes (max_rows).
 Every system's output is checked against MKL's first. Run it alone (see bench_layer_ops).
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from radixserve.ops.native_build import CSRC, SIGNATURES, build_native
 from radixserve.ops.native_ops import max_rows
-from radixserve.ops.onednn_linear import onednn_linear
+from radixserve.ops.onednn_linear import available as onednn_available, onednn_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (features, K) of the default model
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {"kernel": kernel_pass(load(CSRC / "skinny_linear.c"))}
     if args.against:
         systems["against"] = kernel_pass(load(args.against))
-    systems["onednn"] = onednn_pass
+    if onednn_available():
+        systems["onednn"] = onednn_pass
     systems["mkl"] = mkl_pass
     floor_ms = sum(w.numel() * 4 for w in weights) / (copy_bandwidth_gbs() * 1e9) * 1000
     print(f"{len(weights)} matmuls, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of float32 weights; "

@@ -10,6 +10,7 @@ prompt of --lengths random tokens and one greedy token, with the prefix cache of
 time is the prompt's prefill (in one step: chunked_prefill_size is raised to the longest
 prompt). Reported per length: the best of --repeats in ms and ms per token of each, the
 ratio mkl / onednn measured in the same run, and whether the two chose the same first token.
+The best of the repeats hides any one-off cost of a row count seen for the first time.
 Run it alone: two cores, one benchmark.
 """
 

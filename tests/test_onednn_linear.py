@@ -12,7 +12,14 @@ import radixserve.model.llama as llama
 from radixserve import Engine, SamplingParams
 from radixserve.ops.onednn_linear import available, onednn_linear
 
-needs_onednn = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_available_where_torch_has_onednn():
+    """A changed op signature or a disagreeing result turns it off quietly in the engine
+    (MKL takes over); here it fails."""
+    assert available()
 
 
 @needs_onednn
@@ -32,14 +39,15 @@ def test_agrees_with_f_linear(rows, inputs, outputs, with_bias):
 @needs_onednn
 @torch.inference_mode()
 def test_a_rows_result_does_not_depend_on_the_other_rows():
-    """A prompt chunked differently (or cached and resumed) gets the same numbers; a single row
-    takes another kernel in oneDNN (and the skinny kernel in the model)."""
+    """Among calls that run on oneDNN, a prompt's rows get the same numbers however it is
+    chunked; a single row takes another kernel in oneDNN (and the skinny kernel in the model)."""
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(400, 576, generator=generator)
-    weight = torch.randn(1536, 576, generator=generator)
-    whole = onednn_linear(x, weight, None)
-    for start, stop in [(0, 2), (0, 37), (37, 200), (200, 400), (398, 400)]:
-        assert torch.equal(onednn_linear(x[start:stop], weight, None), whole[start:stop])
+    for inputs, outputs in [(576, 1536), (1536, 576)]:  # gate_up's and down's shapes
+        x = torch.randn(400, inputs, generator=generator)
+        weight = torch.randn(outputs, inputs, generator=generator)
+        whole = onednn_linear(x, weight, None)
+        for start, stop in [(0, 2), (0, 37), (37, 200), (200, 400), (398, 400)]:
+            assert torch.equal(onednn_linear(x[start:stop], weight, None), whole[start:stop])
 
 
 @needs_onednn
@@ -58,7 +66,30 @@ def test_refuses_what_it_does_not_cover():
         assert onednn_linear(x.reshape(2, 2, 8), weight, None) is None
         assert onednn_linear(x[:0], weight, None) is None
         assert onednn_linear(x, weight.t().contiguous().t(), None) is None  # not a dense [out, in]
+        assert onednn_linear(x, torch.randn(6, 16), None) is None  # inner sizes differ
+        assert onednn_linear(x, weight.reshape(2, 3, 8), None) is None
+        assert onednn_linear(x, weight, torch.randn(5)) is None  # bias of the wrong size
+        assert onednn_linear(x, weight, torch.randn(1)) is None  # broadcast bias: F.linear's job
+        assert onednn_linear(x, weight, torch.randn(6).double()) is None
     assert onednn_linear(x, weight, None) is None  # autograd on: the op has no backward
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # flags() also sets tf32, for Intel GPUs
+@torch.inference_mode()
+def test_steps_aside_when_onednn_is_off_or_lowers_float32_precision():
+    x, weight = torch.randn(4, 8), torch.randn(6, 8)
+    assert onednn_linear(x, weight, None) is not None
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert onednn_linear(x, weight, None) is None
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "bf16"
+        assert onednn_linear(x, weight, None) is None
+    finally:
+        matmul.fp32_precision = before
+    assert onednn_linear(x, weight, None) is not None
 
 
 def _counting(monkeypatch) -> list[int]:

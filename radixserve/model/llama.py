@@ -16,7 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.ops.native_decoder import NativeDecoder
-from radixserve.ops.native_ops import rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.ops.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.ops.onednn_linear import onednn_linear
 from radixserve.model.spec import ModelSpec
 
@@ -37,9 +37,9 @@ class Linear(nn.Linear):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True) -> torch.Tensor:
     """x @ weight.T (+ bias): the skinny C kernel for decode-sized float32 batches on CPU,
-    oneDNN for larger ones (unless `onednn` is off), else torch's BLAS."""
+    oneDNN past its rows (unless `onednn` is off), else torch's BLAS."""
     out = skinny_linear(x, weight, bias)
-    if out is None and onednn:
+    if out is None and onednn and x.shape[0] > max_rows():
         out = onednn_linear(x, weight, bias)
     if out is not None:
         return out

@@ -11,8 +11,9 @@ decoder, so this is for the larger steps (prefill chunks, prompt logprobs).
 
 It multiplies by the plain [out, in] weight (mkldnn._linear_pointwise accepts a dense
 one): no packed copy, so no second copy of the weights in memory; packing was only ~10%
-faster. From two rows up, a row's result does not depend on how many rows share the call,
-so a prompt gives the same numbers in any chunking (one row takes another kernel).
+faster. From two rows up, a row's result does not depend on how many rows share the call
+(one row takes another kernel); that holds among calls that all run here, not across the
+skinny kernel's steps, whose sums are added in another order.
 """
 
 from __future__ import annotations
@@ -46,15 +47,30 @@ def available() -> bool:
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The product by oneDNN, or None where it does not apply (not float32 rows on CPU)."""
+    """The product by oneDNN, or None where it does not apply: not float32 rows on CPU with a
+    matching dense [out, in] weight and [out] bias, autograd on (the op has no backward),
+    oneDNN switched off, or its float32 matmuls set to a lower precision."""
     if not (
-        x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[0] > 0
-        and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
-        and not torch.is_grad_enabled() and available()  # the op has no backward
+        _f32_cpu(x) and x.dim() == 2 and x.shape[0] > 0
+        and _f32_cpu(weight) and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
+        and (bias is None or (_f32_cpu(bias) and bias.shape == weight.shape[:1] and bias.is_contiguous()))
+        and not torch.is_grad_enabled() and exact_float32() and available()
     ):
         return None
     return _call(x, weight, bias)
+
+
+def exact_float32() -> bool:
+    """oneDNN is on and computes float32 matmuls in float32 (not bf16 / tf32); both are
+    settings a program can change at any time, so they are read on every call."""
+    if not torch.backends.mkldnn.enabled:
+        return False
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    return getattr(matmul, "fp32_precision", "none") in ("none", "ieee")
+
+
+def _f32_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

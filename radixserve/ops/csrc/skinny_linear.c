@@ -19,8 +19,9 @@
  * another 3-8% at 5 rows and more). Into L2, not L1: prefetching into L1 evicted the rows
  * of x and the quad in use (`python -m bench.bench_matmul --against` the L1 version: 1.5x
  * at 4-8 rows, 1.4x at 16, 1.2x at 32). The first row block also pulls its own quad four
- * lines ahead from L2 into L1: its weight loads had waited on L2 (3-12% faster at 3-12
- * rows, unchanged from 24 up). At 1-3 rows a pass per feature with two FMA chains per row
+ * lines ahead from L2 into L1 (while it prefetches the quad two ahead, i.e. not in a call's
+ * last two quads): its weight loads had waited on L2 (3-12% faster at 3-12 rows, unchanged
+ * from 24 up). At 1-3 rows a pass per feature with two FMA chains per row
  * streams the weight fastest (memory-bound: ~17 ms at 1 row, 14-17 at 2 on a slow day;
  * at 3 rows 0.85x the quads' time on 2026-12-01).
  * AVX2 + FMA only: 3-feature x 4-row tiles with 8-lane accumulators.
@@ -206,7 +207,7 @@ DEFINE_PAIR(12)
  * pass takes up to 12 rows and what is left re-reads only half as much. Measured with
  * bench_matmul --against the quads-only kernel: 0.72x the time at 8 rows, 0.67x at 9,
  * 0.73x at 12, 0.76x at 13, 0.85x at 16; 0.96x at 20 and 1.15x at 24 (so quads from 17 up),
- * 1.04-1.10x at 3-5 rows (so quads below 7). 7-9 rows are a speculative verify's. */
+ * 1.04-1.10x at 3-5 rows (so quads at 4-6). 7-9 rows are a speculative verify's. */
 static void pair_rows(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     const int64_t pairs = N / 2;
