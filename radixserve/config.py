@@ -45,7 +45,7 @@ class EngineConfig:
     # off: every step layer by layer from Python, prompt chunks through SDPA, to compare.
     native_decoder: bool = True
     # CPU, float32: matmuls too large for the skinny kernel (prefill chunks) run on oneDNN,
-    # ~2x torch's MKL on AMD CPUs with AVX-512; off: MKL, to compare.
+    # ~2x torch's MKL on the dev machine's AMD CPU (AVX-512); off: MKL, to compare.
     onednn_linear: bool = True
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when kv_persist_dir is set)

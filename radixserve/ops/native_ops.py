@@ -6,7 +6,8 @@ returning None where it does not apply so that the caller keeps its torch path.
   in its own layout, once, prefetching the next tile's. Measured on the 2-core dev
   machine, cold weights, the default model's matmuls: at 1 row as fast as the weight
   streams, 1.6x MKL at 8 rows, 1.2x at 32, 1.07-1.2x up to 128 (AVX-512 build; the
-  AVX2 build stops at 32). Above `max_rows()` the BLAS wins (prefill chunks).
+  AVX2 build stops at 32). Above `max_rows()` (prefill chunks) oneDNN takes over
+  (onednn_linear.py), or the BLAS where oneDNN is off.
 - rms_norm, rope_, silu_mul: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """

@@ -192,9 +192,7 @@ DEFINE_TILE(6)
 DEFINE_PAIR(1)
 DEFINE_PAIR(2)
 DEFINE_PAIR(3)
-DEFINE_PAIR(4)
-DEFINE_PAIR(5)
-DEFINE_PAIR(6)
+DEFINE_PAIR(4) /* 1-4: what a second pass over 13-16 rows leaves */
 DEFINE_PAIR(7)
 DEFINE_PAIR(8)
 DEFINE_PAIR(9)
@@ -223,8 +221,6 @@ static void pair_rows(const float *x, int64_t M, int64_t ldx, const float *w, in
                 case 2: tile2x2(xm, ldx, wp, K, op, ldo, bp, next); break;
                 case 3: tile2x3(xm, ldx, wp, K, op, ldo, bp, next); break;
                 case 4: tile2x4(xm, ldx, wp, K, op, ldo, bp, next); break;
-                case 5: tile2x5(xm, ldx, wp, K, op, ldo, bp, next); break;
-                case 6: tile2x6(xm, ldx, wp, K, op, ldo, bp, next); break;
                 case 7: tile2x7(xm, ldx, wp, K, op, ldo, bp, next); break;
                 case 8: tile2x8(xm, ldx, wp, K, op, ldo, bp, next); break;
                 case 9: tile2x9(xm, ldx, wp, K, op, ldo, bp, next); break;
@@ -240,11 +236,11 @@ static void pair_rows(const float *x, int64_t M, int64_t ldx, const float *w, in
 int skinny_linear_f32(const float *x, int64_t M, int64_t ldx, const float *w, int64_t N, int64_t K,
                       const float *bias, float *out, int64_t ldo) {
     if (K % 8) return -1;
-    const int64_t quads = M <= 3 ? 0 : N / 4;
     if (M >= 7 && M <= 16) {
         pair_rows(x, M, ldx, w, N, K, bias, out, ldo);
         return 0;
     }
+    const int64_t quads = M <= 3 ? 0 : N / 4;
     if (quads == 0) {  /* the weight stream is the whole cost: one pass per feature */
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < N; ++i) dots(x, M, ldx, w, i, i + 1, K, bias, out, ldo);
