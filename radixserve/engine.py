@@ -38,6 +38,7 @@ from radixserve.core.prompt_lookup import PromptLookupDrafter
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
 _HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier pages
+MAX_SESSION_ID_CHARS = 512  # a client's 256 characters, led by the server's tenant name
 
 THREAD_RULE = (
     "an Engine is used by one thread at a time; another thread is inside it now. "
@@ -141,8 +142,10 @@ class Engine:
     ) -> PreparedRequest:
         """Tokenize and check a request and compile its constraint; thread-safe, touches no
         engine state. Raises ValueError (naming the limit) if the request can never run."""
-        if session_id is not None and (not isinstance(session_id, str) or not session_id or len(session_id) > 256):
-            raise ValueError("session_id must be a non-empty string of at most 256 characters")
+        if session_id is not None and (
+            not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_CHARS
+        ):
+            raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters")
         prepared = self.preparer.prepare(prompt, params, cache_salt)
         prepared.session_id = session_id
         return prepared
@@ -327,9 +330,10 @@ class Engine:
         self.scheduler.check_integrity()
 
     @_one_thread
-    def flush_cache(self) -> int:
-        """Drop every unlocked prefix-cache entry; returns the number of blocks freed."""
-        return self.scheduler.flush_cache()
+    def flush_cache(self, namespace: str | None = None) -> int:
+        """Drop every unlocked prefix-cache entry (only those under cache salt `namespace`
+        and its sub-salts `namespace/...`, when given); returns the number of blocks freed."""
+        return self.scheduler.flush_cache(namespace)
 
     # ---- helpers ----------------------------------------------------------------
 

@@ -166,3 +166,21 @@ def test_flush_drops_every_unlocked_entry():
     cache.unlock(m.node)
     assert cache.flush() == 1
     assert pool.num_free == 16
+
+
+def test_flush_of_a_namespace_drops_it_and_its_sub_salts_only():
+    pool, cache = make()
+    finish(pool, cache, [1, 2, 3, 4], pool.allocate(2))  # blocks 0, 1: no salt
+    cache.insert([1, 2], blocks := pool.allocate(1), "key:a")  # block 2
+    pool.free(blocks)
+    cache.insert([1, 2, 3, 4], blocks := pool.allocate(2), "key:a/s")  # blocks 3, 4
+    pool.free(reversed(blocks))
+    cache.insert([1, 2], blocks := pool.allocate(1), "key:ab")  # block 5: a name that only begins like it
+    pool.free(blocks)
+    assert cache.flush("key:a") == 3
+    assert sorted(cache.held_blocks()) == [0, 1, 5]
+    assert cache.match_prefix([1, 2], "key:ab").blocks == [5]
+    assert cache.match_prefix([1, 2, 3, 4]).blocks == [0, 1]
+    assert cache.match_prefix([1, 2], "key:a").blocks == []
+    cache.check_integrity()
+    assert cache.flush() == 3 and pool.num_free == 16

@@ -52,3 +52,16 @@ def test_too_long_is_not_kept():
     store = ResponseStore(max_chars=10)
     assert not store.put("big", turn("x" * 20))
     assert store.get("big") is None
+
+
+def test_a_response_is_found_only_by_its_owner():
+    store = ResponseStore()
+    history = [HistoryMessage("user", "the vault code is 4417")]
+    assert store.put("resp_1", history, owner="a")
+    assert store.get("resp_1", owner="b") is None and store.get("resp_1") is None
+    assert store.get("resp_1", owner="a") == history
+    view_b = store.for_owner("b")
+    assert view_b.get("resp_1") is None
+    assert view_b.put("resp_1", [HistoryMessage("user", "other")])  # the same id under B is B's own
+    assert store.for_owner("a").get("resp_1") == history
+    assert view_b.get("resp_1") == [HistoryMessage("user", "other")]

@@ -127,11 +127,13 @@ def test_store_false_is_not_kept(client, server):
     assert out.store is False
     answer = httpx.post(server.url + "/v1/responses", timeout=60,
                         json={"model": MODEL, "input": "again", "previous_response_id": out.id})
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "previous_response_id"
+    assert answer.status_code == 404 and answer.json()["error"]["param"] == "previous_response_id"
+    unknown = httpx.post(server.url + "/v1/responses", timeout=60,
+                         json={"model": MODEL, "input": "again", "previous_response_id": "resp_nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "response_not_found"
 
 
 BAD = [
-    ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "x", "parameters": {"type": "bogus"}}]}, "tools[0].parameters"),

@@ -279,10 +279,11 @@ class RadixCache:
             freed += self._leave_pool(leaf)
         return freed
 
-    def flush(self) -> int:
-        """Drop every unlocked entry from both tiers; returns the number of pool blocks freed."""
+    def flush(self, namespace: str | None = None) -> int:
+        """Drop every unlocked entry from both tiers (only under salt `namespace` and the
+        salts `namespace/...` below it, when given); returns the number of pool blocks freed."""
         freed = 0
-        for node in reversed(list(self.nodes())):  # children before parents
+        for node in reversed(list(self.nodes(namespace))):  # children before parents
             if node.alive and node.lock_ref == 0 and not node.children:
                 freed += self._drop(node, "flushed")
         return freed
@@ -328,9 +329,10 @@ class RadixCache:
 
     # ---- reading the tree -----------------------------------------------------------
 
-    def nodes(self):
-        """Every node except the roots, parents before children."""
-        stack = list(self._roots.values())
+    def nodes(self, namespace: str | None = None):
+        """Every node except the roots, parents before children; with `namespace`, only
+        those under salt `namespace` and its sub-salts `namespace/...`."""
+        stack = [root for salt, root in self._roots.items() if _within(salt, namespace)]
         while stack:
             node = stack.pop()
             if not node.is_root:
@@ -583,3 +585,9 @@ class RadixCache:
             raise AssertionError(f"{node}: {len(node.digests)} digests for {size} blocks")
         if not node.alive or node.parent.children.get(tuple(node.tokens[:self.block_size])) is not node:
             raise AssertionError(f"{node} is not its parent's child")
+
+
+def _within(salt: str | None, namespace: str | None) -> bool:
+    if namespace is None:
+        return True
+    return salt is not None and (salt == namespace or salt.startswith(namespace + "/"))

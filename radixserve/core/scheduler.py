@@ -138,8 +138,8 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
 
-    def flush_cache(self) -> int:
-        return self.cache.flush() if self.cache is not None else 0
+    def flush_cache(self, namespace: str | None = None) -> int:
+        return self.cache.flush(namespace) if self.cache is not None else 0
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every block reference and node lock is accounted for:

@@ -21,7 +21,7 @@ from radixserve.server import native_api, sessions_api, sglang_api
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from radixserve.server.middleware import ApiKeyAuth, StatusCounter, cache_namespace
+from radixserve.server.middleware import ApiKeyAuth, StatusCounter, cache_namespace, owned_session_id, tenant
 from radixserve.server.openai_chat import ChatResponder, chat_job
 from radixserve.server.openai_completions import CompletionResponder
 from radixserve.server.openapi import openapi_schema
@@ -78,7 +78,7 @@ def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
     routes = _routes(options)
     middleware = [
         Middleware(StatusCounter, observe=metrics.observe_http, endpoints=[r.path for r in routes]),
-        Middleware(ApiKeyAuth, api_keys=options.all_api_keys),
+        Middleware(ApiKeyAuth, api_keys=options.all_api_keys, admin_keys=options.admin_api_keys),
     ]
     app = Starlette(
         routes=routes,
@@ -150,7 +150,7 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     state = _state(request)
     body = parse(ResponsesRequest, await read_json(request))
-    job, responder = await responses_job(body, state.served, state.tools, state.responses)
+    job, responder = await responses_job(body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)))
     return await _serve_job(request, _in_namespace(request, job), responder)
 
 
@@ -218,11 +218,13 @@ async def _results_unless_disconnected(request: Request, group: RequestGroup) ->
 
 
 def _in_namespace(request: Request, job: GenerationJob | NativeJob) -> GenerationJob | NativeJob:
-    """The job with the engine's cache salt: the caller's API-key namespace (unless keys
-    share the cache) combined with the body's cache_salt."""
+    """The job in its caller's namespace: the engine's cache salt is the caller's API-key
+    namespace (unless keys share the cache) combined with the body's cache_salt, and its
+    session id is the caller's own (always, shared cache or not)."""
+    session_id = owned_session_id(request.scope, job.session_id)
     if _state(request).options.shared_cache_across_keys:
-        return job
-    return replace(job, cache_salt=cache_namespace(request.scope, job.cache_salt))
+        return replace(job, session_id=session_id)
+    return replace(job, cache_salt=cache_namespace(request.scope, job.cache_salt), session_id=session_id)
 
 
 def _state(request: Request) -> ServerState:

@@ -26,6 +26,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help=f"require 'Authorization: Bearer KEY'; repeat for several keys (or set {API_KEY_ENV})")
     group.add_argument("--api-key-file", default=None, metavar="PATH",
                        help="accept the keys in PATH too: one per line ('#' starts a comment line)")
+    group.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                       help="an API key that may also act for every tenant: flush the whole prefix cache, abort "
+                            "every rid; repeat for several")
     group.add_argument("--shared-cache-across-keys", action="store_true",
                        help="let all API keys share one prefix cache (a single trusted tenant); by default each "
                             "key has its own cache namespace")
@@ -50,6 +53,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(
         api_keys=api_keys(args),
+        admin_api_keys=tuple(args.admin_api_key or ()),
         shared_cache_across_keys=args.shared_cache_across_keys,
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout,

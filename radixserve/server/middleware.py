@@ -1,5 +1,9 @@
 """Pure ASGI middleware (no response buffering, so streams and disconnects pass through):
-bearer-token auth and per-endpoint status counting."""
+bearer-token auth and per-endpoint status counting, and the tenant a request acts for.
+
+With API keys set, everything a request makes (stored responses, rids, sessions, cache
+entries) belongs to its key's tenant: `tenant(scope)` names it, and only the same tenant,
+or an admin key for the operations that span tenants (`may_act_for_all`), can reach it."""
 
 from __future__ import annotations
 
@@ -14,17 +18,24 @@ ASGIApp = Callable[..., Any]
 
 
 TENANT_SCOPE_KEY = "radixserve.tenant"  # set on the ASGI scope: a digest of the caller's API key
+ADMIN_SCOPE_KEY = "radixserve.admin"  # set (True) on the scope of a call made with an admin key
 
 
 class ApiKeyAuth:
     """Answers 401 to HTTP requests without `Authorization: Bearer <key>` for one of
     `api_keys`, except on `open_paths`; no keys: everyone may call. The scheme is
     case-insensitive (RFC 9110); the key is compared in constant time against every key.
-    An accepted call carries its key's digest on the scope (see `cache_namespace`)."""
+    An accepted call carries its key's digest on the scope (see `tenant`); a key that is
+    also in `admin_keys` marks the call as an admin's (see `may_act_for_all`)."""
 
-    def __init__(self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",)):
+    def __init__(
+        self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",),
+        admin_keys: Iterable[str] = (),
+    ):
         self.app = app
-        self.keys = [(key.encode(), key_digest(key)) for key in api_keys]
+        admins = frozenset(admin_keys)
+        keys = dict.fromkeys([*api_keys, *admins])
+        self.keys = [(key.encode(), key_digest(key), key in admins) for key in keys]
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -32,9 +43,9 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        tenant = self._match(given)
-        if tenant is not None:
-            scope[TENANT_SCOPE_KEY] = tenant
+        found = self._match(given)
+        if found is not None:
+            scope[TENANT_SCOPE_KEY], scope[ADMIN_SCOPE_KEY] = found
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not given else "invalid API key"
@@ -42,15 +53,16 @@ class ApiKeyAuth:
                          headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
-    def _match(self, header: bytes) -> str | None:
+    def _match(self, header: bytes) -> tuple[str, bool] | None:
+        """(the key's digest, whether it is an admin key), or None for no accepted key."""
         scheme, _, token = header.strip().partition(b" ")
         token = token.strip()
         if scheme.lower() != b"bearer" or not token:
             return None
         found = None
-        for key, digest in self.keys:  # no early exit: the time taken does not tell which key matched
+        for key, digest, admin in self.keys:  # no early exit: the time taken does not tell which key matched
             if hmac.compare_digest(token, key):
-                found = digest
+                found = (digest, admin)
         return found
 
 
@@ -59,15 +71,43 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def tenant(scope: dict) -> str | None:
+    """The tenant a request acts for: its API key's digest; None when no keys are set
+    (one trusted tenant)."""
+    return scope.get(TENANT_SCOPE_KEY)
+
+
+def may_act_for_all(scope: dict) -> bool:
+    """Whether the request may touch every tenant's objects at once (flush every cache
+    namespace, abort every rid): without keys everyone may; with keys only an admin key."""
+    return tenant(scope) is None or bool(scope.get(ADMIN_SCOPE_KEY))
+
+
+def tenant_namespace(scope: dict) -> str | None:
+    """The cache namespace that holds everything this tenant cached (every cache_salt it
+    used lies under it); None without keys."""
+    digest = tenant(scope)
+    return None if digest is None else f"key:{digest}"
+
+
+def owned_session_id(scope: dict, session_id: str | None) -> str | None:
+    """The engine's name for a client's session id: led by its tenant, so that no key can
+    continue, close or count on another key's session, even where keys share the cache."""
+    digest = tenant(scope)
+    if session_id is None or digest is None:
+        return session_id
+    return f"{digest}:{session_id}"
+
+
 def cache_namespace(scope: dict, cache_salt: str | None) -> str | None:
     """The engine's cache salt for a request: the caller's key digest (when keys are in use)
     combined with the body's cache_salt. Prefixes are shared only within one key (and one
     cache_salt): `cached_tokens` cannot tell a caller what another key's prompts were.
     The digest has a fixed length, so no cache_salt of one key can spell another's namespace."""
-    tenant = scope.get(TENANT_SCOPE_KEY)
-    if tenant is None:
+    namespace = tenant_namespace(scope)
+    if namespace is None:
         return cache_salt
-    return f"key:{tenant}" if cache_salt is None else f"key:{tenant}/{cache_salt}"
+    return namespace if cache_salt is None else f"{namespace}/{cache_salt}"
 
 
 class StatusCounter:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from radixserve.outputs import RequestOutput, TokenLogprob
 from radixserve.server.errors import APIError
 from radixserve.server.logprob_format import finite
+from radixserve.server.middleware import tenant
 from radixserve.server.protocol.jobs import NativeJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.sglang_api import RidTable, rid_table
@@ -41,13 +42,13 @@ Wait = Callable[[Request, RequestGroup], Awaitable["list[RequestOutput] | None"]
 async def respond(request: Request, job: NativeJob, engine: Any, texts: TokenTexts, wait: Wait) -> Response:
     """Submit the job, then answer: JSON, or an event stream. `wait(request, group)` gives
     the final outputs, or None when the client went away."""
-    rids = rid_table(request.app)
-    rids.check_free(job.rids)
+    rids, owner = rid_table(request.app), tenant(request.scope)
+    rids.check_free(owner, job.rids)
     group = await engine.submit(job.inputs())
     answer = Answer(job, group, texts)
-    rids.hold(job.rids, group)
+    rids.hold(owner, job.rids, group)
     if job.stream:
-        return EventStream(answer.stream(rids), on_close=lambda: _release(rids, job, group))
+        return EventStream(answer.stream(rids), on_close=lambda: _release(rids, owner, job, group))
     try:
         outputs = await wait(request, group)
     except APIError:
@@ -55,7 +56,7 @@ async def respond(request: Request, job: NativeJob, engine: Any, texts: TokenTex
             raise
         outputs = answer.latest()
     finally:
-        _release(rids, job, group)
+        _release(rids, owner, job, group)
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED)
     results = answer.results(outputs)
@@ -166,7 +167,7 @@ def _finish_reason(output: RequestOutput) -> dict[str, Any]:
     return {"type": output.finish_reason, "message": "aborted"}
 
 
-def _release(rids: RidTable, job: NativeJob, group: RequestGroup) -> None:
-    rids.release(job.rids, group)
+def _release(rids: RidTable, owner: str | None, job: NativeJob, group: RequestGroup) -> None:
+    rids.release(owner, job.rids, group)
     group.abort()  # a no-op once every member finished
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class ServerOptions:
     api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()  # more accepted keys (tenants), beside api_key
+    admin_api_keys: tuple[str, ...] = ()  # accepted keys that may also act for every tenant (flush all, abort all)
     shared_cache_across_keys: bool = False  # else each key has its own prefix-cache namespace
     max_queued_requests: int = 1024  # engine requests waiting for their first token; past it: 503
     request_timeout_s: float | None = None  # abort a request running longer (504)
@@ -30,12 +31,12 @@ class ServerOptions:
 
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")
-        for key in ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys):
+        for key in ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys) + tuple(self.admin_api_keys):
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ValueError("API keys must be non-empty strings without surrounding whitespace")
 
     @property
     def all_api_keys(self) -> tuple[str, ...]:
         """Every accepted key, without duplicates; empty: no authentication."""
-        keys = ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+        keys = ((self.api_key,) if self.api_key else ()) + tuple(self.api_keys) + tuple(self.admin_api_keys)
         return tuple(dict.fromkeys(keys))

@@ -8,8 +8,8 @@ and `function_call` items, usage with `input_tokens_details.cached_tokens`; stre
 typed events the official client parses.
 
 `store` (default true) keeps the conversation in memory (ResponseStore: bounded, with a
-TTL) so a later request can continue it with `previous_response_id`; an unknown or
-expired id is a 400. Other tool types, non-text inputs and `background` are refused.
+TTL, one namespace per API key) so a later request of the same key can continue it with
+`previous_response_id`; an unknown, expired or another key's id is a 404. Other tool types, non-text inputs and `background` are refused.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from pydantic_core import PydanticCustomError
 
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import APIError, bad_request
 from radixserve.server.openai_common import now_s
 from radixserve.server.protocol.common import MAX_SEED, OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
-from radixserve.server.response_store import ResponseStore
+from radixserve.server.response_store import OwnedResponses
 from radixserve.server.responses_output import ResponseOutputBuilder, response_usage
 from radixserve.server.tools.definitions import (
     MAX_TOOLS, FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition, ToolSpec, tool_spec,
@@ -153,17 +153,17 @@ class ResponsesRequest(OpenAIModel):
         definitions = [t.definition() for t in self.tools or []]
         return tool_spec(definitions, choice, self.parallel_tool_calls, flat=True)
 
-    def history(self, store: ResponseStore) -> tuple[list[HistoryMessage], list[HistoryMessage]]:
+    def history(self, store: OwnedResponses) -> tuple[list[HistoryMessage], list[HistoryMessage]]:
         """(instructions as a system turn, the conversation: stored turns, then this input)."""
         head = [HistoryMessage("system", self.instructions)] if self.instructions else []
         earlier: list[HistoryMessage] = []
         if self.previous_response_id is not None:
             stored = store.get(self.previous_response_id)
             if stored is None:
-                raise bad_request(
-                    f"'previous_response_id' '{self.previous_response_id}' is unknown or expired (responses are kept "
-                    f"in memory for {store.ttl_s:g} s, at most {store.max_entries} of them)",
-                    param="previous_response_id",
+                raise APIError(
+                    404, f"previous response '{self.previous_response_id}' not found: unknown or expired (responses "
+                    f"are kept in memory for {store.ttl_s:g} s, at most {store.max_entries} of them)",
+                    type="not_found_error", param="previous_response_id", code="response_not_found",
                 )
             earlier = stored
         return head, earlier + _input_history(self.input)
@@ -206,7 +206,7 @@ def _input_history(value: str | list) -> list[HistoryMessage]:
 
 
 async def responses_job(
-    body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: ResponseStore
+    body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: OwnedResponses
 ) -> tuple[GenerationJob, "ResponsesResponder"]:
     """The engine job of a Responses request and the responder that answers it."""
     model = served.check_model(body.model)
@@ -234,7 +234,7 @@ class ResponsesResponder:
 
     def __init__(
         self, job: GenerationJob, body: ResponsesRequest, spec: ToolSpec | None, calling: ToolCalling,
-        store: ResponseStore, conversation: list[HistoryMessage],
+        store: OwnedResponses, conversation: list[HistoryMessage],
     ):
         self.job = job
         self.request = body

@@ -8,7 +8,9 @@ unreferenced prefixes); these routes end a session and pin a shared prefix.
   of this prefix (a system prompt and tool list) ahead of other entries for ttl_s seconds.
 
 Sessions and pins live in the caller's cache namespace (API key and cache_salt), like the
-prefixes they protect. They order eviction; they never reserve memory.
+prefixes they protect, and a session belongs to the key that opened it even where keys
+share the cache: another key's close finds no such session (404). They order eviction;
+they never reserve memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from radixserve.server.errors import APIError, bad_request
-from radixserve.server.middleware import cache_namespace
+from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.protocol.body import read_body, read_json
 from radixserve.server.protocol.common import Integer, NativeModel, parse
 
@@ -59,8 +61,9 @@ async def close_session(request: Request) -> Response:
             body = parse(CloseSessionRequest, json.loads(raw))
         except ValueError as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
-    salt = cache_namespace(request.scope, body.cache_salt)
-    closed = await _server(request).engine.call(lambda engine: engine.close_session(session_id, salt))
+    salt = _salt(request, body.cache_salt)
+    owned = owned_session_id(request.scope, session_id)
+    closed = await _server(request).engine.call(lambda engine: engine.close_session(owned, salt))
     if not closed:
         raise APIError(404, f"no open session {session_id!r}", type="not_found_error", param="session_id",
                        code="session_not_found")
@@ -72,13 +75,20 @@ async def pin_prefix(request: Request) -> Response:
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of 'text' and 'input_ids'", param="text")
     prompt = body.text if body.text is not None else list(body.input_ids)
-    salt = cache_namespace(request.scope, body.cache_salt)
+    salt = _salt(request, body.cache_salt)
     server = _server(request)
     try:
         pinned = await server.engine.call(lambda engine: engine.pin_prefix(prompt, body.ttl_s, salt))
     except ValueError as exc:
         raise bad_request(str(exc), param="input_ids" if body.input_ids is not None else "text") from None
     return JSONResponse({"object": "session.pin", "pinned_tokens": pinned, "ttl_s": body.ttl_s})
+
+
+def _salt(request: Request, cache_salt: str | None) -> str | None:
+    """The engine's cache salt for the caller, as the generation routes compute it."""
+    if _server(request).options.shared_cache_across_keys:
+        return cache_salt
+    return cache_namespace(request.scope, cache_salt)
 
 
 def _server(request: Request):
