@@ -48,8 +48,8 @@ class EngineConfig:
     # ~2x torch's MKL on the dev machine's AMD CPU (AVX-512); off: MKL, to compare.
     onednn_linear: bool = True
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
-    kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when kv_persist_dir is set)
-    kv_offload_dir: str | None = None  # the tier is a file here (mmap); None: anonymous memory
+    kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)
+    kv_offload_dir: str | None = None  # the tier is a file here (mmap; alone: a 2 GiB tier); None: anonymous memory
     kv_persist_dir: str | None = None  # keep the tier and its index here across restarts
     session_ttl_s: int = 600  # an agent session idle this long releases its hold on the cache
     # Step-time target while requests decode: each step's prefill tokens are sized by a cost
@@ -105,6 +105,7 @@ class EngineConfig:
             trace = Path(self.step_trace)
             if trace.is_dir() or not trace.parent.is_dir():
                 raise ValueError(f"step_trace must be a file in an existing directory, got {self.step_trace!r}")
+        _check_takes_effect(self)
         if self.chunked_prefill_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must not exceed "
@@ -114,6 +115,37 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+_SPECULATIVE_KNOBS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch")
+_CACHE_KNOBS = ("session_ttl_s", "kv_offload_memory", "kv_offload_dir", "kv_persist_dir")
+
+
+def _check_takes_effect(config: EngineConfig) -> None:
+    """Refuse options set to something other than their default where they would do
+    nothing (an option that is silently ignored changes a deployment's meaning)."""
+    if config.speculative is None:
+        _refuse_changed(config, _SPECULATIVE_KNOBS, "take effect with speculative decoding: set speculative too")
+    if not config.enable_prefix_cache:
+        _refuse_changed(config, _CACHE_KNOBS, "need the prefix cache: drop --no-enable-prefix-cache")
+        if config.schedule_policy != "fcfs" and config.schedule_policy != _default("schedule_policy"):
+            raise ValueError(f"schedule_policy {config.schedule_policy!r} orders by cached prefixes: it needs "
+                             "the prefix cache")
+    if config.schedule_policy == "fcfs" or not config.enable_prefix_cache:
+        _refuse_changed(config, ("policy_fcfs_threshold",), "applies to the cache-aware policies (lpm, dfs-weight)")
+    if config.model is not None:
+        _refuse_changed(config, ("model_cache_dir",), "is where the default model is converted to: it does nothing "
+                        "with model set")
+
+
+def _refuse_changed(config: EngineConfig, names: tuple[str, ...], why: str) -> None:
+    changed = [n for n in names if getattr(config, n) != _default(n)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} {why}")
+
+
+def _default(name: str) -> object:
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

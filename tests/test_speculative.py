@@ -146,7 +146,7 @@ def test_scheduler_allocates_draft_blocks_and_releases_rejected_ones():
 
 def test_scheduler_drafts_only_up_to_max_tokens_and_batch():
     s = make_scheduler(num_blocks=64, cache=False, max_num_batched_tokens=64, chunked_prefill_size=32,
-                       speculative_max_batch=1)
+                       speculative="prompt-lookup", speculative_max_batch=1)
     s.drafter = ScriptedDrafter(lambda r: [50, 51, 52, 53, 54, 55])
     a = Request("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), 6)
     s.add(a)

@@ -35,6 +35,15 @@ def cluster_requested(args: argparse.Namespace) -> bool:
     return getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
 
 
+def cluster_only_flags(args: argparse.Namespace) -> list[str]:
+    """The cluster flags given a value other than their default (they do nothing without
+    --replicas or --ray-address)."""
+    from radixserve.cluster.affinity import AffinityConfig
+
+    defaults = {"router": "affinity", "balance_threshold": AffinityConfig().balance_threshold, "replica_cpus": 1.0}
+    return ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name, value) != value]
+
+
 def cluster_options(args: argparse.Namespace) -> Any:
     """The ClusterOptions of the flags (ValueError for bad ones, before Ray is touched)."""
     from radixserve.cluster.affinity import AffinityConfig

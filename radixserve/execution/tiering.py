@@ -26,7 +26,7 @@ from radixserve.execution.tier_store import TierStore
 
 log = logging.getLogger("radixserve.tiering")
 
-DEFAULT_PERSIST_BYTES = 2 << 30
+DEFAULT_TIER_BYTES = 2 << 30  # a tier asked for by directory alone (kv_offload_dir, kv_persist_dir)
 _SAMPLES_PER_TENSOR = 4096
 
 
@@ -43,9 +43,11 @@ class Tiering:
     def build(cls, config: EngineConfig, model: torch.nn.Module, block_shape: tuple[int, ...],
               dtype: torch.dtype, layout: dict[str, Any]) -> "Tiering":
         size = config.kv_offload_memory
-        if size is None and config.kv_persist_dir is None:
+        if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
-        size = size or DEFAULT_PERSIST_BYTES
+        if size is None:
+            size = DEFAULT_TIER_BYTES
+            log.info("KV tier: kv_offload_memory not set, so the tier takes the default %.2f GiB", size / 2**30)
         element = torch.empty((), dtype=dtype).element_size()
         per_block = element * int(torch.Size(block_shape).numel())
         num_slots = size // per_block

@@ -83,10 +83,13 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. With --replicas
     or --ray-address: the engines run as Ray Serve replicas (radixserve.cluster) instead."""
-    from radixserve.cluster.launch import cluster_requested, serve_cluster
+    from radixserve.cluster.launch import cluster_only_flags, cluster_requested, serve_cluster
 
     if cluster_requested(args):
         return serve_cluster(args, engine_kwargs, server_options(args))
+    if cluster_only_flags(args):
+        raise ValueError(f"{', '.join(cluster_only_flags(args))} configure replicas: give --replicas N "
+                         "(or --ray-address) too")
     import uvicorn
 
     from radixserve.engine import Engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -31,9 +32,18 @@ class ServerOptions:
 
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")
+        if self.shared_cache_across_keys and not self.all_api_keys:
+            raise ValueError("shared_cache_across_keys needs API keys: without keys every caller already shares "
+                             "one cache (one trusted tenant)")
         for key in ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys) + tuple(self.admin_api_keys):
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ValueError("API keys must be non-empty strings without surrounding whitespace")
+
+    def reported(self) -> dict[str, object]:
+        """The options as /get_server_info reports them: keys counted, never shown."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if "api_key" not in f.name}
+        return {**shown, "api_keys": len(self.all_api_keys) - len(set(self.admin_api_keys)),
+                "admin_api_keys": len(set(self.admin_api_keys))}
 
     @property
     def all_api_keys(self) -> tuple[str, ...]:

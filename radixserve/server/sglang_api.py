@@ -62,6 +62,7 @@ async def get_server_info(request: Request) -> Response:
         "version": radixserve.__version__,
         "model_path": _model_path(engine),
         "engine": dataclasses.asdict(engine.config),
+        "server": state.options.reported(),
         "max_model_len": engine.max_model_len,
         "block_size": engine.config.block_size,
         "num_kv_blocks": engine.pool.num_blocks,
