@@ -65,6 +65,15 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     )
 
 
+def refuse_cluster_flags_alone(args: argparse.Namespace) -> None:
+    """ValueError for cluster flags given to a single server (they would do nothing)."""
+    from radixserve.cluster.launch import cluster_only_flags, cluster_requested
+
+    flags = cluster_only_flags(args)
+    if flags and not cluster_requested(args):
+        raise ValueError(f"{', '.join(flags)} configure replicas: give --replicas N (or --ray-address) too")
+
+
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """The --api-key flags and the --api-key-file lines; the environment's key when neither is given."""
     keys = list(args.api_key or [])
@@ -83,13 +92,11 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. With --replicas
     or --ray-address: the engines run as Ray Serve replicas (radixserve.cluster) instead."""
-    from radixserve.cluster.launch import cluster_only_flags, cluster_requested, serve_cluster
+    from radixserve.cluster.launch import cluster_requested, serve_cluster
 
     if cluster_requested(args):
         return serve_cluster(args, engine_kwargs, server_options(args))
-    if cluster_only_flags(args):
-        raise ValueError(f"{', '.join(cluster_only_flags(args))} configure replicas: give --replicas N "
-                         "(or --ray-address) too")
+    refuse_cluster_flags_alone(args)
     import uvicorn
 
     from radixserve.engine import Engine
