@@ -1,0 +1,23 @@
+"""The soak of bench/soak.py for one minute (issue 29, point 3; the ten-minute run is
+`python -m bench.soak`): every route, two keys, drops, aborts, bad inputs and flushes; the
+server ends idle and intact, without leaks, and no key sees the other's text or ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import soak
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+
+def test_a_one_minute_soak_holds(real_model_dir, tmp_path):
+    out = tmp_path / "soak.json"
+    assert soak.main(["--minutes", "1", "--workers", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["calls"] > 100 and not report["failures"] and not report["leaks"]
+    kinds = {name.split(":")[0] for name in report["outcomes"]}
+    assert {"chat", "completion", "responses", "generate", "dropped_stream", "bad_input", "flush", "session",
+            "foreign response id", "foreign rid"} <= kinds
