@@ -211,6 +211,28 @@ def test_cluster_wide_endpoints_add_up_the_replicas_answers():
     assert _call(with_dead, "POST", "/flush_cache").json()["error"]["code"] == "replica_failed"
 
 
+def test_broadcasts_reach_every_replica_under_the_callers_key():
+    """Tenancy holds in the cluster because each replica applies it: the ingress hands
+    /abort_request, /flush_cache and session closes to every replica with the caller's
+    own Authorization header, never another's or none."""
+    seen: list[tuple[str, str | None]] = []
+
+    def recording(name: str) -> Starlette:
+        async def record(request: Request):
+            seen.append((request.url.path, request.headers.get("authorization")))
+            return JSONResponse({"aborted": 0, "freed_blocks": 1, "flushed": "own"})
+
+        return Starlette(routes=[Route(p, record, methods=["GET", "POST"]) for p in (
+            "/abort_request", "/flush_cache", "/v1/sessions/{sid}/close")])
+
+    handle = _Handle({"a": recording("a"), "b": recording("b")})
+    for method, path, body in (("POST", "/abort_request", {"rid": "r"}), ("POST", "/flush_cache", None),
+                               ("POST", "/v1/sessions/s1/close", None)):
+        _call(handle, method, path, json=body, headers={"authorization": "Bearer key-b"})
+    assert seen == [(p, "Bearer key-b") for p in ("/abort_request",) * 2 + ("/flush_cache",) * 2
+                    + ("/v1/sessions/s1/close",) * 2]
+
+
 def test_closing_a_session_closes_it_wherever_it_is_open():
     nowhere = _Handle({"a": _replica_app("a"), "b": _replica_app("b")})
     assert _call(nowhere, "POST", "/v1/sessions/s1/close").status_code == 404

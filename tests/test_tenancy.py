@@ -141,8 +141,10 @@ def test_a_flush_drops_only_the_callers_namespace(engine):
         assert _post(server, "/flush_cache", {}, A).json()["freed_blocks"] > 0
         assert _cached(server, A) == 0 and _cached(server, A, cache_salt="s") == 0
         assert _cached(server, B) >= 32  # A's flush left B's
-        assert _post(server, "/flush_cache", {}, ADMIN).json()["freed_blocks"] > 0
+        everything = _post(server, "/flush_cache", {}, ADMIN).json()
+        assert everything["freed_blocks"] > 0 and everything["flushed"] == "all"
         assert _cached(server, A) == 0 and _cached(server, B) == 0
+        assert _post(server, "/flush_cache", {}, B).json()["flushed"] == "own"
         _idle_and_intact(server)
     engine.flush_cache()
     with BackgroundServer(create_app(engine, SHARED)) as server:

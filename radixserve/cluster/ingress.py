@@ -194,8 +194,8 @@ class ClusterIngress:
             answers[head.replica] = json.loads(body)
         path = request.url.path
         router = router_for(self.options.app_name)
-        if path == "/flush_cache" and router is not None:
-            router.forget_prefixes()
+        if path == "/flush_cache" and router is not None and all(a.get("flushed", "all") == "all" for a in answers.values()):
+            router.forget_prefixes()  # a key's own flush leaves the other keys' prefixes where they are
         if path in _SUMMED:
             field = _SUMMED[path]
             return JSONResponse({field: sum(a[field] for a in answers.values()), "replicas": answers})

@@ -102,7 +102,7 @@ async def flush_cache(request: Request) -> Response:
         parse(FlushCacheRequest, body)
     namespace = _flushed_namespace(request)
     freed = await _state(request).engine.call(lambda engine: engine.flush_cache(namespace))
-    return JSONResponse({"freed_blocks": freed})
+    return JSONResponse({"freed_blocks": freed, "flushed": "all" if namespace is None else "own"})
 
 
 def _flushed_namespace(request: Request) -> str | None:
