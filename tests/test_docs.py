@@ -1,0 +1,52 @@
+"""The documentation: the mkdocs site under docs/ builds in strict mode, and the README stays a
+newcomer's first hour (at most 300 lines, the CI's own test command, the map as its third section)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+README_MAX_LINES = 300
+
+
+def _ci_test_command() -> str:
+    """The command .ci/run runs: its one line that calls pytest."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#") and "pytest" in line]
+    assert len(commands) == 1, f".ci/run should run pytest on one line, found {commands}"
+    return commands[0]
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    # A broken link, a missing anchor or a nav entry without a page fails the build.
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+         "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert "No module named mkdocs" not in result.stderr, (
+        "mkdocs is missing: it is in the test extra; run ./scripts/setup.sh "
+        "(or .venv/bin/pip install -c constraints.txt -e '.[test]')")
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_readme_is_short() -> None:
+    count = len(README.read_text().splitlines())
+    assert count <= README_MAX_LINES, (
+        f"README.md has {count} lines (at most {README_MAX_LINES}): move details into docs/")
+
+
+def test_readme_names_the_ci_test_command() -> None:
+    command = _ci_test_command()
+    assert command == "./scripts/setup.sh && .venv/bin/pytest -q"
+    assert command in README.read_text(), f"README.md should give the test command .ci/run runs: {command}"
+
+
+def test_readme_architecture_map_is_the_third_section() -> None:
+    sections = re.findall(r"^## (.+)$", README.read_text(), flags=re.MULTILINE)
+    assert len(sections) >= 3 and "architecture" in sections[2].lower(), sections
