@@ -20,7 +20,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.kv_tier import KVTier
 from radixserve.core.radix_cache import RadixCache
-from radixserve.engine_loop import EngineLoop
+from radixserve.engine.loop import EngineLoop
 from radixserve.execution.mapped_pages import PAGE, MappedPages
 from radixserve.execution.tier_prefetch import tier_only_slots
 from radixserve.execution.tier_store import TierStore

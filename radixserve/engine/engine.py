@@ -23,7 +23,7 @@ from radixserve.execution.constrained import GrammarFactory
 from radixserve.execution.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
-from radixserve.prepare import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
@@ -41,7 +41,7 @@ _HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier p
 
 THREAD_RULE = (
     "an Engine is used by one thread at a time; another thread is inside it now. "
-    "For concurrent use, drive it through radixserve.engine_loop.EngineLoop (or the server, "
+    "For concurrent use, drive it through radixserve.engine.loop.EngineLoop (or the server, "
     "or radixserve.lang.Runtime)"
 )
 
