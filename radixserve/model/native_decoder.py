@@ -21,8 +21,8 @@ from torch import nn
 from radixserve.attention.backend import AttentionPlan
 from radixserve.attention.cpu_backend import CpuPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.ops.native_build import load_kernel
-from radixserve.ops.native_ops import max_rows, model_ops_enabled
+from radixserve.kernels.native_build import load_kernel
+from radixserve.kernels.native_ops import max_rows, model_ops_enabled
 
 if TYPE_CHECKING:  # the model package imports this module
     from radixserve.model.spec import ModelSpec
