@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 from radixserve import Engine, SamplingParams
-from radixserve.execution.kv_persist import INDEX_FILE
-from radixserve.execution.tier_store import TIER_FILE
+from radixserve.kv_tier.persist import INDEX_FILE
+from radixserve.kv_tier.store import TIER_FILE
 from tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

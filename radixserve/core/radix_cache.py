@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from sortedcontainers import SortedSet
 
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVCopy, KVTier, TierEntry, chain_digests, root_digest
+from radixserve.kv_tier.index import KVCopy, KVTier, TierEntry, chain_digests, root_digest
 
 RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
 

@@ -30,7 +30,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.core.scheduler import Scheduler
 from radixserve.core.sessions import SessionTable
-from radixserve.execution.tiering import Tiering
+from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 

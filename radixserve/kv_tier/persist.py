@@ -27,8 +27,8 @@ import time
 import zlib
 from typing import Any
 
-from radixserve.core.kv_tier import TierEntry
-from radixserve.execution.tier_store import TierStore
+from radixserve.kv_tier.index import TierEntry
+from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.kv_persist")
 
