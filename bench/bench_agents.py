@@ -183,8 +183,8 @@ def measure_tier(tokens: int = 1000) -> dict[str, float]:
 
     from radixserve import Engine, SamplingParams
     from radixserve.attention.kv_pool import KVPool
-    from radixserve.core.kv_tier import KVCopy
-    from radixserve.execution.tier_store import TierStore
+    from radixserve.kv_tier.index import KVCopy
+    from radixserve.kv_tier.store import TierStore
 
     engine = Engine(num_kv_blocks=256)
     spec = engine.loaded.spec
@@ -234,9 +234,9 @@ def measure_prefetch(tokens: int = 1000, reps: int = 5) -> dict[str, float]:
 
     from radixserve import Engine, SamplingParams
     from radixserve.attention.kv_pool import KVPool
-    from radixserve.core.kv_tier import KVCopy, KVTier
-    from radixserve.execution.tier_prefetch import TierPrefetcher
-    from radixserve.execution.tier_store import TierStore
+    from radixserve.kv_tier.index import KVCopy, KVTier
+    from radixserve.kv_tier.prefetch import TierPrefetcher
+    from radixserve.kv_tier.store import TierStore
 
     ids = [(13 * i) % (VOCAB_HIGH - VOCAB_LOW) + VOCAB_LOW for i in range(tokens + 1)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,7 @@
 
 Starts a local Ray (loopback), then for each configuration deploys the cluster app afresh
 (`radixserve.cluster`, empty caches) and runs the same agent workload against it: sessions
-that share system prompts, each growing turn by turn (radixserve.cluster.agent_workload).
+that share system prompts, each growing turn by turn (bench.agent_workload).
 Configurations: `single` (1 replica: one cache sees every request, the reference), and
 2 replicas (one engine thread each) under each router:
   affinity      radixserve's PrefixAffinityRouter (sessions, approximate radix trees, balance)
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from radixserve.cluster import agent_workload
-from radixserve.cluster.agent_workload import Workload
+from bench import agent_workload
+from bench.agent_workload import Workload
 from radixserve.cluster.metrics_merge import sample_total
 
 from radixserve.cluster.options import ROUTERS

@@ -105,7 +105,7 @@ def sdpa(q, k, v, **kwargs) -> torch.Tensor:
 
 
 def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, peak: float | None) -> None:
-    from radixserve.ops.triton.decode_attention import _block_n, _choose_num_splits, decode_attention
+    from radixserve.kernels.triton.decode_attention import _block_n, _choose_num_splits, decode_attention
 
     data = paged_batch(batch, context, heads, device)
     q = torch.randn(batch, heads.num_heads, heads.head_dim, dtype=DTYPE, device=device)
@@ -148,7 +148,7 @@ def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, p
 def bench_extend(heads: Heads, batch: int, prefix: int, new: int, device: torch.device, peak: float | None) -> None:
     from torch.nn.attention.bias import causal_lower_right
 
-    from radixserve.ops.triton.extend_attention import extend_attention
+    from radixserve.kernels.triton.extend_attention import extend_attention
 
     context = prefix + new
     data = paged_batch(batch, context, heads, device)

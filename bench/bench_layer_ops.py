@@ -1,4 +1,4 @@
-"""The layer ops of ops/csrc/layer_ops.c against eager torch and torch.compile, on CPU in float32.
+"""The layer ops of kernels/csrc/layer_ops.c against eager torch and torch.compile, on CPU in float32.
 
     python -m bench.bench_layer_ops                 # SmolLM2-135M's shapes, rows 1, 8, 32, 512
     python -m bench.bench_layer_ops --rows 1,32 --json layer_ops.json
@@ -6,7 +6,7 @@
 For RMSNorm (x [T, hidden]), rotary (q, k views of the fused qkv row, cos/sin [T, 1, head_dim])
 and the MLP's SiLU gate (gate_up [T, 2 * intermediate]) it times three implementations of
 the same computation, each checked against eager first:
-  C        radixserve.ops.native_ops (what the model runs on CPU in float32; rotary in place)
+  C        radixserve.kernels.native_ops (what the model runs on CPU in float32; rotary in place)
   eager    the torch ops the model falls back to (F.rms_norm; q*cos + rotate_half(q)*sin; silu(gate)*up)
   compile  torch.compile(eager, dynamic=False, fullgraph=True): inductor's C++ kernel for that shape
 Each figure is the best of --repeats rounds (each runs the three in turn, ~10 ms of calls
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from radixserve.ops import native_ops
+from radixserve.kernels import native_ops
 
 
 def rms_eager(x, weight, eps):

@@ -1,4 +1,4 @@
-"""The model's matmuls with cold weights: the C kernel (ops/csrc/skinny_linear.c), oneDNN and MKL.
+"""The model's matmuls with cold weights: the C kernel (kernels/csrc/skinny_linear.c), oneDNN and MKL.
 
     python -m bench.bench_matmul                          # rows 1, 2, 4, 8, 16, 32
     python -m bench.bench_matmul --rows 64,128,256,512    # prefill-sized: oneDNN against MKL
@@ -10,9 +10,9 @@ weight, ~537 MB in all: far past the caches, so every pass reads its weights fro
 real step does. For each row count the systems take turns (--repeats passes each, the first
 dropped), and the report gives the median ms per pass, the weights-read floor (bytes over
 a copy's bandwidth, measured in the same run) and the ratios to the first system:
-  kernel    radixserve.ops.native_ops.skinny_linear's source, built as the package builds it
+  kernel    radixserve.kernels.native_ops.skinny_linear's source, built as the package builds it
   against   (--against FILE) another source of the same kernel, built with the same flags
-  onednn    radixserve.ops.onednn_linear (oneDNN's matmul on the plain weight), where torch has it
+  onednn    radixserve.kernels.onednn_linear (oneDNN's matmul on the plain weight), where torch has it
   mkl       torch's F.linear (MKL here)
 The kernels run only up to the rows their build takes (max_rows).
 Every system's output is checked against MKL's first. Run it alone (see bench_layer_ops).
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radixserve.ops.native_build import CSRC, SIGNATURES, build_native
-from radixserve.ops.native_ops import max_rows
-from radixserve.ops.onednn_linear import available as onednn_available, onednn_linear
+from radixserve.kernels.native_build import CSRC, SIGNATURES, build_native
+from radixserve.kernels.native_ops import max_rows
+from radixserve.kernels.onednn_linear import available as onednn_available, onednn_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (features, K) of the default model
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576

@@ -1,4 +1,4 @@
-"""The native decoder (ops/csrc/decoder_layers.c) against the layer-by-layer path, step by step.
+"""The native decoder (kernels/csrc/decoder_layers.c) against the layer-by-layer path, step by step.
 
     .venv/bin/python -m bench.bench_native_decoder                      # decode steps and mixed steps
     .venv/bin/python -m bench.bench_native_decoder --batches 1 8 --chunks 40 --plot native.png

@@ -87,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from radixserve.model.default_model import ensure_default_model
-    from radixserve.ops.native_build import build_all
+    from radixserve.kernels.native_build import build_all
 
     print(ensure_default_model(args.model_cache_dir))
     build_all()

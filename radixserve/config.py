@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import os
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -156,3 +157,14 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where converted models and built kernels live: the argument, else
+    $RADIXSERVE_CACHE_DIR, else $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("RADIXSERVE_CACHE_DIR"):
+        return Path(os.environ["RADIXSERVE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "radixserve"

@@ -21,8 +21,8 @@ ray = pytest.importorskip(
 )
 serve = pytest.importorskip("ray.serve")
 
-from radixserve.cluster import agent_workload  # noqa: E402
-from radixserve.cluster.agent_workload import REPLICA_HEADER, Workload  # noqa: E402
+from bench import agent_workload  # noqa: E402
+from bench.agent_workload import REPLICA_HEADER, Workload  # noqa: E402
 from radixserve.cluster.metrics_merge import sample_total  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
 from subprocess_server import free_port  # noqa: E402

@@ -284,15 +284,15 @@ def test_no_max_tokens_generates_up_to_what_the_pool_holds(tiny_model_dir):
     assert_all_free(engine)
 
 
-def test_stop_string_search_covers_the_whole_new_text_and_the_seam(tiny_model_dir):
+def test_stop_string_search_covers_the_whole_new_text_and_the_seam():
     from radixserve.core.request import Request
+    from radixserve.engine.output import find_stop_string
 
-    engine = small_engine(tiny_model_dir("llama"))
     params = SamplingParams(stop=["STOP", "xy"])
     request = Request("r", [1], params, 10)
     request.output_text = "a" * 100 + "STOP" + "b" * 100  # one long delta after 3 chars of old text
-    assert engine._find_stop_string(request, 3) == "STOP" and request.output_text == "a" * 100
+    assert find_stop_string(request, 3) == "STOP" and request.output_text == "a" * 100
     request.output_text = "...x" + "y tail"  # a stop string across the old text and the new
-    assert engine._find_stop_string(request, 4) == "xy" and request.output_text == "..."
+    assert find_stop_string(request, 4) == "xy" and request.output_text == "..."
     request.output_text = "xy" + "abc"  # entirely in text already checked: not found again
-    assert engine._find_stop_string(request, 4) is None
+    assert find_stop_string(request, 4) is None

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.engine_loop import EngineBrokenError, EngineLoop, EngineStoppedError, RequestFailedError
+from radixserve.engine.loop import EngineBrokenError, EngineLoop, EngineStoppedError, RequestFailedError
 from radixserve.outputs import RequestOutput
 from tiny_models import hf_greedy
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from radixserve.ops.triton import configure_triton  # imports no triton
+from radixserve.kernels.triton import configure_triton  # imports no triton
 
 DEVICE = torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 configure_triton(DEVICE)  # before triton's first import
 pytest.importorskip("triton")
 
-from radixserve.ops.triton.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from radixserve.ops.triton.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
-from radixserve.ops.triton.store_kv import store_kv, store_kv_reference  # noqa: E402
+from radixserve.kernels.triton.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from radixserve.kernels.triton.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from radixserve.kernels.triton.store_kv import store_kv, store_kv_reference  # noqa: E402
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVCopy, KVTier
+from radixserve.kv_tier.index import KVCopy, KVTier
 from radixserve.core.radix_cache import RadixCache
 
 BS = 2

@@ -18,12 +18,12 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVTier
+from radixserve.kv_tier.index import KVTier
 from radixserve.core.radix_cache import RadixCache
-from radixserve.engine_loop import EngineLoop
-from radixserve.execution.mapped_pages import PAGE, MappedPages
-from radixserve.execution.tier_prefetch import tier_only_slots
-from radixserve.execution.tier_store import TierStore
+from radixserve.engine.loop import EngineLoop
+from radixserve.kv_tier.mapped_pages import PAGE, MappedPages
+from radixserve.kv_tier.prefetch import tier_only_slots
+from radixserve.kv_tier.store import TierStore
 
 pytestmark = pytest.mark.skipif(not MappedPages().available, reason="page calls (mincore, madvise) are Linux only")
 

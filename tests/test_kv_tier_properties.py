@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVTier
+from radixserve.kv_tier.index import KVTier
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.sessions import SessionTable
 

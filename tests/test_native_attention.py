@@ -15,7 +15,7 @@ from radixserve.attention import registry
 from radixserve.attention.cpu_backend import CpuAttentionBackend, CpuPlan
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend, TorchPlan, store_kv
-from radixserve.ops.native_attention import load_native_attention
+from radixserve.kernels.native_attention import load_native_attention
 
 native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")

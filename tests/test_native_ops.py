@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from radixserve.ops import native_ops
+from radixserve.kernels import native_ops
 from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
-from radixserve.ops.native_ops import MAX_ROWS, max_rows, rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.kernels.native_ops import MAX_ROWS, max_rows, rms_norm, rope_, silu_mul, skinny_linear
 
 needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
 needs_layer_ops = pytest.mark.skipif(native_ops._load("rms_norm_f32") is None, reason="no C compiler here")
@@ -55,7 +55,7 @@ def test_skinny_linear_builds_for_each_vector_width(tmp_path, flags):
     import ctypes
     import shutil
 
-    from radixserve.ops import native_build
+    from radixserve.kernels import native_build
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or native_ops._skinny_kernel() is None:
@@ -184,7 +184,7 @@ def test_silu_mul_declines_to_torch():
 
 @needs_kernel
 def test_build_all_builds_every_c_source_of_the_package():
-    from radixserve.ops.native_build import build_all
+    from radixserve.kernels.native_build import build_all
 
     assert build_all() == ["decoder_layers.c", "layer_ops.c", "paged_attention.c", "skinny_linear.c"]
 
@@ -195,7 +195,7 @@ def test_loading_the_kernels_keeps_subnormals():
     when it loads; the kernels are compiled with it but must be linked without it."""
     code = (
         "import sys; x = float('5e-324')\n"
-        "from radixserve.ops.native_build import CSRC, build_all\n"
+        "from radixserve.kernels.native_build import CSRC, build_all\n"
         "assert len(build_all()) == len(list(CSRC.glob('*.c')))\n"
         "sys.exit(0 if x * 1.0 == x else 1)\n"
     )
@@ -217,7 +217,7 @@ def _c_prototypes(source: str) -> dict[str, tuple[str, list[str]]]:
     """name -> (return type, parameter types) of the exported functions of a C source."""
     import re
 
-    from radixserve.ops.native_build import CSRC
+    from radixserve.kernels.native_build import CSRC
 
     text = (CSRC / source).read_text()
     found = {}
@@ -232,7 +232,7 @@ def _c_prototypes(source: str) -> dict[str, tuple[str, list[str]]]:
 def test_every_declared_signature_matches_its_c_prototype():
     import ctypes
 
-    from radixserve.ops.native_build import SIGNATURES
+    from radixserve.kernels.native_build import SIGNATURES
 
     as_ctypes = {"ptr": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
     exported = {}
@@ -246,7 +246,7 @@ def test_every_declared_signature_matches_its_c_prototype():
 
 
 def test_build_path_is_keyed_on_the_cpu_and_the_compiler(tmp_path, monkeypatch):
-    from radixserve.ops import native_build
+    from radixserve.kernels import native_build
 
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     source = native_build.CSRC / "layer_ops.c"
@@ -263,7 +263,7 @@ def test_build_path_is_keyed_on_the_cpu_and_the_compiler(tmp_path, monkeypatch):
 
 
 def test_cpu_features_name_this_cpu():
-    from radixserve.ops.native_build import cpu_features
+    from radixserve.kernels.native_build import cpu_features
 
     import platform
 
@@ -280,7 +280,7 @@ def test_cpu_features_name_this_cpu():
 def test_a_build_for_another_cpu_goes_to_another_file(tmp_path, monkeypatch):
     """A cache shared with a machine of other CPU features: this machine builds its own copy
     beside the other's instead of loading it."""
-    from radixserve.ops import native_build
+    from radixserve.kernels import native_build
 
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     source = native_build.CSRC / "layer_ops.c"

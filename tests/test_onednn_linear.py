@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import radixserve.model.llama as llama
 from radixserve import Engine, SamplingParams
-from radixserve.ops.onednn_linear import available, onednn_linear
+from radixserve.kernels.onednn_linear import available, onednn_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 from radixserve import Engine, SamplingParams
-from radixserve.execution.kv_persist import INDEX_FILE
-from radixserve.execution.tier_store import TIER_FILE
+from radixserve.kv_tier.persist import INDEX_FILE
+from radixserve.kv_tier.store import TIER_FILE
 from tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -88,6 +88,33 @@ def test_another_models_cache_is_ignored(tiny_model_dir, tmp_path, caplog):
     assert "another model or layout" in caplog.text and "fingerprint" in caplog.text
     assert e.tiering.loaded_blocks == 0
     assert e.generate(PROMPT, GREEDY)[0].cached_tokens == 0
+    e.check_integrity()
+    e.close()
+
+
+def test_an_index_of_the_first_format_starts_cold(tiny_model_dir, tmp_path, caplog):
+    """Format 1 named blocks by blake2b digests; an index a version-1 engine wrote (header
+    version 1, its checksum line intact) is logged and ignored, never read as KV."""
+    import hashlib
+    import json
+
+    model = tiny_model_dir("llama")
+    cold = first_run(model, tmp_path)
+    index = tmp_path / INDEX_FILE
+    body = json.loads(index.read_bytes().partition(b"\n")[2])
+    assert body["header"]["version"] == 2 and len(body["entries"]) >= 9
+    body["header"]["version"] = 1
+    for entry in body["entries"]:  # the old digests: 16 bytes of blake2b, as 32 hex digits
+        entry[2] = hashlib.blake2b(entry[2].encode(), digest_size=16).hexdigest()
+        entry[3] = hashlib.blake2b(entry[3].encode(), digest_size=16).hexdigest()
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    index.write_bytes(hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw)
+    with caplog.at_level(logging.WARNING, logger="radixserve.kv_persist"):
+        e = engine(model, tmp_path)
+    assert "another model or layout (version differ)" in caplog.text
+    assert e.tiering.loaded_blocks == 0
+    out = e.generate(PROMPT, GREEDY)[0]
+    assert out.cached_tokens == 0 and out.token_ids == cold.token_ids
     e.check_integrity()
     e.close()
 

@@ -83,18 +83,18 @@ def test_streamed_text_never_shows_what_a_stop_regex_later_cuts(real_engine, fre
     real_engine.check_integrity()
 
 
-def test_stop_regex_finds_a_match_that_began_in_earlier_text(tiny_model_dir):
+def test_stop_regex_finds_a_match_that_began_in_earlier_text():
     from radixserve.core.request import Request
+    from radixserve.engine.output import find_stop_regex
 
-    engine = small_engine(tiny_model_dir("llama"))
     request = Request("r", [1], SamplingParams(stop_regex=[r"b+c", r"x\d"]), 10)
     request.output_text = "aaa" + "bbb" + "c tail x1"
-    assert engine._find_stop_regex(request) == "bbbc" and request.output_text == "aaa"
+    assert find_stop_regex(request) == "bbbc" and request.output_text == "aaa"
     request = Request("r", [1], SamplingParams(stop_regex=[r"b+c", r"x\d"], include_stop_str_in_output=True), 10)
     request.output_text = "x1 bbbc"
-    assert engine._find_stop_regex(request) == "x1" and request.output_text == "x1"
+    assert find_stop_regex(request) == "x1" and request.output_text == "x1"
     request.output_text = "no match yet: bbb"
-    assert engine._find_stop_regex(request) is None and request.output_text == "no match yet: bbb"
+    assert find_stop_regex(request) is None and request.output_text == "no match yet: bbb"
 
 
 # ---- max_tokens=0: prefill only (tiny model: token ids and logprobs) ---------------------

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from radixserve.ops.triton import configure_triton  # imports no triton
+from radixserve.kernels.triton import configure_triton  # imports no triton
 
 DEVICE = torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 configure_triton(DEVICE)  # before triton's first import
@@ -133,7 +133,7 @@ def test_shared_prefix_hit_matches_torch_backend(tiny_model_dir):
 def test_package_imports_without_triton():
     code = (
         "import radixserve, sys; from radixserve import Engine; "
-        "import radixserve.attention.triton_backend, radixserve.ops.triton; "
+        "import radixserve.attention.triton_backend, radixserve.kernels.triton; "
         "assert 'triton' not in sys.modules, 'triton imported eagerly'"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

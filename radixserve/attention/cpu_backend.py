@@ -1,4 +1,4 @@
-"""CpuAttentionBackend: paged attention on CPU with the C kernels of ops/csrc/paged_attention.c.
+"""CpuAttentionBackend: paged attention on CPU with the C kernels of kernels/csrc/paged_attention.c.
 
 Each layer: the store kernel writes the step's new K/V into their slots; the decode
 kernel attends every single-token request over its context in place through its block
@@ -20,7 +20,7 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import (
     PrefillChunk, TorchAttentionBackend, plan_prefills, prefill_attention, store_kv,
 )
-from radixserve.ops.native_attention import load_native_attention
+from radixserve.kernels.native_attention import load_native_attention
 
 logger = logging.getLogger(__name__)
 

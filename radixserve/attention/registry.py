@@ -74,6 +74,6 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
 
 
 def _cpu_kernels_build() -> bool:
-    from radixserve.ops.native_attention import load_native_attention
+    from radixserve.kernels.native_attention import load_native_attention
 
     return load_native_attention() is not None

@@ -1,4 +1,4 @@
-"""TritonAttentionBackend: paged attention from the Triton kernels in radixserve.ops.triton.
+"""TritonAttentionBackend: paged attention from the Triton kernels in radixserve.kernels.triton.
 
 Each layer: store_kv writes the step's K/V into the pool, the decode kernel serves the
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
@@ -33,12 +33,12 @@ class TritonPlan(AttentionPlan):
 
 def load_kernels(device: torch.device) -> SimpleNamespace:
     """Import the kernels, selecting Triton's interpreter first unless `device` is CUDA."""
-    from radixserve.ops.triton import configure_triton
+    from radixserve.kernels.triton import configure_triton
 
     configure_triton(device)
-    from radixserve.ops.triton.decode_attention import decode_attention
-    from radixserve.ops.triton.extend_attention import extend_attention
-    from radixserve.ops.triton.store_kv import store_kv
+    from radixserve.kernels.triton.decode_attention import decode_attention
+    from radixserve.kernels.triton.extend_attention import extend_attention
+    from radixserve.kernels.triton.store_kv import store_kv
 
     return SimpleNamespace(store_kv=store_kv, decode_attention=decode_attention, extend_attention=extend_attention)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.core.kv_tier import KVCopy
+from radixserve.kv_tier.index import KVCopy
 from radixserve.core.request import Request
 
 

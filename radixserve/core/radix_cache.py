@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from sortedcontainers import SortedSet
 
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVCopy, KVTier, TierEntry, chain_digests, root_digest
+from radixserve.core.hashing import chain_hashes, root_hash
+from radixserve.kv_tier.index import KVCopy, KVTier, TierEntry
 
 RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
 
@@ -48,7 +49,7 @@ class RadixNode:
         self.tokens = tokens
         self.blocks = blocks  # pool block ids; [] when the node is only in the tier
         self.slots: list[int] = []  # tier slot ids; [] when the node has no tier copy
-        self.digests: list[bytes] = []  # chained digest of each block's prefix (tier on)
+        self.digests: list[int] = []  # chained hash of each block's prefix (tier on)
         self.salt: str | None = None
         self.lock_ref = 0
         self.last_access = 0
@@ -304,7 +305,7 @@ class RadixCache:
         and its slot is unused; returns the entries adopted."""
         if self.tier is None:
             return []
-        by_parent: dict[tuple[str | None, bytes], list[TierEntry]] = {}
+        by_parent: dict[tuple[str | None, int], list[TierEntry]] = {}
         for e in entries:
             if 0 <= e.slot < self.tier.num_slots and len(e.tokens) == self.block_size:
                 by_parent.setdefault((e.salt, e.parent), []).append(e)
@@ -312,14 +313,14 @@ class RadixCache:
         used: set[int] = set()
         for salt in {e.salt for e in entries}:
             root = self._root(salt)
-            stack = [(root, root_digest(salt))]
+            stack = [(root, root_hash(salt))]
             while stack:
                 node, digest = stack.pop()
                 for e in by_parent.get((salt, digest), ()):
                     key = tuple(e.tokens)
                     if e.slot in used or key in node.children:
                         continue
-                    if chain_digests(digest, list(e.tokens), self.block_size) != [e.digest]:
+                    if chain_hashes(digest, list(e.tokens), self.block_size) != [e.digest]:
                         continue
                     used.add(e.slot)
                     adopted.append(e)
@@ -394,7 +395,7 @@ class RadixCache:
             root = self._roots[salt] = RadixNode(next(self._ids), None, [], [])
             root.salt = salt
             if self.tier is not None:
-                root.digests = [root_digest(salt)]
+                root.digests = [root_hash(salt)]
         return root
 
     def _common_blocks(self, node: RadixNode, tokens: list[int], pos: int, end: int) -> int:
@@ -432,7 +433,7 @@ class RadixCache:
         node.last_access = now
         node.salt = parent.salt
         if self.tier is not None:
-            node.digests = chain_digests(parent.digests[-1], node.tokens, self.block_size)
+            node.digests = chain_hashes(parent.digests[-1], node.tokens, self.block_size)
         parent.children[tuple(tokens[:self.block_size])] = node
         self.num_nodes += 1
         return node

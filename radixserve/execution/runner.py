@@ -13,8 +13,8 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.registry import get_backend_class
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.spec import ModelSpec
-from radixserve.ops.native_decoder import NativeDecoder
-from radixserve.ops.native_ops import max_rows
+from radixserve.model.native_decoder import NativeDecoder
+from radixserve.kernels.native_ops import max_rows
 from radixserve.outputs import TokenLogprob
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request

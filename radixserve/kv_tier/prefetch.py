@@ -29,9 +29,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.core.kv_tier import KVTier
+from radixserve.kv_tier.index import KVTier
 from radixserve.core.radix_cache import RadixCache
-from radixserve.execution.tier_store import TierStore
+from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.tier_prefetch")
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.ops.triton import (
+from radixserve.kernels.triton import (
     check_cache_pair,
     check_device,
     check_head_dim,
@@ -24,8 +24,8 @@ from radixserve.ops.triton import (
     dot_in_fp32,
     dot_precision,
 )
-from radixserve.ops.triton.decode_attention import gather_context
-from radixserve.ops.triton.paged_tile import load_paged_rows, online_softmax_step
+from radixserve.kernels.triton.decode_attention import gather_context
+from radixserve.kernels.triton.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 

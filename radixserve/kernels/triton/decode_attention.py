@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.ops.triton import (
+from radixserve.kernels.triton import (
     check_cache_pair,
     check_device,
     check_head_dim,
@@ -28,7 +28,7 @@ from radixserve.ops.triton import (
     dot_precision,
     next_power_of_2,
 )
-from radixserve.ops.triton.paged_tile import load_paged_rows, online_softmax_step
+from radixserve.kernels.triton.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 _MIN_TILES_PER_SPLIT = 4

@@ -10,15 +10,10 @@ before anything overwrites it, and a restored block is written before attention 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-DIGEST_BYTES = 16
-
 
 @dataclass(frozen=True)
 class KVCopy:
@@ -32,12 +27,13 @@ class KVCopy:
 @dataclass(frozen=True)
 class TierEntry:
     """What a tier slot holds, for the on-disk index: one block of a prefix, named by the
-    chained digest of the prefix it ends, with its parent's digest and its own token ids."""
+    chained hash of the prefix it ends (core/hashing.py), with its parent's hash and its own
+    token ids."""
 
     slot: int
     salt: str | None
-    parent: bytes
-    digest: bytes
+    parent: int
+    digest: int
     tokens: tuple[int, ...]
 
 
@@ -100,19 +96,3 @@ class KVTier:
             raise AssertionError(f"tier: {len(free)} free + {len(held)} held != {self.num_slots} slots")
         if any(self._is_free[s] != (s in set(free)) for s in range(self.num_slots)):
             raise AssertionError("tier free flags disagree with the free list")
-
-
-def root_digest(salt: str | None) -> bytes:
-    """Digest of the empty prefix of a namespace."""
-    return hashlib.blake2b(b"radixserve-root:" + (salt or "").encode(), digest_size=DIGEST_BYTES).digest()
-
-
-def chain_digests(parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
-    """Chained digests of each whole block of `tokens`, continuing from `parent`: a digest
-    names the whole prefix up to its block (128 bits, so a collision is not a concern)."""
-    out = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        data = parent + array("q", tokens[start:start + block_size]).tobytes()
-        parent = hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
-        out.append(parent)
-    return out

@@ -27,9 +27,9 @@ from radixserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
-    from radixserve.prepare import PreparedRequest
+    from radixserve.engine.inputs import PreparedRequest
 
-log = logging.getLogger("radixserve.engine_loop")
+log = logging.getLogger("radixserve.engine.loop")
 
 T = TypeVar("T")
 Listener = Callable[[RequestOutput | BaseException], None]

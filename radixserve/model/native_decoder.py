@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,11 +20,10 @@ from torch import nn
 from radixserve.attention.backend import AttentionPlan
 from radixserve.attention.cpu_backend import CpuPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.ops.native_build import load_kernel
-from radixserve.ops.native_ops import max_rows, model_ops_enabled
+from radixserve.kernels.native_build import load_kernel
+from radixserve.kernels.native_ops import max_rows, model_ops_enabled
+from radixserve.model.spec import ModelSpec
 
-if TYPE_CHECKING:  # the model package imports this module
-    from radixserve.model.spec import ModelSpec
 
 _WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias")
 

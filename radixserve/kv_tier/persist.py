@@ -3,8 +3,9 @@
 Files in the persist directory: kv_tier.bin (the tier's slots, a shared file mapping) and
 kv_index.json (which block each slot holds). The index's first line is the SHA-256 of the
 rest; the rest is JSON: a header (format version, fingerprint of model weights, dtype and
-KV layout, block size, slot size) and one entry per slot: [slot, salt, parent digest,
-digest, token ids, CRC-32 of the slot's bytes].
+KV layout, block size, slot size) and one entry per slot: [slot, salt, parent hash,
+hash (core/hashing.py), token ids, CRC-32 of the slot's bytes]. An index of another format
+version is ignored with a log line: the engine starts with a cold tier.
 
 Writes never stall a step: the engine thread only enqueues what changed in a step (and the
 slot sequence numbers after its copies); a background thread checksums the slots, writes
@@ -27,13 +28,13 @@ import time
 import zlib
 from typing import Any
 
-from radixserve.core.kv_tier import TierEntry
-from radixserve.execution.tier_store import TierStore
+from radixserve.kv_tier.index import TierEntry
+from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.kv_persist")
 
 INDEX_FILE = "kv_index.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block hashes from core/hashing.py (xxh3-128); a version-1 index starts cold
 _WRITE_INTERVAL_S = 0.5
 
 
@@ -81,7 +82,7 @@ class TierPersister:
             if not (0 <= slot < self.store.num_slots) or zlib.crc32(self.store.slot_view(slot)) != crc:
                 bad += 1
                 continue
-            entry = TierEntry(slot, salt, bytes.fromhex(parent), bytes.fromhex(digest), tuple(tokens))
+            entry = TierEntry(slot, salt, int(parent, 16), int(digest, 16), tuple(tokens))
             entries.append(entry)
             self._entries[slot] = (entry, crc, _encode(entry, crc))
         if bad:
@@ -174,8 +175,8 @@ class TierPersister:
 
 
 def _encode(e: TierEntry, crc: int) -> bytes:
-    """One index entry: [slot, salt, parent digest, digest, token ids, CRC-32]."""
-    return json.dumps([e.slot, e.salt, e.parent.hex(), e.digest.hex(), list(e.tokens), crc],
+    """One index entry: [slot, salt, parent hash, hash (32 hex digits), token ids, CRC-32]."""
+    return json.dumps([e.slot, e.salt, f"{e.parent:032x}", f"{e.digest:032x}", list(e.tokens), crc],
                       separators=(",", ":")).encode()
 
 

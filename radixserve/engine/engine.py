@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import regex
 import torch
 
 from radixserve.attention.kv_pool import KVPool
@@ -20,10 +19,10 @@ from radixserve.attention.registry import resolve_backend_name
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
 from radixserve.execution.constrained import GrammarFactory
-from radixserve.execution.detokenizer import IncrementalDetokenizer
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
-from radixserve.prepare import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.output import OutputProcessor
+from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
@@ -31,7 +30,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 from radixserve.core.scheduler import Scheduler
 from radixserve.core.sessions import SessionTable
-from radixserve.execution.tiering import Tiering
+from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 
@@ -42,7 +41,7 @@ MAX_SESSION_ID_CHARS = 512  # a client's 256 characters, led by the server's ten
 
 THREAD_RULE = (
     "an Engine is used by one thread at a time; another thread is inside it now. "
-    "For concurrent use, drive it through radixserve.engine_loop.EngineLoop (or the server, "
+    "For concurrent use, drive it through radixserve.engine.loop.EngineLoop (or the server, "
     "or radixserve.lang.Runtime)"
 )
 
@@ -113,7 +112,7 @@ class Engine:
         )
         self._busy = threading.RLock()
         self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self._ids = itertools.count()
         self.generated_tokens = 0
         self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
@@ -361,10 +360,7 @@ class Engine:
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
-            )
+        self.outputs.register(request)
         if not self.tiering.hold(self.cache, request):  # else queued once its tier pages are read in
             self.scheduler.add(request)
 
@@ -385,19 +381,13 @@ class Engine:
             request.first_token_time = time.monotonic()
         if logprob is not None:
             request.logprobs.append(logprob)
-        text_before = len(request.output_text)
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
-            request.output_text += detok.add(token)
-        if request.grammar is not None and not request.grammar.accept_token(token):
-            raise RuntimeError(f"sampled token {token} violates the constraint of {request.request_id}")
-        reason, stop = self._stop_check(request, token, text_before)
+        reason, stop = self.outputs.add_token(request, token)
         if reason is not None:
             self.scheduler.finish(request, reason, stop)
-            output = self._output(request)
+            output = self.outputs.output(request)
             self._forget(request)
             return output
-        return self._output(request)
+        return self.outputs.output(request)
 
     def _append_verified(self, chunk, tokens: list[int]) -> RequestOutput:
         """Append a verified draft's tokens one by one, with every stop check between them;
@@ -418,92 +408,13 @@ class Engine:
         """A max_tokens=0 request whose prompt is computed: it finishes without a token, its
         blocks going to the prefix cache like any finished request's."""
         self.scheduler.finish(request, "length")
-        output = self._output(request)
+        output = self.outputs.output(request)
         self._forget(request)
         return output
 
-    def _stop_check(self, request: Request, token: int, text_before: int) -> tuple[str | None, str | int | None]:
-        params = request.params
-        n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in params.stop_token_ids:
-                return "stop", token
-            if params.stop:
-                hit = self._find_stop_string(request, text_before)
-                if hit is not None:
-                    return "stop", hit
-            if params.stop_regex:
-                hit = self._find_stop_regex(request)
-                if hit is not None:
-                    return "stop", hit
-        if request.grammar is not None and request.grammar.is_terminated():
-            return "stop", None
-        if request.num_tokens >= request.max_total_tokens:
-            return "length", None
-        return None, None
-
-    def _find_stop_string(self, request: Request, text_before: int) -> str | None:
-        """The earliest stop string that ends in the text this token added; cuts the text there."""
-        params = request.params
-        text = request.output_text
-        offset = max(0, text_before - params.max_stop_len + 1)
-        window = text[offset:]
-        best = None
-        for stop in params.stop:
-            i = window.find(stop)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return None
-        cut = offset + best[0]
-        request.output_text = text[: cut + len(best[1])] if params.include_stop_str_in_output else text[:cut]
-        return best[1]
-
-    def _find_stop_regex(self, request: Request) -> str | None:
-        """The earliest stop_regex match in the generated text (the first pattern's at a tie);
-        cuts the text there. The whole text is searched: a match may begin before this token."""
-        params = request.params
-        text = request.output_text
-        matches = [m for m in (regex.search(p, text) for p in params.stop_regex) if m is not None]
-        if not matches:
-            return None
-        best = min(matches, key=lambda m: m.start())
-        request.output_text = text[: best.end()] if params.include_stop_str_in_output else text[: best.start()]
-        return best.group()
-
-    def _output(self, request: Request) -> RequestOutput:
-        text = request.output_text
-        if not request.finished and request.params.stop:
-            text = text[: max(0, len(text) - request.params.max_stop_len + 1)]
-        if not request.finished and request.params.stop_regex:
-            text = text[: _stop_regex_holdback(text, request.params.stop_regex)]
-        metrics: dict[str, float] = {}
-        if request.first_token_time is not None:
-            metrics["ttft_s"] = request.first_token_time - request.arrival_time
-        if request.finished:
-            metrics["e2e_s"] = time.monotonic() - request.arrival_time
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
-            text=text,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            cached_tokens=request.cached_tokens,
-            restored_tokens=request.restored_tokens,
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-            num_preemptions=request.num_preemptions,
-            metrics=metrics,
-        )
-
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
+        self.outputs.forget(request.request_id)
         self.drafter.forget(request.request_id)
 
     def _build_tiering(self) -> Tiering:
@@ -560,17 +471,6 @@ class Engine:
 
 def _prefill_done(request: Request) -> bool:
     return request.params.prefill_only and not request.finished and request.num_computed_tokens == request.num_tokens
-
-
-def _stop_regex_holdback(text: str, patterns: list[str]) -> int:
-    """Where the text a running request may show ends: before the earliest place a
-    stop_regex could still match once more text arrives."""
-    cut = len(text)
-    for pattern in patterns:
-        partial = regex.search(pattern, text, partial=True)
-        if partial is not None:
-            cut = min(cut, partial.start())
-    return cut
 
 
 def _broadcast_params(params, n: int) -> list[SamplingParams]:

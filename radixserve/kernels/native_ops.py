@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from radixserve.ops.native_build import load_kernel
+from radixserve.kernels.native_build import load_kernel
 
 MAX_ROWS = 128  # the most any build takes; max_rows() is this build's own limit
 

@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixserve.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -125,8 +127,6 @@ def cpu_features() -> str:
 def build_path(source: Path, compiler: str, cpu: str | None = None) -> Path:
     """Where the build of `source` for this compiler and CPU (`cpu_features()` unless
     given) lives in the cache: one file per source, flags, compiler version and CPU."""
-    from radixserve.model.default_model import cache_root
-
     key = hashlib.sha256()
     for part in (_source_text(source), " ".join([*_FLAGS, *_LINK_FLAGS, *_OPENMP]).encode(), compiler.encode(),
                  _compiler_version(compiler).encode(), (cpu_features() if cpu is None else cpu).encode()):

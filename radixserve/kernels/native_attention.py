@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from radixserve.ops.native_build import load_kernel
+from radixserve.kernels.native_build import load_kernel
 
 
 class NativePagedAttention:

@@ -1,6 +1,6 @@
 """Tiering: sets up the second KV tier (slots, bytes, persistence, prefetch) from an
 EngineConfig, runs each step's tier copies, and holds back requests whose restore would
-read the disk until their pages are in (tier_prefetch.py). Anything that cannot be set up
+read the disk until their pages are in (prefetch.py). Anything that cannot be set up
 (an unwritable directory, a full disk) degrades to one tier with a log line saying why; it
 never stops the engine."""
 
@@ -18,11 +18,11 @@ import torch
 from radixserve.attention.kv_pool import KVPool
 from radixserve.config import EngineConfig
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.kv_tier import KVCopy, KVTier
+from radixserve.kv_tier.index import KVCopy, KVTier
 from radixserve.core.radix_cache import RadixCache
-from radixserve.execution.kv_persist import TierPersister
-from radixserve.execution.tier_prefetch import TierPrefetcher, tier_only_slots
-from radixserve.execution.tier_store import TierStore
+from radixserve.kv_tier.persist import TierPersister
+from radixserve.kv_tier.prefetch import TierPrefetcher, tier_only_slots
+from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.tiering")
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.ops.triton import (
+from radixserve.kernels.triton import (
     check_cache_pair,
     check_device,
     check_last_dim_contiguous,
