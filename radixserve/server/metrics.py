@@ -43,6 +43,8 @@ _ENGINE_GAUGES = {
     "blocks_cached": ("radixserve_kv_blocks_cached", "KV blocks held by the prefix cache"),
     "blocks_evictable": ("radixserve_kv_blocks_evictable", "Cached KV blocks no request uses"),
     "cache_nodes": ("radixserve_cache_nodes", "Nodes of the radix prefix cache"),
+    "kv_bytes_per_token": ("radixserve_kv_bytes_per_token",
+                           "Bytes one cached token takes in the KV pool, all layers (codes and scales for int8)"),
     "tier_blocks_total": ("radixserve_kv_tier_blocks_total", "Block slots of the second KV tier"),
     "tier_blocks_used": ("radixserve_kv_tier_blocks_used", "Second-tier slots holding cached blocks"),
     "sessions_open": ("radixserve_sessions_open", "Agent sessions holding their latest context in the cache"),
@@ -107,6 +109,11 @@ class _EngineCollector(Collector):
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=stats[key])
         yield from _tier_families(stats)
+        if "kv_cache_dtype" in stats:
+            family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
+                                       labels=["dtype"])
+            family.add_metric([stats["kv_cache_dtype"]], 1)
+            yield family
         if "blocks_total" in stats and "blocks_free" in stats:
             used = stats["blocks_total"] - stats["blocks_free"]
             yield GaugeMetricFamily("radixserve_kv_blocks_used", "KV blocks in use (requests or cache)", value=used)
