@@ -1,5 +1,6 @@
-"""NativePagedAttention: the C paged-KV kernels (csrc/paged_attention.c) for CPU: store
-new K/V rows into their slots, and decode attention; the cpu attention backend's kernels.
+"""NativePagedAttention: the C paged-KV kernels for CPU: store new K/V rows into their
+slots and decode attention (csrc/paged_attention.c), and tiled causal attention of prompt
+chunks over the pool (csrc/prefill_attention.c); the cpu attention backend's kernels.
 
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
@@ -17,9 +18,14 @@ from radixserve.ops.native_build import load_kernel
 
 
 class NativePagedAttention:
-    def __init__(self, decode, store):
+    def __init__(self, decode, store, prefill=None):
         self._decode = decode
         self._store = store
+        self._prefill = prefill
+
+    @property
+    def has_prefill(self) -> bool:
+        return self._prefill is not None
 
     def decode(
         self,
@@ -44,6 +50,40 @@ class NativePagedAttention:
         if status:
             raise RuntimeError("native decode attention could not allocate its scratch memory")
         return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of C prompt chunks, written into their rows of out (q's shape,
+        [T, H, d] float32): chunk c's queries are q rows query_start[c]:query_start[c + 1]
+        (int32 [C + 1]), the last of its context seq_lens[c] (int32 [C]) tokens, all already
+        in the caches through block_tables[c]. Other rows of out are left as they are."""
+        _check(q, k_cache, v_cache, block_tables, seq_lens, per_query=False)
+        if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor like q")
+        if query_start.dtype != torch.int32 or query_start.device.type != "cpu" or not query_start.is_contiguous() \
+                or seq_lens.dim() != 1 or query_start.shape != (seq_lens.shape[0] + 1,) \
+                or block_tables.shape[0] != seq_lens.shape[0]:
+            raise ValueError("query_start needs one int32 entry per chunk and one more, block_tables a row per chunk")
+        status = self._prefill(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], block_tables.data_ptr(),
+            block_tables.stride(0), block_tables.shape[1], query_start.data_ptr(), seq_lens.data_ptr(),
+            seq_lens.shape[0], q.shape[0], out.data_ptr(), q.shape[1], k_cache.shape[2], k_cache.shape[3],
+            k_cache.shape[1], scale,
+        )
+        if status == -2:
+            raise ValueError("a chunk's rows are empty, outside q or longer than its context; or its context is "
+                             "past its block table, or a block id is outside the pool")
+        if status:
+            raise RuntimeError("native prefill attention could not allocate its scratch memory")
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> bool:
@@ -71,10 +111,12 @@ class NativePagedAttention:
 def load_native_attention() -> NativePagedAttention | None:
     """The compiled kernels, or None when they cannot be built here."""
     decode, store = load_kernel("paged_decode_attention_f32"), load_kernel("paged_store_f32")
-    return None if decode is None or store is None else NativePagedAttention(decode, store)
+    if decode is None or store is None:
+        return None
+    return NativePagedAttention(decode, store, load_kernel("paged_prefill_attention_f32"))
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, per_query: bool = True) -> None:
     for name, t, dtype in (
         ("q", q, torch.float32), ("k_cache", k_cache, torch.float32), ("v_cache", v_cache, torch.float32),
         ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
@@ -89,5 +131,5 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         raise ValueError("q must be [D, H, d] and the caches [blocks, block_size, kv_heads, d], alike")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head dim, head groups)")
-    if seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
+    if per_query and (seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]):
         raise ValueError("seq_lens and block_tables need one row per query")

@@ -59,6 +59,10 @@ SIGNATURES: dict[str, Signature] = {
         "paged_attention.c",
         (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32), _INT,
     ),
+    "paged_prefill_attention_f32": Signature(
+        "prefill_attention.c",
+        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _F32), _INT,
+    ),
     "paged_store_f32": Signature("paged_attention.c", (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT),
     "skinny_linear_available": Signature("skinny_linear.c", (), _INT),
     "skinny_linear_max_rows": Signature("skinny_linear.c", (), _INT),
