@@ -316,5 +316,10 @@ def _count_native_decodes(engine: Engine) -> list[int]:
             calls.append(q.shape[0])
             return kernels.decode(q, *args)
 
+        has_prefill = kernels.has_prefill
+
+        def prefill(self, *args):
+            return kernels.prefill(*args)
+
     backend._kernels = Counting()
     return calls
