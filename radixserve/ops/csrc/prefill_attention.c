@@ -32,7 +32,7 @@
 #include "tiled_attention.h"
 
 #ifndef Q_ROWS
-#define Q_ROWS 96 /* query rows (positions x heads of a group) per work item */
+#define Q_ROWS 384 /* query rows (positions x heads of a group) per work item */
 #endif
 
 typedef struct {
@@ -84,12 +84,12 @@ static WorkItem *plan_items(const int32_t *starts, const int32_t *seq_lens, int6
 /* One thread's rows and tile, in one allocation; NULL without memory. */
 static float *thread_scratch(const TileShape *sh, int64_t max_rows, TileRows *rows, Tile *tile) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
-    const int64_t floats = max_rows * (d + dp + 2) + d * BK + BK * dp + R * BK + R + d + 16;
+    const int64_t floats = max_rows * (d + dp + 2) + d * TILE_KEYS + TILE_KEYS * dp + TILE_ROWS * TILE_KEYS + TILE_ROWS + VW * d;
     float *base = (float *)malloc(sizeof(float) * floats + sizeof(int64_t) * max_rows);
     if (!base) return NULL;
     rows->q = base, rows->o = rows->q + max_rows * d, rows->m = rows->o + max_rows * dp, rows->l = rows->m + max_rows;
-    tile->kt = rows->l + max_rows, tile->v = tile->kt + d * BK, tile->p = tile->v + BK * dp;
-    tile->alpha = tile->p + R * BK, tile->tmp = tile->alpha + R;
+    tile->kt = rows->l + max_rows, tile->v = tile->kt + d * TILE_KEYS, tile->p = tile->v + TILE_KEYS * dp;
+    tile->alpha = tile->p + TILE_ROWS * TILE_KEYS, tile->tmp = tile->alpha + TILE_ROWS;
     rows->last = (int64_t *)(base + floats);
     return base;
 }
@@ -111,7 +111,7 @@ int paged_prefill_attention_f32(const float *q, const float *k_cache, const floa
     int64_t count = 0;
     WorkItem *items = plan_items(query_start, seq_lens, num_chunks, num_kv_heads, positions, &count);
     if (!items) return -1;
-    const int64_t max_rows = (positions * group + R - 1) / R * R;
+    const int64_t max_rows = (positions * group + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     int failed = 0;
 #pragma omp parallel if (count > 1)
     {

@@ -33,6 +33,21 @@ static inline vf v_keep(vf x, int64_t count, float fill) {
     const __mmask16 k = count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(fill), x);
 }
+/* r[i] lane j <-> r[j] lane i: two in-lane stages, then two across 128-bit lanes. */
+static inline void v_transpose(vf r[VW]) {
+    vf a[16], b[16];
+    for (int i = 0; i < 16; i += 2) a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        b[i] = _mm512_shuffle_ps(a[i], a[i + 2], 0x44), b[i + 1] = _mm512_shuffle_ps(a[i], a[i + 2], 0xEE);
+        b[i + 2] = _mm512_shuffle_ps(a[i + 1], a[i + 3], 0x44), b[i + 3] = _mm512_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j) {
+        const vf c_lo = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), c_hi = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+        const vf d_lo = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44), d_hi = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_f32x4(c_lo, d_lo, 0x88), r[4 + j] = _mm512_shuffle_f32x4(c_lo, d_lo, 0xDD);
+        r[8 + j] = _mm512_shuffle_f32x4(c_hi, d_hi, 0x88), r[12 + j] = _mm512_shuffle_f32x4(c_hi, d_hi, 0xDD);
+    }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VW 8
@@ -66,6 +81,16 @@ static inline vf v_keep(vf x, int64_t count, float fill) {
     const __m256 keep = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)count), _CMP_LT_OQ);
     return _mm256_blendv_ps(_mm256_set1_ps(fill), x, keep);
 }
+static inline void v_transpose(vf r[VW]) {
+    vf a[8], b[8];
+    for (int i = 0; i < 8; i += 2) a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm256_shuffle_ps(a[i], a[i + 2], 0x44), b[i + 1] = _mm256_shuffle_ps(a[i], a[i + 2], 0xEE);
+        b[i + 2] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0x44), b[i + 3] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; ++j)
+        r[j] = _mm256_permute2f128_ps(b[j], b[4 + j], 0x20), r[4 + j] = _mm256_permute2f128_ps(b[j], b[4 + j], 0x31);
+}
 #else
 #define VW 1
 typedef float vf;
@@ -82,6 +107,7 @@ static inline float v_hsum(vf x) { return x; }
 static inline vf v_round(vf x) { return nearbyintf(x); }
 static inline vf v_ldexp(vf p, vf n) { return ldexpf(p, (int)n); }
 static inline vf v_keep(vf x, int64_t count, float fill) { return count >= 1 ? x : fill; }
+static inline void v_transpose(vf r[VW]) { (void)r; }
 #endif
 
 /* 2^x for x <= 0: 2^round(x) times a degree-6 Taylor polynomial of 2^r, |r| <= 1/2. */
