@@ -16,7 +16,9 @@ a prompt of --extend-prefix tokens is cached first, then each repeat sends it ag
 N new random tokens after it: only those N are computed, attending over the cached prefix.
 Reported: the best of --repeats in ms and ms per token of each, the ratio of the two
 measured in the same run, each length's cost against the shortest's, and whether the
-two chose the same first token. Run it alone: two cores, one benchmark.
+two chose the same first token. Run it alone: two cores, one benchmark. On a machine that
+others load too, `--threads 1 --clock cpu` times the process's CPU seconds on one thread
+(run it with OMP_NUM_THREADS=1), which their load hardly moves, where wall time does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--extend", type=int, default=256, help="new tokens over a cached prefix (0: none)")
     p.add_argument("--extend-prefix", type=int, default=7920, help="tokens of the cached prefix (whole blocks)")
+    p.add_argument("--threads", type=int, help="torch CPU threads of each engine (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the process's CPU time")
     p.add_argument("--plot", help="write a bar chart of ms per prompt token here")
     args = p.parse_args(argv)
     lengths = args.lengths or LENGTHS[args.compare]
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(OPTIONS[args.compare])
     engines = {
         name: Engine(enable_prefix_cache=extend > 0, chunked_prefill_size=longest,
-                     max_num_batched_tokens=max(longest, 2048), **options)
+                     max_num_batched_tokens=max(longest, 2048), num_threads=args.threads, **options)
         for name, options in OPTIONS[args.compare].items()
     }
     context = next(iter(engines.values())).max_model_len
@@ -61,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     for engine in engines.values():  # one-off costs (first row counts, oneDNN primitives) out of the way
         engine.generate([[rng.randrange(100, 40000) for _ in range(min(lengths))]], PARAMS, use_tqdm=False)
-    print(f"prefill, default model, one prompt at a time: {' vs '.join(names)}, two engines in turns")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"prefill, default model, one prompt at a time: {' vs '.join(names)}, two engines in turns; "
+          f"{args.clock} clock, {args.threads or 'default'} threads")
     bar = progress(len(lengths) * args.repeats + (args.repeats + 1) * bool(extend), "prompts")
     groups, series, first_cost = [], {name: [] for name in names}, {}
     for length in lengths:
-        best, same = _best_of(engines, lambda: [rng.randrange(100, 40000) for _ in range(length)], args.repeats, bar)
+        best, same = _best_of(engines, lambda: [rng.randrange(100, 40000) for _ in range(length)], args.repeats, bar,
+                              clock)
         first_cost = first_cost or {name: best[name] / length for name in names}
         print(_row(f"{length:5d} tokens", best, length, names, same, first_cost), flush=True)
         groups.append(str(length))
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.generate([prefix], PARAMS, use_tqdm=False)
         bar.update(1)
         best, same = _best_of(engines, lambda: prefix + [rng.randrange(100, 40000) for _ in range(extend)],
-                              args.repeats, bar)
+                              args.repeats, bar, clock)
         print(_row(f"{extend} new over {args.extend_prefix} cached", best, extend, names, same, None), flush=True)
     bar.close()
     if args.plot:
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _best_of(engines, make_prompt, repeats: int, bar) -> tuple[dict[str, float], bool]:
+def _best_of(engines, make_prompt, repeats: int, bar, clock) -> tuple[dict[str, float], bool]:
     """Each engine's best seconds over `repeats` prompts, taking turns on each; whether
     every engine chose the same first token every time."""
     best = {name: float("inf") for name in engines}
@@ -94,9 +101,9 @@ def _best_of(engines, make_prompt, repeats: int, bar) -> tuple[dict[str, float],
         ids = make_prompt()
         first = {}
         for name, engine in engines.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             first[name] = engine.generate([ids], PARAMS, use_tqdm=False)[0].token_ids
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
         same = same and len({tuple(t) for t in first.values()}) == 1
         bar.update(1)
     return best, same

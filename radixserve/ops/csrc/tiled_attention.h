@@ -5,18 +5,18 @@
  *   KV_SUFFIX         the suffix of this instantiation's names (f32)
  *   KV_ROW(cache, block, offset, head, shape, tmp)
  *                     a const float * to the head_dim floats of one token's head: in place,
- *                     or dequantized into tmp (head_dim floats of scratch)
- * Packing a tile is the only place that reads the pool, so a quantized pool changes KV_ROW
- * and nothing else.
+ *                     or dequantized into tmp (a scratch row of head_dim floats)
+ * Packing a tile is the only place that reads the pool, so a quantized pool (codes and
+ * their per-token-head scales in one block) changes KV_ROW and nothing else.
  *
  * One work item is a block of query rows of one chunk and one KV head: its rows are the
- * `group` query heads that share the KV head, for each of up to `q_rows / group` positions,
- * laid out position-major (row i is position i / group, head i % group). The item walks its
- * context in tiles of TILE_KEYS keys; each tile is gathered once from the block table into K^T
- * [head_dim][TILE_KEYS] and V [TILE_KEYS][padded_dim] (no copy of the whole context) and then serves
- * every row of the item, TILE_ROWS rows at a time:
+ * `group` query heads that share the KV head, for each of up to Q_ROWS / group positions,
+ * laid out position-major (row i is position i / group, head i % group). The item walks
+ * its context in tiles of TILE_KEYS keys; each tile is gathered once from the block table
+ * into K^T [head_dim][TILE_KEYS] and V [TILE_KEYS][padded_dim] (no copy of the whole
+ * context) and then serves every row of the item, TILE_ROWS rows at a time:
  *
- *   S = Q K^T (TILE_ROWS x TILE_KEYS in registers) -> mask past each row's last visible key ->
+ *   S = Q K^T (TILE_ROWS x TILE_KEYS, in registers) -> mask past each row's last key ->
  *   online softmax (running max m, sum l; the row's O is rescaled once per tile) -> O += P V
  *
  * Scores are in log2 units (q is pre-scaled by scale * log2(e)), so weights are exp2.
@@ -32,12 +32,10 @@
 
 #include "vec.h"
 
-#define TILE_VECS 4              /* vectors per micro-tile row: TILE_KEYS keys in S, or 4 * VW of O */
-#define TILE_KEYS (TILE_VECS * VW)      /* keys per tile */
-#ifndef TILE_ROWS
-#define TILE_ROWS (VW == 8 ? 2 : 6) /* rows per micro-tile: TILE_ROWS x TILE_VECS accumulators in registers */
-#endif
-#define MASKED (-1e30f)          /* a score no row can reach; finite, as -ffast-math wants */
+#define TILE_VECS 4                 /* vectors per micro-tile row: all TILE_KEYS of S, or 4 VW of O */
+#define TILE_KEYS (TILE_VECS * VW)  /* keys per tile */
+#define TILE_ROWS (VW == 8 ? 2 : 6) /* rows per micro-tile: TILE_ROWS x TILE_VECS accumulators */
+#define MASKED (-1e30f)             /* a score no row can reach; finite, as -ffast-math wants */
 #define PASTE_(a, b) a##_##b
 #define PASTE(a, b) PASTE_(a, b)
 

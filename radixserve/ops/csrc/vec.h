@@ -36,14 +36,16 @@ static inline vf v_keep(vf x, int64_t count, float fill) {
 /* r[i] lane j <-> r[j] lane i: two in-lane stages, then two across 128-bit lanes. */
 static inline void v_transpose(vf r[VW]) {
     vf a[16], b[16];
-    for (int i = 0; i < 16; i += 2) a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 2)
+        a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     for (int i = 0; i < 16; i += 4) {
         b[i] = _mm512_shuffle_ps(a[i], a[i + 2], 0x44), b[i + 1] = _mm512_shuffle_ps(a[i], a[i + 2], 0xEE);
         b[i + 2] = _mm512_shuffle_ps(a[i + 1], a[i + 3], 0x44), b[i + 3] = _mm512_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
     }
     for (int j = 0; j < 4; ++j) {
         const vf c_lo = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), c_hi = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
-        const vf d_lo = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44), d_hi = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+        const vf d_lo = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+        const vf d_hi = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
         r[j] = _mm512_shuffle_f32x4(c_lo, d_lo, 0x88), r[4 + j] = _mm512_shuffle_f32x4(c_lo, d_lo, 0xDD);
         r[8 + j] = _mm512_shuffle_f32x4(c_hi, d_hi, 0x88), r[12 + j] = _mm512_shuffle_f32x4(c_hi, d_hi, 0xDD);
     }
@@ -83,7 +85,8 @@ static inline vf v_keep(vf x, int64_t count, float fill) {
 }
 static inline void v_transpose(vf r[VW]) {
     vf a[8], b[8];
-    for (int i = 0; i < 8; i += 2) a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 2)
+        a[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), a[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     for (int i = 0; i < 8; i += 4) {
         b[i] = _mm256_shuffle_ps(a[i], a[i + 2], 0x44), b[i + 1] = _mm256_shuffle_ps(a[i], a[i + 2], 0xEE);
         b[i + 2] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0x44), b[i + 3] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
