@@ -53,6 +53,9 @@ class EngineConfig:
     # CPU, float32: matmuls too large for the skinny kernel (prefill chunks) run on oneDNN,
     # ~2x torch's MKL on the dev machine's AMD CPU (AVX-512); off: MKL, to compare.
     onednn_linear: bool = True
+    # CPU, float32: prompt chunks (whole prompts, extends over a cached prefix) attend through
+    # the tiled C kernel over the paged pool; off: torch's SDPA over gathered pages, to compare.
+    tiled_prefill_attention: bool = True
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)
     kv_offload_dir: str | None = None  # the tier is a file here (mmap; alone: a 2 GiB tier); None: anonymous memory

@@ -234,3 +234,27 @@ def test_backends_on_int8_pages_match_float64(backend_class, block_size, heads, 
     codes, _ = quantize(k[-1])  # the step's last token was quantized into its slot
     slot = int(meta.slot_mapping[-1])
     assert torch.equal(pages.codes(k_pages)[slot // block_size, slot % block_size], codes)
+
+
+@needs_native
+@pytest.mark.parametrize("block_size, heads, kv_heads, head_dim", [(16, 9, 3, 64), (5, 4, 2, 40), (3, 2, 1, 20)])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_cpu_backend_prompt_chunks_on_int8_pages_match_float64(block_size, heads, kv_heads, head_dim, tiled):
+    """The tiled prefill kernel's int8 instantiation (and SDPA, tiled off) on a step of
+    prompt chunks only: a fresh prompt and an extend that starts inside a block."""
+    pages = Int8Pages(block_size, kv_heads, head_dim)
+    q, k, v, k_pages, v_pages, meta, tables, contexts, new = mixed_step(pages, heads, seed=2)
+    skip = 2  # drop the decodes: rows 0 and 1
+    meta = AttentionMetadata(
+        num_decodes=0, block_size=block_size, query_start_loc=meta.query_start_loc[skip:] - skip,
+        seq_lens=meta.seq_lens[skip:], block_tables=meta.block_tables[skip:], slot_mapping=meta.slot_mapping[skip:],
+        query_start_loc_list=[s - skip for s in meta.query_start_loc_list[skip:]],
+        seq_lens_list=meta.seq_lens_list[skip:],
+    )
+    scale = head_dim**-0.5
+    backend = CpuAttentionBackend(heads, kv_heads, head_dim, scale, torch.float32, pages, tiled_prefill=tiled)
+    plan = backend.prepare(meta)
+    assert (plan.tiled is not None) == (tiled and native.has_prefill)
+    out = backend.forward(q[skip:].contiguous(), k[skip:].contiguous(), v[skip:].contiguous(), k_pages, v_pages, plan)
+    expected = expected_mixed(pages, q[skip:], k_pages, v_pages, tables[skip:], contexts[skip:], new[skip:], scale)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -48,6 +48,7 @@ class ModelRunner:
         stop_token_ids: list[int],
         native_decoder: bool = True,
         onednn_linear: bool = True,
+        tiled_prefill_attention: bool = True,
         kv_cache_dtype: str = "auto",
     ):
         self.model = model
@@ -59,6 +60,8 @@ class ModelRunner:
         backend_class = get_backend_class(backend_name)
         self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype,
                                      self.pool.pages)
+        if isinstance(self.backend, CpuAttentionBackend):
+            self.backend.tiled_prefill = tiled_prefill_attention
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
         native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
