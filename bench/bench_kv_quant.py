@@ -43,13 +43,16 @@ def main() -> None:
     torch.manual_seed(0)
     if args.clock == "cpu":
         torch.set_num_threads(1)
-    engines = {d: Engine(kv_cache_dtype=d, kv_cache_memory=args.kv_memory_mb << 20) for d in DTYPES}
-    prompts = _prompts(engines["auto"], args.prompts)
-    report = {"accuracy": accuracy(engines, prompts, args), "capacity": capacity(engines["auto"])}
+    engines = {d: Engine(kv_cache_dtype=d, kv_cache_memory=args.kv_memory_mb << 20)
+               for d in (DTYPES if "accuracy" in args.parts else DTYPES[:1])}
+    report = {"capacity": capacity(engines["auto"]), "accuracy": None, "speed": []}
+    if "accuracy" in args.parts:
+        report["accuracy"] = accuracy(engines, _prompts(engines["auto"], args.prompts), args)
     model, spec = engines["auto"].runner.model, engines["auto"].loaded.spec
     del engines
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    report["speed"] = speed(model, spec, args.batches, args.contexts, args.reps, args.pool_mb, clock)
+    if "speed" in args.parts:
+        report["speed"] = speed(model, spec, args.batches, args.contexts, args.reps, args.pool_mb, clock)
     _print(report, args)
     if args.plot:
         _plot(args.plot, report)
@@ -200,8 +203,24 @@ def _print(report: dict, args) -> None:
     print("KV cache quantization: int8 pages (codes + one float32 scale per token and KV head) vs float32 KV")
     clock = "CPU time of one thread" if args.clock == "cpu" else "wall time"
     print(f"  default model, torch threads {torch.get_num_threads()}, step times in {clock}; greedy, "
-          f"{acc['new_tokens']} new tokens")
+          f"{args.new_tokens} new tokens")
     print("=" * 92)
+    if acc is not None:
+        _print_accuracy(acc)
+    bpt = cap["bytes_per_token"]
+    print(f"capacity at {cap['memory'] >> 20} MiB: float32 {cap['blocks']['auto']} blocks ({bpt['auto']:.0f} B/token), "
+          f"int8 {cap['blocks']['int8']} blocks ({bpt['int8']:.0f} B/token): {cap['ratio']:.2f}x "
+          f"(target >= {TARGETS['capacity']}x) {_verdict(cap['ratio'] >= TARGETS['capacity'])}")
+    if not report["speed"]:
+        return
+    print("decode step, whole model (median ms; KV MiB read per step):")
+    print(f"  {'batch':>5} {'context':>7} {'float32':>9} {'int8':>9} {'speedup':>8} {'KV f32':>9} {'KV int8':>9}")
+    for r in report["speed"]:
+        print(f"  {r['batch']:>5} {r['context']:>7} {r['ms']['auto']:>9.1f} {r['ms']['int8']:>9.1f} "
+              f"{r['speedup']:>7.2f}x {r['kv_read']['auto'] / 2**20:>9.0f} {r['kv_read']['int8'] / 2**20:>9.0f}")
+
+
+def _print_accuracy(acc: dict) -> None:
     print(f"accuracy over {acc['prompts']} prompts ({len(RAW[: -(-acc['prompts'] // 2)])} raw, the rest chat):")
     print(f"  identical greedy outputs        {acc['identical']:7.1%}")
     print(f"  mean agreeing prefix            {acc['mean_prefix']:7.1f} of {acc['new_tokens']} tokens")
@@ -210,15 +229,6 @@ def _print(report: dict, args) -> None:
           f"  {_verdict(acc['top1'] >= TARGETS['top1'])}")
     print(f"  mean KL(float32 || int8)        {acc['kl']:7.4f} nats (target <= {TARGETS['kl']})"
           f"  {_verdict(acc['kl'] <= TARGETS['kl'])}")
-    bpt = cap["bytes_per_token"]
-    print(f"capacity at {cap['memory'] >> 20} MiB: float32 {cap['blocks']['auto']} blocks ({bpt['auto']:.0f} B/token), "
-          f"int8 {cap['blocks']['int8']} blocks ({bpt['int8']:.0f} B/token): {cap['ratio']:.2f}x "
-          f"(target >= {TARGETS['capacity']}x) {_verdict(cap['ratio'] >= TARGETS['capacity'])}")
-    print("decode step, whole model (median ms; KV MiB read per step):")
-    print(f"  {'batch':>5} {'context':>7} {'float32':>9} {'int8':>9} {'speedup':>8} {'KV f32':>9} {'KV int8':>9}")
-    for r in report["speed"]:
-        print(f"  {r['batch']:>5} {r['context']:>7} {r['ms']['auto']:>9.1f} {r['ms']['int8']:>9.1f} "
-              f"{r['speedup']:>7.2f}x {r['kv_read']['auto'] / 2**20:>9.0f} {r['kv_read']['int8'] / 2**20:>9.0f}")
 
 
 def _verdict(ok: bool) -> str:
@@ -233,9 +243,10 @@ def _plot(path: str, report: dict) -> None:
 
     acc, cap, rows = report["accuracy"], report["capacity"], report["speed"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    axes[0].bar(["identical outputs", "top-1 agreement"], [acc["identical"], acc["top1"]], color=["C0", "C1"])
-    axes[0].set_ylim(0, 1.05)
-    axes[0].set_title(f"int8 vs float32 KV accuracy (KL {acc['kl']:.4f} nats)")
+    if acc is not None:
+        axes[0].bar(["identical outputs", "top-1 agreement"], [acc["identical"], acc["top1"]], color=["C0", "C1"])
+        axes[0].set_ylim(0, 1.05)
+        axes[0].set_title(f"int8 vs float32 KV accuracy (KL {acc['kl']:.4f} nats)")
     axes[1].bar(["float32", "int8"], [cap["blocks"]["auto"], cap["blocks"]["int8"]], color=["C0", "C2"])
     axes[1].set_title(f"KV blocks in {cap['memory'] >> 20} MiB ({cap['ratio']:.2f}x)")
     labels = [f"b{r['batch']}\n{r['context']}" for r in rows]
@@ -265,6 +276,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--pool-mb", type=int, default=1536, help="float32 pool the speed rows read from")
     parser.add_argument("--kv-memory-mb", type=int, default=512, help="each accuracy engine's KV pool")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--parts", nargs="+", choices=["accuracy", "speed"], default=["accuracy", "speed"],
+                        help="what to measure (capacity is always reported)")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     if args.quick:
