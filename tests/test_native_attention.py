@@ -337,6 +337,21 @@ def test_cpu_backend_plans_for_its_kernels_and_runs_torch_paths_for_other_dtypes
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@needs_native
+def test_cpu_backend_runs_prefill_chunks_tiled_or_on_sdpa_when_switched_off():
+    meta, q, k, v, pool = mixed_step(STEPS[1], heads=6, kv_heads=2, head_dim=32, block_size=4, seed=5)
+    results = {}
+    for tiled in (True, False):
+        backend = CpuAttentionBackend(6, 2, 32, 0.2, tiled_prefill=tiled)
+        plan = backend.prepare(meta)
+        assert (plan.tiled is not None, len(plan.prefills)) == ((True, 0) if tiled else (False, 3))
+        caches = pool.clone()
+        results[tiled] = backend.forward(q, k, v, caches[0], caches[1], plan)
+    torch.testing.assert_close(results[True], results[False], atol=2e-5, rtol=2e-5)
+    decodes_only = mixed_step(STEPS[0], heads=6, kv_heads=2, head_dim=32, block_size=4)[0]
+    assert CpuAttentionBackend(6, 2, 32, 0.2).prepare(decodes_only).tiled is None
+
+
 # ---- choosing a backend ----------------------------------------------------------------------
 
 

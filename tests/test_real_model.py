@@ -106,7 +106,7 @@ def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_re
     from real_prompts import CHAT, RAW
 
     engine = Engine(str(real_model_dir), chunked_prefill_size=1000, max_num_batched_tokens=2048)
-    text = "Summarize the following notes in one sentence.\n\n" + "\n\n".join(RAW + CHAT) * 10
+    text = "Summarize the following notes in one sentence.\n\n" + "\n\n".join(RAW + CHAT) * 14
     first = engine.apply_chat_template([{"role": "user", "content": text}])
     second = first[:2500] + engine.tokenizer.encode("\n\nWhich of these notes mentions a clock?")
     assert 2000 < len(first) < 6000
