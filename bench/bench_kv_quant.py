@@ -65,6 +65,7 @@ def accuracy(engines: dict[str, Engine], prompts: list[list[int]], args) -> dict
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outs = {d: [o.token_ids for o in e.generate(prompts, greedy, use_tqdm=False)] for d, e in engines.items()}
     prefixes = [_agreeing(a, b) for a, b in zip(outs["auto"], outs["int8"])]
+    print(f"  accuracy: greedy done, {sum(n == args.new_tokens for n in prefixes)}/{len(prompts)} identical", flush=True)
     forced = SamplingParams(max_tokens=args.tf_tokens, temperature=0.0, ignore_eos=True)
     sequences = [p + o.token_ids for p, o in zip(prompts, engines["auto"].generate(prompts, forced, use_tqdm=False))]
     model, spec = engines["auto"].runner.model, engines["auto"].loaded.spec
@@ -75,6 +76,7 @@ def accuracy(engines: dict[str, Engine], prompts: list[list[int]], args) -> dict
         agree += int((full.argmax(-1) == quant.argmax(-1)).sum())
         kl += float((p.exp() * (p - q)).sum())
         positions += len(seq)
+        print(f"  accuracy: {positions} positions forced, top-1 {agree / positions:.2%}", end="\r", flush=True)
     return {
         "prompts": len(prompts), "new_tokens": args.new_tokens,
         "identical": sum(n == args.new_tokens for n in prefixes) / len(prompts),
@@ -269,7 +271,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="20 prompts, 64-token forcing, batch 1/8 x 512/6144")
     parser.add_argument("--prompts", type=int, default=len(RAW) + len(CHAT))
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--tf-tokens", type=int, default=160, help="continuation each prompt is forced through")
+    parser.add_argument("--tf-tokens", type=int, default=200, help="continuation each prompt is forced through")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 6144])
     parser.add_argument("--reps", type=int, default=3)
