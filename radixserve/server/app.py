@@ -17,7 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from radixserve.server import native_api, sessions_api, sglang_api
+from radixserve.server import anthropic_api, native_api, sessions_api, sglang_api
+from radixserve.server.anthropic_errors import error_response
+from radixserve.server.anthropic_output import MessagesResponder
+from radixserve.server.anthropic_sse import AnthropicEventStream
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -100,6 +103,8 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),  # Anthropic's Messages API
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *sglang_api.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
@@ -154,6 +159,18 @@ async def responses(request: Request) -> Response:
     return await _serve_job(request, _in_namespace(request, job), responder)
 
 
+async def messages(request: Request) -> Response:
+    state = _state(request)
+    job, responder = await anthropic_api.messages_job(await read_json(request), state.served, state.tools)
+    return await _serve_job(request, _in_namespace(request, job), responder, AnthropicEventStream)
+
+
+async def count_tokens(request: Request) -> Response:
+    state = _state(request)
+    counted = await anthropic_api.count_tokens(await read_json(request), state.served, state.tools, state.engine.engine)
+    return JSONResponse(counted)
+
+
 async def generate(request: Request) -> Response:
     state = _state(request)
     job = _in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
@@ -189,11 +206,12 @@ async def debug_stats(request: Request) -> Response:
 
 
 async def _serve_job(
-    request: Request, job: Any, responder: CompletionResponder | ChatResponder | ResponsesResponder
+    request: Request, job: Any, responder: CompletionResponder | ChatResponder | ResponsesResponder | MessagesResponder,
+    stream: type[EventStream] = EventStream,
 ) -> Response:
     group = await _state(request).engine.submit(job.inputs())
     if job.stream:
-        return EventStream(responder.chunks(group), on_close=group.abort)
+        return stream(responder.chunks(group), on_close=group.abort)
     outputs = await _results_unless_disconnected(request, group)
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -255,16 +273,16 @@ def _server_gauges(engine: AsyncEngine) -> dict[str, float]:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, message, type=kind, headers=exc.headers).response()
+    return error_response(request.url.path, APIError(exc.status_code, message, type=kind, headers=exc.headers))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
-    return server_error(f"internal error: {type(exc).__name__}: {exc}").response()
+    return error_response(request.url.path, server_error(f"internal error: {type(exc).__name__}: {exc}"))
