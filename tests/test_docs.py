@@ -24,7 +24,7 @@ def _ci_test_command() -> str:
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     # A broken link, a missing anchor or a nav entry without a page fails the build.
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+        [sys.executable, "-m", "mkdocs", "build", "--strict",
          "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
