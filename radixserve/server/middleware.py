@@ -19,8 +19,8 @@ TENANT_SCOPE_KEY = "radixserve.tenant"  # set on the ASGI scope: a digest of the
 
 class ApiKeyAuth:
     """Answers 401 to HTTP requests without `Authorization: Bearer <key>` (or Anthropic's
-    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may call. The scheme is
-    case-insensitive (RFC 9110); the key is compared in constant time against every key.
+    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may
+    call. The scheme is case-insensitive (RFC 9110); the key is compared in constant time against every key.
     An accepted call carries its key's digest on the scope (see `cache_namespace`)."""
 
     def __init__(self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",)):
