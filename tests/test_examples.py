@@ -19,8 +19,10 @@ SMOKE_ARGS = {
     "tree_of_thought": ["--width", "2", "--depth", "1", "--keep", "1", "--max-tokens", "4"],
     "shared_prompt_agents": ["--rounds", "1", "--max-tokens", "6"],
     "langchain_tools": ["--max-steps", "1", "--max-tokens", "40"],
+    "anthropic_tools": ["--max-steps", "1", "--max-tokens", "40"],
 }
-NEEDS = {"langchain_tools": "langchain_openai"}  # the `agents` extra (scripts/setup.sh installs it)
+# the `agents` extra, and the `test` extra's anthropic client (scripts/setup.sh installs both)
+NEEDS = {"langchain_tools": "langchain_openai", "anthropic_tools": "anthropic"}
 
 
 def test_every_example_has_a_smoke_test():
