@@ -141,7 +141,7 @@ def test_scheduler_allocates_draft_blocks_and_releases_rejected_ones():
     s.finish(r, "stop")
     s.check_integrity()
     # the cache holds verified full blocks only: positions 0..7 (two blocks)
-    assert s.cache.num_cached_blocks == 2
+    assert s.kv.cache.num_cached_blocks == 2
 
 
 def test_scheduler_drafts_only_up_to_max_tokens_and_batch():

@@ -33,10 +33,10 @@ from radixserve.core.sessions import SessionTable
 from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
+from radixserve.core.radix_cache import RadixCache
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
-_HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier pages
 
 THREAD_RULE = (
     "an Engine is used by one thread at a time; another thread is inside it now. "
@@ -91,15 +91,16 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.pool = BlockPool(num_blocks)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
-        self.cache = self.tiering.make_cache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
+        self.cache = self._build_cache() if cfg.enable_prefix_cache else None
+        sessions = SessionTable(self.cache, cfg.session_ttl_s) if self.cache is not None else None
         self.drafter = PromptLookupDrafter(
             cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
             default_on=cfg.speculative == "prompt-lookup",
         )
-        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter)
+        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter, sessions, prefetch=self.tiering)
+        self.kv = self.scheduler.kv
         if self.cache is not None:
-            self.scheduler.sessions = SessionTable(self.cache, cfg.session_ttl_s)
-            self.tiering.load(self.cache)
+            self.tiering.load(self.cache.load_tier_entries)
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
@@ -171,10 +172,8 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
-        if not self._queue_prefetched():
-            return []
         plan = self.scheduler.schedule(self._prefill_token_budget())
-        self._run_tier_copies(plan.copies)
+        self._run_tier_copies()
         t1 = time.perf_counter()
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
@@ -190,7 +189,7 @@ class Engine:
         ]
         outputs += [self._append_verified(chunk, tokens) for chunk, tokens in result.speculative]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
-        self._run_tier_copies(None)  # what finished requests moved to the tier
+        self._run_tier_copies()  # what finished requests moved to the tier
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         self._observe_step(decode_tokens, plan.num_tokens - decode_tokens, (t3 - t0) * 1000.0)
@@ -204,15 +203,13 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        if self.tiering.unhold(request):  # held for a tier prefetch: it leaves from the queue
-            self.scheduler.add(request)
         self.scheduler.finish(request, "abort")
         self._forget(request)
-        self._run_tier_copies(None)
+        self._run_tier_copies()
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.tiering.num_held > 0
+        return self.scheduler.has_unfinished()
 
     @_one_thread
     def unfinished_request_ids(self) -> list[str]:
@@ -270,7 +267,7 @@ class Engine:
             "deferred_for_sharing": s.deferred_for_sharing,
             "steps": s.steps,
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + self.tiering.num_held,
+            "waiting": len(self.scheduler.waiting),
             "blocks_total": self.pool.num_blocks,
             "blocks_free": self.pool.num_free,
             "blocks_cached": cached_blocks,
@@ -292,7 +289,7 @@ class Engine:
     def close_session(self, session_id: str, cache_salt: str | None = None) -> bool:
         """Release a session's hold on the cache (its context stays cached as an ordinary
         entry); False if no such session is open."""
-        sessions = self.scheduler.sessions
+        sessions = self.kv.sessions
         return sessions is not None and sessions.close(cache_salt, session_id)
 
     @_one_thread
@@ -305,7 +302,7 @@ class Engine:
         match = self.cache.match_prefix(token_ids, cache_salt)
         if match.node.is_root:
             return 0
-        self.scheduler.sessions.pin(match.node, ttl_s)
+        self.kv.sessions.pin(match.node, ttl_s)
         return (len(match.blocks) + match.num_tier_blocks) * self.config.block_size
 
     @_one_thread
@@ -357,18 +354,7 @@ class Engine:
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
         self.outputs.register(request)
-        if not self.tiering.hold(self.cache, request):  # else queued once its tier pages are read in
-            self.scheduler.add(request)
-
-    def _queue_prefetched(self) -> bool:
-        """Queue the held requests whose tier pages are in memory now, waiting a moment for
-        one when nothing else could run; False when there is still nothing to schedule."""
-        if not self.tiering.num_held:
-            return True
-        idle = not self.scheduler.has_unfinished()
-        for request in self.tiering.ready(wait_s=_HELD_POLL_S if idle else 0.0):
-            self.scheduler.add(request)
-        return self.scheduler.has_unfinished()
+        self.scheduler.add(request)
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.token_ids.append(token)
@@ -420,19 +406,17 @@ class Engine:
                   "block_size": self.config.block_size, "kv_layout": "layer,kv,block,token,head,dim"}
         return Tiering.build(self.config, self.loaded.model, block_shape, self.dtype, layout)
 
-    def _run_tier_copies(self, copies) -> None:
-        """Run tier copies (the plan's; None: those decided since, by finishing requests)
-        before anything reuses the blocks they read."""
+    def _run_tier_copies(self) -> None:
+        """Run the tier copies decided since the last call (the scheduler's, finishing
+        requests') before anything reuses the blocks they read."""
         if self.cache is None or self.tiering.store is None:
             return
-        if copies is None:
-            copies = self.cache.take_copies()
-        self.tiering.execute(self.runner.pool, copies, self.cache.take_tier_events())
+        self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
 
     def _tier_stats(self) -> dict[str, Any]:
         if self.cache is None:
             return {}
-        sessions = self.scheduler.sessions
+        sessions = self.kv.sessions
         spec = self.loaded.spec
         return {
             "restored_prompt_tokens": self.scheduler.stats.restored_prompt_tokens,
@@ -444,8 +428,13 @@ class Engine:
                 spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
             ),
             "pins": sessions.num_pins if sessions is not None else 0,
-            **self.tiering.stats(self.cache),
+            **self.tiering.stats(self.cache.num_tier_blocks),
         }
+
+    def _build_cache(self) -> RadixCache:
+        persisted = self.tiering.persisted
+        return RadixCache(self.pool, self.config.block_size, self.tiering.slots, write_through=persisted,
+                          record_entries=persisted)
 
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec
