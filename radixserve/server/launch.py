@@ -42,9 +42,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="how the model writes tool calls: hermes/qwen (<tool_call>{json}</tool_call>), llama3 "
                             "(JSON with \"parameters\"), or auto: detected from the chat template (default)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from radixserve.cluster.launch import add_cluster_args
-
-    add_cluster_args(parser)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -77,12 +74,8 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. With --replicas
-    or --ray-address: the engines run as Ray Serve replicas (radixserve.cluster) instead."""
-    from radixserve.cluster.launch import cluster_requested, serve_cluster
-
-    if cluster_requested(args):
-        return serve_cluster(args, engine_kwargs, server_options(args))
+    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. (Several
+    replicas, --replicas or --ray-address, are radixserve.cluster's; __main__ dispatches.)"""
     import uvicorn
 
     from radixserve.engine import Engine
