@@ -22,6 +22,7 @@ from radixserve.execution.constrained import GrammarFactory
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
+from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
@@ -256,32 +257,39 @@ class Engine:
 
     @_one_thread
     def stats(self) -> dict[str, Any]:
+        """The counters and gauges as one flat dictionary (EngineStats.as_dict())."""
+        return self.snapshot().as_dict()
+
+    @_one_thread
+    def snapshot(self) -> EngineStats:
+        """The counters and gauges, typed."""
         s = self.scheduler.stats
-        cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
-        return {
-            "prompt_tokens": s.prompt_tokens,
-            "cached_prompt_tokens": s.cached_prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "computed_tokens": s.computed_tokens,
-            "preemptions": s.preemptions,
-            "deferred_for_sharing": s.deferred_for_sharing,
-            "steps": s.steps,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "blocks_total": self.pool.num_blocks,
-            "blocks_free": self.pool.num_free,
-            "blocks_cached": cached_blocks,
-            "blocks_evictable": self.cache.num_evictable_blocks if self.cache is not None else 0,
-            "evicted_blocks": self.cache.evicted_blocks if self.cache is not None else 0,
-            "cache_nodes": self.cache.num_nodes if self.cache is not None else 0,
-            "spec_drafts": self.drafter.stats.drafts,
-            "spec_draft_tokens": self.drafter.stats.draft_tokens,
-            "spec_accepted_tokens": self.drafter.stats.accepted_tokens,
-            "spec_acceptance_rate": self.drafter.stats.acceptance_rate,
-            "spec_pauses": self.drafter.stats.pauses,
-            **self._tier_stats(),
+        cache, spec = self.cache, self.drafter.stats
+        return EngineStats(
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            computed_tokens=s.computed_tokens,
+            preemptions=s.preemptions,
+            deferred_for_sharing=s.deferred_for_sharing,
+            steps=s.steps,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_total=self.pool.num_blocks,
+            blocks_free=self.pool.num_free,
+            blocks_cached=cache.num_cached_blocks if cache is not None else 0,
+            blocks_evictable=cache.num_evictable_blocks if cache is not None else 0,
+            evicted_blocks=cache.evicted_blocks if cache is not None else 0,
+            cache_nodes=cache.num_nodes if cache is not None else 0,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_acceptance_rate=spec.acceptance_rate,
+            spec_pauses=spec.pauses,
+            cache=self._cache_stats(),
+            tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
             **self.timings,
-        }
+        )
 
     # ---- agent-aware cache: sessions, pins, the second tier ------------------------
 
@@ -413,23 +421,22 @@ class Engine:
             return
         self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
 
-    def _tier_stats(self) -> dict[str, Any]:
+    def _cache_stats(self) -> CacheStats | None:
         if self.cache is None:
-            return {}
+            return None
         sessions = self.kv.sessions
         spec = self.loaded.spec
-        return {
-            "restored_prompt_tokens": self.scheduler.stats.restored_prompt_tokens,
-            "tier_hits": self.cache.tier_hits,
-            "restored_blocks": self.cache.restored_blocks,
-            **{f"evicted_blocks_{reason}": n for reason, n in self.cache.evictions.items()},
-            "sessions_open": sessions.num_open if sessions is not None else 0,
-            "pool_cached_bytes": self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
+        return CacheStats(
+            restored_prompt_tokens=self.scheduler.stats.restored_prompt_tokens,
+            tier_hits=self.cache.tier_hits,
+            restored_blocks=self.cache.restored_blocks,
+            evictions=dict(self.cache.evictions),
+            sessions_open=sessions.num_open if sessions is not None else 0,
+            pool_cached_bytes=self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
                 spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
             ),
-            "pins": sessions.num_pins if sessions is not None else 0,
-            **self.tiering.stats(self.cache.num_tier_blocks),
-        }
+            pins=sessions.num_pins if sessions is not None else 0,
+        )
 
     def _build_cache(self) -> RadixCache:
         persisted = self.tiering.persisted

@@ -30,6 +30,17 @@ DEFAULT_PERSIST_BYTES = 2 << 30
 _SAMPLES_PER_TENSOR = 4096
 
 
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    tier_blocks_total: int  # slots of the tier
+    tier_blocks_used: int  # slots the cache holds
+    tier_bytes: int
+    tier_persist_failed: int  # 1 when the persisted tier could not be written
+    tier_prefetched_blocks: int  # slots read in for held requests
+    tier_prefetch_holds: int  # requests held so far
+    tier_warmed_blocks: int  # slots faulted in for writing
+
+
 @dataclasses.dataclass
 class Tiering:
     slots: KVTier | None = None
@@ -122,19 +133,20 @@ class Tiering:
     def num_held(self) -> int:
         return self.prefetch.num_held if self.prefetch is not None else 0
 
-    def stats(self, tier_blocks: int) -> dict[str, Any]:
-        """Counters of the tier, `tier_blocks` of whose slots the cache holds."""
+    def stats(self, tier_blocks: int) -> TierStats | None:
+        """Counters of the tier, `tier_blocks` of whose slots the cache holds (None: no tier)."""
         if self.store is None:
-            return {}
-        return {
-            "tier_blocks_total": self.slots.num_slots,
-            "tier_blocks_used": tier_blocks,
-            "tier_bytes": tier_blocks * self.store.slot_bytes,
-            "tier_persist_failed": int(self.persister is not None and self.persister.failed is not None),
-            "tier_prefetched_blocks": self.prefetch.read_blocks if self.prefetch is not None else 0,
-            "tier_prefetch_holds": self.prefetch.holds if self.prefetch is not None else 0,
-            "tier_warmed_blocks": self.prefetch.warmed_blocks if self.prefetch is not None else 0,
-        }
+            return None
+        prefetch = self.prefetch
+        return TierStats(
+            tier_blocks_total=self.slots.num_slots,
+            tier_blocks_used=tier_blocks,
+            tier_bytes=tier_blocks * self.store.slot_bytes,
+            tier_persist_failed=int(self.persister is not None and self.persister.failed is not None),
+            tier_prefetched_blocks=prefetch.read_blocks if prefetch is not None else 0,
+            tier_prefetch_holds=prefetch.holds if prefetch is not None else 0,
+            tier_warmed_blocks=prefetch.warmed_blocks if prefetch is not None else 0,
+        )
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return self.persister.flush(timeout_s) if self.persister is not None else True

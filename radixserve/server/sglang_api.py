@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import radixserve
+from radixserve.engine.protocol import EngineProtocol
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol.body import read_body, read_json
 from radixserve.server.protocol.common import NativeModel, parse
@@ -149,11 +150,11 @@ def rid_table(app: Any) -> RidTable:
     return table
 
 
-def _model_path(engine: Any) -> str:
+def _model_path(engine: EngineProtocol) -> str:
     return str(engine.config.model or engine.loaded.path)
 
 
-def _engine(request: Request) -> Any:
+def _engine(request: Request) -> EngineProtocol:
     return _state(request).engine.engine
 
 
