@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.real_model
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "agents"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 SMOKE_ARGS = {
     "react_agent": ["--max-steps", "2", "--max-tokens", "40"],
