@@ -99,9 +99,8 @@ class Scheduler:
         engine sizes it to a step-time target); a step with no decodes gives prefill the
         whole max_num_batched_tokens."""
         plan = StepPlan()
-        self._release_prefetched()
-        if not self.has_runnable():  # every request waits on its tier pages
-            return plan
+        if self._release_prefetched() and not self.has_runnable():
+            return plan  # every request waits on its tier pages: not a step
         self.kv.begin_step()
         budget = self.config.max_num_batched_tokens
         prefill = budget
@@ -258,15 +257,16 @@ class Scheduler:
     def _runnable_waiting(self) -> list[Request]:
         return [r for r in self.waiting if r.status is RequestStatus.WAITING]
 
-    def _release_prefetched(self) -> None:
+    def _release_prefetched(self) -> bool:
         """Held requests whose tier pages are in become WAITING (with nothing else to run,
-        first wait a moment for one)."""
+        first wait a moment for one); False when no request was held."""
         if not any(r.status is RequestStatus.PREFETCHING for r in self.waiting):
-            return
+            return False
         ready = set(self.kv.prefetched(wait_s=0.0 if self.has_runnable() else _HELD_POLL_S))
         for request in self.waiting:
             if request.request_id in ready and request.status is RequestStatus.PREFETCHING:
                 request.status = RequestStatus.WAITING
+        return True
 
     # ---- in-batch sharing -------------------------------------------------------
 
