@@ -101,3 +101,12 @@ def test_tool_choice_modes(choice, mode, named, parallel):
         body["tool_choice"] = choice
     spec = parse(MessagesRequest, body).tool_spec()
     assert (spec.mode, spec.named, spec.parallel) == (mode, named, parallel)
+
+
+@pytest.mark.parametrize("kind", [{}, [], 3, None])
+def test_a_block_type_that_is_not_a_string_is_a_400(kind):
+    """The schemathesis fuzz found a dict as a block's type answered 500 (unhashable)."""
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]}
+    with pytest.raises(APIError) as refused:
+        parse(MessagesRequest, body)
+    assert refused.value.status == 400

@@ -104,7 +104,7 @@ def _block_union(*members: type[AnthropicModel]) -> Any:
 
     def choose(value: Any) -> str | None:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return TAG + kind if kind in names else None
+        return TAG + kind if isinstance(kind, str) and kind in names else None
 
     tagged = tuple(Annotated[m, Tag(TAG + n)] for n, m in names.items())
     return Annotated[
