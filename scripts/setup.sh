@@ -12,7 +12,8 @@ fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a
-# CPU machine; torch==2.13.0 resolves to the CPU build where one is available locally.
+# CPU machine; torch==2.13.0 resolves to the CPU build where one is available locally. The
+# package itself asks only for torch>=2.13, so a GPU machine keeps its own CUDA torch.
 "${PIP[@]}" "torch==2.13.0"
 # cluster (Ray Serve, for several replicas) adds about a minute to a fresh install.
 "${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents]"

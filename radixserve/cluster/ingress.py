@@ -109,9 +109,7 @@ class ClusterIngress:
                 parsed = json.loads(body)
             except (ValueError, RecursionError):
                 parsed = None  # the replica answers with its own 400
-        key = routing_key(
-            request.url.path, parsed, request.headers.get("authorization"), self.options.shared_cache_across_keys
-        )
+        key = routing_key(request.url.path, parsed, _credential(request), self.options.shared_cache_across_keys)
         return ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
             list(request.scope["headers"]), body, key,
@@ -210,6 +208,14 @@ class ClusterIngress:
             raise _failure(results[0] if results and isinstance(results[0], Exception) else RuntimeError("no replica"))
         head, body = next((a for a in answers if a[0].status == 200), answers[0])
         return Response(body, status_code=head.status, headers=_headers(head))
+
+
+def _credential(request: Request) -> str | None:
+    """The caller's key as the replicas read it: a bearer token, or Anthropic's x-api-key."""
+    given = request.headers.get("authorization")
+    if not given and request.headers.get("x-api-key"):
+        given = "Bearer " + request.headers["x-api-key"]
+    return given
 
 
 def _headers(head: ResponseHead) -> dict[str, str]:

@@ -17,7 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from radixserve.server import native_api, sessions_api, sglang_api
+from radixserve.engine.protocol import EngineProtocol
+from radixserve.server import anthropic_api, native_api, sessions_api, sglang_api
+from radixserve.server.anthropic_errors import error_response
+from radixserve.server.anthropic_output import MessagesResponder
+from radixserve.server.anthropic_sse import AnthropicEventStream
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -56,13 +60,13 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
 
 
-def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
+def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> Starlette:
     """The app for `engine` (which it owns from startup on: the engine thread is the only
     one that calls it until shutdown). Serve with uvicorn; its lifespan starts and stops
     the engine thread."""
     options = options or ServerOptions()
     async_engine = AsyncEngine(engine, options.max_queued_requests, options.request_timeout_s, options.retry_after_s)
-    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: _server_gauges(async_engine))
+    metrics = ServerMetrics(lambda: async_engine.latest_snapshot, lambda: _server_gauges(async_engine))
     async_engine.on_finished = metrics.observe_finished
     state = ServerState(
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
@@ -100,6 +104,8 @@ def _routes(options: ServerOptions) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),  # Anthropic's Messages API
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *sglang_api.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
@@ -154,6 +160,18 @@ async def responses(request: Request) -> Response:
     return await _serve_job(request, _in_namespace(request, job), responder)
 
 
+async def messages(request: Request) -> Response:
+    state = _state(request)
+    job, responder = await anthropic_api.messages_job(await read_json(request), state.served, state.tools)
+    return await _serve_job(request, _in_namespace(request, job), responder, AnthropicEventStream)
+
+
+async def count_tokens(request: Request) -> Response:
+    state = _state(request)
+    counted = await anthropic_api.count_tokens(await read_json(request), state.served, state.tools, state.engine.engine)
+    return JSONResponse(counted)
+
+
 async def generate(request: Request) -> Response:
     state = _state(request)
     job = _in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
@@ -170,7 +188,7 @@ async def openapi(request: Request) -> Response:
 
 
 async def debug_check_integrity(request: Request) -> Response:
-    def check(engine: Any) -> dict[str, Any]:
+    def check(engine: EngineProtocol) -> dict[str, Any]:
         engine.check_integrity()
         return engine.stats()
 
@@ -189,11 +207,12 @@ async def debug_stats(request: Request) -> Response:
 
 
 async def _serve_job(
-    request: Request, job: Any, responder: CompletionResponder | ChatResponder | ResponsesResponder
+    request: Request, job: Any, responder: CompletionResponder | ChatResponder | ResponsesResponder | MessagesResponder,
+    stream: type[EventStream] = EventStream,
 ) -> Response:
     group = await _state(request).engine.submit(job.inputs())
     if job.stream:
-        return EventStream(responder.chunks(group), on_close=group.abort)
+        return stream(responder.chunks(group), on_close=group.abort)
     outputs = await _results_unless_disconnected(request, group)
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -231,7 +250,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _served_model(engine: Any, options: ServerOptions) -> ServedModel:
+def _served_model(engine: EngineProtocol, options: ServerOptions) -> ServedModel:
     names = [options.served_model_name] if options.served_model_name else []
     names.append(engine.model_name)
     path = getattr(getattr(engine, "config", None), "model", None)
@@ -255,16 +274,16 @@ def _server_gauges(engine: AsyncEngine) -> dict[str, float]:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return error_response(request.url.path, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return APIError(exc.status_code, message, type=kind, headers=exc.headers).response()
+    return error_response(request.url.path, APIError(exc.status_code, message, type=kind, headers=exc.headers))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
-    return server_error(f"internal error: {type(exc).__name__}: {exc}").response()
+    return error_response(request.url.path, server_error(f"internal error: {type(exc).__name__}: {exc}"))

@@ -12,6 +12,7 @@ import hmac
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from radixserve.server.anthropic_errors import error_response
 from radixserve.server.errors import APIError
 
 ASGIApp = Callable[..., Any]
@@ -22,9 +23,9 @@ ADMIN_SCOPE_KEY = "radixserve.admin"  # set (True) on the scope of a call made w
 
 
 class ApiKeyAuth:
-    """Answers 401 to HTTP requests without `Authorization: Bearer <key>` for one of
-    `api_keys`, except on `open_paths`; no keys: everyone may call. The scheme is
-    case-insensitive (RFC 9110); the key is compared in constant time against every key.
+    """Answers 401 to HTTP requests without `Authorization: Bearer <key>` (or Anthropic's
+    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may
+    call. The scheme is case-insensitive (RFC 9110); the key is compared in constant time against every key.
     An accepted call carries its key's digest on the scope (see `tenant`); a key that is
     also in `admin_keys` marks the call as an admin's (see `may_act_for_all`)."""
 
@@ -42,16 +43,20 @@ class ApiKeyAuth:
         if not self.keys or scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if not given and headers.get(b"x-api-key"):
+            given = b"Bearer " + headers[b"x-api-key"]
         found = self._match(given)
         if found is not None:
             scope[TENANT_SCOPE_KEY], scope[ADMIN_SCOPE_KEY] = found
             await self.app(scope, receive, send)
             return
-        message = "missing API key: send 'Authorization: Bearer <key>'" if not given else "invalid API key"
+        message = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'" if not given \
+            else "invalid API key"
         error = APIError(401, message, type="authentication_error", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        await error_response(scope["path"], error)(scope, receive, send)
 
     def _match(self, header: bytes) -> tuple[str, bool] | None:
         """(the key's digest, whether it is an admin key), or None for no accepted key."""

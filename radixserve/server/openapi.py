@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
 from radixserve.server.responses_api import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
@@ -32,6 +33,20 @@ ERROR_BODY = {
     },
 }
 
+ANTHROPIC_ERROR_BODY = {
+    "type": "object",
+    "description": "Anthropic-style error",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
 ERROR_STATUSES = {
     400: "the body is malformed or a field is invalid (the error's param names it)",
     401: "missing or wrong API key (only when the server has keys)",
@@ -40,6 +55,7 @@ ERROR_STATUSES = {
     500: "the engine failed on this request (the server keeps serving)",
     503: "the queue is full (Retry-After), the server is shutting down, or the engine stopped",
     504: "the request ran longer than --request-timeout",
+    529: "overloaded (Anthropic's 503): the queue is full (Retry-After), the server is shutting down or the engine stopped",
 }
 JSON_OBJECT = {"type": "object"}
 SSE_EVENT = {
@@ -58,6 +74,7 @@ class Operation:
     body: type[BaseModel] | None = None
     ok: dict[str, Any] = field(default_factory=lambda: {"application/json": {"schema": JSON_OBJECT}})
     errors: tuple[int, ...] = (401,)
+    error_body: str = "ErrorResponse"
 
 
 OPERATIONS = {
@@ -74,6 +91,15 @@ OPERATIONS = {
     "/v1/responses": Operation(
         "post", "OpenAI Responses API (stream: typed server-sent events)", ResponsesRequest,
         {"application/json": {"schema": JSON_OBJECT}, **SSE}, (400, 401, 404, 413, 500, 503, 504),
+    ),
+    "/v1/messages": Operation(
+        "post", "Anthropic Messages API (stream: Anthropic's server-sent events)", MessagesRequest,
+        {"application/json": {"schema": JSON_OBJECT}, **SSE}, (400, 401, 404, 413, 500, 504, 529),
+        "AnthropicErrorResponse",
+    ),
+    "/v1/messages/count_tokens": Operation(
+        "post", "Anthropic token counting: the prompt's input_tokens", CountTokensRequest,
+        errors=(400, 401, 404, 413), error_body="AnthropicErrorResponse",
     ),
     "/generate": Operation(
         "post", "Native generation: text or token ids in; text, ids and timings out", GenerateRequest,
@@ -93,7 +119,7 @@ def openapi_schema(routes: dict[str, set[str]], auth: bool = False) -> dict[str,
     paths = {path: OPERATIONS.get(path) or _generic(methods) for path, methods in routes.items()}
     models = [op.body for op in paths.values() if op.body is not None]
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
-    schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_BODY}
+    schemas = {**defs.get("$defs", {}), "ErrorResponse": ERROR_BODY, "AnthropicErrorResponse": ANTHROPIC_ERROR_BODY}
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "radixserve", "version": "1"},
@@ -104,7 +130,10 @@ def openapi_schema(routes: dict[str, set[str]], auth: bool = False) -> dict[str,
         "components": {"schemas": schemas},
     }
     if auth:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},  # Anthropic's header
+        }
     return document
 
 
@@ -114,7 +143,7 @@ def _generic(methods: set[str]) -> Operation:
 
 
 def _operation(op: Operation, body_ref: dict[str, Any] | None, auth: bool) -> dict[str, Any]:
-    error = {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}
+    error = {"application/json": {"schema": {"$ref": REF.format(model=op.error_body)}}}
     statuses = [s for s in op.errors if auth or s != 401]
     if body_ref is not None:
         statuses = sorted(set(statuses) | {400, 413})
@@ -124,5 +153,5 @@ def _operation(op: Operation, body_ref: dict[str, Any] | None, auth: bool) -> di
     if body_ref is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_ref}}}
     if auth and op.errors != (503,):
-        operation["security"] = [{"bearer": []}]
+        operation["security"] = [{"bearer": []}, {"apiKey": []}]
     return operation

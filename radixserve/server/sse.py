@@ -24,6 +24,8 @@ class EventStream:
     request behind the stream can be aborted and its blocks freed.
     """
 
+    end = b"data: [DONE]\n\n"  # the last bytes of the stream
+
     def __init__(self, events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]):
         self.events = events
         self.on_close = on_close
@@ -52,15 +54,21 @@ class EventStream:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
             async for event in self.events:
-                await send({"type": "http.response.body", "body": _event(event), "more_body": True})
+                await send({"type": "http.response.body", "body": self.frame(event), "more_body": True})
         except APIError as exc:
-            await send({"type": "http.response.body", "body": _event(exc.body()), "more_body": True})
+            await send({"type": "http.response.body", "body": self.error_frame(exc), "more_body": True})
         except (OSError, asyncio.CancelledError):
             raise
         except Exception as exc:
             log.exception("error while streaming a response")
-            await send({"type": "http.response.body", "body": _event(server_error(str(exc)).body()), "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            await send({"type": "http.response.body", "body": self.error_frame(server_error(str(exc))), "more_body": True})
+        await send({"type": "http.response.body", "body": self.end, "more_body": False})
+
+    def frame(self, payload: dict[str, Any]) -> bytes:
+        return _event(payload)
+
+    def error_frame(self, error: APIError) -> bytes:
+        return _event(error.body())
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -77,7 +77,10 @@ def test_openapi_covers_the_routes_given():
     schema = openapi_schema(routes, auth=True)
     assert set(schema["paths"]) == set(routes)
     assert schema["paths"]["/new"]["post"]["responses"]["400"]
-    assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}, {"apiKey": []}]  # or x-api-key
+    messages = schema["paths"]["/v1/messages"]["post"]["responses"]
+    assert messages["529"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+    assert "503" not in messages
     assert "security" not in schema["paths"]["/health"]["get"]
     props = schema["components"]["schemas"]["GenerateSamplingParams"]["properties"]
     assert props["top_p"]["exclusiveMinimum"] == 0.0 and props["top_p"]["maximum"] == 1.0

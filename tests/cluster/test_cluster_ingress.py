@@ -259,3 +259,14 @@ def test_a_body_over_the_cap_is_refused_before_any_replica_sees_it():
     answer = _call(handle, "POST", "/v1/completions", content=b"x", headers={"content-length": str(64 << 20)})
     assert answer.status_code == 413 and answer.json()["error"]["code"] == "body_too_large"
     assert handle.streams == []
+
+
+def test_an_anthropic_x_api_key_routes_in_its_keys_namespace_like_a_bearer_key():
+    from radixserve.cluster.ingress import _credential
+
+    def request(headers: list[tuple[bytes, bytes]]) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": headers})
+
+    assert _credential(request([(b"x-api-key", b"key-b")])) == "Bearer key-b"
+    assert _credential(request([(b"authorization", b"Bearer key-b")])) == "Bearer key-b"
+    assert _credential(request([])) is None

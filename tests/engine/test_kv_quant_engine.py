@@ -41,7 +41,7 @@ def test_int8_sizes_the_pool_by_page_bytes_and_reports_it(tiny_model_dir):
     # 2 layers x (K, V) x 2 KV heads x (16 codes + one float32 scale) per token
     assert s["kv_cache_dtype"] == "int8" and s["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
     assert full.stats()["kv_cache_dtype"] == "float32" and full.stats()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
-    text = ServerMetrics(lambda: s, dict).render().decode()
+    text = ServerMetrics(quant.snapshot, dict).render().decode()
     assert 'radixserve_kv_cache_dtype{dtype="int8"} 1.0' in text
     assert "radixserve_kv_bytes_per_token 160.0" in text
 
