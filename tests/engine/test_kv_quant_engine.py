@@ -11,6 +11,7 @@ import random
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -69,16 +70,31 @@ def test_int8_shares_prefixes_and_preempts_with_the_same_tokens(tiny_model_dir, 
     tight.check_integrity()
 
 
-def test_int8_speculative_rollbacks_keep_greedy_tokens(tiny_model_dir):
-    from test_speculative import oracle
+class OracleDrafter(PromptLookupDrafter):
+    """Drafts each prompt's reference continuation, one token wrong in every third draft."""
 
+    def __init__(self, references: dict[tuple, list[int]]):
+        super().__init__(8, 1, 3, default_on=True)
+        self.references = references
+
+    def propose(self, request, max_tokens):
+        if max_tokens <= 0 or not self.eligible(request):
+            return []
+        done = request.num_output_tokens
+        draft = list(self.references[tuple(request.prompt_token_ids)][done:done + 5])[:max_tokens]
+        if draft and done % 3 == 1:
+            draft[done % len(draft)] = (draft[done % len(draft)] + 1) % 97
+        return draft
+
+
+def test_int8_speculative_rollbacks_keep_greedy_tokens(tiny_model_dir):
     directory = tiny_model_dir("llama")
     prompts = prompts_of([3, 17, 40], seed=8)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     plain = tokens(int8_engine(directory).generate(prompts, params))
     spec = int8_engine(directory, speculative="prompt-lookup", speculative_max_batch=64, max_num_batched_tokens=64,
                        chunked_prefill_size=16)
-    spec.drafter = spec.scheduler.drafter = oracle({tuple(p): e for p, e in zip(prompts, plain)})
+    spec.drafter = spec.scheduler.drafter = OracleDrafter({tuple(p): e for p, e in zip(prompts, plain)})
     assert tokens(spec.generate(prompts, params)) == plain
     stats = spec.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # accepts and rollbacks both
