@@ -1,7 +1,9 @@
-"""Micro-benchmarks of the Triton attention kernels on one CUDA GPU, and an engine run.
+"""Micro-benchmarks of the Triton attention kernels on one CUDA GPU, and an engine run;
+with --cpu, the tiled C prefill kernel on CPU beside SDPA and the model's matmuls.
 
     python -m bench.bench_kernels            # decode and prefix-extend vs torch SDPA
     python -m bench.bench_kernels --engine   # default model, bf16: triton vs torch backend
+    python -m bench.bench_kernels --cpu      # float32 on CPU: GFLOP/s of attention and matmuls
 
 Kernels are timed two ways: replayed from a CUDA graph (the GPU's own time, no host
 launch overhead) and called eagerly (what an engine without CUDA graphs pays). The
@@ -223,6 +225,81 @@ def bench_engine(args: argparse.Namespace) -> None:
           f"{same}/{args.prompts} greedy outputs identical (bf16 may legitimately diverge late)")
 
 
+# ---- CPU: the tiled prefill kernel beside SDPA and the matmuls ------------------------------
+
+
+def bench_cpu(args: argparse.Namespace) -> None:
+    """GFLOP/s of prompt-chunk attention at the default model's heads (float32, block size
+    16, blocks shuffled through the pool): the tiled C kernel reading the pool in place, and
+    torch's SDPA over the gathered pages (the cpu backend's path with tiled_prefill off);
+    beside them the model's four matmuls at 512 rows on oneDNN, as a prefill chunk runs
+    them. Each case's calls take turns; the best of --cpu-repeats is reported, in CPU time on
+    one thread (OMP_NUM_THREADS=1: what another program's load hardly moves), else wall time."""
+    from radixserve.attention.torch_backend import PrefillChunk, prefill_attention
+    from radixserve.kernels.native_attention import load_native_attention
+    from radixserve.kernels.onednn_linear import onednn_linear
+
+    kernels = load_native_attention()
+    heads = HEAD_CONFIGS[0]
+    scale = heads.head_dim**-0.5
+    clock = "CPU time" if torch.get_num_threads() == 1 else "wall time"
+    print(f"CPU, float32, {torch.get_num_threads()} threads, {clock}; attention: {heads}, block size {BLOCK_SIZE}")
+    for prefix, new in [(0, 512), (0, 2048), (0, 4096), (8192 - 256, 256)]:
+        data = paged_batch(1, prefix + new, heads, torch.device("cpu"))
+        data.k_cache, data.v_cache = data.k_cache.float(), data.v_cache.float()
+        q = torch.randn(new, heads.num_heads, heads.head_dim)
+        k, v = (torch.randn(new, heads.kv_heads, heads.head_dim) for _ in range(2))
+        out = torch.empty_like(q)
+        starts = torch.tensor([0, new], dtype=torch.int32)
+        context = prefix + new
+        mask = torch.arange(context)[None, :] <= torch.arange(new)[:, None] + prefix
+        # as the engine plans them: a chunk with no cached prefix attends to its own fresh K/V
+        chunk = PrefillChunk(0, new, data.block_tables[0].long(), context, mask) if prefix else \
+            PrefillChunk(0, new, None, new, None)
+        flops = 4 * heads.head_dim * heads.num_heads * (new * prefix + new * (new + 1) // 2)
+        results = _best_cpu_times({
+            "tiled C kernel, paged in place": lambda: kernels.prefill(
+                q, data.k_cache, data.v_cache, data.block_tables, starts, data.seq_lens, scale, out),
+            "SDPA over gathered pages": lambda: prefill_attention(q, k, v, data.k_cache, data.v_cache, chunk, scale),
+        }, args.cpu_repeats)
+        label = f"{new} new over {prefix} cached" if prefix else f"{new}-token prompt"
+        print(f"  attention, {label} ({flops / 1e9:.2f} GFLOP, causal):")
+        for name, seconds in results.items():
+            print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
+    rows, hidden, inter = 512, 576, 1536
+    q_size, kv_size = heads.num_heads * heads.head_dim, heads.kv_heads * heads.head_dim
+    x = {n: torch.randn(rows, n) for n in (hidden, q_size, inter)}
+    matmuls = {f"qkv {hidden}->{q_size + 2 * kv_size}": (hidden, q_size + 2 * kv_size),
+               f"o {q_size}->{hidden}": (q_size, hidden), f"gate_up {hidden}->{2 * inter}": (hidden, 2 * inter),
+               f"down {inter}->{hidden}": (inter, hidden)}
+    weights = {name: torch.randn(n_out, n_in) for name, (n_in, n_out) in matmuls.items()}
+    first = next(iter(matmuls))
+    onednn = onednn_linear(x[matmuls[first][0]], weights[first], None) is not None
+
+    def matmul(name):
+        inputs = x[matmuls[name][0]]
+        return lambda: onednn_linear(inputs, weights[name], None) if onednn else F.linear(inputs, weights[name])
+
+    results = _best_cpu_times({name: matmul(name) for name in matmuls}, args.cpu_repeats)
+    print(f"  the model's matmuls, {rows} rows, on {'oneDNN' if onednn else 'F.linear (no oneDNN here)'}:")
+    for name, seconds in results.items():
+        flops = 2 * rows * matmuls[name][0] * matmuls[name][1]
+        print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
+
+
+def _best_cpu_times(calls: dict, repeats: int) -> dict[str, float]:
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    for fn in calls.values():
+        fn()
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = clock()
+            fn()
+            best[name] = min(best[name], clock() - start)
+    return best
+
+
 # ---- main --------------------------------------------------------------------------------
 
 
@@ -235,7 +312,13 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=4096)
     parser.add_argument("--extend-batch", type=int, default=8)
+    parser.add_argument("--cpu", action="store_true", help="the CPU kernels instead (no GPU needed)")
+    parser.add_argument("--cpu-repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.cpu:
+        with torch.inference_mode():
+            bench_cpu(args)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
     device = torch.device("cuda")

@@ -1,17 +1,24 @@
-"""Prefill: the large matmuls on oneDNN against torch's MKL, whole prompts, engine to engine.
+"""Prefill, engine to engine: the tiled attention kernel against SDPA, or oneDNN against MKL.
 
-    .venv/bin/python -m bench.bench_prefill                       # prompts of 128-1024 tokens
-    .venv/bin/python -m bench.bench_prefill --lengths 512 --repeats 5 --plot prefill.png
+    .venv/bin/python -m bench.bench_prefill                       # attention, 512-8191 tokens + an extend
+    .venv/bin/python -m bench.bench_prefill --lengths 512 4096 --extend 0 --plot prefill.png
+    .venv/bin/python -m bench.bench_prefill --compare matmul      # oneDNN vs MKL, 128-1024 tokens
 
-Two engines on the default model, taking turns on the same prompts: `onednn` (the default:
-float32 matmuls with more rows than the skinny kernel takes run on oneDNN) and `mkl`
-(`onednn_linear=False`, `--no-onednn-linear`: torch's F.linear, MKL). Each request is one
-prompt of --lengths random tokens and one greedy token, with the prefix cache off, so the
-time is the prompt's prefill (in one step: chunked_prefill_size is raised to the longest
-prompt). Reported per length: the best of --repeats in ms and ms per token of each, the
-ratio mkl / onednn measured in the same run, and whether the two chose the same first token.
-The best of the repeats hides any one-off cost of a row count seen for the first time.
-Run it alone: two cores, one benchmark.
+Two engines on the default model take turns on the same prompts. `--compare attention`
+(the default): `tiled` (prompt chunks attend through the tiled C kernel over the paged
+pool, the default) and `sdpa` (`tiled_prefill_attention=False`: torch's SDPA over
+gathered pages). `--compare matmul`: `onednn` (the default: float32 matmuls with more
+rows than the skinny kernel takes run on oneDNN) and `mkl` (`onednn_linear=False`).
+Each request is one prompt of --lengths random tokens and one greedy token; random
+prompts share nothing, so the time is the prompt's prefill, in one step
+(chunked_prefill_size is raised to the longest prompt). With --extend N (attention only),
+a prompt of --extend-prefix tokens is cached first, then each repeat sends it again with
+N new random tokens after it: only those N are computed, attending over the cached prefix.
+Reported: the best of --repeats in ms and ms per token of each, the ratio of the two
+measured in the same run, each length's cost against the shortest's, and whether the
+two chose the same first token. Run it alone: two cores, one benchmark. On a machine that
+others load too, `--threads 1 --clock cpu` times the process's CPU seconds on one thread
+(run it with OMP_NUM_THREADS=1), which their load hardly moves, where wall time does.
 """
 
 from __future__ import annotations
@@ -24,50 +31,93 @@ from bench.harness import progress
 from bench.report import plot_bars
 from radixserve import Engine, SamplingParams
 
-NAMES = ("onednn", "mkl")
+OPTIONS = {
+    "attention": {"tiled": {"tiled_prefill_attention": True}, "sdpa": {"tiled_prefill_attention": False}},
+    "matmul": {"onednn": {"onednn_linear": True}, "mkl": {"onednn_linear": False}},
+}
+LENGTHS = {"attention": [512, 2048, 4096, 8191], "matmul": [128, 256, 512, 1024]}
+PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="*", default=[128, 256, 512, 1024])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compare", choices=sorted(OPTIONS), default="attention")
+    p.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: 512-8191, or 128-1024)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--extend", type=int, default=256, help="new tokens over a cached prefix (0: none)")
+    p.add_argument("--extend-prefix", type=int, default=7920, help="tokens of the cached prefix (whole blocks)")
+    p.add_argument("--threads", type=int, help="torch CPU threads of each engine (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the process's CPU time")
     p.add_argument("--plot", help="write a bar chart of ms per prompt token here")
     args = p.parse_args(argv)
-    longest = max(args.lengths)
+    lengths = args.lengths or LENGTHS[args.compare]
+    extend = args.extend if args.compare == "attention" else 0
+    longest = max(lengths + [extend])
+    names = list(OPTIONS[args.compare])
     engines = {
-        name: Engine(onednn_linear=name == "onednn", enable_prefix_cache=False, chunked_prefill_size=longest,
-                     max_num_batched_tokens=max(longest, 2048))
-        for name in NAMES
+        name: Engine(enable_prefix_cache=extend > 0, chunked_prefill_size=longest,
+                     max_num_batched_tokens=max(longest, 2048), num_threads=args.threads, **options)
+        for name, options in OPTIONS[args.compare].items()
     }
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    context = next(iter(engines.values())).max_model_len
+    if max(lengths) >= context or (extend and args.extend_prefix + extend >= context):
+        p.error(f"every prompt must leave room for its token in the model's {context} positions")
     rng = random.Random(0)
-    print("prefill, default model, one prompt at a time: oneDNN matmuls vs MKL, two engines in turns")
-    bar = progress(len(args.lengths) * args.repeats, "prompts")
-    rows, groups, series = [], [], {name: [] for name in NAMES}
-    for length in args.lengths:
-        best = {name: float("inf") for name in NAMES}
-        same = True
-        for _ in range(args.repeats):
-            ids = [rng.randrange(100, 40000) for _ in range(length)]
-            first = {}
-            for name, engine in engines.items():
-                t0 = time.perf_counter()
-                first[name] = engine.generate([ids], params, use_tqdm=False)[0].token_ids
-                best[name] = min(best[name], time.perf_counter() - t0)
-            same = same and first["onednn"] == first["mkl"]
-            bar.update(1)
-        ms = {name: best[name] * 1000 for name in NAMES}
-        rows.append(f"{length:5d} tokens: onednn {ms['onednn']:7.1f} ms ({ms['onednn'] / length:.2f} ms/token)  "
-                    f"mkl {ms['mkl']:7.1f} ms ({ms['mkl'] / length:.2f} ms/token)  mkl/onednn "
-                    f"{ms['mkl'] / ms['onednn']:.2f}x  same first token: {same}")
+    for engine in engines.values():  # one-off costs (first row counts, oneDNN primitives) out of the way
+        engine.generate([[rng.randrange(100, 40000) for _ in range(min(lengths))]], PARAMS, use_tqdm=False)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"prefill, default model, one prompt at a time: {' vs '.join(names)}, two engines in turns; "
+          f"{args.clock} clock, {args.threads or 'default'} threads")
+    bar = progress(len(lengths) * args.repeats + (args.repeats + 1) * bool(extend), "prompts")
+    groups, series, first_cost = [], {name: [] for name in names}, {}
+    for length in lengths:
+        best, same = _best_of(engines, lambda: [rng.randrange(100, 40000) for _ in range(length)], args.repeats, bar,
+                              clock)
+        first_cost = first_cost or {name: best[name] / length for name in names}
+        print(_row(f"{length:5d} tokens", best, length, names, same, first_cost), flush=True)
         groups.append(str(length))
-        for name in NAMES:
-            series[name].append(ms[name] / length)
+        for name in names:
+            series[name].append(best[name] * 1000 / length)
+    if extend:
+        prefix = [rng.randrange(100, 40000) for _ in range(args.extend_prefix)]
+        for engine in engines.values():
+            engine.generate([prefix], PARAMS, use_tqdm=False)
+        bar.update(1)
+        best, same = _best_of(engines, lambda: prefix + [rng.randrange(100, 40000) for _ in range(extend)],
+                              args.repeats, bar, clock)
+        print(_row(f"{extend} new over {args.extend_prefix} cached", best, extend, names, same, None), flush=True)
     bar.close()
-    print("\n".join(rows))
     if args.plot:
-        plot_bars(args.plot, "prefill ms per prompt token: oneDNN vs MKL", groups, series, "ms per token")
+        plot_bars(args.plot, f"prefill ms per prompt token: {' vs '.join(names)}", groups, series, "ms per token")
     return 0
+
+
+def _best_of(engines, make_prompt, repeats: int, bar, clock) -> tuple[dict[str, float], bool]:
+    """Each engine's best seconds over `repeats` prompts, taking turns on each; whether
+    every engine chose the same first token every time."""
+    best = {name: float("inf") for name in engines}
+    same = True
+    for _ in range(repeats):
+        ids = make_prompt()
+        first = {}
+        for name, engine in engines.items():
+            t0 = clock()
+            first[name] = engine.generate([ids], PARAMS, use_tqdm=False)[0].token_ids
+            best[name] = min(best[name], clock() - t0)
+        same = same and len({tuple(t) for t in first.values()}) == 1
+        bar.update(1)
+    return best, same
+
+
+def _row(label: str, best: dict[str, float], tokens: int, names: list[str], same: bool, first_cost) -> str:
+    a, b = names
+    parts = [f"{label}:"]
+    for name in names:
+        cost = best[name] / tokens
+        growth = f", {cost / first_cost[name]:.2f}x the shortest's" if first_cost else ""
+        parts.append(f"{name} {best[name] * 1000:8.1f} ms ({cost * 1000:.2f} ms/token{growth})")
+    parts.append(f"{b}/{a} {best[b] / best[a]:.2f}x  same first token: {same}")
+    return "  ".join(parts)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,22 @@ def real_engine(real_model_dir):
     from radixserve import Engine
 
     return Engine(str(real_model_dir))
+
+
+@pytest.fixture(autouse=True)
+def _kv_cache_dtype_from_env(monkeypatch):
+    """RADIXSERVE_TEST_KV_CACHE_DTYPE=int8 runs every engine a test builds on int8 KV pages
+    (unless the test names a kv_cache_dtype itself): the whole engine suite over quantized
+    pages, on demand, without doubling every run."""
+    dtype = os.environ.get("RADIXSERVE_TEST_KV_CACHE_DTYPE")
+    if not dtype:
+        return
+    from radixserve.engine.engine import Engine
+
+    original = Engine.__init__
+
+    def init(self, model=None, **options):
+        options.setdefault("kv_cache_dtype", dtype)
+        original(self, model, **options)
+
+    monkeypatch.setattr(Engine, "__init__", init)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.kernels.int8_pages import Int8Pages
 from radixserve.attention.metadata import AttentionMetadata
 
 
@@ -25,14 +26,14 @@ class AttentionBackend(abc.ABC):
     context through its block table. Query head h reads KV head h // (num_heads // num_kv_heads).
 
     Caches are one layer's pool: [num_blocks, block_size, num_kv_heads, head_dim] of
-    `dtype`. q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the
-    result has q's shape.
+    `dtype`, or with `pages` (int8 KV) its [num_blocks, page_bytes] uint8 pages. q is
+    [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the result has q's shape.
     """
 
     name = "abstract"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
@@ -40,6 +41,7 @@ class AttentionBackend(abc.ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.dtype = dtype
+        self.pages = pages
 
     @abc.abstractmethod
     def prepare(self, meta: AttentionMetadata) -> AttentionPlan:

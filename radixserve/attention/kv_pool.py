@@ -1,4 +1,4 @@
-"""KVPool: the paged K/V tensors of every layer."""
+"""KVPool: the paged K/V tensors of every layer, in the model's dtype or as int8 pages."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import mmap
 
 import torch
 
+from radixserve.kernels.int8_pages import Int8Pages
+
 
 class KVPool:
     """K and V for every layer in one tensor of shape
-    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] of `dtype`; with
+    kv_cache_dtype int8, [num_layers, 2, num_blocks, page_bytes] uint8 (int8_pages.py: a
+    block's codes and scales in one page). Either way kv[:, :, b] is block b's whole KV,
+    which the tier and persistence copy as opaque bytes."""
 
     def __init__(
         self,
@@ -21,9 +26,15 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ):
-        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv, self._memory = _zeros(shape, dtype, torch.device(device))
+        self.kv_cache_dtype = kv_cache_dtype
+        self.block_size = block_size
+        self.pages = Int8Pages(block_size, num_kv_heads, head_dim) if kv_cache_dtype == "int8" else None
+        shape, storage = self.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+        self.kv, self._memory = _zeros((*shape[:2], num_blocks, *shape[2:]), storage, torch.device(device))
+        self.block_bytes = math.prod(shape) * self.kv.element_size()
+        self.bytes_per_token = self.block_bytes / block_size
         self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]  # views, made once
         self._numpy_copies = self.kv.device.type == "cpu" and self.kv.dtype != torch.bfloat16
 
@@ -57,11 +68,21 @@ class KVPool:
             self.kv[:, :, b].copy_(src[s], non_blocking=True)
 
     @staticmethod
+    def geometry(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto") -> tuple[tuple[int, ...], torch.dtype]:
+        """One block's shape over all layers, and the pool's storage dtype."""
+        if kv_cache_dtype == "int8":
+            return (num_layers, 2, Int8Pages(block_size, num_kv_heads, head_dim).page_bytes), torch.uint8
+        return (num_layers, 2, block_size, num_kv_heads, head_dim), dtype
+
+    @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * element
+        """A block's real bytes over all layers (codes and scales, for int8 pages)."""
+        shape, storage = KVPool.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+        return math.prod(shape) * torch.empty((), dtype=storage).element_size()
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, object]:

@@ -1,7 +1,8 @@
 """Attention backend registry: factories import lazily, so the package imports without Triton.
 
     torch   plain torch ops, any device and dtype
-    cpu     C kernels on CPU (store and decode in place through the block tables), float32
+    cpu     C kernels on CPU (store, decode and prompt attention in place through the block tables),
+            float32 pools and int8 pages
     triton  Triton kernels on CUDA (in Triton's interpreter elsewhere, for tests)
 """
 

@@ -7,6 +7,9 @@ query-length axis, so grouped-query attention needs no repeated K/V. Prefill chu
 few per step and each is a large op, so they run one SDPA call each; a chunk with no
 cached prefix attends to its own fresh K/V without touching the pool. The cpu backend
 shares the prefill path (plan_prefills, prefill_attention) and the fallback store.
+
+With int8 pages the store quantizes, gathered pages are dequantized before SDPA, and a
+chunk with no cached prefix attends to its fresh K/V as the pages hold them (dequantized).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
+from radixserve.kernels.int8_pages import Int8Pages
 from radixserve.attention.metadata import AttentionMetadata
 
 
@@ -41,8 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype)
+                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._group = num_heads // num_kv_heads
         self._workspace: torch.Tensor | None = None
 
@@ -51,13 +55,13 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchPlan(meta.num_decodes, meta.slot_mapping, index, length, mask, plan_prefills(meta))
 
     def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan):
-        store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        k, v = store_kv(k, v, k_cache, v_cache, plan.slot_mapping, self.pages)
         out = torch.empty_like(q)
         d = plan.num_decodes
         if d:
             out[:d] = self._decode(q[:d], k_cache, v_cache, plan)
         for chunk in plan.prefills:
-            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale)
+            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, self.pages)
         return out
 
     def _decode(self, q, k_cache, v_cache, plan: TorchPlan) -> torch.Tensor:
@@ -65,6 +69,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = self._gather_buffers(plan.decode_index.numel(), k_cache)
         torch.index_select(k_cache, 0, plan.decode_index, out=k_buf)
         torch.index_select(v_cache, 0, plan.decode_index, out=v_buf)
+        if self.pages is not None:
+            k_buf, v_buf = self.pages.read(k_buf, q.dtype), self.pages.read(v_buf, q.dtype)
         keys = k_buf.view(d, plan.decode_len, kv_heads, head_dim).transpose(1, 2)
         values = v_buf.view(d, plan.decode_len, kv_heads, head_dim).transpose(1, 2)
         queries = q.view(d, kv_heads, self._group, head_dim)
@@ -81,11 +87,15 @@ class TorchAttentionBackend(AttentionBackend):
         return ws[:need].view(2, rows, *cache.shape[1:]).unbind(0)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write k, v [T, kv_heads, head_dim] into the caches' flat slots."""
+def store_kv(k, v, k_cache, v_cache, slot_mapping, pages: Int8Pages | None = None):
+    """Write k, v [T, kv_heads, head_dim] into the caches' flat slots; returns k, v as the
+    caches now hold them (themselves, or dequantized from int8 pages)."""
+    if pages is not None:
+        return pages.store(k, v, k_cache, v_cache, slot_mapping)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return k, v
 
 
 def plan_prefills(meta: AttentionMetadata) -> list[PrefillChunk]:
@@ -107,8 +117,10 @@ def plan_prefills(meta: AttentionMetadata) -> list[PrefillChunk]:
     return chunks
 
 
-def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """One prefill chunk's attention [q_len, num_heads, head_dim], by one SDPA call."""
+def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float,
+                      pages: Int8Pages | None = None) -> torch.Tensor:
+    """One prefill chunk's attention [q_len, num_heads, head_dim], by one SDPA call; k, v
+    are the step's K/V as store_kv returned them."""
     queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
     if chunk.block_index is None:
@@ -116,8 +128,8 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
         values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        keys = _gather(k_cache, chunk).transpose(0, 1).unsqueeze(0)
-        values = _gather(v_cache, chunk).transpose(0, 1).unsqueeze(0)
+        keys = _gather(k_cache, chunk, pages, q.dtype).transpose(0, 1).unsqueeze(0)
+        values = _gather(v_cache, chunk, pages, q.dtype).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
@@ -131,6 +143,8 @@ def _plan_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Ten
     return index, length, (positions[None, :] < meta.seq_lens[:d, None]).view(d, 1, 1, -1)
 
 
-def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+def _gather(cache: torch.Tensor, chunk: PrefillChunk, pages: Int8Pages | None, dtype: torch.dtype) -> torch.Tensor:
     blocks = cache.index_select(0, chunk.block_index)
-    return blocks.view(-1, cache.shape[2], cache.shape[3])[: chunk.context_len]
+    if pages is not None:
+        blocks = pages.read(blocks, dtype)
+    return blocks.view(-1, blocks.shape[2], blocks.shape[3])[: chunk.context_len]

@@ -2,7 +2,9 @@
 
 Each layer: store_kv writes the step's K/V into the pool, the decode kernel serves the
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
-chunks, reading cached prefixes in place through their block tables.
+chunks, reading cached prefixes in place through their block tables. With int8 pages the
+kernels take each layer's pages as two strided views, the codes and the scales
+(kernels/int8_pages.py): the store quantizes, attention dequantizes as it loads.
 
 On a device other than CUDA the kernels run in Triton's interpreter, which must be
 selected before the kernel modules are imported; so they are imported on the first
@@ -18,6 +20,7 @@ import torch
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.kernels.int8_pages import Int8Pages
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype)
+                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels: SimpleNamespace | None = None
 
     def prepare(self, meta: AttentionMetadata) -> TritonPlan:
@@ -69,19 +72,23 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan):
         kernels = self._kernels or self._load(q.device)
-        kernels.store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        scales = {}
+        if self.pages is not None:
+            scales = dict(k_scales=self.pages.scales(k_cache), v_scales=self.pages.scales(v_cache))
+            k_cache, v_cache = self.pages.codes(k_cache), self.pages.codes(v_cache)
+        kernels.store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **scales)
         out = torch.empty_like(q)
         d = plan.num_decodes
         if d:
             kernels.decode_attention(
                 q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                max_seq_len=plan.max_decode_len, out=out[:d],
+                max_seq_len=plan.max_decode_len, out=out[:d], **scales,
             )
         if plan.max_extend_len:
             # Extend rows are addressed through query_start_loc, so q and out go in whole.
             kernels.extend_attention(
                 q, k_cache, v_cache, plan.extend_block_tables, plan.extend_query_start, plan.extend_seq_lens,
-                self.scale, max_query_len=plan.max_extend_len, out=out,
+                self.scale, max_query_len=plan.max_extend_len, out=out, **scales,
             )
         return out
 

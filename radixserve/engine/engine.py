@@ -16,6 +16,7 @@ import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
+from radixserve.kernels.int8_pages import SCHEME as INT8_SCHEME, check_kv_cache_dtype
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
 from radixserve.execution.constrained import GrammarFactory
@@ -83,6 +84,7 @@ class Engine:
         self.step_trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        check_kv_cache_dtype(cfg.kv_cache_dtype, resolve_device(cfg.device))  # before the model loads
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -91,6 +93,8 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         self.eos_token_ids = self.loaded.eos_token_ids
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
+        # the KV pool's element: the model's dtype (auto), or int8 pages
+        self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.pool = BlockPool(num_blocks)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
@@ -107,6 +111,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
+            cfg.tiled_prefill_attention, cfg.kv_cache_dtype,
         )
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self.preparer = RequestPreparer(
@@ -285,6 +290,8 @@ class Engine:
             blocks_evictable=cache.num_evictable_blocks if cache is not None else 0,
             evicted_blocks=cache.evicted_blocks if cache is not None else 0,
             cache_nodes=cache.num_nodes if cache is not None else 0,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_token=self.runner.pool.bytes_per_token,
             spec_drafts=spec.drafts,
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
@@ -413,11 +420,15 @@ class Engine:
         self.drafter.forget(request.request_id)
 
     def _build_tiering(self) -> Tiering:
-        spec = self.loaded.spec
-        block_shape = (spec.num_layers, 2, self.config.block_size, spec.num_kv_heads, spec.head_dim)
+        spec, cfg = self.loaded.spec, self.config
+        block_shape, storage = KVPool.geometry(spec.num_layers, cfg.block_size, spec.num_kv_heads, spec.head_dim,
+                                               self.dtype, cfg.kv_cache_dtype)
         layout = {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                  "block_size": self.config.block_size, "kv_layout": "layer,kv,block,token,head,dim"}
-        return Tiering.build(self.config, self.loaded.model, block_shape, self.dtype, layout)
+                  "block_size": cfg.block_size, "kv_layout": "layer,kv,block,token,head,dim",
+                  "kv_cache_dtype": self.kv_cache_dtype}
+        if cfg.kv_cache_dtype == "int8":
+            layout.update(kv_layout="layer,kv,block,page", kv_scheme=INT8_SCHEME)
+        return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
     def _run_tier_copies(self) -> None:
         """Run the tier copies decided since the last call (the scheduler's, finishing
@@ -430,16 +441,13 @@ class Engine:
         if self.cache is None:
             return None
         sessions = self.kv.sessions
-        spec = self.loaded.spec
         return CacheStats(
             restored_prompt_tokens=self.scheduler.stats.restored_prompt_tokens,
             tier_hits=self.cache.tier_hits,
             restored_blocks=self.cache.restored_blocks,
             evictions=dict(self.cache.evictions),
             sessions_open=sessions.num_open if sessions is not None else 0,
-            pool_cached_bytes=self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
-                spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
-            ),
+            pool_cached_bytes=self.cache.num_cached_blocks * self.runner.pool.block_bytes,
             pins=sessions.num_pins if sessions is not None else 0,
         )
 
@@ -451,7 +459,8 @@ class Engine:
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec
         per_block = KVPool.bytes_per_block(
-            spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
+            spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
+            self.config.kv_cache_dtype,
         )
         budget = self.config.kv_cache_memory
         if budget is None:

@@ -42,6 +42,8 @@ class EngineStats:
     blocks_evictable: int
     evicted_blocks: int
     cache_nodes: int
+    kv_cache_dtype: str  # the KV pool's element type: float32, bfloat16, int8 (codes with per-token scales)
+    kv_bytes_per_token: int  # bytes one cached token takes in the pool, all layers, scales included
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int

@@ -63,14 +63,20 @@ class ModelRunner:
         stop_token_ids: list[int],
         native_decoder: bool = True,
         onednn_linear: bool = True,
+        tiled_prefill_attention: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = device
-        self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device,
+                           kv_cache_dtype)
         backend_class = get_backend_class(backend_name)
-        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype)
+        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype,
+                                     self.pool.pages)
+        if isinstance(self.backend, CpuAttentionBackend):
+            self.backend.tiled_prefill = tiled_prefill_attention
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
         native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels

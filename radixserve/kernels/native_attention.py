@@ -1,10 +1,13 @@
-"""NativePagedAttention: the C paged-KV kernels (csrc/paged_attention.c) for CPU: store
-new K/V rows into their slots, and decode attention; the cpu attention backend's kernels.
+"""NativePagedAttention: the C paged-KV kernels for CPU: store new K/V rows into their
+slots and decode attention (csrc/paged_attention.c), and tiled causal attention of prompt
+chunks over the pool (csrc/prefill_attention.c); the cpu attention backend's kernels.
 
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
 in place through the block table, and reads a prefix that neighbouring requests share
-once for all of them. Built, loaded and typed by native_build.py.
+once for all of them. With int8 pages (kernels/int8_pages.py) the store quantizes and
+decode dequantizes each block once per group of query heads, prefill each row as it packs a
+tile. Built, loaded and typed by native_build.py.
 """
 
 from __future__ import annotations
@@ -13,13 +16,22 @@ import functools
 
 import torch
 
+from radixserve.kernels.int8_pages import Int8Pages
 from radixserve.kernels.native_build import load_kernel
 
 
 class NativePagedAttention:
-    def __init__(self, decode, store):
+    def __init__(self, decode, store, decode_i8, store_i8, prefill=None, prefill_i8=None):
         self._decode = decode
         self._store = store
+        self._decode_i8 = decode_i8
+        self._store_i8 = store_i8
+        self._prefill = prefill
+        self._prefill_i8 = prefill_i8
+
+    @property
+    def has_prefill(self) -> bool:
+        return self._prefill is not None and self._prefill_i8 is not None
 
     def decode(
         self,
@@ -29,9 +41,13 @@ class NativePagedAttention:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        pages: Int8Pages | None = None,
     ) -> torch.Tensor:
-        """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d].
-        Requests that share leading blocks should be neighbours (they are read once)."""
+        """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d], or
+        with `pages` int8 pages [blocks, page_bytes]. Requests that share leading blocks
+        should be neighbours (they are read once)."""
+        if pages is not None:
+            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages)
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
         status = self._decode(
@@ -39,17 +55,69 @@ class NativePagedAttention:
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0],
             q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale,
         )
-        if status == -2:
-            raise ValueError("a context length is < 1 or past its block table, or a block id is outside the pool")
-        if status:
-            raise RuntimeError("native decode attention could not allocate its scratch memory")
+        _raise_for(status)
         return out
 
+    def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: Int8Pages) -> torch.Tensor:
+        _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages)
+        out = torch.empty_like(q)
+        status = self._decode_i8(
+            q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[0], pages.page_bytes,
+            pages.code_bytes, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+            seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], pages.num_kv_heads, pages.head_dim,
+            pages.block_size, scale,
+        )
+        _raise_for(status)
+        return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        pages: Int8Pages | None = None,
+    ) -> None:
+        """Causal attention of C prompt chunks, written into their rows of out (q's shape,
+        [T, H, d] float32): chunk c's queries are q rows query_start[c]:query_start[c + 1]
+        (int32 [C + 1]), the last of its context seq_lens[c] (int32 [C]) tokens, all already
+        in the caches (or int8 `pages`) through block_tables[c]. Other rows of out are left as they are."""
+        if pages is None:
+            _check(q, k_cache, v_cache, block_tables, seq_lens, per_query=False)
+        else:
+            _check_pages(q, k_cache, v_cache, block_tables, seq_lens, pages, per_query=False)
+        if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor like q")
+        if query_start.dtype != torch.int32 or query_start.device.type != "cpu" or not query_start.is_contiguous() \
+                or seq_lens.dim() != 1 or query_start.shape != (seq_lens.shape[0] + 1,) \
+                or block_tables.shape[0] != seq_lens.shape[0]:
+            raise ValueError("query_start needs one int32 entry per chunk and one more, block_tables a row per chunk")
+        tables = (block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], query_start.data_ptr(),
+                  seq_lens.data_ptr(), seq_lens.shape[0], q.shape[0], out.data_ptr(), q.shape[1])
+        if pages is None:
+            status = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], *tables,
+                                   k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale)
+        else:
+            status = self._prefill_i8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+                                      pages.page_bytes, pages.code_bytes, *tables, pages.num_kv_heads, pages.head_dim,
+                                      pages.block_size, scale)
+        if status == -2:
+            raise ValueError("a chunk's rows are empty, outside q or longer than its context; or its context is "
+                             "past its block table, or a block id is outside the pool")
+        if status:
+            raise RuntimeError("native prefill attention could not allocate its scratch memory")
+
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor) -> bool:
+              slots: torch.Tensor, pages: Int8Pages | None = None) -> bool:
         """Write k, v [T, kv_heads, d] into the caches' flat slots [T] (int64); False (and
         nothing written) where the kernel does not apply; ValueError (nothing written) for
-        a slot outside the pool."""
+        a slot outside the pool. With `pages` the caches are int8 pages and k, v are quantized."""
+        if pages is not None:
+            return self._store_pages(k, v, k_cache, v_cache, slots, pages)
         if k_cache.dim() != 4:
             return False
         row = k_cache.shape[2] * k_cache.shape[3]
@@ -66,15 +134,62 @@ class NativePagedAttention:
             raise ValueError(f"a slot is outside the pool's {num_slots} slots")
         return True
 
+    def _store_pages(self, k, v, k_pages, v_pages, slots, pages: Int8Pages) -> bool:
+        row = pages.num_kv_heads * pages.head_dim
+        if not (
+            all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (k, v))
+            and all(_is_pages(t, pages) for t in (k_pages, v_pages)) and k_pages.shape == v_pages.shape
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu"
+            and k.shape == v.shape and k.numel() == slots.numel() * row
+        ):
+            return False
+        num_slots = k_pages.shape[0] * pages.block_size
+        if self._store_i8(k.data_ptr(), v.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), slots.data_ptr(),
+                          slots.numel(), pages.num_kv_heads, pages.head_dim, pages.block_size, pages.page_bytes,
+                          pages.code_bytes, num_slots):
+            raise ValueError(f"a slot is outside the pool's {num_slots} slots")
+        return True
+
 
 @functools.cache
 def load_native_attention() -> NativePagedAttention | None:
     """The compiled kernels, or None when they cannot be built here."""
-    decode, store = load_kernel("paged_decode_attention_f32"), load_kernel("paged_store_f32")
-    return None if decode is None or store is None else NativePagedAttention(decode, store)
+    names = ("paged_decode_attention_f32", "paged_store_f32", "paged_decode_attention_i8", "paged_store_i8")
+    kernels = [load_kernel(name) for name in names]
+    if None in kernels:
+        return None
+    return NativePagedAttention(*kernels, load_kernel("paged_prefill_attention_f32"),
+                                load_kernel("paged_prefill_attention_i8"))
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def _raise_for(status: int) -> None:
+    if status == -2:
+        raise ValueError("a context length is < 1 or past its block table, or a block id is outside the pool")
+    if status:
+        raise RuntimeError("native decode attention could not allocate its scratch memory")
+
+
+def _is_pages(t: torch.Tensor, pages: Int8Pages) -> bool:
+    return (t.dtype == torch.uint8 and t.device.type == "cpu" and t.is_contiguous() and t.dim() == 2
+            and t.shape[1] == pages.page_bytes)
+
+
+def _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages: Int8Pages, per_query: bool = True) -> None:
+    if not (_is_pages(k_pages, pages) and _is_pages(v_pages, pages) and k_pages.shape == v_pages.shape):
+        raise ValueError(f"int8 pages must be contiguous CPU uint8 [blocks, {pages.page_bytes}], alike")
+    for name, t, dtype in (("q", q, torch.float32), ("block_tables", block_tables, torch.int32),
+                           ("seq_lens", seq_lens, torch.int32)):
+        if t.device.type != "cpu" or t.dtype != dtype:
+            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    if not (q.is_contiguous() and seq_lens.is_contiguous()) or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("q and seq_lens must be contiguous, block_tables a matrix with contiguous rows")
+    if q.dim() != 3 or q.shape[2] != pages.head_dim or q.shape[1] % pages.num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pages of {pages.num_kv_heads} KV heads x {pages.head_dim}")
+    if per_query and (seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]):
+        raise ValueError("seq_lens and block_tables need one row per query")
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, per_query: bool = True) -> None:
     for name, t, dtype in (
         ("q", q, torch.float32), ("k_cache", k_cache, torch.float32), ("v_cache", v_cache, torch.float32),
         ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
@@ -89,5 +204,5 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
         raise ValueError("q must be [D, H, d] and the caches [blocks, block_size, kv_heads, d], alike")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head dim, head groups)")
-    if seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
+    if per_query and (seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]):
         raise ValueError("seq_lens and block_tables need one row per query")

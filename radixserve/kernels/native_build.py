@@ -61,7 +61,23 @@ SIGNATURES: dict[str, Signature] = {
         "paged_attention.c",
         (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32), _INT,
     ),
+    "paged_prefill_attention_i8": Signature(
+        "prefill_attention.c",
+        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64,
+         _F32), _INT,
+    ),
+    "paged_prefill_attention_f32": Signature(
+        "prefill_attention.c",
+        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _F32), _INT,
+    ),
     "paged_store_f32": Signature("paged_attention.c", (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT),
+    "paged_decode_attention_i8": Signature(
+        "paged_attention.c",
+        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32), _INT,
+    ),
+    "paged_store_i8": Signature(
+        "paged_attention.c", (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64), _INT,
+    ),
     "skinny_linear_available": Signature("skinny_linear.c", (), _INT),
     "skinny_linear_max_rows": Signature("skinny_linear.c", (), _INT),
     "skinny_linear_f32": Signature("skinny_linear.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64), _INT),

@@ -53,6 +53,8 @@ class Tiering:
     @classmethod
     def build(cls, config: EngineConfig, model: torch.nn.Module, block_shape: tuple[int, ...],
               dtype: torch.dtype, layout: dict[str, Any]) -> "Tiering":
+        """A tier of slots of one pool block each: block_shape elements of dtype (the pool's
+        storage: int8 pages are uint8 bytes to the tier)."""
         size = config.kv_offload_memory
         if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
@@ -73,7 +75,8 @@ class Tiering:
             return cls._degrade(f"cannot create a {size}-byte tier in {directory}: {type(exc).__name__}: {exc}")
         tiering = cls(KVTier(num_slots), store, prefetch=TierPrefetcher.start(store))
         if config.kv_persist_dir:
-            header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size}
+            header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size,
+                      "kv_cache_dtype": layout.get("kv_cache_dtype")}  # named apart, so a log says it differs
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
             atexit.register(tiering.close)  # the last index write, also when nobody calls close()
         log.info("KV tier: %d blocks (%.2f GiB) in %s%s", num_slots, num_slots * per_block / 2**30,

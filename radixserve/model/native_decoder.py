@@ -6,7 +6,8 @@ machine). For a step whose rows are all single-query attention rows (decodes, sp
 draft rows, and the prompt chunks of small steps, which the runner lays out that way) and
 few enough for the skinny matmul kernel, the C side runs the
 same kernels in the same order, so the logits are bit for bit those of the layer-by-layer
-path; any other step, model or device keeps that path.
+path; any other step, model or device keeps that path. The pool may hold float32 or int8
+pages (the store quantizes, attention dequantizes, as the cpu backend's kernels do).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
-                ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "num_blocks", "block_size")]
+                ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "num_blocks", "block_size",
+                 "page_bytes", "code_bytes", "kv_int8")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -74,7 +76,8 @@ class NativeDecoder:
         more rows than the matmul kernel takes, or another attention backend's plan."""
         rows = x.shape[0]
         if not (isinstance(plan, CpuPlan) and plan.num_decodes == rows and 0 < rows <= max_rows()
-                and x.is_contiguous() and x.dtype == torch.float32 and pool.kv.dtype == torch.float32):
+                and x.is_contiguous() and x.dtype == torch.float32
+                and (pool.kv.dtype == torch.float32 or pool.pages is not None)):
             return False
         tables, seq_lens = plan.decode_block_tables, plan.decode_seq_lens
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
@@ -98,9 +101,11 @@ class NativeDecoder:
             self._layers = (_Layer * len(caches))(*[
                 _Layer(*weights, k.data_ptr(), v.data_ptr()) for weights, (k, v) in zip(self._weights, caches)
             ])
-            spec, k = self._spec, caches[0][0]
+            spec, pages = self._spec, pool.pages
             self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
-                                 spec.head_dim, k.shape[0], k.shape[1], spec.rms_norm_eps, spec.head_dim**-0.5)
+                                 spec.head_dim, pool.kv.shape[2], pool.block_size, pool.block_bytes // (
+                                     2 * spec.num_layers), pages.code_bytes if pages else 0, pages is not None,
+                                 spec.rms_norm_eps, spec.head_dim**-0.5)
             self._pool_key = key
         return self._layers, self._shape
 

@@ -59,6 +59,9 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_kv_blocks_cached": ("KV blocks held by the prefix cache", lambda s: s.blocks_cached),
     "radixserve_kv_blocks_evictable": ("Cached KV blocks no request uses", lambda s: s.blocks_evictable),
     "radixserve_cache_nodes": ("Nodes of the radix prefix cache", lambda s: s.cache_nodes),
+    "radixserve_kv_bytes_per_token": (
+        "Bytes one cached token takes in the KV pool, all layers (codes and scales for int8)",
+        lambda s: s.kv_bytes_per_token),
     "radixserve_kv_tier_blocks_total": ("Block slots of the second KV tier", _tier(lambda t: t.tier_blocks_total)),
     "radixserve_kv_tier_blocks_used": ("Second-tier slots holding cached blocks", _tier(lambda t: t.tier_blocks_used)),
     "radixserve_sessions_open": ("Agent sessions holding their latest context in the cache",
@@ -129,6 +132,10 @@ class _EngineCollector(Collector):
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
         yield from _tier_families(stats)
+        family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
+                                   labels=["dtype"])
+        family.add_metric([stats.kv_cache_dtype], 1)
+        yield family
         for name, value in self.server_gauges().items():
             yield GaugeMetricFamily(name, "server-side request gauge", value=value)
 

@@ -282,3 +282,91 @@ def test_extend_scenario_shares_physical_blocks():
     tables = _extend_case((2, 2), 16, 4, torch.float32).paged.block_tables.tolist()
     assert tables[0][:2] == tables[1][:2]
     assert not set(tables[0][:2]) & set(tables[2][:5])  # the prefix-less request owns all its blocks
+
+
+# ---- int8 pages (kernels/int8_pages.py) -----------------------------------------------------
+
+
+def _int8_views(paged: Paged):
+    """The paged case's K/V quantized into int8 pages: (k codes, v codes, k scales, v scales),
+    strided views of the pages as the triton backend hands them to the kernels, and the
+    pages dequantized ([blocks, block_size, kv_heads, head_dim] float64)."""
+    from radixserve.kernels.int8_pages import Int8Pages
+
+    num_blocks, block_size, kv_heads, head_dim = paged.k_cache.shape
+    pages = Int8Pages(block_size, kv_heads, head_dim)
+    raw = [torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    flat = [c.float().reshape(-1, kv_heads, head_dim) for c in (paged.k_cache, paged.v_cache)]
+    pages.store(*flat, *raw, torch.arange(num_blocks * block_size, device=DEVICE))
+    views = (pages.codes(raw[0]), pages.codes(raw[1]), pages.scales(raw[0]), pages.scales(raw[1]))
+    return views, [pages.read(r, torch.float64) for r in raw]
+
+
+def _float64_rows(q, dequantized, block_tables, seq_lens, query_starts, scale):
+    """Each request's query rows (the last ones of its context) in float64 over the dequantized pages."""
+    from radixserve.kernels.triton.decode_attention import gather_context
+
+    out = []
+    for i, n in enumerate(seq_lens.tolist()):
+        start, end = query_starts[i], query_starts[i + 1]
+        keys, values = (gather_context(c, block_tables[i].cpu(), n) for c in dequantized)
+        out.append(naive_causal_attention(q[start:end].cpu(), keys.cpu(), values.cpu(), range(n - (end - start), n), scale))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("block_size, kv_heads", [(1, 2), (5, 1), (16, 3)])
+def test_store_kv_int8_matches_reference(block_size, kv_heads):
+    from radixserve.kernels.int8_pages import Int8Pages
+
+    g = torch.Generator().manual_seed(3)
+    pages, num_blocks, head_dim = Int8Pages(block_size, kv_heads, 64), 9, 64
+    fused = (_randn(g, 7, 2 * kv_heads + 1, head_dim) * 4).to(DEVICE)
+    k, v = fused[:, :kv_heads], fused[:, kv_heads + 1 :]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:7].to(DEVICE)
+    slots[2] = -1  # not stored
+    got, want = ([torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+                 for _ in range(2))
+    views = lambda raw: (pages.codes(raw[0]), pages.codes(raw[1]), pages.scales(raw[0]), pages.scales(raw[1]))  # noqa: E731
+    g_views, w_views = views(got), views(want)
+    store_kv(k, v, g_views[0], g_views[1], slots, k_scales=g_views[2], v_scales=g_views[3])
+    store_kv_reference(k, v, w_views[0], w_views[1], slots, k_scales=w_views[2], v_scales=w_views[3])
+    for a, b in zip(g_views[:2], w_views[:2]):
+        assert (a.int() - b.int()).abs().max() <= 1  # rounding ties only
+    for a, b in zip(g_views[2:], w_views[2:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
+    assert int(w_views[2].count_nonzero()) == 6 * kv_heads  # every stored token's heads, nothing else
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_int8_matches_float64(heads, block_size, num_splits):
+    paged, q = _decode_case(heads, 64, block_size, torch.float32, _decode_contexts(block_size), 2)
+    (k_codes, v_codes, k_scales, v_scales), dequantized = _int8_views(paged)
+    out = decode_attention(q, k_codes, v_codes, paged.block_tables, paged.seq_lens, 0.125, num_splits=num_splits,
+                           k_scales=k_scales, v_scales=v_scales)
+    starts = list(range(q.shape[0] + 1))
+    expected = _float64_rows(q, dequantized, paged.block_tables, paged.seq_lens, starts, 0.125)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_extend_int8_matches_float64(heads, block_size):
+    case = _extend_case(heads, 64, block_size, torch.float32, shared_blocks=2 if block_size > 1 else 20)
+    p = case.paged
+    (k_codes, v_codes, k_scales, v_scales), dequantized = _int8_views(p)
+    out = extend_attention(case.q, k_codes, v_codes, p.block_tables, case.query_start_loc, p.seq_lens, 0.125,
+                           k_scales=k_scales, v_scales=v_scales)
+    expected = _float64_rows(case.q, dequantized, p.block_tables, p.seq_lens, case.query_start_loc.tolist(), 0.125)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_int8_kernels_refuse_missing_or_misshapen_scales():
+    paged, q = _decode_case((2, 2), 64, 4, torch.float32, [3], 0)
+    (k_codes, v_codes, k_scales, v_scales), _ = _int8_views(paged)
+    with pytest.raises(ValueError, match="both k_scales and v_scales"):
+        decode_attention(q, k_codes, v_codes, paged.block_tables, paged.seq_lens, 0.125, k_scales=k_scales)
+    with pytest.raises(ValueError, match="k_scales must be float32"):
+        decode_attention(q, k_codes, v_codes, paged.block_tables, paged.seq_lens, 0.125,
+                         k_scales=k_scales[:, :2], v_scales=v_scales)

@@ -145,6 +145,97 @@ def test_native_kernels_reject_out_of_range_input_without_touching_memory():
     assert torch.equal(k_cache, before)
 
 
+# ---- the tiled prefill kernel: prompt chunks over the pool ---------------------------------
+
+
+def build_chunks(chunks, *, heads, kv_heads, head_dim, block_size, seed=0):
+    """Prompt chunks (context after the step, new tokens, blocks shared with the chunk
+    before) in one step's q: rows from 1 on (row 0 and the last are another request's),
+    their K/V already in the pool. Returns q, caches, tables, query_start, seq_lens."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n, _, _ in chunks) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for context, _, shared in chunks:
+        own = [free.pop() for _ in range(-(-context // block_size) - shared)]
+        tables.append((tables[-1][:shared] if shared else []) + own)
+    starts = [1]
+    for _, new, _ in chunks:
+        starts.append(starts[-1] + new)
+    width = max(len(t) for t in tables)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(starts[-1] + 1, heads, head_dim, generator=gen)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return (q, k_cache, v_cache, block_tables, torch.tensor(starts, dtype=torch.int32),
+            torch.tensor([n for n, _, _ in chunks], dtype=torch.int32))
+
+
+def chunks_reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out):
+    """Each chunk's rows of out, in float64: row r of n new tokens sees context - n + r + 1 keys."""
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    for c, context in enumerate(seq_lens.tolist()):
+        start, end = query_start[c].item(), query_start[c + 1].item()
+        blocks = block_tables[c, : -(-context // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:context].double().repeat_interleave(group, 1)
+        values = v_cache[blocks].flatten(0, 1)[:context].double().repeat_interleave(group, 1)
+        scores = torch.einsum("rhd,thd->hrt", q[start:end].double(), keys) * scale
+        visible = torch.arange(context)[None, :] <= torch.arange(end - start)[:, None] + context - (end - start)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hrt,thd->rhd", weights, values).float()
+    return out
+
+
+PREFILL_CASES = [
+    # (context after the step, new tokens, leading blocks shared with the chunk before)
+    [(37, 37, 0)],  # a whole odd-length prompt, its last block partial
+    [(1, 1, 0), (2, 2, 0), (3, 1, 0)],  # tiny chunks
+    [(200, 13, 0), (65, 64, 0), (130, 129, 0)],  # extends that start inside a block
+    [(301, 300, 0), (700, 237, 0)],  # past one tile of keys and one item of query rows
+    [(96, 40, 0), (90, 34, 3)],  # two requests sharing a cached prefix, extended apart
+]
+
+
+@needs_native
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 40), (4, 4, 16), (2, 1, 128), (6, 2, 24)])
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_native_prefill_matches_dense_reference(heads, kv_heads, head_dim, block_size, case):
+    chunks = [(n, new, min(shared, (n - new) // block_size) if shared else 0) for n, new, shared in PREFILL_CASES[case]]
+    if block_size == 1:
+        chunks = [(n, new, shared * 5) for n, new, shared in chunks]  # the same tokens shared
+    args = build_chunks(chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, seed=case)
+    scale = head_dim**-0.5
+    out = torch.full_like(args[0], 7.0)
+    native.prefill(*args, scale, out)
+    want = chunks_reference(*args, scale, torch.full_like(args[0], 7.0))
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)  # rows of other requests untouched
+
+
+@needs_native
+def test_native_prefill_rejects_out_of_range_chunks_without_writing():
+    q, k_cache, v_cache, tables, starts, lens = build_chunks([(20, 8, 0), (9, 9, 0)], heads=4, kv_heads=2,
+                                                             head_dim=8, block_size=4)
+    out = torch.zeros_like(q)
+    cases = {
+        "outside the pool": (tables.masked_fill(tables == tables[1, 0], k_cache.shape[0]), starts, lens),
+        "longer than its context": (tables, starts, torch.tensor([20, 8], dtype=torch.int32)),
+        "outside q": (tables, starts + 2, lens),
+        "empty": (tables, torch.tensor([1, 1, 10], dtype=torch.int32), lens),
+        "past its block table": (tables, starts, torch.tensor([20, 4 * tables.shape[1] + 1], dtype=torch.int32)),
+    }
+    for why, (t, s, n) in cases.items():
+        with pytest.raises(ValueError, match="rows are empty"):
+            native.prefill(q, k_cache, v_cache, t, s, n, 1.0, out)
+        assert not out.any(), why
+    with pytest.raises(ValueError, match="query_start"):
+        native.prefill(q, k_cache, v_cache, tables, starts.long(), lens, 1.0, out)
+    with pytest.raises(ValueError, match="like q"):
+        native.prefill(q, k_cache, v_cache, tables, starts, lens, 1.0, out[:-1])
+
+
 # ---- the backends: one whole step (store, decodes, prefill chunks) -------------------------
 
 
@@ -246,6 +337,21 @@ def test_cpu_backend_plans_for_its_kernels_and_runs_torch_paths_for_other_dtypes
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@needs_native
+def test_cpu_backend_runs_prefill_chunks_tiled_or_on_sdpa_when_switched_off():
+    meta, q, k, v, pool = mixed_step(STEPS[1], heads=6, kv_heads=2, head_dim=32, block_size=4, seed=5)
+    results = {}
+    for tiled in (True, False):
+        backend = CpuAttentionBackend(6, 2, 32, 0.2, tiled_prefill=tiled)
+        plan = backend.prepare(meta)
+        assert (plan.tiled is not None, len(plan.prefills)) == ((True, 0) if tiled else (False, 3))
+        caches = pool.clone()
+        results[tiled] = backend.forward(q, k, v, caches[0], caches[1], plan)
+    torch.testing.assert_close(results[True], results[False], atol=2e-5, rtol=2e-5)
+    decodes_only = mixed_step(STEPS[0], heads=6, kv_heads=2, head_dim=32, block_size=4)[0]
+    assert CpuAttentionBackend(6, 2, 32, 0.2).prepare(decodes_only).tiled is None
+
+
 # ---- choosing a backend ----------------------------------------------------------------------
 
 
@@ -315,6 +421,11 @@ def _count_native_decodes(engine: Engine) -> list[int]:
         def decode(self, q, *args):
             calls.append(q.shape[0])
             return kernels.decode(q, *args)
+
+        has_prefill = kernels.has_prefill
+
+        def prefill(self, *args):
+            return kernels.prefill(*args)
 
     backend._kernels = Counting()
     return calls

@@ -186,7 +186,8 @@ def test_silu_mul_declines_to_torch():
 def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.kernels.native_build import build_all
 
-    assert build_all() == ["decoder_layers.c", "layer_ops.c", "paged_attention.c", "skinny_linear.c"]
+    assert build_all() == ["decoder_layers.c", "layer_ops.c", "paged_attention.c", "prefill_attention.c",
+                           "skinny_linear.c"]
 
 
 @needs_kernel

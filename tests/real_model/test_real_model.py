@@ -95,3 +95,28 @@ def test_a_long_prompt_equals_transformers(real_engine, hf_real_model):
     out = real_engine.generate([ids], GREEDY)[0]
     assert out.token_ids == reference
     idle_and_intact(real_engine)
+
+
+@pytest.mark.slow
+def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_real_model):
+    """A ~3k-token prompt in chunks of 1000 (chunk boundaries inside blocks, each chunk an
+    extend over the ones before), then a second prompt that shares most of it and extends
+    the cached prefix: prompt attention runs the tiled kernel over the paged pool; both
+    greedy continuations match transformers'."""
+    from real_prompts import CHAT, RAW
+
+    engine = Engine(str(real_model_dir), chunked_prefill_size=1000, max_num_batched_tokens=2048)
+    text = "Summarize the following notes in one sentence.\n\n" + "\n\n".join(RAW + CHAT) * 14
+    first = engine.apply_chat_template([{"role": "user", "content": text}])
+    second = first[:2500] + engine.tokenizer.encode("\n\nWhich of these notes mentions a clock?")
+    assert 2000 < len(first) < 6000
+    for ids in (first, second):
+        gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=MAX_NEW, do_sample=False)
+        reference = gen[0, len(ids):].tolist()
+        if reference[-1] in engine.eos_token_ids:
+            reference = reference[: reference.index(reference[-1]) + 1]
+        out = engine.generate([ids], GREEDY)[0]
+        assert out.token_ids == reference
+    assert out.cached_tokens >= 2400, "the second prompt extends the first one's cached prefix"
+    idle_and_intact(engine)

@@ -124,7 +124,7 @@ def test_every_flag_changes_a_reported_setting_or_is_refused(tmp_path, monkeypat
     (["--no-enable-prefix-cache", "--session-ttl-s", "5"], "need the prefix cache"),
     (["--no-enable-prefix-cache", "--schedule-policy", "dfs-weight"], "needs the prefix cache"),
     (["--schedule-policy", "fcfs", "--policy-fcfs-threshold", "9"], "cache-aware policies"),
-    (["--model", "/m", "--model-cache-dir", "/c"], "does nothing with model set"),
+    (["--model", "/m", "--model-cache-dir", "/c"], "does nothing with a model directory"),
 ])
 def test_options_that_would_do_nothing_together_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):

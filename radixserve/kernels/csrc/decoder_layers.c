@@ -14,7 +14,7 @@
  * gate_up and down projections; not q/k norms (the caller keeps its own path for those).
  *   x          [rows, hidden] the residual stream, updated in place
  *   cos, sin   [rows, head_dim] of each row's position
- *   slots      [rows] flat pool slot of each row's new K/V
+ *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
  *   tables     [rows, table_stride] int32 block table of each row's request
  *   seq_lens   [rows] int32 context length of each row, this row's token included
  *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
@@ -30,13 +30,26 @@
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o, *o_bias;
     const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    char *k_cache, *v_cache; /* float [num_blocks, block_size, num_kv_heads, head_dim], or int8 pages */
 } DecoderLayer;
 
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size;
+    int64_t page_bytes, code_bytes, kv_int8; /* kv_int8: the caches are int8 pages (paged_attention.c) */
     float eps, scale;
 } DecoderShape;
+
+/* Row r's new K/V into its slot: copied, or quantized into int8 pages. */
+static void store_row(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const float *k,
+                      const float *v, int64_t slot) {
+    const int64_t kv_size = s->num_kv_heads * s->head_dim;
+    if (s->kv_int8) {
+        store_token_i8(pages, k, v, w->k_cache, w->v_cache, slot);
+        return;
+    }
+    memcpy((float *)w->k_cache + slot * kv_size, k, sizeof(float) * kv_size);
+    memcpy((float *)w->v_cache + slot * kv_size, v, sizeof(float) * kv_size);
+}
 
 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
@@ -55,6 +68,8 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
     float *act = gate_up + rows * 2 * inter;
+    Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
+                   s.head_dim, s.block_size, s.scale};
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
         rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
@@ -64,12 +79,10 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         for (int64_t r = 0; r < rows; ++r) {
             const float *row = qkv + r * qkv_size;
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
-            memcpy(w->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * kv_size);
-            memcpy(w->v_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
+            store_row(&s, &pages, w, row + q_size, row + q_size + kv_size, slots[r]);
         }
-        if (paged_decode_attention_f32(q, w->k_cache, w->v_cache, s.num_blocks, tables, table_stride, table_width,
-                                       seq_lens, attn, rows, s.num_heads, s.num_kv_heads, s.head_dim, s.block_size,
-                                       s.scale))
+        pages.k_pages = w->k_cache, pages.v_pages = w->v_cache;
+        if (decode_pages(&pages, q, s.num_blocks, tables, table_stride, table_width, seq_lens, attn, rows))
             return -1;
         if (skinny_linear_f32(attn, rows, q_size, w->o, s.hidden, q_size, w->o_bias, proj, s.hidden)) return -1;
         add_rows(x, proj, rows * s.hidden);

@@ -22,6 +22,13 @@
  *   block_tables     [num_requests, table_stride] int32
  *   seq_lens         [num_requests] int32 (context length, >= 1)
  *   slots            [tokens] int64 (block * block_size + offset)
+ *
+ * int8 pages (the _i8 entry points; kernels/int8_pages.py): k_pages, v_pages are
+ * [num_blocks, page_bytes] bytes, each page int8 codes [block_size, num_kv_heads, head_dim]
+ * then, from code_bytes on, float32 scales [block_size, num_kv_heads]. The store quantizes
+ * each token's head (scale = max|x| / 127, codes rounded half away from zero); decode
+ * dequantizes one block's rows of one KV head into an L1 tile, which every query head of
+ * the group then reads as float32 rows, so a block is converted once per group.
  */
 #include <float.h>
 #include <math.h>
@@ -147,24 +154,70 @@ static void attend_keys(const float *q, const float *k, const float *v, int64_t 
 }
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const char *k_pages, *v_pages; /* block b's K/V start at b * page_bytes */
+    int64_t page_bytes, code_bytes; /* code_bytes: where an int8 page's scales start */
+    int int8;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
 } Shape;
 
+static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale) {
+    const int64_t bytes = block_size * num_kv_heads * head_dim * (int64_t)sizeof(float);
+    const Shape sh = {(const char *)k_cache, (const char *)v_cache, bytes, bytes, 0,
+                      num_heads, num_kv_heads, head_dim, block_size, scale};
+    return sh;
+}
+
+/* x [head_dim] -> codes and their scale (kernels/int8_pages.py's quantize). */
+static void quantize_row(const float *x, int64_t head_dim, int8_t *codes, float *scale) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    const float inv = amax > 0.0f ? 127.0f * (1.0f / amax) : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const float y = x[d] * inv, c = floorf(fabsf(y) + 0.5f);
+        const int q = (int)(c < 127.0f ? c : 127.0f);
+        codes[d] = (int8_t)(y < 0.0f ? -q : q);
+    }
+    *scale = amax * (1.0f / 127.0f);
+}
+
+/* Rows of KV head j of an int8 page, dequantized: out [ntok][head_dim]. */
+static void dequantize_rows(const Shape *sh, const char *page, int64_t j, int64_t ntok, float *out) {
+    const int64_t h = sh->num_kv_heads, d = sh->head_dim;
+    const int8_t *codes = (const int8_t *)page + j * d;
+    const float *scales = (const float *)(page + sh->code_bytes) + j;
+    for (int64_t t = 0; t < ntok; ++t) {
+        const int8_t *c = codes + t * h * d;
+        const float sc = scales[t * h];
+        float *o = out + t * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = (float)c[i] * sc;
+    }
+}
+
 /* Fold block `block` (its first ntok tokens) into the state of every query row of the
- * members [0, count) of a group; q and the state (m, l, acc) are laid out [count, num_heads]. */
+ * members [0, count) of a group; q and the state (m, l, acc) are laid out [count, num_heads].
+ * tile: 2 * block_size * head_dim floats of scratch for int8 pages. */
 static void attend_block(const Shape *sh, const float *q, int64_t count, int64_t block, int64_t ntok,
-                         float *m, float *l, float *acc, float *s) {
-    const int64_t row = sh->num_kv_heads * sh->head_dim, group = sh->num_heads / sh->num_kv_heads;
-    const float *k = sh->k_cache + block * sh->block_size * row, *v = sh->v_cache + block * sh->block_size * row;
-    for (int64_t j = 0; j < sh->num_kv_heads; ++j)
+                         float *m, float *l, float *acc, float *s, float *tile) {
+    const int64_t group = sh->num_heads / sh->num_kv_heads, dim = sh->head_dim;
+    const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
+    for (int64_t j = 0; j < sh->num_kv_heads; ++j) {
+        const float *k, *v;
+        int64_t row = sh->num_kv_heads * dim;
+        if (sh->int8) {
+            dequantize_rows(sh, kp, j, ntok, tile);
+            dequantize_rows(sh, vp, j, ntok, tile + sh->block_size * dim);
+            k = tile, v = tile + sh->block_size * dim, row = dim;
+        } else {
+            k = (const float *)kp + j * dim, v = (const float *)vp + j * dim;
+        }
         for (int64_t r = 0; r < count; ++r)
             for (int64_t h = j * group; h < (j + 1) * group; ++h) {
                 const int64_t i = r * sh->num_heads + h;
-                attend_keys(q + i * sh->head_dim, k + j * sh->head_dim, v + j * sh->head_dim, ntok, row,
-                            sh->head_dim, sh->scale, m + i, l + i, acc + i * sh->head_dim, s);
+                attend_keys(q + i * dim, k, v, ntok, row, dim, sh->scale, m + i, l + i, acc + i * dim, s);
             }
+    }
 }
 
 /* Ask for a block's keys and values (every KV head) into L2, PREFETCH_BLOCKS blocks before
@@ -172,8 +225,8 @@ static void attend_block(const Shape *sh, const float *q, int64_t count, int64_t
  * prefetcher starts over at every block (measured on the 2-core dev machine, 8 requests of
  * ~330 tokens, cold pool, 30 layers: 8.9 -> 7.9 ms; into L1 instead of L2: 8.6 ms). */
 static inline void prefetch_block(const Shape *sh, int64_t block) {
-    const int64_t bytes = sh->block_size * sh->num_kv_heads * sh->head_dim * (int64_t)sizeof(float);
-    const char *k = (const char *)sh->k_cache + block * bytes, *v = (const char *)sh->v_cache + block * bytes;
+    const int64_t bytes = sh->page_bytes;
+    const char *k = sh->k_pages + block * bytes, *v = sh->v_pages + block * bytes;
     for (int64_t o = 0; o < bytes; o += 64) {
         __builtin_prefetch(k + o, 0, 2);
         __builtin_prefetch(v + o, 0, 2);
@@ -206,20 +259,20 @@ static int64_t group_end(const int32_t *tables, int64_t stride, const int32_t *s
 
 static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
                          const int32_t *seq_lens, int64_t first, int64_t last, float *out, float *m,
-                         float *l, float *acc, float *s) {
+                         float *l, float *acc, float *s, float *tile) {
     const int64_t count = last - first, rows = count * sh->num_heads, bs = sh->block_size;
     const int64_t shared = count > 1 ? shared_blocks(tables, stride, seq_lens, first, last, bs) : 0;
     for (int64_t i = 0; i < rows; ++i) m[i] = -FLT_MAX, l[i] = 0.0f;
     for (int64_t i = 0; i < rows * sh->head_dim; ++i) acc[i] = 0.0f;
     const float *q_group = q + first * sh->num_heads * sh->head_dim;
-    for (int64_t b = 0; b < shared; ++b) attend_block(sh, q_group, count, tables[first * stride + b], bs, m, l, acc, s);
+    for (int64_t b = 0; b < shared; ++b) attend_block(sh, q_group, count, tables[first * stride + b], bs, m, l, acc, s, tile);
     for (int64_t r = 0; r < count; ++r) {
         const int64_t len = seq_lens[first + r], i = r * sh->num_heads;
         for (int64_t b = shared; b * bs < len; ++b) {
             const int64_t ntok = len - b * bs < bs ? len - b * bs : bs;
             if ((b + PREFETCH_BLOCKS) * bs < len) prefetch_block(sh, tables[(first + r) * stride + b + PREFETCH_BLOCKS]);
             attend_block(sh, q_group + i * sh->head_dim, 1, tables[(first + r) * stride + b], ntok, m + i, l + i,
-                         acc + i * sh->head_dim, s);
+                         acc + i * sh->head_dim, s, tile);
         }
     }
     float *o = out + first * sh->num_heads * sh->head_dim;
@@ -249,14 +302,13 @@ static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, co
 
 /* Attend for every request; returns 0, -1 when scratch memory cannot be had, -2 (nothing
  * read) when a length or block id is out of range. */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                               const int32_t *block_tables, int64_t table_stride, int64_t table_width,
-                               const int32_t *seq_lens, float *out, int64_t num_requests,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale) {
+static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, const int32_t *block_tables,
+                        int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
+                        int64_t num_requests) {
+    const Shape sh = *shape;
+    const int64_t num_heads = sh.num_heads, head_dim = sh.head_dim, block_size = sh.block_size;
     if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks))
         return -2;
-    const Shape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale};
     /* Small enough groups that every thread gets one, large enough to share a prefix. */
     const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
     const int64_t cap = per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
@@ -272,7 +324,7 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 #pragma omp parallel
     {
         const int64_t rows = cap * num_heads;
-        float *scratch = (float *)malloc(sizeof(float) * (rows * (head_dim + 2) + block_size));
+        float *scratch = (float *)malloc(sizeof(float) * (rows * (head_dim + 2) + block_size * (1 + 2 * head_dim)));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -280,13 +332,34 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < num_groups; ++g) {
             if (!scratch) continue;
-            float *m = scratch, *l = m + rows, *acc = l + rows, *s = acc + rows * head_dim;
-            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, m, l, acc, s);
+            float *m = scratch, *l = m + rows, *acc = l + rows, *s = acc + rows * head_dim, *tile = s + block_size;
+            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, m, l, acc, s,
+                         tile);
         }
         free(scratch);
     }
     free(starts);
     return failed ? -1 : 0;
+}
+
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                               const int32_t *block_tables, int64_t table_stride, int64_t table_width,
+                               const int32_t *seq_lens, float *out, int64_t num_requests,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale) {
+    const Shape sh = float_shape(k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale);
+    return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
+}
+
+/* The same over int8 pages of page_bytes, scales from code_bytes on. */
+int paged_decode_attention_i8(const float *q, const void *k_pages, const void *v_pages, int64_t num_blocks,
+                              int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
+                              int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
+                              int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale) {
+    const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
+                      num_heads, num_kv_heads, head_dim, block_size, scale};
+    return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 
 /* k_cache/v_cache row slots[t] = k/v row t, for every new token t; returns 0, or -2 (and
@@ -305,5 +378,29 @@ int paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cac
         memcpy(k_cache + slots[t] * row, k + t * row, sizeof(float) * row);
         memcpy(v_cache + slots[t] * row, v + t * row, sizeof(float) * row);
     }
+    return 0;
+}
+
+/* One token's K and V rows (every KV head) quantized into their int8 pages at `slot`. */
+static void store_token_i8(const Shape *sh, const float *k, const float *v, char *k_pages, char *v_pages,
+                           int64_t slot) {
+    const int64_t h = sh->num_kv_heads, d = sh->head_dim, off = slot % sh->block_size;
+    char *kp = k_pages + (slot / sh->block_size) * sh->page_bytes, *vp = v_pages + (slot / sh->block_size) * sh->page_bytes;
+    for (int64_t j = 0; j < h; ++j) {
+        quantize_row(k + j * d, d, (int8_t *)kp + (off * h + j) * d, (float *)(kp + sh->code_bytes) + off * h + j);
+        quantize_row(v + j * d, d, (int8_t *)vp + (off * h + j) * d, (float *)(vp + sh->code_bytes) + off * h + j);
+    }
+}
+
+int paged_store_i8(const float *k, const float *v, void *k_pages, void *v_pages, const int64_t *slots,
+                   int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                   int64_t page_bytes, int64_t code_bytes, int64_t num_slots) {
+    if (!slots_valid(slots, tokens, num_slots)) return -2;
+    const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
+                      num_kv_heads, num_kv_heads, head_dim, block_size, 1.0f};
+    const int64_t row = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) if (tokens >= 256)
+    for (int64_t t = 0; t < tokens; ++t)
+        store_token_i8(&sh, k + t * row, v + t * row, (char *)k_pages, (char *)v_pages, slots[t]);
     return 0;
 }

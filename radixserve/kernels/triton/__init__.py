@@ -70,6 +70,26 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     check_last_dim_contiguous("v_cache", v_cache)
 
 
+def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+    """With int8 pages the caches are int8 codes and the scales float32 [blocks, block_size,
+    kv_heads] with contiguous heads (views of the pages: kernels/int8_pages.py)."""
+    if k_scales is None and v_scales is None:
+        return
+    if k_scales is None or v_scales is None or k_cache.dtype != torch.int8:
+        raise ValueError("int8 pages need int8 caches and both k_scales and v_scales")
+    for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(2) != 1:
+            raise ValueError(f"{name} must be float32 {tuple(k_cache.shape[:3])} with contiguous heads, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {tuple(t.stride())}")
+
+
+def scale_args(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> tuple:
+    """The scale pointers and strides a kernel takes (the caches themselves, unused, when not int8)."""
+    if k_scales is None:
+        return k_cache, k_cache, 0, 0, 0, 0
+    return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")

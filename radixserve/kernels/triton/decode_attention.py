@@ -24,9 +24,11 @@ from radixserve.kernels.triton import (
     check_device,
     check_head_dim,
     check_last_dim_contiguous,
+    check_scales,
     dot_in_fp32,
     dot_precision,
     next_power_of_2,
+    scale_args,
 )
 from radixserve.kernels.triton.paged_tile import load_paged_rows, online_softmax_step
 
@@ -38,16 +40,17 @@ _PROGRAMS_PER_SM = 8
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2e, num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_ksb, stride_kss, stride_vsb, stride_vss,
     stride_bt,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INT8: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -78,15 +81,17 @@ def _decode_kernel(
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k = load_paged_rows(
-            k_cache_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch, BLOCK_SIZE
-        )
+            k_cache_ptr, k_scale_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch,
+            stride_ksb, stride_kss, BLOCK_SIZE, INT8,
+        ).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         s = tl.where(n_mask[None, :], s, float("-inf"))
         v = load_paged_rows(
-            v_cache_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE
-        )
+            v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
+            stride_vsb, stride_vss, BLOCK_SIZE, INT8,
+        ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
     # An empty split has l_i == 0 and acc == 0: write a zero output with weight exp2(-inf) = 0.
@@ -121,13 +126,14 @@ def _merge_splits_kernel(
     tl.store(out_ptr + req * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scales, v_scales) -> None:
     check_cache_pair(k_cache, v_cache)
+    check_scales(k_cache, k_scales, v_scales)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check_head_dim(head_dim)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
         raise ValueError(f"q must be [B, k*{num_kv_heads}, {head_dim}], got {tuple(q.shape)}")
-    if q.dtype != k_cache.dtype:
+    if k_scales is None and q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
@@ -175,6 +181,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
@@ -183,10 +191,12 @@ def decode_attention(
     query is the context's last token, so it sees all seq_lens[i] positions).
     max_seq_len (the largest seq_len, to size the split without a device sync) and
     num_splits (force the split-K path with that many splits; 1 = single pass) only
-    change scheduling, never the result. Writes into and returns `out` (like q).
+    change scheduling, never the result. Writes into and returns `out` (like q). With
+    k_scales/v_scales ([num_blocks, block_size, num_kv_heads] float32) the caches are int8
+    codes of int8 pages, dequantized as they are loaded.
     """
     out = torch.empty_like(q) if out is None else out
-    _check(q, k_cache, v_cache, block_tables, seq_lens, out)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scales, v_scales)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if batch == 0:
@@ -202,19 +212,21 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
+        q, k_cache, v_cache, k_sp, v_sp, block_tables, seq_lens,
         out, part_out, part_lse,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), INT8=k_scales is not None,
         num_warps=4, num_stages=2,
     )
     if split:
@@ -239,16 +251,24 @@ def decode_attention_reference(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """decode_attention in plain torch (fp32 math), one request at a time."""
     out = torch.empty_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[2]
+    k_cache, v_cache = dequantized(k_cache, k_scales), dequantized(v_cache, v_scales)
     for i, seq_len in enumerate(seq_lens.tolist()):
         keys = gather_context(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
         values = gather_context(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys.float()) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.float()).to(out.dtype)
     return out
+
+
+def dequantized(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The cache as values: itself, or int8 codes times their per-token-head scales."""
+    return cache if scales is None else cache.float() * scales[..., None]
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

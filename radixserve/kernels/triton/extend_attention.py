@@ -21,10 +21,12 @@ from radixserve.kernels.triton import (
     check_device,
     check_head_dim,
     check_last_dim_contiguous,
+    check_scales,
     dot_in_fp32,
     dot_precision,
+    scale_args,
 )
-from radixserve.kernels.triton.decode_attention import gather_context
+from radixserve.kernels.triton.decode_attention import dequantized, gather_context
 from radixserve.kernels.triton.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -32,14 +34,16 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_ptr,
+    seq_lens_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_ksb, stride_kss, stride_vsb, stride_vss,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INT8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
@@ -71,16 +75,18 @@ def _extend_kernel(
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         k = load_paged_rows(
-            k_cache_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch, BLOCK_SIZE
-        )
+            k_cache_ptr, k_scale_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch,
+            stride_ksb, stride_kss, BLOCK_SIZE, INT8,
+        ).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = (n[None, :] <= positions[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         v = load_paged_rows(
-            v_cache_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE
-        )
+            v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
+            stride_vsb, stride_vss, BLOCK_SIZE, INT8,
+        ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
     out = acc / l_i[:, None]
@@ -88,13 +94,14 @@ def _extend_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out) -> None:
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_scales, v_scales) -> None:
     check_cache_pair(k_cache, v_cache)
+    check_scales(k_cache, k_scales, v_scales)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     check_head_dim(head_dim)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
         raise ValueError(f"q must be [T, k*{num_kv_heads}, {head_dim}], got {tuple(q.shape)}")
-    if q.dtype != k_cache.dtype:
+    if k_scales is None and q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
@@ -130,6 +137,8 @@ def extend_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
@@ -138,10 +147,11 @@ def extend_attention(
     positions, whose K/V (prefix and new tokens) are all in k_cache/v_cache
     ([num_blocks, block_size, num_kv_heads, head_dim]) through block_tables[i] (int32).
     Only those rows of `out` (like q; zeros when not given) are written; it is returned.
-    max_query_len (the longest chunk) sizes the grid without a device sync.
+    max_query_len (the longest chunk) sizes the grid without a device sync. With
+    k_scales/v_scales the caches are the int8 codes of int8 pages (as in decode_attention).
     """
     out = torch.zeros_like(q) if out is None else out
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_scales, v_scales)
     batch = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -151,16 +161,18 @@ def extend_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m, block_n, num_warps = _tiles(q)
     grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        q, k_cache, v_cache, k_sp, v_sp, out, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), INT8=k_scales is not None,
         num_warps=num_warps, num_stages=2,
     )
     return out
@@ -177,10 +189,13 @@ def extend_attention_reference(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """extend_attention in plain torch (fp32 math), one request at a time."""
     out = torch.zeros_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[2]
+    k_cache, v_cache = dequantized(k_cache, k_scales), dequantized(v_cache, v_scales)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]

@@ -1,0 +1,217 @@
+/*
+ * Tiled causal attention over the paged KV pool (flash-attention style), written once over
+ * the pool's element type. The includer defines:
+ *   KV_T              the pool's element (float; char for int8 pages of codes and scales)
+ *   KV_SUFFIX         the suffix of this instantiation's names (f32, i8)
+ *   KV_ROW(cache, block, offset, head, shape, tmp)
+ *                     a const float * to the head_dim floats of one token's head: in place,
+ *                     or dequantized into tmp (a scratch row of head_dim floats)
+ * Packing a tile is the only place that reads the pool, so a quantized pool (codes and
+ * their per-token-head scales in one block) changes KV_ROW and nothing else.
+ *
+ * One work item is a block of query rows of one chunk and one KV head: its rows are the
+ * `group` query heads that share the KV head, for each of up to Q_ROWS / group positions,
+ * laid out position-major (row i is position i / group, head i % group). The item walks
+ * its context in tiles of TILE_KEYS keys; each tile is gathered once from the block table
+ * into K^T [head_dim][TILE_KEYS] and V [TILE_KEYS][padded_dim] (no copy of the whole
+ * context) and then serves every row of the item, TILE_ROWS rows at a time:
+ *
+ *   S = Q K^T (TILE_ROWS x TILE_KEYS, in registers) -> mask past each row's last key ->
+ *   online softmax (running max m, sum l; the row's O is rescaled once per tile) -> O += P V
+ *
+ * Scores are in log2 units (q is pre-scaled by scale * log2(e)), so weights are exp2.
+ * Query row position r of a chunk whose context is `context` after the step, and which
+ * brings n new tokens, sees keys [0, context - n + r]; every row sees key 0, so after the
+ * first tile every row's m is finite.
+ */
+#ifndef RADIXSERVE_TILED_ATTENTION_COMMON
+#define RADIXSERVE_TILED_ATTENTION_COMMON
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define TILE_VECS 4                 /* vectors per micro-tile row: all TILE_KEYS of S, or 4 VW of O */
+#define TILE_KEYS (TILE_VECS * VW)  /* keys per tile */
+#define TILE_ROWS (VW == 8 ? 2 : 6) /* rows per micro-tile: TILE_ROWS x TILE_VECS accumulators */
+#define MASKED (-1e30f)             /* a score no row can reach; finite, as -ffast-math wants */
+#define PASTE_(a, b) a##_##b
+#define PASTE(a, b) PASTE_(a, b)
+
+typedef struct {
+    const void *k_cache, *v_cache;
+    int64_t num_heads, num_kv_heads, head_dim, padded_dim, block_size;
+    float scale_log2;
+    int64_t page_bytes, code_bytes; /* int8 pages (paged_attention.c): a block's bytes, where its scales start */
+} TileShape;
+
+/* The state of one work item: its query rows and their running softmax. */
+typedef struct {
+    float *q;      /* [rows][head_dim], pre-scaled */
+    float *o;      /* [rows][padded_dim] unnormalised output */
+    float *m, *l;  /* [rows] */
+    int64_t *last; /* [rows] the last key position each row sees, nondecreasing */
+    int64_t rows;  /* a multiple of TILE_ROWS; the padding rows repeat the last real row's `last` */
+} TileRows;
+
+/* A tile's packed keys and values, and the micro-tile's weights. */
+typedef struct {
+    float *kt;    /* [head_dim][TILE_KEYS] */
+    float *v;     /* [TILE_KEYS][padded_dim] */
+    float *p;     /* [TILE_ROWS][TILE_KEYS] */
+    float *alpha; /* [TILE_ROWS] */
+    float *tmp;   /* [VW][head_dim] for KV_ROW */
+} Tile;
+
+/* S = q[TILE_ROWS rows] k^T into s (TILE_ROWS x TILE_KEYS), every key of the tile. */
+static inline void tile_scores(const float *q, const float *kt, int64_t head_dim, vf s[TILE_ROWS][TILE_VECS]) {
+    for (int i = 0; i < TILE_ROWS; ++i)
+        for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_set1(0.0f);
+    for (int64_t d = 0; d < head_dim; ++d) {
+        vf k[TILE_VECS];
+        for (int v = 0; v < TILE_VECS; ++v) k[v] = v_load(kt + d * TILE_KEYS + v * VW);
+        for (int i = 0; i < TILE_ROWS; ++i) {
+            const vf x = v_set1(q[i * head_dim + d]);
+            for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_fma(x, k[v], s[i][v]);
+        }
+    }
+}
+
+/* Fold the scores of TILE_ROWS rows (keys k0 ...) into m and l: weights into tile->p, each row's
+ * rescale of its old O into tile->alpha. */
+static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, float *m, float *l,
+                                Tile *tile) {
+    for (int i = 0; i < TILE_ROWS; ++i) {
+        const int64_t visible = last[i] - k0 + 1;
+        if (visible < TILE_KEYS)
+            for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_keep(s[i][v], visible - v * VW, MASKED);
+        vf top = s[i][0];
+        for (int v = 1; v < TILE_VECS; ++v) top = v_max(top, s[i][v]);
+        const float m_old = m[i], highest = v_hmax(top), m_new = highest > m_old ? highest : m_old;
+        const vf shift = v_set1(m_new);
+        vf sum = v_set1(0.0f);
+        for (int v = 0; v < TILE_VECS; ++v) {
+            const vf w = v_exp2(v_sub(s[i][v], shift));
+            sum = v_add(sum, w);
+            v_store(tile->p + i * TILE_KEYS + v * VW, w);
+        }
+        const float alpha = exp2f(m_old - m_new);
+        tile->alpha[i] = alpha;
+        l[i] = l[i] * alpha + v_hsum(sum);
+        m[i] = m_new;
+    }
+}
+
+/* o[TILE_ROWS rows] = o * alpha + p v over the tile's first nk keys, TILE_VECS vectors of o at a time. */
+static inline void tile_accumulate(float *o, const Tile *tile, int64_t nk, int64_t padded_dim) {
+    for (int64_t d0 = 0; d0 < padded_dim; d0 += TILE_VECS * VW) {
+        vf acc[TILE_ROWS][TILE_VECS];
+        for (int i = 0; i < TILE_ROWS; ++i) {
+            const vf a = v_set1(tile->alpha[i]);
+            for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = v_mul(v_load(o + i * padded_dim + d0 + v * VW), a);
+        }
+        for (int64_t t = 0; t < nk; ++t) {
+            vf x[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; ++v) x[v] = v_load(tile->v + t * padded_dim + d0 + v * VW);
+            for (int i = 0; i < TILE_ROWS; ++i) {
+                const vf w = v_set1(tile->p[i * TILE_KEYS + t]);
+                for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = v_fma(w, x[v], acc[i][v]);
+            }
+        }
+        for (int i = 0; i < TILE_ROWS; ++i)
+            for (int v = 0; v < TILE_VECS; ++v) v_store(o + i * padded_dim + d0 + v * VW, acc[i][v]);
+    }
+}
+
+/* Every row group of `rows` that sees any key of the tile starting at k0 (nk keys). */
+static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k0, int64_t nk) {
+    const int64_t d = sh->head_dim, dp = sh->padded_dim;
+    for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
+        if (rows->last[i + TILE_ROWS - 1] < k0) continue;
+        vf s[TILE_ROWS][TILE_VECS];
+        tile_scores(rows->q + i * d, tile->kt, d, s);
+        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i, tile);
+        tile_accumulate(rows->o + i * dp, tile, nk, dp);
+    }
+}
+#endif
+
+#ifndef KV_SUFFIX
+#error "define KV_T, KV_SUFFIX and KV_ROW before including tiled_attention.h"
+#endif
+
+/* Keys [k0, k0 + nk) into tile->kt, transposed VW keys x VW dims at a time in registers
+ * (head_dim a multiple of VW), else one float at a time. */
+static void PASTE(tile_pack_keys, KV_SUFFIX)(const TileShape *sh, const int32_t *table, int64_t head, int64_t k0,
+                                              int64_t nk, Tile *tile) {
+    const int64_t d = sh->head_dim, bs = sh->block_size;
+    const KV_T *cache = (const KV_T *)sh->k_cache;
+    if (d % VW) {
+        for (int64_t t = 0; t < nk; ++t) {
+            const float *k = KV_ROW(cache, table[(k0 + t) / bs], (k0 + t) % bs, head, sh, tile->tmp);
+            for (int64_t x = 0; x < d; ++x) tile->kt[x * TILE_KEYS + t] = k[x];
+        }
+        return;
+    }
+    for (int64_t t0 = 0; t0 < nk; t0 += VW) {
+        const float *k[VW];
+        const int64_t n = nk - t0 < VW ? nk - t0 : VW;
+        for (int64_t i = 0; i < n; ++i)
+            k[i] = KV_ROW(cache, table[(k0 + t0 + i) / bs], (k0 + t0 + i) % bs, head, sh, tile->tmp + i * d);
+        for (int64_t x0 = 0; x0 < d; x0 += VW) {
+            vf r[VW];
+            for (int64_t i = 0; i < VW; ++i) r[i] = i < n ? v_load(k[i] + x0) : v_set1(0.0f);
+            v_transpose(r);
+            for (int64_t j = 0; j < VW; ++j) v_store(tile->kt + (x0 + j) * TILE_KEYS + t0, r[j]);
+        }
+    }
+}
+
+/* Gather keys and values [k0, k0 + nk) of KV head `head` through `table` into tile->kt
+ * (transposed) and tile->v; the columns and rows past nk are zeros. */
+static void PASTE(tile_pack, KV_SUFFIX)(const TileShape *sh, const int32_t *table, int64_t head, int64_t k0,
+                                         int64_t nk, Tile *tile) {
+    const int64_t d = sh->head_dim, dp = sh->padded_dim, bs = sh->block_size;
+    const KV_T *v_cache = (const KV_T *)sh->v_cache;
+    if (nk < TILE_KEYS) {
+        memset(tile->kt, 0, sizeof(float) * d * TILE_KEYS);
+        memset(tile->v + nk * dp, 0, sizeof(float) * (TILE_KEYS - nk) * dp);
+    }
+    PASTE(tile_pack_keys, KV_SUFFIX)(sh, table, head, k0, nk, tile);
+    for (int64_t t = 0; t < nk; ++t) {
+        const float *v = KV_ROW(v_cache, table[(k0 + t) / bs], (k0 + t) % bs, head, sh, tile->tmp);
+        float *dst = tile->v + t * dp;
+        memcpy(dst, v, sizeof(float) * d);
+        for (int64_t x = d; x < dp; ++x) dst[x] = 0.0f;
+    }
+}
+
+/* Attention of one work item: rows [r0, r1) of a chunk (its first query row at q_row in
+ * q and out) for KV head `head`, over the chunk's context through `table`. */
+static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, float *out, const int32_t *table,
+                                         int64_t q_row, int64_t prefix, int64_t r0, int64_t r1, int64_t head,
+                                         TileRows *rows, Tile *tile) {
+    const int64_t d = sh->head_dim, dp = sh->padded_dim, group = sh->num_heads / sh->num_kv_heads;
+    const int64_t real = (r1 - r0) * group;
+    rows->rows = (real + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    for (int64_t i = 0; i < rows->rows; ++i) {
+        const int64_t r = i < real ? r0 + i / group : r1 - 1;
+        const float *src = q + ((q_row + r) * sh->num_heads + head * group + i % group) * d;
+        for (int64_t x = 0; x < d; ++x) rows->q[i * d + x] = i < real ? src[x] * sh->scale_log2 : 0.0f;
+        rows->last[i] = prefix + r;
+        rows->m[i] = MASKED, rows->l[i] = 0.0f;
+    }
+    memset(rows->o, 0, sizeof(float) * rows->rows * dp);
+    const int64_t end = prefix + r1; /* keys the last row sees */
+    for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
+        const int64_t nk = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
+        PASTE(tile_pack, KV_SUFFIX)(sh, table, head, k0, nk, tile);
+        tile_fold(sh, rows, tile, k0, nk);
+    }
+    for (int64_t i = 0; i < real; ++i) {
+        float *dst = out + ((q_row + r0 + i / group) * sh->num_heads + head * group + i % group) * d;
+        const float inv = 1.0f / rows->l[i];
+        for (int64_t x = 0; x < d; ++x) dst[x] = rows->o[i * dp + x] * inv;
+    }
+}
