@@ -56,6 +56,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.sessions: Any = None  # a SessionTable when sessions are on (core/sessions.py)
+        # Blocks held outside the queues, e.g. a KV export awaiting its ack: each value has a
+        # block_table (one reference per block) and a cache_node (locked), like a running request.
+        self.external_holds: dict[str, Any] = {}
 
     # ---- public API -------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class Scheduler:
         """Raise AssertionError unless every block reference and node lock is accounted for:
         free + cached + in use == total, ref counts equal their holders, locks equal users."""
         expected = [0] * self.pool.num_blocks
-        for request in self.running:
+        for request in self._holders():
             for b in request.block_table:
                 expected[b] += 1
         for request in self.waiting:
@@ -340,9 +343,12 @@ class Scheduler:
     def _block_hashes(self, request: Request) -> list[int]:
         return extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
 
+    def _holders(self) -> list[Any]:
+        return [*self.running, *self.external_holds.values()]
+
     def _check_locks(self) -> None:
         expected: dict[int, int] = {}
-        for request in self.running:
+        for request in self._holders():
             node = request.cache_node
             while node is not None and not node.is_root:
                 expected[node.node_id] = expected.get(node.node_id, 0) + 1

@@ -23,6 +23,7 @@ from radixserve.model.loader import LoadedModel, load_model, resolve_device, res
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
@@ -119,6 +120,7 @@ class Engine:
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
+        self.kv_transfer = KVTransfer(self)  # prefill/decode handoffs (engine/kv_transfer.py)
 
     # ---- online API -------------------------------------------------------------
 
@@ -168,6 +170,26 @@ class Engine:
         request.session_id = p.session_id
         self._register(request)
         return request_id
+
+    @_one_thread
+    def admit_handoff(
+        self, prepared: PreparedRequest, handoff: KVHandoff | TransferFailed | None, request_id: str | None = None
+    ) -> tuple[str, RequestOutput | None]:
+        """Queue a prepared request whose prompt another engine computed (the decode role):
+        the handoff's blocks go into this engine's tree, and the request goes on from the
+        handoff's first token, which is its first output (returned with the id). A
+        TransferFailed, or a handoff that cannot be used, makes it an ordinary request that
+        computes its prompt here (counted); None: an ordinary request, not counted."""
+        usable = isinstance(handoff, KVHandoff) and handoff.token_ids == prepared.token_ids
+        if usable and self.kv_transfer.import_blocks(handoff).failed is not None:
+            usable = False
+        if handoff is not None and not usable:
+            self.kv_transfer.count_fallback(len(prepared.token_ids))
+        request_id = self.admit(prepared, request_id)
+        if not usable:
+            return request_id, None
+        request = self._requests[request_id]
+        return request_id, self._append_token(request, handoff.first_token, handoff.first_logprob)
 
     @_one_thread
     def step(self) -> list[RequestOutput]:
@@ -286,6 +308,7 @@ class Engine:
             "spec_acceptance_rate": self.drafter.stats.acceptance_rate,
             "spec_pauses": self.drafter.stats.pauses,
             **self._tier_stats(),
+            **self.kv_transfer.stats.as_stats(self.config.block_size, self.kv_transfer.num_holds),
             **self.timings,
         }
 
