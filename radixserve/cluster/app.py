@@ -16,12 +16,29 @@ from radixserve.server.options import ServerOptions
 
 def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions) -> Any:
     """The application: an ingress (no CPU reserved) in front of `cluster.replicas` replicas,
-    each running one engine with `engine_kwargs`."""
+    each running one engine with `engine_kwargs`; disaggregated (cluster.prefill_replicas > 0),
+    in front of decode replicas that send prompts to prefill replicas."""
+    ingress = serve.deployment(
+        ClusterIngress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )
+    options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys)
+    if not cluster.disaggregated:
+        replica = _deployment(RadixReplica, "RadixReplica", cluster.replicas, server, cluster)
+        return ingress.bind(replica.bind(engine_kwargs, server), options)
+    from radixserve.cluster.pd_replica import DecodeReplica, PrefillReplica
+
+    prefill = _deployment(PrefillReplica, "PrefillReplica", cluster.prefill_replicas, server, cluster)
+    decode = _deployment(DecodeReplica, "DecodeReplica", cluster.decode_replicas, server, cluster)
+    prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
+    return ingress.bind(decode.bind(engine_kwargs, server, prefill_app, cluster.pd), options, prefill_app)
+
+
+def _deployment(cls: type, name: str, replicas: int, server: ServerOptions, cluster: ClusterOptions) -> Any:
     router_kwargs = dataclasses.asdict(cluster.affinity) if cluster.router == "affinity" else {}
-    replica = serve.deployment(
-        RadixReplica,
-        name="RadixReplica",
-        num_replicas=cluster.replicas,
+    return serve.deployment(
+        cls,
+        name=name,
+        num_replicas=replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
         ray_actor_options={"num_cpus": cluster.replica_cpus},
         health_check_period_s=cluster.health_check_period_s,
@@ -30,11 +47,6 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
             request_router_class=ROUTER_CLASSES[cluster.router], request_router_kwargs=router_kwargs
         ),
     )
-    ingress = serve.deployment(
-        ClusterIngress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
-    )
-    options = IngressOptions(cluster.app_name, cluster.replicas, server.shared_cache_across_keys)
-    return ingress.bind(replica.bind(engine_kwargs, server), options)
 
 
 def deploy(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions, host: str, port: int) -> None:

@@ -99,6 +99,9 @@ class TransferStats:
     skipped_blocks: int = 0  # blocks the decode side held before asking (never sent)
     fallback_recomputes: int = 0  # handoffs that did not arrive or could not be used
     fallback_tokens: int = 0  # prompt tokens the decode side computed for them
+    remote_prefills: int = 0  # jobs sent to a prefill replica (retries included)
+    prefill_retries: int = 0  # of those, resent after the prefill replica died
+    fetch_ms: float = 0.0  # waiting for handoff bytes to arrive (the transport's share)
 
     def as_stats(self, block_size: int, holds: int) -> dict[str, Any]:
         return {
@@ -109,7 +112,8 @@ class TransferStats:
             "kv_received_tokens": self.received_blocks * block_size, "kv_received_bytes": self.received_bytes,
             "kv_import_ms": self.import_ms, "kv_blocks_already_held": self.blocks_already_held,
             "kv_skipped_blocks": self.skipped_blocks, "kv_fallback_recomputes": self.fallback_recomputes,
-            "kv_fallback_tokens": self.fallback_tokens,
+            "kv_fallback_tokens": self.fallback_tokens, "kv_remote_prefills": self.remote_prefills,
+            "kv_prefill_retries": self.prefill_retries, "kv_fetch_ms": self.fetch_ms,
         }
 
 

@@ -34,6 +34,26 @@ _ENGINE_COUNTERS = {
     "spec_drafts": ("radixserve_spec_drafts", "Speculative drafts verified (one per request and step)"),
     "spec_draft_tokens": ("radixserve_spec_draft_tokens", "Speculative tokens proposed"),
     "spec_accepted_tokens": ("radixserve_spec_accepted_tokens", "Speculative tokens accepted by verification"),
+    # prefill/decode disaggregation (engine/kv_transfer.py): a prefill replica's exports ...
+    "kv_sent_blocks": ("radixserve_kv_sent_blocks", "KV blocks exported to decode replicas"),
+    "kv_sent_tokens": ("radixserve_kv_sent_tokens", "Prompt tokens whose KV was exported to decode replicas"),
+    "kv_sent_bytes": ("radixserve_kv_sent_bytes", "Bytes of KV exported to decode replicas"),
+    "kv_export_ms": ("radixserve_kv_export_ms", "Milliseconds spent copying exported KV out of the pool"),
+    "kv_holds_expired": ("radixserve_kv_holds_expired", "Exports released by timeout (their ack never came)"),
+    # ... and a decode replica's imports
+    "kv_received_blocks": ("radixserve_kv_received_blocks", "KV blocks received and inserted into the tree"),
+    "kv_received_tokens": ("radixserve_kv_received_tokens", "Prompt tokens whose KV was received"),
+    "kv_received_bytes": ("radixserve_kv_received_bytes", "Bytes of KV received"),
+    "kv_fetch_ms": ("radixserve_kv_transfer_ms", "Milliseconds waiting for KV bytes to arrive"),
+    "kv_import_ms": ("radixserve_kv_import_ms", "Milliseconds spent copying received KV into the pool"),
+    "kv_skipped_blocks": ("radixserve_kv_blocks_already_cached", "Prompt blocks a decode replica held before asking"),
+    "kv_blocks_already_held": ("radixserve_kv_blocks_received_meanwhile",
+                               "Received blocks the decode tree had gained meanwhile (not copied)"),
+    "kv_fallback_recomputes": ("radixserve_kv_fallback_recomputes",
+                               "Prompts computed on the decode replica because their KV did not arrive"),
+    "kv_fallback_tokens": ("radixserve_kv_fallback_tokens", "Prompt tokens of those fallbacks"),
+    "kv_remote_prefills": ("radixserve_kv_remote_prefills", "Prompts sent to prefill replicas (retries included)"),
+    "kv_prefill_retries": ("radixserve_kv_prefill_retries", "Prompts resent after their prefill replica died"),
 }
 _ENGINE_GAUGES = {
     "running": ("radixserve_requests_running", "Requests running in the engine"),
@@ -49,6 +69,7 @@ _ENGINE_GAUGES = {
     "pins": ("radixserve_pinned_prefixes", "Prefixes pinned with a TTL"),
     "tier_persist_failed": ("radixserve_kv_persist_failed", "1 when the persisted tier could not be written"),
     "spec_acceptance_rate": ("radixserve_spec_acceptance_rate", "Accepted / proposed speculative tokens so far"),
+    "kv_export_holds": ("radixserve_kv_export_holds", "Exports holding their blocks until the decode side acks"),
 }
 
 
