@@ -38,6 +38,8 @@ NEEDS = {
     "--replica-cpus": ["--replicas", "2"],
     "--transfer-timeout": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--local-prefill-tokens": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--prefill-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--decode-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
 }
 VALUES = {"--device": "cpu", "--speculative": "prompt-lookup"}
 REFUSED_ALONE = {
@@ -52,6 +54,8 @@ REFUSED_ALONE = {
     "--replica-cpus": "--replicas",
     "--transfer-timeout": "--replicas",
     "--local-prefill-tokens": "--replicas",
+    "--prefill-resource": "--replicas",
+    "--decode-resource": "--replicas",
 }
 
 
@@ -96,7 +100,8 @@ def _settle(argv: list[str]) -> dict:
     return {"engine": dataclasses.asdict(EngineConfig(**engine_kwargs(args))), "server": options.reported(),
             "cluster": {name: getattr(args, name) for name in ("replicas", "router", "balance_threshold",
                                                                 "replica_cpus", "prefill_replicas", "decode_replicas",
-                                                                "transfer_timeout", "local_prefill_tokens")}}
+                                                                "transfer_timeout", "local_prefill_tokens",
+                                                                "prefill_resource", "decode_resource")}}
 
 
 def test_every_flag_changes_a_reported_setting_or_is_refused(tmp_path, monkeypatch):

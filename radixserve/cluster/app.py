@@ -14,6 +14,9 @@ from radixserve.cluster.replica import RadixReplica
 from radixserve.cluster.routers import ROUTER_CLASSES
 from radixserve.server.options import ServerOptions
 
+ROLE_RESOURCE_UNITS = 0.001  # of a role's custom resource per replica: placement, not a count
+
+
 def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions) -> Any:
     """The application: an ingress (no CPU reserved) in front of `cluster.replicas` replicas,
     each running one engine with `engine_kwargs`; disaggregated (cluster.prefill_replicas > 0),
@@ -27,20 +30,27 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
         return ingress.bind(replica.bind(engine_kwargs, server), options)
     from radixserve.cluster.pd_replica import DecodeReplica, PrefillReplica
 
-    prefill = _deployment(PrefillReplica, "PrefillReplica", cluster.prefill_replicas, server, cluster)
-    decode = _deployment(DecodeReplica, "DecodeReplica", cluster.decode_replicas, server, cluster)
+    prefill = _deployment(PrefillReplica, "PrefillReplica", cluster.prefill_replicas, server, cluster,
+                          cluster.prefill_resource)
+    decode = _deployment(DecodeReplica, "DecodeReplica", cluster.decode_replicas, server, cluster,
+                         cluster.decode_resource)
     prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
     return ingress.bind(decode.bind(engine_kwargs, server, prefill_app, cluster.pd), options, prefill_app)
 
 
-def _deployment(cls: type, name: str, replicas: int, server: ServerOptions, cluster: ClusterOptions) -> Any:
+def _deployment(
+    cls: type, name: str, replicas: int, server: ServerOptions, cluster: ClusterOptions, resource: str | None = None,
+) -> Any:
     router_kwargs = dataclasses.asdict(cluster.affinity) if cluster.router == "affinity" else {}
+    actor_options: dict[str, Any] = {"num_cpus": cluster.replica_cpus}
+    if resource:
+        actor_options["resources"] = {resource: ROLE_RESOURCE_UNITS}
     return serve.deployment(
         cls,
         name=name,
         num_replicas=replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cluster.replica_cpus},
+        ray_actor_options=actor_options,
         health_check_period_s=cluster.health_check_period_s,
         graceful_shutdown_timeout_s=server.shutdown_grace_s + 5,
         request_router_config=RequestRouterConfig(

@@ -33,6 +33,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                        help="disaggregated: P replicas that compute prompts (with --decode-replicas)")
     group.add_argument("--decode-replicas", type=int, default=None,
                        help="disaggregated: D replicas that decode, receiving the prompt's KV blocks they lack")
+    group.add_argument("--prefill-resource", default=None,
+                       help="disaggregated: a Ray custom resource the prefill replicas need (their nodes' resource)")
+    group.add_argument("--decode-resource", default=None,
+                       help="disaggregated: a Ray custom resource the decode replicas need")
     group.add_argument("--transfer-timeout", type=float, default=PDOptions().transfer_timeout_s,
                        help="seconds a decode replica waits for a prompt's KV before computing it itself")
     group.add_argument("--local-prefill-tokens", type=int, default=PDOptions().local_prefill_tokens,
@@ -54,7 +58,8 @@ def cluster_only_flags(args: argparse.Namespace) -> list[str]:
 
     pd = PDOptions()
     defaults = {"router": "affinity", "balance_threshold": AffinityConfig().balance_threshold, "replica_cpus": 1.0,
-                "transfer_timeout": pd.transfer_timeout_s, "local_prefill_tokens": pd.local_prefill_tokens}
+                "transfer_timeout": pd.transfer_timeout_s, "local_prefill_tokens": pd.local_prefill_tokens,
+                "prefill_resource": None, "decode_resource": None}
     return ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name, value) != value]
 
 
@@ -68,13 +73,15 @@ def cluster_options(args: argparse.Namespace) -> Any:
         raise ValueError("--prefill-replicas and --decode-replicas go together")
     if prefill is not None and args.replicas is not None:
         raise ValueError("--replicas (colocated) and --prefill-replicas/--decode-replicas exclude each other")
-    pd_flags = [f for f in cluster_only_flags(args) if f in ("--transfer-timeout", "--local-prefill-tokens")]
+    pd_only = ("--transfer-timeout", "--local-prefill-tokens", "--prefill-resource", "--decode-resource")
+    pd_flags = [f for f in cluster_only_flags(args) if f in pd_only]
     if pd_flags and prefill is None:
         raise ValueError(f"{', '.join(pd_flags)} configure disaggregation: give --prefill-replicas and --decode-replicas")
     return ClusterOptions(
         replicas=args.replicas if args.replicas is not None else 1, router=args.router,
         affinity=AffinityConfig(balance_threshold=args.balance_threshold), replica_cpus=args.replica_cpus,
         prefill_replicas=prefill or 0, decode_replicas=decode or 0,
+        prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
         pd=PDOptions(transfer_timeout_s=args.transfer_timeout, local_prefill_tokens=args.local_prefill_tokens),
     )
 

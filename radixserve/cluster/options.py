@@ -36,6 +36,10 @@ class ClusterOptions:
     prefill_replicas: int = 0  # > 0 (with decode_replicas): disaggregated roles instead of `replicas`
     decode_replicas: int = 0
     pd: PDOptions = field(default_factory=PDOptions)
+    # Disaggregated: a Ray custom resource each role's replicas need (a tiny amount of it), so
+    # they land on the nodes started with it (`ray start --resources '{"prefill": 8}'`).
+    prefill_resource: str | None = None
+    decode_resource: str | None = None
 
     @property
     def disaggregated(self) -> bool:
