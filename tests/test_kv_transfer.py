@@ -170,7 +170,7 @@ def test_a_handoff_that_never_arrives_is_computed_on_the_decode_side(model):
     check(p, d)
 
 
-@pytest.mark.parametrize("spoil", ["hashes", "layout", "data", "prompt"])
+@pytest.mark.parametrize("spoil", ["hashes", "layout", "data", "short_data", "prompt"])
 def test_an_unusable_handoff_falls_back(model, spoil):
     p, d = engine_of(model), engine_of(model)
     prompt = tokens(16, 50)
@@ -182,6 +182,8 @@ def test_an_unusable_handoff_falls_back(model, spoil):
         handoff.dtype = "torch.int8"
     elif spoil == "data":
         handoff.data = None
+    elif spoil == "short_data":
+        handoff.data = handoff.data[:, :-4]
     else:
         handoff.token_ids = handoff.token_ids[:-1] + [handoff.token_ids[-1] % 90 + 4]
     got, _ = decode(d, prompt, handoff, max_tokens=6)

@@ -266,7 +266,11 @@ class KVTransfer:
             if todo <= 0:
                 return ImportResult(0, skip, failed="no free block for the handoff")
             new = engine.pool.allocate(todo)
-            _write_blocks(engine.runner.pool, new, handoff, skip)
+            try:
+                _write_blocks(engine.runner.pool, new, handoff, skip)
+            except Exception as exc:  # nothing is in the tree yet: give the blocks back
+                engine.pool.free(reversed(new))
+                return ImportResult(0, skip, failed=f"copying the blocks in failed: {type(exc).__name__}: {exc}")
             cache.insert(handoff.token_ids[:(have + todo) * bs], list(match.blocks[:have]) + new, handoff.cache_salt)
             engine.pool.free(reversed(new))  # the tree holds them now
         finally:
@@ -282,8 +286,8 @@ class KVTransfer:
             return f"block size {handoff.block_size} != {engine.config.block_size}"
         if tuple(handoff.block_shape) != tuple(pool.block_shape()) or handoff.dtype != str(pool.kv.dtype):
             return f"block layout {handoff.block_shape} {handoff.dtype} != {pool.block_shape()} {pool.kv.dtype}"
-        if not isinstance(handoff.data, np.ndarray) or handoff.data.shape[0] != handoff.num_blocks:
-            return "the handoff carries no block data"
+        if not isinstance(handoff.data, np.ndarray) or handoff.data.shape != (handoff.num_blocks, _block_bytes(pool)):
+            return "the handoff carries no block data of this pool's block size"
         bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
         tokens = handoff.token_ids[:(start + n) * bs]
         if len(tokens) < (start + n) * bs:
@@ -298,14 +302,17 @@ def _full_blocks(token_ids: list[int], block_size: int) -> int:
     return len(token_ids) // block_size
 
 
+def _block_bytes(pool: Any) -> int:
+    return int(torch.Size(pool.block_shape()).numel()) * pool.kv.element_size()
+
+
 def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     """The blocks' bytes, [len(blocks), bytes per block], in the pool's own per-block storage."""
     shape = pool.block_shape()
     dest = torch.empty((len(blocks), *shape), dtype=pool.kv.dtype, device=pool.kv.device)
     if blocks:
         pool.copy_blocks_out(blocks, dest, list(range(len(blocks))))
-    per_block = dest[0].numel() * dest.element_size() if blocks else 0
-    return dest.view(torch.uint8).reshape(len(blocks), per_block).cpu().numpy()
+    return dest.view(torch.uint8).reshape(len(blocks), _block_bytes(pool)).cpu().numpy()
 
 
 def _write_blocks(pool: Any, blocks: list[int], handoff: KVHandoff, skip: int) -> None:
