@@ -37,7 +37,16 @@ class Run:
     name: str
     gaps: list[float] = field(default_factory=list)  # seconds between a stream's token events
     ttfts: list[float] = field(default_factory=list)  # long prompts: seconds to the first token
+    stream_ttfts: list[float] = field(default_factory=list)  # the streams' own requests
+    stream_tokens: int = 0
+    duration_s: float = 0.0
     errors: int = 0
+
+    @property
+    def stream_rate(self) -> float:
+        """Tokens per second of each stream, on average (a stall shows here even when it is
+        spent before a stream request's first token)."""
+        return self.stream_tokens / (2 * self.duration_s) if self.duration_s else 0.0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -76,10 +85,13 @@ def workload(url: str, run: Run, args: argparse.Namespace) -> None:
                     "temperature": 0, "ignore_eos": True, "session_id": f"stream-{i}"}
             n += 1
             try:
-                _, times = stream(url, body)
+                ttft, times = stream(url, body)
             except Exception:
                 run.errors += 1
                 continue
+            if ttft is not None:
+                run.stream_ttfts.append(ttft)
+            run.stream_tokens += len(times)
             run.gaps += [b - a for a, b in zip(times[1:], times[2:])]  # from the 2nd token: decode gaps only
 
     def prompt(at: float, ids: list[int]) -> None:
@@ -98,6 +110,7 @@ def workload(url: str, run: Run, args: argparse.Namespace) -> None:
         th.start()
     for th in threads:
         th.join()
+    run.duration_s = time.monotonic() - begin
 
 
 def cluster_runs(args: argparse.Namespace) -> list[Run]:
@@ -126,6 +139,8 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
                 workload(url, run, args)
                 runs.append(run)
                 print(f"run {repeat + 1} {name}: " + line(run), flush=True)
+                if name == "disagg":
+                    print("  " + transfer_line(url), flush=True)
                 serve.shutdown()
     finally:
         serve.shutdown()
@@ -136,7 +151,25 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
 def line(run: Run) -> str:
     return (f"gap p50 {pct(run.gaps, .5) * 1000:.0f} ms  p95 {pct(run.gaps, .95) * 1000:.0f} ms  "
             f"TTFT p50 {pct(run.ttfts, .5):.2f} s  p95 {pct(run.ttfts, .95):.2f} s  "
+            f"stream {run.stream_rate:.1f} tok/s, stream TTFT p95 {pct(run.stream_ttfts, .95):.2f} s "
             f"({len(run.gaps)} gaps, {len(run.ttfts)} prompts, {run.errors} errors)")
+
+
+def transfer_line(url: str) -> str:
+    """What the replicas' metrics say about the run's transfers (summed over replicas)."""
+    from radixserve.cluster.metrics_merge import sample_total
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    names = ["kv_received_tokens", "kv_received_bytes", "kv_transfer_ms", "kv_import_ms", "kv_export_ms",
+             "kv_blocks_already_cached", "kv_fallback_recomputes", "kv_remote_prefills"]
+    values = {n: sample_total(text, f"radixserve_{n}_total") for n in names}
+    tokens = values["kv_received_tokens"] or float("nan")
+    per_k = 1000.0 / tokens
+    return (f"received {values['kv_received_tokens']:.0f} tokens ({values['kv_received_bytes'] / 1e6:.0f} MB) in "
+            f"{values['kv_remote_prefills']:.0f} remote prefills; per 1,000 tokens: fetch "
+            f"{values['kv_transfer_ms'] * per_k:.0f} ms, import {values['kv_import_ms'] * per_k:.0f} ms, export "
+            f"{values['kv_export_ms'] * per_k:.0f} ms; {values['kv_blocks_already_cached']:.0f} blocks already "
+            f"cached, {values['kv_fallback_recomputes']:.0f} fallback recomputes")
 
 
 def report(runs: list[Run]) -> None:
