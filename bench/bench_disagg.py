@@ -37,6 +37,7 @@ class Run:
     name: str
     gaps: list[float] = field(default_factory=list)  # seconds between a stream's token events
     ttfts: list[float] = field(default_factory=list)  # long prompts: seconds to the first token
+    by_arrival: list[tuple[float, int, float]] = field(default_factory=list)  # (arrival s, tokens, TTFT s)
     stream_ttfts: list[float] = field(default_factory=list)  # the streams' own requests
     stream_tokens: int = 0
     duration_s: float = 0.0
@@ -101,6 +102,7 @@ def workload(url: str, run: Run, args: argparse.Namespace) -> None:
             ttft, _ = stream(url, body)
             if ttft is not None:
                 run.ttfts.append(ttft)
+                run.by_arrival.append((at, len(ids), ttft))
         except Exception:
             run.errors += 1
 
@@ -139,6 +141,7 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
                 workload(url, run, args)
                 runs.append(run)
                 print(f"run {repeat + 1} {name}: " + line(run), flush=True)
+                print("  TTFT by arrival: " + ", ".join(f"{a:.0f}s/{n}t: {t:.1f}s" for a, n, t in sorted(run.by_arrival)))
                 if name == "disagg":
                     print("  " + transfer_line(url), flush=True)
                 serve.shutdown()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -316,9 +317,9 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
 
 
 def _write_blocks(pool: Any, blocks: list[int], handoff: KVHandoff, skip: int) -> None:
-    data = handoff.data[skip:skip + len(blocks)]
-    if not data.flags.writeable:  # a zero-copy view of Ray's object store
-        data = data.copy()
-    src = torch.from_numpy(np.ascontiguousarray(data)).to(pool.kv.device)
+    data = np.ascontiguousarray(handoff.data[skip:skip + len(blocks)])
+    with warnings.catch_warnings():  # a read-only view of Ray's object store: only read here,
+        warnings.simplefilter("ignore", UserWarning)  # so no copy is made of it first
+        src = torch.from_numpy(data).to(pool.kv.device)
     src = src.view(pool.kv.dtype).view(len(blocks), *pool.block_shape())
     pool.copy_blocks_in(list(range(len(blocks))), src, blocks)
