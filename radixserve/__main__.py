@@ -1,4 +1,8 @@
-"""Command line: `radixserve generate|serve|prepare|convert` (also `python -m radixserve`)."""
+"""Command line: `radixserve generate|serve|prepare|convert` (also `python -m radixserve`).
+
+`serve` runs one engine behind the HTTP server (radixserve.server), or with --replicas /
+--ray-address several as Ray Serve replicas (radixserve.cluster); the choice is made here,
+so the server never imports the cluster."""
 
 from __future__ import annotations
 
@@ -80,8 +84,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from radixserve.server.launch import serve
+    from radixserve.cluster.launch import cluster_requested, refuse_cluster_flags_alone, serve_cluster
+    from radixserve.server.launch import serve, server_options
 
+    if cluster_requested(args):
+        return serve_cluster(args, engine_kwargs(args), server_options(args))
+    refuse_cluster_flags_alone(args)
     return serve(args, engine_kwargs(args))
 
 
@@ -104,9 +112,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    from radixserve.cluster.launch import add_cluster_args
     from radixserve.server.launch import add_server_args
 
     add_server_args(parser)
+    add_cluster_args(parser)
 
 
 _COMMANDS = types.MappingProxyType(

@@ -50,3 +50,21 @@ def test_readme_names_the_ci_test_command() -> None:
 def test_readme_architecture_map_is_the_third_section() -> None:
     sections = re.findall(r"^## (.+)$", README.read_text(), flags=re.MULTILINE)
     assert len(sections) >= 3 and "architecture" in sections[2].lower(), sections
+
+
+def test_readme_architecture_map_names_files_that_exist() -> None:
+    """Every file and folder the map's tree names is in the package (the map stays true)."""
+    text = README.read_text()
+    tree = next(block for block in re.findall(r"```\n(radixserve/\n.*?)```", text, flags=re.S))
+    folder, missing = None, []
+    for line in tree.splitlines()[1:]:
+        match = re.match(r"^  (  )?(\S+)", line)
+        if not match or match.group(2) in ("tests/", "bindings"):
+            continue
+        name = match.group(2)
+        path = ROOT / "radixserve" / (name if match.group(1) is None else f"{folder}{name}")
+        if match.group(1) is None:
+            folder = name if name.endswith("/") else None
+        if not path.exists():
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"the README's architecture map names what is not there: {missing}"

@@ -63,6 +63,13 @@ def cluster_only_flags(args: argparse.Namespace) -> list[str]:
     return ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name, value) != value]
 
 
+def refuse_cluster_flags_alone(args: argparse.Namespace) -> None:
+    """ValueError for cluster flags given to a single server (they would do nothing)."""
+    flags = cluster_only_flags(args)
+    if flags and not cluster_requested(args):
+        raise ValueError(f"{', '.join(flags)} configure replicas: give --replicas N (or --ray-address) too")
+
+
 def cluster_options(args: argparse.Namespace) -> Any:
     """The ClusterOptions of the flags (ValueError for bad ones, before Ray is touched)."""
     from radixserve.cluster.affinity import AffinityConfig

@@ -31,6 +31,7 @@ class PrefillReplica(RadixReplica):
         await super().__init__(engine_kwargs, server_options)
         self.engine = self.app.state.server.engine
         self.engine.engine.kv_transfer.hold_s = pd.hold_s
+        self.engine.engine.kv_transfer.enabled = True  # its kv_* stats and metrics from the start
         self._expiry = asyncio.ensure_future(self._expire_every(max(0.5, pd.hold_s / 4)))
 
     async def prefill(self, job: PrefillJob) -> KVHandoff:
@@ -55,4 +56,6 @@ class DecodeReplica(RadixReplica):
 
     async def __init__(self, engine_kwargs: dict[str, Any], server_options: ServerOptions, prefill: Any, pd: PDOptions):
         await super().__init__(engine_kwargs, server_options)
-        self.app.state.server.engine.remote_prefill = PrefillClient(prefill, pd, REPLICA_GONE)
+        engine = self.app.state.server.engine
+        engine.remote_prefill = PrefillClient(prefill, pd, REPLICA_GONE)
+        engine.engine.kv_transfer.enabled = True

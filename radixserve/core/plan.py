@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.kv_tier.index import KVCopy
 from radixserve.core.request import Request
 
 
@@ -38,9 +37,6 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Tier copies to run, in order, before the forward pass (save evicted blocks before
-    # their pool blocks are reused; restore matched blocks before attention reads them).
-    copies: list[KVCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

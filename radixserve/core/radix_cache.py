@@ -163,6 +163,26 @@ class RadixCache:
                 break
         return pos, node
 
+    def tier_only_slots(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        """The tier slots a restore of `tokens`' cached prefix would read (its tier-only
+        part), found without changing the tree (no split, no recency)."""
+        matched, node = self.peek_prefix(tokens, salt)
+        if node is None or node.is_root:
+            return []
+        path = []
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        bs = self.block_size
+        left = matched // bs
+        slots: list[int] = []
+        for node in reversed(path):
+            take = min(len(node.tokens) // bs, left)
+            left -= take
+            if not node.blocks:
+                slots.extend(node.slots[:take])
+        return slots
+
     def restore(self, match: MatchResult) -> list[int]:
         """Bring the tier-only tail of a (locked) match into the pool, top down, evicting
         other entries as needed; returns the pool blocks of the whole match. The copies are

@@ -11,6 +11,7 @@ from radixserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    PREFETCHING = "prefetching"  # waiting, and not schedulable until its tier pages are read in
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -11,22 +11,28 @@ One step:
   2. Then waiting requests, in policy order, while the token budget, max_num_seqs and the
      pool allow: each reuses its longest cached prefix and computes the rest, chunked.
      A waiting request whose next uncached block is being computed by another request
-     right now waits a step and then hits it in the cache (in-batch sharing).
+     right now waits a step and then hits it in the cache (in-batch sharing). A request
+     whose restore would read tier pages from disk waits (PREFETCHING) until they are in.
+
+Blocks, the prefix cache, the tier and the sessions are reached through one KVManager.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
+from radixserve.core.block_pool import BlockPool
 from radixserve.core.hashing import extend_block_hashes
+from radixserve.core.kv_manager import KVManager, TierPrefetch
 from radixserve.core.plan import ScheduledChunk, StepPlan
 from radixserve.core.policy import SchedulePolicy
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request, RequestStatus
+from radixserve.core.sessions import SessionTable
+
+_HELD_POLL_S = 0.005  # with nothing else to run, a step waits this long for a held request's pages
 
 
 @dataclass
@@ -42,32 +48,36 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None, drafter: PromptLookupDrafter | None = None
+        self, config: EngineConfig, pool: BlockPool, cache: RadixCache | None,
+        drafter: PromptLookupDrafter | None = None, sessions: SessionTable | None = None,
+        prefetch: TierPrefetch | None = None,
     ):
         self.config = config
         self.drafter = drafter  # proposes speculative tokens for decoding requests
         self.block_size = config.block_size
-        self.pool = pool
-        self.cache = cache
+        self.kv = KVManager(pool, cache, config.block_size, sessions, prefetch)
         self.policy = SchedulePolicy(
             config.schedule_policy, cache, config.starvation_steps, config.policy_fcfs_threshold
         )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
-        self.sessions: Any = None  # a SessionTable when sessions are on (core/sessions.py)
-        # Blocks held outside the queues, e.g. a KV export awaiting its ack: each value has a
-        # block_table (one reference per block) and a cache_node (locked), like a running request.
-        self.external_holds: dict[str, Any] = {}
 
     # ---- public API -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        """Queue a request; it waits as PREFETCHING while its tier pages are read in."""
+        if self.kv.hold_for_prefetch(request):
+            request.status = RequestStatus.PREFETCHING
         self.waiting.append(request)
         self.stats.prompt_tokens += request.num_prompt_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_runnable(self) -> bool:
+        """Whether a step could compute anything (some request is not waiting on a prefetch)."""
+        return bool(self.running) or any(r.status is RequestStatus.WAITING for r in self.waiting)
 
     def num_decoding(self) -> int:
         """Running requests past their prompt (each computes one token a step)."""
@@ -79,7 +89,7 @@ class Scheduler:
         The arrival time is None for a request whose first token is out already (preempted,
         now recomputed): it has no TTFT to meet, but is computed before those behind it."""
         pending = [r for r in self.running if r.in_prefill]
-        pending += sorted(self.waiting, key=lambda r: r.arrival_time)
+        pending += sorted(self._runnable_waiting(), key=lambda r: r.arrival_time)
         return [(r.arrival_time if r.first_token_time is None else None, r.num_tokens - r.num_computed_tokens)
                 for r in pending]
 
@@ -89,8 +99,9 @@ class Scheduler:
         engine sizes it to a step-time target); a step with no decodes gives prefill the
         whole max_num_batched_tokens."""
         plan = StepPlan()
-        if self.sessions is not None:
-            self.sessions.expire()
+        if self._release_prefetched() and not self.has_runnable():
+            return plan  # every request waits on its tier pages: not a step
+        self.kv.begin_step()
         budget = self.config.max_num_batched_tokens
         prefill = budget
         if self.num_decoding() > 0:
@@ -100,11 +111,9 @@ class Scheduler:
         budget, prefill = self._schedule_running(plan, budget, prefill)
         if not plan.preempted:
             self._admit_waiting(plan, min(budget, prefill))
-        for request in self.waiting:
+        for request in self._runnable_waiting():
             request.waited_steps += 1
         self.stats.steps += 1
-        if self.cache is not None:
-            plan.copies = self.cache.take_copies()
         return plan
 
     def commit(self, plan: StepPlan) -> None:
@@ -114,8 +123,8 @@ class Scheduler:
             verified = chunk.num_tokens - len(chunk.draft)  # draft tokens count once accepted
             request.num_computed_tokens += verified
             self.stats.computed_tokens += chunk.num_tokens
-            if self.cache is not None and verified > 1:
-                self._cache_computed_blocks(request)
+            if verified > 1:
+                self.kv.insert_computed(request)
 
     def accept_draft_token(self, request: Request) -> None:
         """The token just appended to the request was a draft token that verification
@@ -125,16 +134,15 @@ class Scheduler:
     def release_unverified(self, request: Request) -> None:
         """After verification: drop the blocks that only rejected draft tokens used (tail
         first). Their slots were never published to the cache; the rest get overwritten."""
-        keep = -(-request.num_tokens // self.block_size)
-        extra = request.block_table[keep:]
-        if extra:
-            del request.block_table[keep:]
-            self.pool.free(reversed(extra))
+        self.kv.shrink(request)
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release(request)
+            self.kv.release(request)
+        elif request.status is RequestStatus.PREFETCHING:
+            self.waiting.remove(request)
+            self.kv.unhold(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -142,26 +150,11 @@ class Scheduler:
         request.stop_reason = stop_reason
 
     def flush_cache(self, namespace: str | None = None) -> int:
-        return self.cache.flush(namespace) if self.cache is not None else 0
+        return self.kv.flush(namespace)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every block reference and node lock is accounted for:
-        free + cached + in use == total, ref counts equal their holders, locks equal users."""
-        expected = [0] * self.pool.num_blocks
-        for request in self._holders():
-            for b in request.block_table:
-                expected[b] += 1
-        for request in self.waiting:
-            if request.block_table or request.cache_node is not None:
-                raise AssertionError(f"waiting {request} holds blocks or a lock")
-        if self.cache is not None:
-            for b in self.cache.held_blocks():
-                expected[b] += 1
-            self.cache.check_integrity()
-            self._check_locks()
-            if self.sessions is not None:
-                self.sessions.check_integrity()
-        self.pool.check_integrity(expected)
+        """Raise AssertionError unless every block reference and node lock is accounted for."""
+        self.kv.check_integrity(self.running, self.waiting)
 
     # ---- scheduling -------------------------------------------------------------
 
@@ -179,7 +172,7 @@ class Scheduler:
                 if n == 0:  # the prefill budget is spent: it waits for the next step
                     i += 1
                     continue
-            if self._grow(request, request.num_computed_tokens + n):
+            if self.kv.grow(request, request.num_computed_tokens + n):
                 draft = [] if request.in_prefill else self._draft(request, budget - n, decodes)
                 plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), draft))
                 budget -= n + len(draft)
@@ -198,7 +191,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         admitted: list[Request] = []
         inflight = self._inflight_block_hashes()
-        for request in self.policy.order(self.waiting):
+        for request in self.policy.order(self._runnable_waiting()):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._should_wait_for_sharing(request, inflight):
@@ -210,7 +203,7 @@ class Scheduler:
             admitted.append(request)
             plan.chunks.append(chunk)
             budget -= chunk.num_tokens
-            if self.cache is not None:
+            if self.kv.caching:
                 inflight.update(self._uncomputed_block_hashes(request))
         if admitted:
             chosen = {id(r) for r in admitted}
@@ -218,29 +211,16 @@ class Scheduler:
 
     def _try_admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         bs = self.block_size
-        match = None
-        if self.cache is not None:
-            match = self.cache.match_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
-            self.cache.lock(match.node)
-        matched = match.blocks if match is not None else []
+        match = self.kv.match_and_lock(request)
         tier_blocks = match.num_tier_blocks if match is not None else 0
-        cached = (len(matched) + tier_blocks) * bs
+        cached = (len(match.blocks) + tier_blocks) * bs if match is not None else 0
         n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
-        # Admission control: the whole rest of the sequence plus one generated token must fit
-        # in what is free or evictable, so an admitted request is not preempted at once.
-        need_total = -(-(request.num_tokens + 1) // bs) - len(matched)
-        evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
-        if need_total > self.pool.num_free + evictable:
-            if match is not None:
-                self.cache.unlock(match.node)
+        if not self.kv.fits(request, match):
+            self.kv.unlock(match)
             return None
-        if tier_blocks:
-            matched = self.cache.restore(match)
-        self.pool.share(matched)
-        request.block_table = list(matched)
-        request.cache_node = match.node if match is not None else None
+        self.kv.adopt_match(request, match)
         request.num_computed_tokens = cached
-        if not self._grow(request, cached + n):
+        if not self.kv.grow(request, cached + n):
             raise RuntimeError("admission control admitted a request the pool cannot hold")
         if not request.admitted_once:
             request.admitted_once = True
@@ -253,18 +233,6 @@ class Scheduler:
         self.running.append(request)
         return ScheduledChunk(request, cached, n)
 
-    def _grow(self, request: Request, num_tokens: int) -> bool:
-        """Give the request blocks for its first num_tokens tokens, evicting cached blocks if needed."""
-        need = -(-num_tokens // self.block_size) - len(request.block_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free)
-        if need > self.pool.num_free:
-            return False
-        request.block_table.extend(self.pool.allocate(need))
-        return True
-
     def _draft(self, request: Request, room: int, decodes: int) -> list[int]:
         """Speculative tokens for a decoding request, with blocks for them taken from free
         blocks only (never by evicting), leaving one free block per running request."""
@@ -274,62 +242,45 @@ class Scheduler:
         draft = self.drafter.propose(request, limit)
         if not draft:
             return []
-        need = -(-(request.num_tokens + len(draft)) // self.block_size) - len(request.block_table)
-        if need > self.pool.num_free - len(self.running):
+        if not self.kv.grow_from_free(request, request.num_tokens + len(draft), keep_free=len(self.running)):
             return []
-        if need > 0:
-            request.block_table.extend(self.pool.allocate(need))
         return draft
 
     def _preempt(self, request: Request) -> None:
-        self._release(request)
+        self.kv.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.insert(0, request)
 
-    def _release(self, request: Request) -> None:
-        """Hand the request's computed full blocks to the cache, then drop its references
-        (tail first) and its lock."""
-        if self.cache is not None:
-            full = request.num_computed_tokens // self.block_size
-            node = request.cache_node
-            if full:
-                node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
-            if self.sessions is not None and request.session_id is not None and node is not None:
-                self.sessions.advance(request.cache_salt, request.session_id, node)
-            if request.cache_node is not None:
-                self.cache.unlock(request.cache_node)
-        request.cache_node = None
-        self.pool.free(reversed(request.block_table))
-        request.block_table = []
+    def _runnable_waiting(self) -> list[Request]:
+        return [r for r in self.waiting if r.status is RequestStatus.WAITING]
 
-    def _cache_computed_blocks(self, request: Request) -> None:
-        full = request.num_computed_tokens // self.block_size
-        if not full:
-            return
-        node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
-        if node is not request.cache_node:
-            self.cache.lock(node)
-            if request.cache_node is not None:
-                self.cache.unlock(request.cache_node)
-            request.cache_node = node
+    def _release_prefetched(self) -> bool:
+        """Held requests whose tier pages are in become WAITING (with nothing else to run,
+        first wait a moment for one); False when no request was held."""
+        if not any(r.status is RequestStatus.PREFETCHING for r in self.waiting):
+            return False
+        ready = set(self.kv.prefetched(wait_s=0.0 if self.has_runnable() else _HELD_POLL_S))
+        for request in self.waiting:
+            if request.request_id in ready and request.status is RequestStatus.PREFETCHING:
+                request.status = RequestStatus.WAITING
+        return True
 
     # ---- in-batch sharing -------------------------------------------------------
 
     def _should_wait_for_sharing(self, request: Request, inflight: set[int]) -> bool:
         """True when the first block this request would compute is being computed by a
         running request: a step later it will be in the cache."""
-        if self.cache is None or not inflight or request.waited_steps >= self.config.starvation_steps:
+        if not self.kv.caching or not inflight or request.waited_steps >= self.config.starvation_steps:
             return False
-        cached, _ = self.cache.peek_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
-        next_block = cached // self.block_size
+        next_block = self.kv.cached_prefix_len(request) // self.block_size
         hashes = self._block_hashes(request)
         return next_block < len(hashes) and hashes[next_block] in inflight
 
     def _inflight_block_hashes(self) -> set[int]:
-        if self.cache is None:
+        if not self.kv.caching:
             return set()
         inflight: set[int] = set()
         for request in self.running:
@@ -342,17 +293,3 @@ class Scheduler:
 
     def _block_hashes(self, request: Request) -> list[int]:
         return extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, request.cache_salt)
-
-    def _holders(self) -> list[Any]:
-        return [*self.running, *self.external_holds.values()]
-
-    def _check_locks(self) -> None:
-        expected: dict[int, int] = {}
-        for request in self._holders():
-            node = request.cache_node
-            while node is not None and not node.is_root:
-                expected[node.node_id] = expected.get(node.node_id, 0) + 1
-                node = node.parent
-        for node in self.cache.nodes():
-            if node.lock_ref != expected.get(node.node_id, 0):
-                raise AssertionError(f"{node} lock {node.lock_ref}, held by {expected.get(node.node_id, 0)} requests")

@@ -22,6 +22,7 @@ from radixserve.execution.constrained import GrammarFactory
 from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
+from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.request import Request, RequestStatus
@@ -34,6 +35,7 @@ from radixserve.core.sessions import SessionTable
 from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
+from radixserve.core.radix_cache import RadixCache
 
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
@@ -93,15 +95,16 @@ class Engine:
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.pool = BlockPool(num_blocks)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
-        self.cache = self.tiering.make_cache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
+        self.cache = self._build_cache() if cfg.enable_prefix_cache else None
+        sessions = SessionTable(self.cache, cfg.session_ttl_s) if self.cache is not None else None
         self.drafter = PromptLookupDrafter(
             cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
             default_on=cfg.speculative == "prompt-lookup",
         )
-        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter)
+        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter, sessions, prefetch=self.tiering)
+        self.kv = self.scheduler.kv
         if self.cache is not None:
-            self.scheduler.sessions = SessionTable(self.cache, cfg.session_ttl_s)
-            self.tiering.load(self.cache)
+            self.tiering.load(self.cache.load_tier_entries)
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
@@ -196,10 +199,8 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
-        if not self._queue_prefetched():
-            return []
         plan = self.scheduler.schedule(self._prefill_token_budget())
-        self._run_tier_copies(plan.copies)
+        self._run_tier_copies()
         t1 = time.perf_counter()
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
@@ -215,7 +216,7 @@ class Engine:
         ]
         outputs += [self._append_verified(chunk, tokens) for chunk, tokens in result.speculative]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
-        self._run_tier_copies(None)  # what finished requests moved to the tier
+        self._run_tier_copies()  # what finished requests moved to the tier
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         self._observe_step(decode_tokens, plan.num_tokens - decode_tokens, (t3 - t0) * 1000.0)
@@ -229,15 +230,13 @@ class Engine:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        if self.tiering.unhold(request):  # held for a tier prefetch: it leaves from the queue
-            self.scheduler.add(request)
         self.scheduler.finish(request, "abort")
         self._forget(request)
-        self._run_tier_copies(None)
+        self._run_tier_copies()
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.tiering.num_held > 0
+        return self.scheduler.has_unfinished()
 
     @_one_thread
     def unfinished_request_ids(self) -> list[str]:
@@ -284,33 +283,40 @@ class Engine:
 
     @_one_thread
     def stats(self) -> dict[str, Any]:
+        """The counters and gauges as one flat dictionary (EngineStats.as_dict())."""
+        return self.snapshot().as_dict()
+
+    @_one_thread
+    def snapshot(self) -> EngineStats:
+        """The counters and gauges, typed."""
         s = self.scheduler.stats
-        cached_blocks = self.cache.num_cached_blocks if self.cache is not None else 0
-        return {
-            "prompt_tokens": s.prompt_tokens,
-            "cached_prompt_tokens": s.cached_prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "computed_tokens": s.computed_tokens,
-            "preemptions": s.preemptions,
-            "deferred_for_sharing": s.deferred_for_sharing,
-            "steps": s.steps,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + self.tiering.num_held,
-            "blocks_total": self.pool.num_blocks,
-            "blocks_free": self.pool.num_free,
-            "blocks_cached": cached_blocks,
-            "blocks_evictable": self.cache.num_evictable_blocks if self.cache is not None else 0,
-            "evicted_blocks": self.cache.evicted_blocks if self.cache is not None else 0,
-            "cache_nodes": self.cache.num_nodes if self.cache is not None else 0,
-            "spec_drafts": self.drafter.stats.drafts,
-            "spec_draft_tokens": self.drafter.stats.draft_tokens,
-            "spec_accepted_tokens": self.drafter.stats.accepted_tokens,
-            "spec_acceptance_rate": self.drafter.stats.acceptance_rate,
-            "spec_pauses": self.drafter.stats.pauses,
-            **self._tier_stats(),
-            **self.kv_transfer.stats.as_stats(self.config.block_size, self.kv_transfer.num_holds),
+        cache, spec = self.cache, self.drafter.stats
+        return EngineStats(
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            computed_tokens=s.computed_tokens,
+            preemptions=s.preemptions,
+            deferred_for_sharing=s.deferred_for_sharing,
+            steps=s.steps,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_total=self.pool.num_blocks,
+            blocks_free=self.pool.num_free,
+            blocks_cached=cache.num_cached_blocks if cache is not None else 0,
+            blocks_evictable=cache.num_evictable_blocks if cache is not None else 0,
+            evicted_blocks=cache.evicted_blocks if cache is not None else 0,
+            cache_nodes=cache.num_nodes if cache is not None else 0,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_acceptance_rate=spec.acceptance_rate,
+            spec_pauses=spec.pauses,
+            cache=self._cache_stats(),
+            tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
+            transfer=self.kv_transfer.snapshot(),
             **self.timings,
-        }
+        )
 
     # ---- agent-aware cache: sessions, pins, the second tier ------------------------
 
@@ -318,7 +324,7 @@ class Engine:
     def close_session(self, session_id: str, cache_salt: str | None = None) -> bool:
         """Release a session's hold on the cache (its context stays cached as an ordinary
         entry); False if no such session is open."""
-        sessions = self.scheduler.sessions
+        sessions = self.kv.sessions
         return sessions is not None and sessions.close(cache_salt, session_id)
 
     @_one_thread
@@ -331,7 +337,7 @@ class Engine:
         match = self.cache.match_prefix(token_ids, cache_salt)
         if match.node.is_root:
             return 0
-        self.scheduler.sessions.pin(match.node, ttl_s)
+        self.kv.sessions.pin(match.node, ttl_s)
         return (len(match.blocks) + match.num_tier_blocks) * self.config.block_size
 
     @_one_thread
@@ -384,18 +390,7 @@ class Engine:
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
         self.outputs.register(request)
-        if not self.tiering.hold(self.cache, request):  # else queued once its tier pages are read in
-            self.scheduler.add(request)
-
-    def _queue_prefetched(self) -> bool:
-        """Queue the held requests whose tier pages are in memory now, waiting a moment for
-        one when nothing else could run; False when there is still nothing to schedule."""
-        if not self.tiering.num_held:
-            return True
-        idle = not self.scheduler.has_unfinished()
-        for request in self.tiering.ready(wait_s=_HELD_POLL_S if idle else 0.0):
-            self.scheduler.add(request)
-        return self.scheduler.has_unfinished()
+        self.scheduler.add(request)
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         request.token_ids.append(token)
@@ -447,32 +442,34 @@ class Engine:
                   "block_size": self.config.block_size, "kv_layout": "layer,kv,block,token,head,dim"}
         return Tiering.build(self.config, self.loaded.model, block_shape, self.dtype, layout)
 
-    def _run_tier_copies(self, copies) -> None:
-        """Run tier copies (the plan's; None: those decided since, by finishing requests)
-        before anything reuses the blocks they read."""
+    def _run_tier_copies(self) -> None:
+        """Run the tier copies decided since the last call (the scheduler's, finishing
+        requests') before anything reuses the blocks they read."""
         if self.cache is None or self.tiering.store is None:
             return
-        if copies is None:
-            copies = self.cache.take_copies()
-        self.tiering.execute(self.runner.pool, copies, self.cache.take_tier_events())
+        self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
 
-    def _tier_stats(self) -> dict[str, Any]:
+    def _cache_stats(self) -> CacheStats | None:
         if self.cache is None:
-            return {}
-        sessions = self.scheduler.sessions
+            return None
+        sessions = self.kv.sessions
         spec = self.loaded.spec
-        return {
-            "restored_prompt_tokens": self.scheduler.stats.restored_prompt_tokens,
-            "tier_hits": self.cache.tier_hits,
-            "restored_blocks": self.cache.restored_blocks,
-            **{f"evicted_blocks_{reason}": n for reason, n in self.cache.evictions.items()},
-            "sessions_open": sessions.num_open if sessions is not None else 0,
-            "pool_cached_bytes": self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
+        return CacheStats(
+            restored_prompt_tokens=self.scheduler.stats.restored_prompt_tokens,
+            tier_hits=self.cache.tier_hits,
+            restored_blocks=self.cache.restored_blocks,
+            evictions=dict(self.cache.evictions),
+            sessions_open=sessions.num_open if sessions is not None else 0,
+            pool_cached_bytes=self.cache.num_cached_blocks * self.runner.pool.bytes_per_block(
                 spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
             ),
-            "pins": sessions.num_pins if sessions is not None else 0,
-            **self.tiering.stats(self.cache),
-        }
+            pins=sessions.num_pins if sessions is not None else 0,
+        )
+
+    def _build_cache(self) -> RadixCache:
+        persisted = self.tiering.persisted
+        return RadixCache(self.pool, self.config.block_size, self.tiering.slots, write_through=persisted,
+                          record_entries=persisted)
 
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec

@@ -22,6 +22,7 @@ radixserve.cluster) only carries KVHandoff objects.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -85,12 +86,14 @@ class TransferFailed:
 
 @dataclass
 class TransferStats:
-    """Counters of both roles (an engine may play either)."""
+    """Counters of both roles (an engine may play either); Engine.snapshot() carries a copy."""
 
+    block_size: int
     exports: int = 0
     sent_blocks: int = 0
     sent_bytes: int = 0
     export_ms: float = 0.0
+    holds: int = 0  # exports holding their blocks now (a gauge, filled in by snapshot())
     holds_expired: int = 0
     imports: int = 0
     received_blocks: int = 0
@@ -104,18 +107,20 @@ class TransferStats:
     prefill_retries: int = 0  # of those, resent after the prefill replica died
     fetch_ms: float = 0.0  # waiting for handoff bytes to arrive (the transport's share)
 
-    def as_stats(self, block_size: int, holds: int) -> dict[str, Any]:
-        return {
-            "kv_exports": self.exports, "kv_sent_blocks": self.sent_blocks,
-            "kv_sent_tokens": self.sent_blocks * block_size, "kv_sent_bytes": self.sent_bytes,
-            "kv_export_ms": self.export_ms, "kv_export_holds": holds, "kv_holds_expired": self.holds_expired,
-            "kv_imports": self.imports, "kv_received_blocks": self.received_blocks,
-            "kv_received_tokens": self.received_blocks * block_size, "kv_received_bytes": self.received_bytes,
-            "kv_import_ms": self.import_ms, "kv_blocks_already_held": self.blocks_already_held,
-            "kv_skipped_blocks": self.skipped_blocks, "kv_fallback_recomputes": self.fallback_recomputes,
-            "kv_fallback_tokens": self.fallback_tokens, "kv_remote_prefills": self.remote_prefills,
-            "kv_prefill_retries": self.prefill_retries, "kv_fetch_ms": self.fetch_ms,
-        }
+    @property
+    def sent_tokens(self) -> int:
+        return self.sent_blocks * self.block_size
+
+    @property
+    def received_tokens(self) -> int:
+        return self.received_blocks * self.block_size
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat keys of Engine.stats(): every field (but block_size) as kv_<name>, token counts too."""
+        out = {f"kv_{k}": v for k, v in dataclasses.asdict(self).items() if k != "block_size"}
+        out.update(kv_sent_tokens=self.sent_tokens, kv_received_tokens=self.received_tokens)
+        out["kv_export_holds"] = out.pop("kv_holds")
+        return out
 
 
 @dataclass
@@ -140,7 +145,8 @@ class KVTransfer:
     def __init__(self, engine: "Engine", hold_s: float = DEFAULT_HOLD_S):
         self.engine = engine
         self.hold_s = hold_s
-        self.stats = TransferStats()
+        self.stats = TransferStats(engine.config.block_size)
+        self.enabled = False  # True once the engine plays a role (or did a transfer): stats report it
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -173,6 +179,7 @@ class KVTransfer:
         on, held (referenced and locked) until release() or hold_s. Blocks the tree no
         longer holds (evicted meanwhile) end the handoff early: the decode side computes them."""
         t0 = time.perf_counter()
+        self.enabled = True
         now = time.monotonic() if now is None else now
         self.expire(now)
         engine, cache = self.engine, self.engine.cache
@@ -186,7 +193,7 @@ class KVTransfer:
             if len(match.blocks) > skip_blocks:
                 cache.lock(match.node)
                 engine.pool.share(match.blocks)
-                engine.scheduler.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
+                engine.kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
                 blocks = match.blocks[skip_blocks:]
         hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(blocks)) * bs], bs)[skip_blocks:]
         handoff = KVHandoff(
@@ -202,7 +209,7 @@ class KVTransfer:
 
     def release(self, handoff_id: str) -> bool:
         """The decode side has the blocks: drop the export's references and lock."""
-        hold = self.engine.scheduler.external_holds.pop(handoff_id, None)
+        hold = self.engine.kv.external_holds.pop(handoff_id, None)
         if hold is None:
             return False
         self.engine.cache.unlock(hold.cache_node)
@@ -212,16 +219,22 @@ class KVTransfer:
     def expire(self, now: float | None = None) -> int:
         """Release the exports whose ack did not come within hold_s; returns how many."""
         now = time.monotonic() if now is None else now
-        holds = self.engine.scheduler.external_holds
+        holds = self.engine.kv.external_holds
         late = [h for h, hold in holds.items() if isinstance(hold, _Hold) and hold.deadline <= now]
         for handoff_id in late:
             self.release(handoff_id)
         self.stats.holds_expired += len(late)
         return len(late)
 
+    def snapshot(self) -> TransferStats | None:
+        """A copy of the counters with the holds now; None while this engine plays no role."""
+        if not self.enabled:
+            return None
+        return dataclasses.replace(self.stats, holds=self.num_holds)
+
     @property
     def num_holds(self) -> int:
-        return sum(1 for h in self.engine.scheduler.external_holds.values() if isinstance(h, _Hold))
+        return sum(1 for h in self.engine.kv.external_holds.values() if isinstance(h, _Hold))
 
     # ---- decode side --------------------------------------------------------------------
 
@@ -230,6 +243,7 @@ class KVTransfer:
         tree is matched again first: blocks it gained since are not copied; a tree that lost
         blocks before the handoff's start (a gap) cannot take it (`failed`)."""
         t0 = time.perf_counter()
+        self.enabled = True
         result = self._import(handoff)
         self.stats.import_ms += (time.perf_counter() - t0) * 1000.0
         if result.failed is None:
@@ -241,6 +255,7 @@ class KVTransfer:
         return result
 
     def count_fallback(self, num_prompt_tokens: int) -> None:
+        self.enabled = True
         self.stats.fallback_recomputes += 1
         self.stats.fallback_tokens += num_prompt_tokens
 

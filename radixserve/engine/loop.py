@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from radixserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from radixserve.engine import Engine
+    from radixserve.engine.protocol import EngineProtocol
     from radixserve.engine.inputs import PreparedRequest
+    from radixserve.engine.stats import EngineStats
 
 log = logging.getLogger("radixserve.engine.loop")
 
@@ -59,10 +60,10 @@ _live_loops: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()
 class EngineLoop:
     """Steps `engine` on a thread of its own (started here) and serves it to any thread."""
 
-    def __init__(self, engine: "Engine", name: str = "radixserve-engine"):
+    def __init__(self, engine: EngineProtocol, name: str = "radixserve-engine"):
         self.engine = engine
         self.broken_reason: str | None = None
-        self.latest_stats: dict[str, Any] = engine.stats()  # refreshed by the engine thread
+        self.latest_snapshot: EngineStats = engine.snapshot()  # refreshed by the engine thread
         self._inbox: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -91,7 +92,7 @@ class EngineLoop:
         handoffs = list(handoffs) if handoffs is not None else [None] * len(prepared)
         return self._post_call(lambda: self._admit_all(prepared, ids, listener, handoffs))
 
-    def call(self, fn: Callable[["Engine"], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[EngineProtocol], T]) -> concurrent.futures.Future[T]:
         """Run fn(engine) on the engine thread between steps; the stats snapshot is
         refreshed before the result is handed back (fn may close a session, pin, flush)."""
         return self._post_call(lambda: self._call(fn))
@@ -220,7 +221,7 @@ class EngineLoop:
                 del self._listeners[output.request_id]
             _notify(listener, output)
 
-    def _call(self, fn: Callable[["Engine"], T]) -> T:
+    def _call(self, fn: Callable[[EngineProtocol], T]) -> T:
         try:
             return fn(self.engine)
         finally:
@@ -318,9 +319,14 @@ class EngineLoop:
                 _notify(listener, reason)
         self._refresh_stats()
 
+    @property
+    def latest_stats(self) -> dict[str, Any]:
+        """The latest snapshot as the flat dictionary of Engine.stats()."""
+        return self.latest_snapshot.as_dict()
+
     def _refresh_stats(self) -> None:
         try:
-            self.latest_stats = self.engine.stats()
+            self.latest_snapshot = self.engine.snapshot()
         except Exception:
             log.exception("reading the engine's stats failed")
 

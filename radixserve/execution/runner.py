@@ -24,6 +24,21 @@ ROWS_ATTENTION_WORK = 128 * 1024  # query rows x context, summed over a step's p
 
 
 @dataclass
+class PackedBatch:
+    """One step's chunks as model inputs: flat token ids and positions, attention metadata,
+    the logits rows to keep (sampling chunks' last tokens, then every drafted row), and
+    which chunks sample, which verify a draft, and where each chunk begins in the batch."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledChunk]
+    drafted: list[ScheduledChunk]
+    chunk_starts: list[int]
+
+
+@dataclass
 class StepResult:
     sampled: list[ScheduledChunk]  # chunks that reached their request's last token
     tokens: list[int]  # the next token of each, in the same order
@@ -69,13 +84,15 @@ class ModelRunner:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
         that reaches its request's last token, and score prompt tokens where asked."""
         chunks = sorted(plan.chunks, key=_batch_order)
-        input_ids, positions, meta, logits_indices, sampling, drafted, chunk_starts = self._prepare(chunks)
-        prompt_rows = _prompt_logprob_rows(chunks, chunk_starts)
+        batch = self._prepare(chunks)
+        sampling, drafted = batch.sampling, batch.drafted
+        prompt_rows = _prompt_logprob_rows(chunks, batch.chunk_starts)
+        logits_indices = batch.logits_indices
         if prompt_rows:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
-        attention = self.backend.prepare(meta)  # once per step, read by every layer
-        logits = self.model(input_ids, positions, self.backend, self.pool, attention, logits_indices)
+        attention = self.backend.prepare(batch.meta)  # once per step, read by every layer
+        logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices)
         result = StepResult(sampling, [], [], [])
         if sampling:
             rows = [self._sampling_row(c) for c in sampling]
@@ -90,7 +107,7 @@ class ModelRunner:
             result.prompt_logprobs = _score_prompt_tokens(logits[verified:], prompt_rows)
         return result
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _prepare(self, chunks: list[ScheduledChunk]) -> PackedBatch:
         """Flat token batch and attention metadata. A drafted chunk (a decode plus its draft)
         enters attention as one single-query row per token, each with its own context length,
         so the decode kernel verifies it exactly as it would decode those tokens one by one;
@@ -150,14 +167,14 @@ class ModelRunner:
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
         )
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(logits_indices + draft_indices, torch.int64),
-            sampling,
-            drafted,
-            chunk_starts,
+        return PackedBatch(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            meta=meta,
+            logits_indices=self._tensor(logits_indices + draft_indices, torch.int64),
+            sampling=sampling,
+            drafted=drafted,
+            chunk_starts=chunk_starts,
         )
 
     def _as_single_query_rows(self, chunks: list[ScheduledChunk]) -> bool:

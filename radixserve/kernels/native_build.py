@@ -54,7 +54,7 @@ class Signature:
     restype: type | None  # None: void
 
 
-# Every kernel the package calls, declared once; tests/test_native_ops.py checks each
+# Every kernel the package calls, declared once; tests/kernels/test_native_ops.py checks each
 # against its prototype in the C source.
 SIGNATURES: dict[str, Signature] = {
     "paged_decode_attention_f32": Signature(

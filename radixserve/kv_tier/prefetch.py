@@ -2,8 +2,8 @@
 engine thread's copies, so that no step waits on the disk.
 
 Restores. A request whose prefix match reaches blocks that live only in a file-backed tier,
-some of whose pages are not in memory (mincore), is held back at admission: the engine
-queues it in the scheduler once this thread has read those slots in (readahead for all of
+some of whose pages are not in memory (mincore), is held back at admission: the scheduler
+runs it (PREFETCHING, then WAITING) once this thread has read those slots in (readahead for all of
 them, then MADV_POPULATE_READ each, or pread where the kernel has no populate), or once
 `max_hold_s` has passed. Other requests step on meanwhile. A request whose pages are in
 memory is never held.
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.kv_tier.index import KVTier
-from radixserve.core.radix_cache import RadixCache
 from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.tier_prefetch")
@@ -42,7 +41,7 @@ _READ, _WARM, _STOP = 0, 1, -1  # job priorities: reads (a request waits) before
 
 @dataclass(eq=False)
 class _Held:
-    request: Any
+    key: str  # the held request's id
     done: threading.Event
     deadline: float
 
@@ -81,8 +80,8 @@ class TierPrefetcher:
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def hold(self, request: Any, slots: list[int]) -> bool:
-        """Hold `request` back if any of these tier slots (the ones its restore will read)
+    def hold(self, key: str, slots: list[int]) -> bool:
+        """Hold the request named `key` back if any of these tier slots (the ones its restore will read)
         has pages out of memory, and start reading those slots; True when held."""
         if self.store.path is None or not slots or self._closed:
             return False
@@ -94,13 +93,13 @@ class TierPrefetcher:
         if not missing:
             return False
         done = threading.Event()
-        self._held.append(_Held(request, done, time.monotonic() + self.max_hold_s))
+        self._held.append(_Held(key, done, time.monotonic() + self.max_hold_s))
         self.holds += 1
         self._jobs.put((_READ, next(self._seq), (missing, done)))
         return True
 
-    def ready(self, wait_s: float = 0.0) -> list[Any]:
-        """Held requests whose slots are in memory (or whose hold ran out), in the order
+    def ready(self, wait_s: float = 0.0) -> list[str]:
+        """Keys of held requests whose slots are in memory (or whose hold ran out), in the order
         they were held. With wait_s, first waits up to that long for one when none is."""
         if not self._held:
             return []
@@ -112,12 +111,12 @@ class TierPrefetcher:
         out = [h for h in self._held if h.done.is_set() or now >= h.deadline or self._closed]
         if out:
             self._held = [h for h in self._held if h not in out]
-        return [h.request for h in out]
+        return [h.key for h in out]
 
-    def unhold(self, request: Any) -> bool:
+    def unhold(self, key: str) -> bool:
         """Forget a held request (it is aborted); False if it is not held."""
         for i, h in enumerate(self._held):
-            if h.request is request:
+            if h.key == key:
                 del self._held[i]
                 return True
         return False
@@ -184,24 +183,3 @@ def _serve(ref: "weakref.ref[TierPrefetcher]", jobs: queue.PriorityQueue) -> Non
             return
         prefetcher._do(kind, *item)
         del prefetcher
-
-
-def tier_only_slots(cache: RadixCache, tokens: list[int], salt: str | None) -> list[int]:
-    """The tier slots a restore of `tokens`' cached prefix would read (its tier-only part),
-    found without changing the tree (no split, no recency)."""
-    matched, node = cache.peek_prefix(tokens, salt)
-    if node is None or node.is_root:
-        return []
-    path = []
-    while not node.is_root:
-        path.append(node)
-        node = node.parent
-    bs = cache.block_size
-    left = matched // bs
-    slots: list[int] = []
-    for node in reversed(path):
-        take = min(len(node.tokens) // bs, left)
-        left -= take
-        if not node.blocks:
-            slots.extend(node.slots[:take])
-    return slots

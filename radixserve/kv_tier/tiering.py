@@ -1,6 +1,7 @@
 """Tiering: sets up the second KV tier (slots, bytes, persistence, prefetch) from an
 EngineConfig, runs each step's tier copies, and holds back requests whose restore would
-read the disk until their pages are in (prefetch.py). Anything that cannot be set up
+read the disk until their pages are in (prefetch.py; the scheduler keeps them PREFETCHING).
+Anything that cannot be set up
 (an unwritable directory, a full disk) degrades to one tier with a log line saying why; it
 never stops the engine."""
 
@@ -11,23 +12,33 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.config import EngineConfig
-from radixserve.core.block_pool import BlockPool
-from radixserve.kv_tier.index import KVCopy, KVTier
-from radixserve.core.radix_cache import RadixCache
+from radixserve.kv_tier.index import KVCopy, KVTier, TierEntry
 from radixserve.kv_tier.persist import TierPersister
-from radixserve.kv_tier.prefetch import TierPrefetcher, tier_only_slots
+from radixserve.kv_tier.prefetch import TierPrefetcher
 from radixserve.kv_tier.store import TierStore
 
 log = logging.getLogger("radixserve.tiering")
 
 DEFAULT_TIER_BYTES = 2 << 30  # a tier asked for by directory alone (kv_offload_dir, kv_persist_dir)
 _SAMPLES_PER_TENSOR = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStats:
+    tier_blocks_total: int  # slots of the tier
+    tier_blocks_used: int  # slots the cache holds
+    tier_bytes: int
+    tier_persist_failed: int  # 1 when the persisted tier could not be written
+    tier_prefetched_blocks: int  # slots read in for held requests
+    tier_prefetch_holds: int  # requests held so far
+    tier_warmed_blocks: int  # slots faulted in for writing
 
 
 @dataclasses.dataclass
@@ -74,15 +85,18 @@ class Tiering:
         log.warning("KV tier disabled, running with one tier (the pool): %s", reason)
         return cls(disabled_reason=reason)
 
-    def make_cache(self, pool: BlockPool, block_size: int) -> RadixCache:
-        persist = self.persister is not None
-        return RadixCache(pool, block_size, self.slots, write_through=persist, record_entries=persist)
+    @property
+    def persisted(self) -> bool:
+        """Whether every cached block gets a tier copy that is kept on disk (the cache
+        writes through and reports what each slot holds)."""
+        return self.persister is not None
 
-    def load(self, cache: RadixCache) -> int:
-        """Adopt what a previous run persisted (before any request); returns blocks adopted."""
+    def load(self, adopt: Callable[[list[TierEntry]], list[TierEntry]]) -> int:
+        """Hand what a previous run persisted to `adopt` (the radix cache's
+        load_tier_entries, before any request) and keep what it kept; returns blocks adopted."""
         if self.persister is None:
             return 0
-        kept = cache.load_tier_entries(self.persister.load())
+        kept = adopt(self.persister.load())
         self.persister.adopt(kept)
         self.loaded_blocks = len(kept)
         if kept:
@@ -100,40 +114,41 @@ class Tiering:
         if self.prefetch is not None:
             self.prefetch.warm(self.slots)
 
-    # ---- requests held for a prefetch (engine thread) ---------------------------------
+    # ---- requests held for a prefetch (engine thread; core/kv_manager.py's TierPrefetch) --
 
-    def hold(self, cache: RadixCache | None, request: Any) -> bool:
-        """Hold back a new request whose restore would read tier pages that are not in
-        memory, while the prefetch thread reads them; True when held (the engine queues
-        it once ready() hands it back)."""
-        if self.prefetch is None or cache is None or self.store.path is None:
+    def hold(self, key: str, slots: list[int]) -> bool:
+        """Hold back the request named `key` while the prefetch thread reads these tier
+        slots (those its restore will read) where some of their pages are not in memory;
+        True when held."""
+        if self.prefetch is None or self.store.path is None:
             return False  # an anonymous tier is in memory (its prefetcher only warms slots)
-        slots = tier_only_slots(cache, request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
-        return self.prefetch.hold(request, slots)
+        return self.prefetch.hold(key, slots)
 
-    def ready(self, wait_s: float = 0.0) -> list[Any]:
-        """Held requests to queue now (see TierPrefetcher.ready)."""
+    def ready(self, wait_s: float = 0.0) -> list[str]:
+        """Keys of held requests that may run now (see TierPrefetcher.ready)."""
         return self.prefetch.ready(wait_s) if self.prefetch is not None else []
 
-    def unhold(self, request: Any) -> bool:
-        return self.prefetch is not None and self.prefetch.unhold(request)
+    def unhold(self, key: str) -> bool:
+        return self.prefetch is not None and self.prefetch.unhold(key)
 
     @property
     def num_held(self) -> int:
         return self.prefetch.num_held if self.prefetch is not None else 0
 
-    def stats(self, cache: RadixCache | None) -> dict[str, Any]:
-        if self.store is None or cache is None:
-            return {}
-        return {
-            "tier_blocks_total": self.slots.num_slots,
-            "tier_blocks_used": cache.num_tier_blocks,
-            "tier_bytes": cache.num_tier_blocks * self.store.slot_bytes,
-            "tier_persist_failed": int(self.persister is not None and self.persister.failed is not None),
-            "tier_prefetched_blocks": self.prefetch.read_blocks if self.prefetch is not None else 0,
-            "tier_prefetch_holds": self.prefetch.holds if self.prefetch is not None else 0,
-            "tier_warmed_blocks": self.prefetch.warmed_blocks if self.prefetch is not None else 0,
-        }
+    def stats(self, tier_blocks: int) -> TierStats | None:
+        """Counters of the tier, `tier_blocks` of whose slots the cache holds (None: no tier)."""
+        if self.store is None:
+            return None
+        prefetch = self.prefetch
+        return TierStats(
+            tier_blocks_total=self.slots.num_slots,
+            tier_blocks_used=tier_blocks,
+            tier_bytes=tier_blocks * self.store.slot_bytes,
+            tier_persist_failed=int(self.persister is not None and self.persister.failed is not None),
+            tier_prefetched_blocks=prefetch.read_blocks if prefetch is not None else 0,
+            tier_prefetch_holds=prefetch.holds if prefetch is not None else 0,
+            tier_warmed_blocks=prefetch.warmed_blocks if prefetch is not None else 0,
+        )
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return self.persister.flush(timeout_s) if self.persister is not None else True

@@ -22,7 +22,7 @@ from typing import Any
 from radixserve.outputs import RequestOutput
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
-from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ToolCallParser
+from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ToolCallParser, text_events
 
 PING = {"type": "ping"}
 
@@ -38,14 +38,8 @@ class MessageBuilder:
         self._arguments: list[str] = []
 
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
-        if self.parser is None:
-            parsed: list[Event] = [ContentDelta(text)] if text else []
-        else:
-            parsed = self.parser.feed(text) if text else []
-            if final:
-                parsed += self.parser.finish()
         events: list[dict[str, Any]] = []
-        for event in parsed:
+        for event in text_events(self.parser, text, final):
             events += self._apply(event)
         if final:
             events += self._close()

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from radixserve.engine.protocol import EngineProtocol
 from radixserve.server import anthropic_api, native_api, sessions_api, sglang_api
 from radixserve.server.anthropic_errors import error_response
 from radixserve.server.anthropic_output import MessagesResponder
@@ -59,13 +60,13 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
 
 
-def create_app(engine: Any, options: ServerOptions | None = None) -> Starlette:
+def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> Starlette:
     """The app for `engine` (which it owns from startup on: the engine thread is the only
     one that calls it until shutdown). Serve with uvicorn; its lifespan starts and stops
     the engine thread."""
     options = options or ServerOptions()
     async_engine = AsyncEngine(engine, options.max_queued_requests, options.request_timeout_s, options.retry_after_s)
-    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: _server_gauges(async_engine))
+    metrics = ServerMetrics(lambda: async_engine.latest_snapshot, lambda: _server_gauges(async_engine))
     async_engine.on_finished = metrics.observe_finished
     state = ServerState(
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
@@ -187,7 +188,7 @@ async def openapi(request: Request) -> Response:
 
 
 async def debug_check_integrity(request: Request) -> Response:
-    def check(engine: Any) -> dict[str, Any]:
+    def check(engine: EngineProtocol) -> dict[str, Any]:
         engine.check_integrity()
         return engine.stats()
 
@@ -249,7 +250,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _served_model(engine: Any, options: ServerOptions) -> ServedModel:
+def _served_model(engine: EngineProtocol, options: ServerOptions) -> ServedModel:
     names = [options.served_model_name] if options.served_model_name else []
     names.append(engine.model_name)
     path = getattr(getattr(engine, "config", None), "model", None)

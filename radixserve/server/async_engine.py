@@ -25,7 +25,8 @@ from radixserve.server.errors import APIError, bad_request, server_error, unavai
 from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
 
 if TYPE_CHECKING:
-    from radixserve.engine import Engine
+    from radixserve.engine.protocol import EngineProtocol
+    from radixserve.engine.stats import EngineStats
 
 log = logging.getLogger("radixserve.server")
 
@@ -44,7 +45,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: "Engine",
+        engine: EngineProtocol,
         max_queued_requests: int = 1024,
         request_timeout_s: float | None = None,
         retry_after_s: int = 1,
@@ -57,7 +58,7 @@ class AsyncEngine:
         self.retry_after_s = retry_after_s
         self.on_finished = on_finished
         self.prepare_workers = prepare_workers
-        self._initial_stats: dict[str, Any] = engine.stats()
+        self._initial_snapshot: EngineStats = engine.snapshot()
         self._engine_loop: EngineLoop | None = None
         self._prepare_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,9 +107,13 @@ class AsyncEngine:
         return self._engine_loop.broken_reason if self._engine_loop is not None else None
 
     @property
-    def latest_stats(self) -> dict[str, Any]:
+    def latest_snapshot(self) -> EngineStats:
         """The engine's stats as of its latest step (read without waiting for the engine)."""
-        return self._engine_loop.latest_stats if self._engine_loop is not None else self._initial_stats
+        return self._engine_loop.latest_snapshot if self._engine_loop is not None else self._initial_snapshot
+
+    @property
+    def latest_stats(self) -> dict[str, Any]:
+        return self.latest_snapshot.as_dict()
 
     @property
     def native_thread_id(self) -> int | None:
@@ -160,7 +165,7 @@ class AsyncEngine:
                 self.remote_prefill.release(handoffs)
         return group
 
-    def run_on_engine(self, fn: Callable[["Engine"], T]) -> concurrent.futures.Future[T]:
+    def run_on_engine(self, fn: Callable[[EngineProtocol], T]) -> concurrent.futures.Future[T]:
         """Run fn(engine) on the engine thread between steps; thread-safe. For tests and
         maintenance (check_integrity, flush_cache, stats)."""
         if self._engine_loop is None:
@@ -169,7 +174,7 @@ class AsyncEngine:
             return future
         return self._engine_loop.call(fn)
 
-    async def call(self, fn: Callable[["Engine"], T]) -> T:
+    async def call(self, fn: Callable[[EngineProtocol], T]) -> T:
         """Await fn(engine) run on the engine thread."""
         return await asyncio.wrap_future(self.run_on_engine(fn))
 
@@ -262,7 +267,7 @@ class AsyncEngine:
             pass
 
 
-def _prepare_inputs(engine: "Engine", inputs: list[GenerationInput]) -> list[PreparedRequest]:
+def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> list[PreparedRequest]:
     """On a prepare worker: every member's PreparedRequest (a conversation shared by the
     n samples of one prompt is templated once)."""
     templated: dict[int, list[int]] = {}

@@ -45,9 +45,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="how the model writes tool calls: hermes/qwen (<tool_call>{json}</tool_call>), llama3 "
                             "(JSON with \"parameters\"), or auto: detected from the chat template (default)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from radixserve.cluster.launch import add_cluster_args
-
-    add_cluster_args(parser)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -63,15 +60,6 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         enable_debug_endpoints=args.enable_debug_endpoints,
         tool_call_parser=args.tool_call_parser,
     )
-
-
-def refuse_cluster_flags_alone(args: argparse.Namespace) -> None:
-    """ValueError for cluster flags given to a single server (they would do nothing)."""
-    from radixserve.cluster.launch import cluster_only_flags, cluster_requested
-
-    flags = cluster_only_flags(args)
-    if flags and not cluster_requested(args):
-        raise ValueError(f"{', '.join(flags)} configure replicas: give --replicas N (or --ray-address) too")
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -90,13 +78,8 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. With --replicas
-    or --ray-address: the engines run as Ray Serve replicas (radixserve.cluster) instead."""
-    from radixserve.cluster.launch import cluster_requested, serve_cluster
-
-    if cluster_requested(args):
-        return serve_cluster(args, engine_kwargs, server_options(args))
-    refuse_cluster_flags_alone(args)
+    """Load the engine, then serve until SIGINT/SIGTERM; returns the exit code. (Several
+    replicas, --replicas or --ray-address, are radixserve.cluster's; __main__ dispatches.)"""
     import uvicorn
 
     from radixserve.engine import Engine

@@ -24,8 +24,8 @@ ADMIN_SCOPE_KEY = "radixserve.admin"  # set (True) on the scope of a call made w
 
 class ApiKeyAuth:
     """Answers 401 to HTTP requests without `Authorization: Bearer <key>` (or Anthropic's
-    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may call. The scheme is
-    case-insensitive (RFC 9110); the key is compared in constant time against every key.
+    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may
+    call. The scheme is case-insensitive (RFC 9110); the key is compared in constant time against every key.
     An accepted call carries its key's digest on the scope (see `tenant`); a key that is
     also in `admin_keys` marks the call as an admin's (see `may_act_for_all`)."""
 

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import radixserve
+from radixserve.engine.protocol import EngineProtocol
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.middleware import may_act_for_all, tenant, tenant_namespace
 from radixserve.server.protocol.body import read_body, read_json
@@ -173,11 +174,11 @@ def rid_table(app: Any) -> RidTable:
     return table
 
 
-def _model_path(engine: Any) -> str:
+def _model_path(engine: EngineProtocol) -> str:
     return str(engine.config.model or engine.loaded.path)
 
 
-def _engine(request: Request) -> Any:
+def _engine(request: Request) -> EngineProtocol:
     return _state(request).engine.engine
 
 

@@ -99,7 +99,8 @@ def _block_union(*members: type[AnthropicModel]) -> Any:
     if len(members) == 1:
         return Annotated[members[0], BeforeValidator(_supported_block)]
     names = {m.model_fields["type"].annotation.__args__[0]: m for m in members}
-    expected = "a " + ", ".join(f"'{n}'" for n in names) + " block"
+    quoted = [f"'{n}'" for n in names]
+    expected = f"a {', '.join(quoted[:-1])} or {quoted[-1]} block"
 
     def choose(value: Any) -> str | None:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
@@ -134,21 +135,24 @@ Content = Annotated[list[ContentBlock], BeforeValidator(
     _string_is_a_text_block, json_schema_input_type=Union[str, list[ContentBlock]])]
 
 
-class Message(AnthropicModel):
+BLOCKS_OF_ROLE = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ToolUseBlock), "system": (TextBlock,)}
+
+
+class AnthropicMessage(AnthropicModel):
     role: Literal["user", "assistant", "system"]
     content: Content
 
     def history(self, where: str) -> list[HistoryMessage]:
         """The message as chat turns: a user message's tool results become tool turns, its
         text (between them) user turns; an assistant's text and tool_use blocks one turn."""
+        allowed = BLOCKS_OF_ROLE[self.role]
         for j, block in enumerate(self.content):
-            allowed = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ToolUseBlock)}.get(
-                self.role, (TextBlock,))
             if not isinstance(block, allowed):
                 here = f"{where}.content[{j}]"
                 raise bad_request(f"'{here}': a {self.role} message cannot hold a '{block.type}' block", param=here)
-        if self.role == "assistant":
-            return [self._assistant_turn(where)]
+        return [self._assistant_turn(where)] if self.role == "assistant" else self._turns(where)
+
+    def _turns(self, where: str) -> list[HistoryMessage]:
         turns: list[HistoryMessage] = []
         texts: list[str] = []
         for j, block in enumerate(self.content):
@@ -192,7 +196,7 @@ def _custom_tool(value: Any) -> Any:
     return value
 
 
-class Tool(AnthropicModel):
+class AnthropicTool(AnthropicModel):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     input_schema: InputSchema
     description: str | None = None
@@ -237,9 +241,9 @@ class Conversation(AnthropicModel):
     """What count_tokens and messages share: the model, the conversation and its tools."""
 
     model: str
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: Annotated[str | list[TextBlock], expects("a string or a list of text blocks")] | None = None
-    tools: Annotated[list[Annotated[Tool, BeforeValidator(_custom_tool)]], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[Annotated[AnthropicTool, BeforeValidator(_custom_tool)]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = Field(None, description="accepted: every prefix is cached")
     thinking: dict[str, Any] | None = Field(None, description="only {\"type\": \"disabled\"}: no extended thinking")
@@ -308,7 +312,7 @@ class CountTokensRequest(Conversation):
     ]})
 
 
-class Metadata(AnthropicModel):
+class AnthropicMetadata(AnthropicModel):
     user_id: str | None = None
 
 
@@ -327,7 +331,7 @@ class MessagesRequest(Conversation):
     top_k: Integer | None = Field(None, ge=0, description="0: off")
     stop_sequences: Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
-    metadata: Metadata | None = None
+    metadata: AnthropicMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="accepted; one tier here")
 
     def check_continuable(self) -> None:

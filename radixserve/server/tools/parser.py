@@ -249,6 +249,15 @@ class ToolCallParser:
         return events
 
 
+def text_events(parser: ToolCallParser | None, text: str, final: bool) -> list[Event]:
+    """The events of the next piece of generated text (`parser` None: all of it is content);
+    with `final`, the parser's last events too."""
+    if parser is None:
+        return [ContentDelta(text)] if text else []
+    parsed = parser.feed(text) if text else []
+    return parsed + parser.finish() if final else parsed
+
+
 class _JsonValueScanner:
     """Finds where one JSON value ends, fed piece by piece (strings and nesting aware)."""
 

@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
     content_type_conformance, response_schema_conformance, status_code_conformance,
 )
 
-from radixserve.server import ServerOptions, create_app
+from radixserve.server import ServerOptions
 from radixserve.server.testing import BackgroundServer
 
 pytestmark = pytest.mark.real_model
@@ -42,14 +42,8 @@ SCHEMA_CHECKS = [status_code_conformance, content_type_conformance, response_sch
 
 
 @pytest.fixture(scope="module")
-def server(real_engine):
-    real_engine.flush_cache()
-    options = ServerOptions(enable_debug_endpoints=True, max_n=2, max_prompts=4)
-    with BackgroundServer(create_app(real_engine, options)) as server:
-        yield server
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+def server_options() -> ServerOptions:
+    return ServerOptions(enable_debug_endpoints=True, max_n=2, max_prompts=4)
 
 
 def test_fuzz_every_operation(server):

@@ -11,11 +11,8 @@ from typing import Any
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from radixserve.server import ServerOptions, create_app
-from radixserve.server.testing import BackgroundServer
 
 pytestmark = pytest.mark.real_model
 
@@ -28,24 +25,6 @@ SCHEMA = {
 }
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": SCHEMA}]
 QUESTION = "What is the weather in Paris?"
-
-
-@pytest.fixture(scope="module")
-def server(real_engine):
-    real_engine.flush_cache()
-    app = create_app(real_engine, ServerOptions(enable_debug_endpoints=True))
-    with BackgroundServer(app) as running:
-        yield running
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
-
-
-@pytest.fixture
-def client(server):
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    stats = httpx.post(server.url + "/debug/check_integrity", timeout=60).json()["stats"]
-    assert stats["running"] == 0 and stats["waiting"] == 0
 
 
 def create(client, **kwargs: Any):

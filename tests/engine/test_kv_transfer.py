@@ -153,7 +153,7 @@ def test_export_holds_its_blocks_until_release_or_timeout(model):
 
 
 def handoff_deadline(engine: Engine, handoff: KVHandoff) -> float:
-    return engine.scheduler.external_holds[handoff.handoff_id].deadline
+    return engine.kv.external_holds[handoff.handoff_id].deadline
 
 
 def test_a_handoff_that_never_arrives_is_computed_on_the_decode_side(model):

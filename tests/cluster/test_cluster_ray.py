@@ -4,7 +4,7 @@ workload; a replica killed mid-stream fails only its own request, the router sto
 it at once, and Ray replaces it.
 
 Needs the `cluster` extra (scripts/setup.sh installs it); to run these alone:
-    .venv/bin/pip install -c constraints.txt -e '.[cluster]' && .venv/bin/pytest tests/test_cluster_ray.py
+    .venv/bin/pip install -c constraints.txt -e '.[cluster]' && .venv/bin/pytest tests/cluster/test_cluster_ray.py
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from radixserve.server.testing import BackgroundServer
 
 pytestmark = pytest.mark.real_model
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sglang_fewshot.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang_fewshot.py"
 
 
 def test_sglang_example_runs_against_a_server(real_engine, capsys):

@@ -25,7 +25,7 @@ from radixserve.server.testing import BackgroundServer
 pytestmark = pytest.mark.real_model
 
 MODEL = "SmolLM2-135M-Instruct"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STREAM_PROMPT = "Once upon a time, in a small village by the sea,"
 NORMAL_GAPS = 30  # inter-token gaps measured before the hostile requests arrive
 STALL_ALLOWANCE_S = 1.0

@@ -141,7 +141,7 @@ def test_scheduler_allocates_draft_blocks_and_releases_rejected_ones():
     s.finish(r, "stop")
     s.check_integrity()
     # the cache holds verified full blocks only: positions 0..7 (two blocks)
-    assert s.cache.num_cached_blocks == 2
+    assert s.kv.cache.num_cached_blocks == 2
 
 
 def test_scheduler_drafts_only_up_to_max_tokens_and_batch():
@@ -325,9 +325,14 @@ def test_sampling_with_speculation_is_exact_in_distribution(tiny_model_dir):
 
 
 def test_metrics_export_the_acceptance_counters():
+    import dataclasses
+
+    from radixserve.engine.stats import EngineStats
     from radixserve.server.metrics import ServerMetrics
 
-    stats = {"spec_drafts": 3, "spec_draft_tokens": 12, "spec_accepted_tokens": 9, "spec_acceptance_rate": 0.75}
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("cache", "tier")}
+    stats = EngineStats(**{**zeros, "spec_drafts": 3, "spec_draft_tokens": 12, "spec_accepted_tokens": 9,
+                           "spec_acceptance_rate": 0.75})
     text = ServerMetrics(lambda: stats, lambda: {}).render().decode()
     assert "radixserve_spec_drafts_total 3.0" in text
     assert "radixserve_spec_draft_tokens_total 12.0" in text

@@ -296,3 +296,36 @@ def test_stop_string_search_covers_the_whole_new_text_and_the_seam():
     assert find_stop_string(request, 4) == "xy" and request.output_text == "..."
     request.output_text = "xy" + "abc"  # entirely in text already checked: not found again
     assert find_stop_string(request, 4) is None
+
+
+_STATS_KEYS = [
+    "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "computed_tokens", "preemptions",
+    "deferred_for_sharing", "steps", "running", "waiting", "blocks_total", "blocks_free", "blocks_cached",
+    "blocks_evictable", "evicted_blocks", "cache_nodes", "spec_drafts", "spec_draft_tokens",
+    "spec_accepted_tokens", "spec_acceptance_rate", "spec_pauses",
+]
+_CACHE_KEYS = ["restored_prompt_tokens", "tier_hits", "restored_blocks"]
+_SESSION_KEYS = ["sessions_open", "pool_cached_bytes", "pins"]
+_TIER_KEYS = ["tier_blocks_total", "tier_blocks_used", "tier_bytes", "tier_persist_failed",
+              "tier_prefetched_blocks", "tier_prefetch_holds", "tier_warmed_blocks"]
+_TIMING_KEYS = ["schedule_s", "model_s", "postprocess_s"]
+
+
+def test_stats_keep_their_flat_shape_and_agree_with_the_snapshot(tiny_model_dir):
+    """stats() (the JSON of /get_server_info and /debug/stats) is the typed snapshot, flat,
+    with the keys clients read, in order: without a cache, with one, with a second tier."""
+    model = str(tiny_model_dir("llama"))
+    plain = Engine(model, num_kv_blocks=16, enable_prefix_cache=False)
+    plain.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))
+    assert list(plain.stats()) == _STATS_KEYS + _TIMING_KEYS
+    assert plain.snapshot().cache is None and plain.stats()["generated_tokens"] == 2
+    tiered = Engine(model, num_kv_blocks=8, kv_offload_memory=4 << 20)
+    for i in range(4):  # more than the pool holds: blocks move to the tier
+        tiered.generate([[i + 1] * 40], SamplingParams(max_tokens=2, **GREEDY))
+    stats, snap = tiered.stats(), tiered.snapshot()
+    evicted = [f"evicted_blocks_{reason}" for reason in snap.cache.evictions]
+    assert evicted and list(stats) == _STATS_KEYS + _CACHE_KEYS + evicted + _SESSION_KEYS + _TIER_KEYS + _TIMING_KEYS
+    assert stats == snap.as_dict()
+    assert stats["tier_blocks_used"] == snap.tier.tier_blocks_used > 0
+    assert stats["blocks_total"] - stats["blocks_free"] == snap.blocks_used
+    tiered.check_integrity()

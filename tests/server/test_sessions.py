@@ -28,14 +28,14 @@ def test_a_session_keeps_its_latest_context_and_demotes_what_it_superseded(tiny_
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["sessions_open"] == 1
-    node_before = engine.scheduler.sessions._sessions[(None, "agent-1")].node
+    node_before = engine.scheduler.kv.sessions._sessions[(None, "agent-1")].node
     assert node_before.protect == 1
     # a turn that does not extend the first one (the client rewrote the history)
     second = turn(SYSTEM, 2)
     engine.add_request(second, GREEDY, session_id="agent-1")
     while engine.has_unfinished_requests():
         engine.step()
-    node_after = engine.scheduler.sessions._sessions[(None, "agent-1")].node
+    node_after = engine.scheduler.kv.sessions._sessions[(None, "agent-1")].node
     assert node_after is not node_before and node_after.protect == 1
     assert node_before.protect == 0 and node_before.demoted
     engine.check_integrity()

@@ -13,7 +13,8 @@ import pytest
 from radixserve import Engine
 from radixserve.__main__ import add_engine_args, engine_kwargs
 from radixserve.config import EngineConfig
-from radixserve.server.launch import add_server_args, refuse_cluster_flags_alone, server_options
+from radixserve.cluster.launch import add_cluster_args, refuse_cluster_flags_alone
+from radixserve.server.launch import add_server_args, server_options
 from tiny_models import build_tiny_model
 
 # Flags whose effect is not a reported setting, with where it is tested instead.
@@ -62,6 +63,7 @@ REFUSED_ALONE = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_server_args(parser)
+    add_cluster_args(parser)
     add_engine_args(parser)
     return parser
 

@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from radixserve.server import ServerOptions, create_app
-from radixserve.server.testing import BackgroundServer
+from radixserve.server import ServerOptions
 
 pytestmark = pytest.mark.real_model
 
@@ -24,14 +23,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def server(real_engine):
-    real_engine.flush_cache()
-    app = create_app(real_engine, ServerOptions(enable_debug_endpoints=True, tool_call_parser="llama3"))
-    with BackgroundServer(app) as running:
-        yield running
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+def server_options() -> ServerOptions:
+    return ServerOptions(enable_debug_endpoints=True, tool_call_parser="llama3")
 
 
 def test_llama3_calls_streamed_and_not(server):

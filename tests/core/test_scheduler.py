@@ -74,7 +74,7 @@ def test_admission_waits_until_the_whole_sequence_fits():
     other = add(s, range(100, 111), max_tokens=1)  # needs 3 blocks
     plan = step(s)
     assert [c.request for c in plan.chunks] == [big]
-    assert other.status is RequestStatus.WAITING and s.pool.num_free == 2
+    assert other.status is RequestStatus.WAITING and s.kv.pool.num_free == 2
     while big.status is not RequestStatus.FINISHED:
         step(s)
     plan = step(s)
@@ -86,14 +86,14 @@ def test_preemption_releases_the_newest_and_it_resumes_from_the_cache():
     a = add(s, range(7), max_tokens=6)  # 7 + 1 tokens -> 2 blocks at admission
     b = add(s, range(100, 107), max_tokens=6)
     step(s)  # both prefilled, each holds 2 blocks
-    assert s.pool.num_free == 1
+    assert s.kv.pool.num_free == 1
     step(s)  # both decode into their second block (positions 7)
     plan = step(s)  # position 8 needs a third block each: a takes the last, b (newest) is preempted
     assert plan.preempted == [b] and b.status is RequestStatus.WAITING
     assert s.waiting[0] is b and s.stats.preemptions == 1
     assert b.num_computed_tokens == 0 and b.block_table == []
     # b's computed full blocks went to the cache: 8 computed tokens = 2 blocks.
-    assert s.cache.peek_prefix(b.token_ids)[0] == 8
+    assert s.kv.cache.peek_prefix(b.token_ids)[0] == 8
     while a.status is not RequestStatus.FINISHED:
         step(s)
     plan = step(s)
@@ -140,7 +140,7 @@ def test_chunked_prefill_publishes_completed_chunks_for_others():
     s = make_scheduler(max_num_batched_tokens=16, chunked_prefill_size=8)
     long = add(s, range(40), max_tokens=1)
     step(s)  # 8 tokens computed and inserted
-    assert s.cache.num_cached_blocks == 2
+    assert s.kv.cache.num_cached_blocks == 2
     twin = add(s, list(range(40)), max_tokens=1)
     steps = 0
     while twin.status is RequestStatus.WAITING:
@@ -196,4 +196,4 @@ def test_abort_of_running_and_waiting_frees_everything():
     s.finish(r2, "abort")
     s.check_integrity()
     assert not s.has_unfinished()
-    assert s.pool.num_free + s.cache.num_evictable_blocks == s.pool.num_blocks
+    assert s.kv.pool.num_free + s.kv.cache.num_evictable_blocks == s.kv.pool.num_blocks

@@ -392,11 +392,12 @@ def test_serve_flags_pick_the_cluster_mode_and_check_it_before_starting_ray(caps
     import argparse
 
     from radixserve.__main__ import main
-    from radixserve.cluster.launch import cluster_options, cluster_requested
+    from radixserve.cluster.launch import add_cluster_args, cluster_options, cluster_requested
     from radixserve.server.launch import add_server_args
 
     parser = argparse.ArgumentParser()
     add_server_args(parser)
+    add_cluster_args(parser)
     assert not cluster_requested(parser.parse_args([]))
     args = parser.parse_args(["--replicas", "3", "--router", "round_robin", "--balance-threshold", "7"])
     options = cluster_options(args)
@@ -425,11 +426,12 @@ def test_disaggregation_flags_make_roles_and_refuse_half_a_pair(capsys):
     import argparse
 
     from radixserve.__main__ import main
-    from radixserve.cluster.launch import cluster_options, cluster_requested
+    from radixserve.cluster.launch import add_cluster_args, cluster_options, cluster_requested
     from radixserve.server.launch import add_server_args
 
     parser = argparse.ArgumentParser()
     add_server_args(parser)
+    add_cluster_args(parser)
     args = parser.parse_args(["--prefill-replicas", "2", "--decode-replicas", "3", "--transfer-timeout", "5",
                               "--local-prefill-tokens", "0", "--prefill-resource", "gpu_a"])
     options = cluster_options(args)

@@ -37,13 +37,23 @@ def test_text_prompts_tokenize_like_the_tokenizer(real_engine):
 
 
 def test_streamed_text_never_shows_a_partial_stop_string(real_engine):
+    """The greedy answer is "The alphabet is a series of symbols that represent the letters
+    ..."; the stop string spans two tokens (" represent", " the"), so after the first of them
+    the text ends in a partial stop string that the stream must hold back."""
     prompt = real_engine.apply_chat_template([{"role": "user", "content": "Write the alphabet."}])
-    rid = real_engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=["ZZZZ"]))
-    texts = []
+    stop = " represent the"
+    free = real_engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert stop in free.text and " represent" in [real_engine.tokenizer.decode([t]) for t in free.token_ids]
+    rid = real_engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))
+    outs = []
     while real_engine.has_unfinished_requests():
-        texts += [o.text for o in real_engine.step() if o.request_id == rid]
-    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
-    assert all(len(t) <= len(texts[-1]) for t in texts)
+        outs += [o for o in real_engine.step() if o.request_id == rid]
+    final = outs[-1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert final.text == free.text[: free.text.index(stop)]
+    assert len(outs) > 3
+    for partial in outs[:-1]:
+        assert final.text.startswith(partial.text), (partial.text, final.text)  # no " represent" shown
 
 
 def test_cli_generate_prints_the_chat_completion(real_engine, real_model_dir):

@@ -22,8 +22,8 @@ from radixserve.kv_tier.index import KVTier
 from radixserve.core.radix_cache import RadixCache
 from radixserve.engine.loop import EngineLoop
 from radixserve.kv_tier.mapped_pages import PAGE, MappedPages
-from radixserve.kv_tier.prefetch import tier_only_slots
 from radixserve.kv_tier.store import TierStore
+from radixserve.core.request import RequestStatus
 
 pytestmark = pytest.mark.skipif(not MappedPages().available, reason="page calls (mincore, madvise) are Linux only")
 
@@ -62,11 +62,12 @@ def test_a_cold_restore_is_held_until_its_pages_are_read_in_and_gives_the_same_t
     engine = make_engine(tiny_model_dir("llama"), tmp_path)
     cold = engine.generate([PROMPT], GREEDY)[0]
     demote_all_and_drop_pages(engine)
-    slots = tier_only_slots(engine.cache, PROMPT[:-1], None)
+    slots = engine.cache.tier_only_slots(PROMPT[:-1], None)
     assert len(slots) == 9 and engine.tiering.store.resident_pages(slots) == 0
     rid = engine.add_request(PROMPT, GREEDY)
     assert engine.tiering.num_held == 1 and engine.stats()["waiting"] == 1
-    assert engine.has_unfinished_requests() and not engine.scheduler.waiting
+    assert engine.has_unfinished_requests()
+    assert [r.status for r in engine.scheduler.waiting] == [RequestStatus.PREFETCHING]  # a status, not a queue
     out = run_to_end(engine, rid)
     assert out.restored_tokens == 144 and out.cached_tokens == 144
     assert out.token_ids == cold.token_ids
@@ -78,7 +79,8 @@ def test_a_cold_restore_is_held_until_its_pages_are_read_in_and_gives_the_same_t
     engine.cache.evict(engine.cache.num_evictable_blocks)
     engine.step()
     rid = engine.add_request(PROMPT, GREEDY)
-    assert engine.tiering.num_held == 0 and len(engine.scheduler.waiting) == 1
+    assert engine.tiering.num_held == 0
+    assert [r.status for r in engine.scheduler.waiting] == [RequestStatus.WAITING]
     again = run_to_end(engine, rid)
     assert again.restored_tokens == 144 and again.token_ids == cold.token_ids
     assert engine.stats()["tier_prefetch_holds"] == 1
@@ -93,7 +95,9 @@ def test_other_requests_run_while_one_is_held(tiny_model_dir, tmp_path):
     engine.tiering.prefetch.max_hold_s = 60.0
     held = engine.add_request(PROMPT, GREEDY)
     free = engine.add_request(other, GREEDY)
-    assert engine.tiering.num_held == 1 and [r.request_id for r in engine.scheduler.waiting] == [free]
+    assert engine.tiering.num_held == 1
+    waiting = [(r.request_id, r.status) for r in engine.scheduler.waiting]
+    assert waiting == [(held, RequestStatus.PREFETCHING), (free, RequestStatus.WAITING)]
     outs = {}
     for _ in range(10_000):
         if not engine.has_unfinished_requests():
@@ -168,10 +172,10 @@ def test_tier_only_slots_reads_the_tree_without_changing_it():
     cache.evict(2)  # the deepest two blocks move to the tier
     slots = [c.slot for c in cache.take_copies()]
     nodes = cache.num_nodes
-    assert sorted(tier_only_slots(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9], None)) == sorted(slots)
-    assert len(tier_only_slots(cache, [1, 2, 3, 4, 5, 6, 0, 0], None)) == 1  # the match ends inside
-    assert tier_only_slots(cache, [1, 2, 3, 4], None) == []  # the pool part only
-    assert tier_only_slots(cache, [9, 9, 9], None) == [] and tier_only_slots(cache, [1, 2], "salt") == []
+    assert sorted(cache.tier_only_slots([1, 2, 3, 4, 5, 6, 7, 8, 9], None)) == sorted(slots)
+    assert len(cache.tier_only_slots([1, 2, 3, 4, 5, 6, 0, 0], None)) == 1  # the match ends inside
+    assert cache.tier_only_slots([1, 2, 3, 4], None) == []  # the pool part only
+    assert cache.tier_only_slots([9, 9, 9], None) == [] and cache.tier_only_slots([1, 2], "salt") == []
     assert cache.num_nodes == nodes
     cache.check_integrity()
 

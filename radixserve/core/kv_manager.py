@@ -1,0 +1,230 @@
+"""KVManager: the scheduler's only view of KV memory (plain Python, no tensors).
+
+Behind it: the block pool (reference-counted pool blocks), the radix cache (prefixes over
+those blocks and over second-tier slots), the sessions (eviction hints) and, where the
+tier is file-backed, its prefetcher (requests whose restore would read the disk wait,
+with status PREFETCHING, until their pages are in). The scheduler asks in terms of a
+request: match and lock its cached prefix, grow its block table, release it (its computed
+blocks go into the cache, its session advances), restore its tier blocks.
+
+    scheduler ──> KVManager ──> BlockPool      allocate, share, free
+                            ├─> RadixCache     match, lock, insert, restore, evict
+                            ├─> SessionTable   expire, advance
+                            └─> TierPrefetch   hold, ready, unhold (kv_tier/, by protocol)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.radix_cache import MatchResult, RadixCache
+from radixserve.core.request import Request
+from radixserve.core.sessions import SessionTable
+from radixserve.kv_tier.index import KVCopy
+
+
+class TierPrefetch(Protocol):
+    """Reads second-tier slots into memory off the engine thread (kv_tier/tiering.py)."""
+
+    def hold(self, key: str, slots: list[int]) -> bool:
+        """Start reading these slots if any page of them is out of memory; True when the
+        request named `key` must wait for them."""
+
+    def ready(self, wait_s: float = 0.0) -> list[str]:
+        """Keys whose slots are in now (or whose hold ran out); may wait up to wait_s."""
+
+    def unhold(self, key: str) -> bool:
+        """Forget a held key; False if it is not held."""
+
+
+class KVManager:
+    def __init__(
+        self, pool: BlockPool, cache: RadixCache | None, block_size: int,
+        sessions: SessionTable | None = None, prefetch: TierPrefetch | None = None,
+    ):
+        self.pool = pool
+        self.cache = cache
+        self.block_size = block_size
+        self.sessions = sessions
+        self.prefetch = prefetch if cache is not None else None
+        # Blocks held outside the queues, e.g. a KV export awaiting its ack (engine/kv_transfer.py):
+        # each value has a block_table (a reference per block) and a locked cache_node, like a
+        # running request, and counts as one in check_integrity.
+        self.external_holds: dict[str, Any] = {}
+
+    @property
+    def caching(self) -> bool:
+        """Whether prefixes are cached at all (no cache: every request computes everything)."""
+        return self.cache is not None
+
+    # ---- each step ----------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        if self.sessions is not None:
+            self.sessions.expire()
+
+    def take_copies(self) -> list[KVCopy]:
+        """The tier copies decided since the last call, to run in order before anything
+        reuses the blocks they read (the one place they are drained)."""
+        return self.cache.take_copies() if self.cache is not None else []
+
+    def take_tier_events(self) -> list[tuple[str, object]]:
+        return self.cache.take_tier_events() if self.cache is not None else []
+
+    # ---- a new request: prefetch its tier pages -------------------------------------
+
+    def hold_for_prefetch(self, request: Request) -> bool:
+        """True when the request's restore would read tier pages that are not in memory:
+        they are being read in, and the request waits until `prefetched` names it."""
+        if self.prefetch is None:
+            return False
+        slots = self.cache.tier_only_slots(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
+        return self.prefetch.hold(request.request_id, slots)
+
+    def prefetched(self, wait_s: float = 0.0) -> list[str]:
+        """Ids of held requests that may run now (see TierPrefetch.ready)."""
+        return self.prefetch.ready(wait_s) if self.prefetch is not None else []
+
+    def unhold(self, request: Request) -> None:
+        if self.prefetch is not None:
+            self.prefetch.unhold(request.request_id)
+
+    # ---- admission --------------------------------------------------------------
+
+    def cached_prefix_len(self, request: Request) -> int:
+        """Tokens of the request's reusable prefix in the cache, changing nothing."""
+        if self.cache is None:
+            return 0
+        cached, _ = self.cache.peek_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
+        return cached
+
+    def match_and_lock(self, request: Request) -> MatchResult | None:
+        """The request's longest cached prefix, locked against eviction (None: no cache)."""
+        if self.cache is None:
+            return None
+        match = self.cache.match_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
+        self.cache.lock(match.node)
+        return match
+
+    def unlock(self, match: MatchResult | None) -> None:
+        if match is not None:
+            self.cache.unlock(match.node)
+
+    def fits(self, request: Request, match: MatchResult | None) -> bool:
+        """Whether the rest of the request plus one generated token fits in what is free or
+        evictable (admission control: an admitted request is not preempted at once)."""
+        matched = len(match.blocks) if match is not None else 0
+        need = -(-(request.num_tokens + 1) // self.block_size) - matched
+        evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
+        return need <= self.pool.num_free + evictable
+
+    def adopt_match(self, request: Request, match: MatchResult | None) -> None:
+        """Give the request the match's blocks (restoring its tier-only part into the pool
+        first) and its lock; the request's computed tokens become the matched ones."""
+        blocks = []
+        if match is not None:
+            blocks = self.cache.restore(match) if match.num_tier_blocks else match.blocks
+        self.pool.share(blocks)
+        request.block_table = list(blocks)
+        request.cache_node = match.node if match is not None else None
+
+    # ---- running ----------------------------------------------------------------
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Give the request blocks for its first num_tokens tokens, evicting cached blocks if needed."""
+        need = -(-num_tokens // self.block_size) - len(request.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            return False
+        request.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def grow_from_free(self, request: Request, num_tokens: int, keep_free: int) -> bool:
+        """Blocks for num_tokens tokens from free blocks only (never evicting), leaving
+        keep_free blocks free; False (nothing taken) when they are not there."""
+        need = -(-num_tokens // self.block_size) - len(request.block_table)
+        if need > self.pool.num_free - keep_free:
+            return False
+        if need > 0:
+            request.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def shrink(self, request: Request) -> None:
+        """Drop the blocks past the request's tokens (tail first): only rejected draft
+        tokens used them, and they were never published to the cache."""
+        keep = -(-request.num_tokens // self.block_size)
+        extra = request.block_table[keep:]
+        if extra:
+            del request.block_table[keep:]
+            self.pool.free(reversed(extra))
+
+    def insert_computed(self, request: Request) -> None:
+        """Publish the request's computed full blocks to the cache and move its lock to
+        the node they end at."""
+        full = request.num_computed_tokens // self.block_size
+        if self.cache is None or not full:
+            return
+        node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+        if node is not request.cache_node:
+            self.cache.lock(node)
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+            request.cache_node = node
+
+    def release(self, request: Request) -> None:
+        """Hand the request's computed full blocks to the cache (its session advances to
+        where they end), then drop its references (tail first) and its lock."""
+        if self.cache is not None:
+            full = request.num_computed_tokens // self.block_size
+            node = request.cache_node
+            if full:
+                node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+            if self.sessions is not None and request.session_id is not None and node is not None:
+                self.sessions.advance(request.cache_salt, request.session_id, node)
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+        request.cache_node = None
+        self.pool.free(reversed(request.block_table))
+        request.block_table = []
+
+    def flush(self, namespace: str | None = None) -> int:
+        """Drop every unlocked cache entry (only under salt `namespace` and its sub-salts,
+        when given); returns the number of pool blocks freed."""
+        return self.cache.flush(namespace) if self.cache is not None else 0
+
+    # ---- accounting -------------------------------------------------------------
+
+    def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
+        """Raise AssertionError unless every block reference and node lock is accounted for:
+        free + cached + in use == total, ref counts equal their holders, locks equal users."""
+        running = [*running, *self.external_holds.values()]
+        expected = [0] * self.pool.num_blocks
+        for request in running:
+            for b in request.block_table:
+                expected[b] += 1
+        for request in waiting:
+            if request.block_table or request.cache_node is not None:
+                raise AssertionError(f"waiting {request} holds blocks or a lock")
+        if self.cache is not None:
+            for b in self.cache.held_blocks():
+                expected[b] += 1
+            self.cache.check_integrity()
+            self._check_locks(running)
+            if self.sessions is not None:
+                self.sessions.check_integrity()
+        self.pool.check_integrity(expected)
+
+    def _check_locks(self, running: list[Request]) -> None:
+        expected: dict[int, int] = {}
+        for request in running:
+            node = request.cache_node
+            while node is not None and not node.is_root:
+                expected[node.node_id] = expected.get(node.node_id, 0) + 1
+                node = node.parent
+        for node in self.cache.nodes():
+            if node.lock_ref != expected.get(node.node_id, 0):
+                raise AssertionError(f"{node} lock {node.lock_ref}, held by {expected.get(node.node_id, 0)} requests")

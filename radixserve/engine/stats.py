@@ -1,0 +1,81 @@
+"""EngineStats: one typed snapshot of the engine's counters and gauges (Engine.snapshot()).
+
+`as_dict()` is the flat JSON clients have always read (`stats()`, /get_server_info,
+/debug/stats); the metrics read the fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.engine.kv_transfer import TransferStats
+from radixserve.kv_tier.tiering import TierStats
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The prefix cache's side, present when the cache is on."""
+
+    restored_prompt_tokens: int  # prompt tokens restored from the second tier
+    tier_hits: int  # matches that restored at least one block
+    restored_blocks: int
+    evictions: dict[str, int]  # blocks by reason: demoted, dropped, tier_dropped, flushed
+    sessions_open: int
+    pool_cached_bytes: int
+    pins: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    computed_tokens: int
+    preemptions: int
+    deferred_for_sharing: int
+    steps: int
+    running: int
+    waiting: int  # requests waiting to be scheduled, those waiting on a tier prefetch included
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_evictable: int
+    evicted_blocks: int
+    cache_nodes: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_acceptance_rate: float
+    spec_pauses: int
+    schedule_s: float  # seconds spent so far in each part of a step
+    model_s: float
+    postprocess_s: float
+    cache: CacheStats | None = None
+    tier: TierStats | None = None
+    transfer: TransferStats | None = None  # an engine with a prefill or decode role (kv_transfer.py)
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks held by requests or the cache."""
+        return self.blocks_total - self.blocks_free
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat dictionary of `Engine.stats()`, keys in their documented order."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer"):
+                continue
+            out[f.name] = getattr(self, f.name)
+        if self.cache is not None:
+            c = self.cache
+            out.update(restored_prompt_tokens=c.restored_prompt_tokens, tier_hits=c.tier_hits,
+                       restored_blocks=c.restored_blocks)
+            out.update({f"evicted_blocks_{reason}": n for reason, n in c.evictions.items()})
+            out.update(sessions_open=c.sessions_open, pool_cached_bytes=c.pool_cached_bytes, pins=c.pins)
+            if self.tier is not None:
+                out.update(dataclasses.asdict(self.tier))
+        if self.transfer is not None:
+            out.update(self.transfer.as_dict())
+        out.update(schedule_s=self.schedule_s, model_s=self.model_s, postprocess_s=self.postprocess_s)
+        return out

@@ -1,0 +1,36 @@
+"""Fixtures the server tests share: the app on the shared real engine, served in a thread."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from radixserve.server import ServerOptions, create_app
+from radixserve.server.testing import BackgroundServer
+
+
+@pytest.fixture(scope="module")
+def server_options() -> ServerOptions:
+    """What `server` serves with; a test module overrides it for other options."""
+    return ServerOptions(enable_debug_endpoints=True)
+
+
+@pytest.fixture(scope="module")
+def server(real_engine, server_options):
+    """The app on the shared real engine (cache flushed first); afterwards the engine must be
+    idle and intact, and its cache is flushed again."""
+    real_engine.flush_cache()
+    with BackgroundServer(create_app(real_engine, server_options)) as running:
+        yield running
+    real_engine.check_integrity()
+    assert not real_engine.has_unfinished_requests()
+    real_engine.flush_cache()
+
+
+@pytest.fixture
+def client(server):
+    """An OpenAI client of `server`; after each test nothing may still run or wait."""
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    stats = httpx.post(server.url + "/debug/check_integrity", timeout=60).json()["stats"]
+    assert stats["running"] == 0 and stats["waiting"] == 0
