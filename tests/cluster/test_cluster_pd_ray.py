@@ -4,7 +4,7 @@ the blocks the decode replica lacks (exact counts from each replica's stats); /h
 roles; a prefill replica killed while computing a prompt costs that prompt a retry (or a
 recompute on the decode replica), never its answer; integrity holds on both replicas.
 
-Needs the `cluster` extra; to run alone: .venv/bin/pytest tests/test_cluster_pd_ray.py
+Needs the `cluster` extra; to run alone: .venv/bin/pytest tests/cluster/test_cluster_pd_ray.py
 """
 
 from __future__ import annotations
