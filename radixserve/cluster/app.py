@@ -9,7 +9,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from radixserve.cluster.ingress import ClusterIngress, IngressOptions
-from radixserve.cluster.options import ClusterOptions
+from radixserve.cluster.options import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, ClusterOptions
 from radixserve.cluster.replica import RadixReplica
 from radixserve.cluster.routers import ROUTER_CLASSES
 from radixserve.server.options import ServerOptions
@@ -30,9 +30,9 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
         return ingress.bind(replica.bind(engine_kwargs, server), options)
     from radixserve.cluster.pd_replica import DecodeReplica, PrefillReplica
 
-    prefill = _deployment(PrefillReplica, "PrefillReplica", cluster.prefill_replicas, server, cluster,
+    prefill = _deployment(PrefillReplica, PREFILL_DEPLOYMENT, cluster.prefill_replicas, server, cluster,
                           cluster.prefill_resource)
-    decode = _deployment(DecodeReplica, "DecodeReplica", cluster.decode_replicas, server, cluster,
+    decode = _deployment(DecodeReplica, DECODE_DEPLOYMENT, cluster.decode_replicas, server, cluster,
                          cluster.decode_resource)
     prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
     return ingress.bind(decode.bind(engine_kwargs, server, prefill_app, cluster.pd), options, prefill_app)

@@ -8,6 +8,7 @@ from radixserve.cluster.affinity import AffinityConfig
 
 ROUTERS = ("affinity", "round_robin", "pow2", "ray_prefix")  # routers.ROUTER_CLASSES names their classes
 DEFAULT_APP_NAME = "radixserve"
+PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT = "PrefillReplica", "DecodeReplica"  # the disaggregated roles' deployments
 
 
 @dataclass(frozen=True)

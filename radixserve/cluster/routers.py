@@ -20,6 +20,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from radixserve.cluster import registry
 from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
 from radixserve.cluster.forwarding import ForwardedRequest
+from radixserve.cluster.options import PREFILL_DEPLOYMENT
 
 ROUTER_CLASSES = {  # by options.ROUTERS name
     "affinity": "radixserve.cluster.routers.PrefixAffinityRouter",
@@ -37,7 +38,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.policy = AffinityPolicy(AffinityConfig(**kwargs))
         self._chosen: dict[str, str] = {}  # internal request id -> replica choose_replicas picked
         self.reasons: dict[str, int] = {}  # routing decisions by reason (metrics)
-        registry.register(self.app_name, self)
+        if self._deployment_id.name != PREFILL_DEPLOYMENT:  # the ingress's router is the front one's
+            registry.register(self.app_name, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

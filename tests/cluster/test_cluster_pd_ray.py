@@ -117,6 +117,8 @@ def test_roles_greedy_equality_and_exact_blocks(cluster, single):
     assert stats_by_role(cluster)["prefill"]["kv_export_holds"] == 0
     metrics = httpx.get(cluster + "/metrics", timeout=30).text
     assert "radixserve_kv_sent_bytes_total" in metrics and "radixserve_kv_received_blocks_total" in metrics
+    assert 'radixserve_cluster_replicas{state="reachable"} 2.0' in metrics
+    assert "radixserve_cluster_routing_decisions_total" in metrics  # the decode deployment's router
     check_integrity(cluster)
 
 
