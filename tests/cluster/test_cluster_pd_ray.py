@@ -2,7 +2,8 @@
 model, one engine thread each. Greedy output equals one server's; a repeated prefix sends only
 the blocks the decode replica lacks (exact counts from each replica's stats); /health names the
 roles; a prefill replica killed while computing a prompt costs that prompt a retry (or a
-recompute on the decode replica), never its answer; integrity holds on both replicas.
+recompute on the decode replica), never its answer; a killed decode replica fails its stream
+with replica_failed; integrity holds on both replicas, each replaced.
 
 Needs the `cluster` extra; to run alone: .venv/bin/pytest tests/cluster/test_cluster_pd_ray.py
 """
@@ -164,3 +165,30 @@ def stats_by_role_when_healthy(url: str) -> dict[str, dict]:
             return stats_by_role(url)
         time.sleep(2)
     raise AssertionError(f"the prefill replica was not replaced: {health}")
+
+
+def test_a_killed_decode_replica_fails_its_stream_with_replica_failed(cluster):
+    import json
+
+    decode_id = next(r for r, role in roles(cluster).items() if role == "decode")
+    body = {"model": MODEL, "prompt": ids(200, 9), "max_tokens": 300, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    events: list[str] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=180) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#DecodeReplica#{decode_id}", namespace="serve"), no_restart=True)
+    reader.join(120)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "replica_failed"
+    stats_by_role_when_healthy(cluster)
+    check_integrity(cluster)
