@@ -233,3 +233,22 @@ def test_real_model_handoff_equals_one_engine(real_model_dir):
         p.kv_transfer.release(handoff.handoff_id)
         check(p, d, single)
     assert d.stats()["kv_skipped_blocks"] > 0  # the second question reused the system prompt's blocks
+
+
+def test_int8_pages_move_as_bytes_with_their_scales(model):
+    """An int8 pool's blocks (codes and per-token scales in one page) move as one unit."""
+    p, d = engine_of(model, kv_cache_dtype="int8"), engine_of(model, kv_cache_dtype="int8")
+    single = engine_of(model, kv_cache_dtype="int8")
+    prompt = tokens(22, 71)
+    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    got, h, _ = handoff_round(p, d, prompt, max_tokens=8)
+    assert got == want and h.num_blocks == 22 // BS and h.data.dtype.name == "uint8"
+    assert d.stats()["kv_cache_dtype"] == "int8"
+    float_side, float_single = engine_of(model), engine_of(model)
+    handoff = prefill(p, prompt, 0)
+    computed, _ = decode(float_side, prompt, handoff, max_tokens=8)  # another page layout: computed, not copied
+    assert p.kv_transfer.release(handoff.handoff_id)
+    assert computed == float_single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    stats = float_side.stats()
+    assert stats["kv_fallback_recomputes"] == 1 and stats["kv_received_blocks"] == 0
+    check(p, d, float_side)
