@@ -143,9 +143,9 @@ def _check_takes_effect(config: EngineConfig) -> None:
                              "the prefix cache")
     if config.schedule_policy == "fcfs" or not config.enable_prefix_cache:
         _refuse_changed(config, ("policy_fcfs_threshold",), "applies to the cache-aware policies (lpm, dfs-weight)")
-    if config.model is not None:
-        _refuse_changed(config, ("model_cache_dir",), "is where the default model is converted to: it does nothing "
-                        "with model set")
+    if config.model is not None and not str(config.model).endswith(".gguf"):
+        _refuse_changed(config, ("model_cache_dir",), "is where the default model or a .gguf file is converted to: "
+                        "it does nothing with a model directory")
 
 
 def _refuse_changed(config: EngineConfig, names: tuple[str, ...], why: str) -> None:

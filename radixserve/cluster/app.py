@@ -9,32 +9,54 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from radixserve.cluster.ingress import ClusterIngress, IngressOptions
-from radixserve.cluster.options import ClusterOptions
+from radixserve.cluster.options import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, ClusterOptions
 from radixserve.cluster.replica import RadixReplica
 from radixserve.cluster.routers import ROUTER_CLASSES
 from radixserve.server.options import ServerOptions
 
+ROLE_RESOURCE_UNITS = 0.001  # of a role's custom resource per replica: placement, not a count
+
+
 def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions) -> Any:
     """The application: an ingress (no CPU reserved) in front of `cluster.replicas` replicas,
-    each running one engine with `engine_kwargs`."""
+    each running one engine with `engine_kwargs`; disaggregated (cluster.prefill_replicas > 0),
+    in front of decode replicas that send prompts to prefill replicas."""
+    ingress = serve.deployment(
+        ClusterIngress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )
+    options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys)
+    if not cluster.disaggregated:
+        replica = _deployment(RadixReplica, "RadixReplica", cluster.replicas, server, cluster)
+        return ingress.bind(replica.bind(engine_kwargs, server), options)
+    from radixserve.cluster.pd_replica import DecodeReplica, PrefillReplica
+
+    prefill = _deployment(PrefillReplica, PREFILL_DEPLOYMENT, cluster.prefill_replicas, server, cluster,
+                          cluster.prefill_resource)
+    decode = _deployment(DecodeReplica, DECODE_DEPLOYMENT, cluster.decode_replicas, server, cluster,
+                         cluster.decode_resource)
+    prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
+    return ingress.bind(decode.bind(engine_kwargs, server, prefill_app, cluster.pd), options, prefill_app)
+
+
+def _deployment(
+    cls: type, name: str, replicas: int, server: ServerOptions, cluster: ClusterOptions, resource: str | None = None,
+) -> Any:
     router_kwargs = dataclasses.asdict(cluster.affinity) if cluster.router == "affinity" else {}
-    replica = serve.deployment(
-        RadixReplica,
-        name="RadixReplica",
-        num_replicas=cluster.replicas,
+    actor_options: dict[str, Any] = {"num_cpus": cluster.replica_cpus}
+    if resource:
+        actor_options["resources"] = {resource: ROLE_RESOURCE_UNITS}
+    return serve.deployment(
+        cls,
+        name=name,
+        num_replicas=replicas,
         max_ongoing_requests=cluster.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cluster.replica_cpus},
+        ray_actor_options=actor_options,
         health_check_period_s=cluster.health_check_period_s,
         graceful_shutdown_timeout_s=server.shutdown_grace_s + 5,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASSES[cluster.router], request_router_kwargs=router_kwargs
         ),
     )
-    ingress = serve.deployment(
-        ClusterIngress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
-    )
-    options = IngressOptions(cluster.app_name, cluster.replicas, server.shared_cache_across_keys)
-    return ingress.bind(replica.bind(engine_kwargs, server), options)
 
 
 def deploy(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: ClusterOptions, host: str, port: int) -> None:

@@ -48,8 +48,9 @@ class IngressOptions:
 
 
 class ClusterIngress:
-    def __init__(self, replicas: Any, options: IngressOptions):
-        self.replicas = replicas  # the RadixReplica deployment's handle
+    def __init__(self, replicas: Any, options: IngressOptions, prefill: Any = None):
+        self.replicas = replicas  # the RadixReplica (or, disaggregated, DecodeReplica) deployment's handle
+        self.prefill = prefill  # disaggregated: the PrefillReplica deployment's handle (broadcasts only)
         self.options = options
 
     async def __call__(self, request: Request) -> Response:
@@ -130,21 +131,23 @@ class ClusterIngress:
     async def _everyone(self, request: Request, method: str, path: str) -> list[tuple[ResponseHead, bytes] | Exception]:
         body = await read_body(request, MAX_BODY_BYTES) if method == "POST" else b""
         forwarded = ForwardedRequest(method, path, request.scope.get("query_string", b""), list(request.scope["headers"]), body)
-        try:
-            return await self.replicas.broadcast("call", forwarded).results_async(
-                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True
-            )
-        except Exception as exc:  # no replica at all, or the broadcast timed out
-            return [exc]
+        return await self._broadcast(forwarded)
+
+    async def _broadcast(self, forwarded: ForwardedRequest) -> list[tuple[ResponseHead, bytes] | Exception]:
+        """Every replica's answer (of both roles, disaggregated), or the exception instead."""
+        handles = [self.replicas] + ([self.prefill] if self.prefill is not None else [])
+        results: list[tuple[ResponseHead, bytes] | Exception] = []
+        for handle in handles:
+            try:
+                results += await handle.broadcast("call", forwarded).results_async(
+                    timeout_s=self.options.broadcast_timeout_s, return_exceptions=True
+                )
+            except Exception as exc:  # no replica at all, or the broadcast timed out
+                results.append(exc)
+        return results
 
     async def _health(self) -> Response:
-        forwarded = ForwardedRequest("GET", "/health")
-        try:
-            results = await self.replicas.broadcast("call", forwarded).results_async(
-                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True
-            )
-        except Exception as exc:
-            results = [exc]
+        results = await self._broadcast(ForwardedRequest("GET", "/health"))
         replicas = [_replica_health(r) for r in results]
         healthy = sum(1 for r in replicas if r["status"] == "ok")
         status = "ok" if healthy >= self.options.replicas else ("degraded" if healthy else "unhealthy")

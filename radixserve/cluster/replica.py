@@ -8,6 +8,7 @@ lifespan (the engine thread) and serves forwarded requests through it in-process
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from radixserve.server.options import ServerOptions
 
 
 class RadixReplica:
+    role = "colocated"  # prefill and decode replicas: pd_replica.py
+
     async def __init__(self, engine_kwargs: dict[str, Any], server_options: ServerOptions):
         from radixserve.engine import Engine
         from radixserve.server.app import create_app
@@ -34,8 +37,13 @@ class RadixReplica:
             yield item
 
     async def call(self, request: ForwardedRequest) -> tuple[ResponseHead, bytes]:
-        """The app's whole answer to `request` (for broadcasts: /health, /metrics, ...)."""
-        return await collect(serve_forwarded(self.app, request, self.replica))
+        """The app's whole answer to `request` (for broadcasts: /health, /metrics, ...); /health
+        names the replica's role."""
+        head, body = await collect(serve_forwarded(self.app, request, self.replica))
+        if request.path == "/health":
+            with contextlib.suppress(ValueError, TypeError):
+                body = json.dumps({**json.loads(body), "role": self.role}).encode()
+        return head, body
 
     def check_health(self) -> None:
         """Ray's health probe: a broken engine fails it, and Ray replaces the replica."""

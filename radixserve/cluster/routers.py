@@ -20,6 +20,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from radixserve.cluster import registry
 from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
 from radixserve.cluster.forwarding import ForwardedRequest
+from radixserve.cluster.options import PREFILL_DEPLOYMENT
 
 ROUTER_CLASSES = {  # by options.ROUTERS name
     "affinity": "radixserve.cluster.routers.PrefixAffinityRouter",
@@ -37,7 +38,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.policy = AffinityPolicy(AffinityConfig(**kwargs))
         self._chosen: dict[str, str] = {}  # internal request id -> replica choose_replicas picked
         self.reasons: dict[str, int] = {}  # routing decisions by reason (metrics)
-        registry.register(self.app_name, self)
+        if self._deployment_id.name != PREFILL_DEPLOYMENT:  # the ingress's router is the front one's
+            registry.register(self.app_name, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -53,6 +55,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.policy.set_replicas(r.replica_id.unique_id for r in self._replicas.values())
         request = _forwarded(pending_request)
+        target = getattr(request, "target_replica", None)
+        if target in by_id:  # an ack for one replica (pd_jobs.ReleaseJob): there, else anywhere
+            return [[by_id[target]]] + [[r] for i, r in by_id.items() if i != target]
         live = [r for r in by_id if r in self.policy.trees]
         if request is None or request.routing is None or not live:  # (never raise here: Ray's routing loop would die)
             ranking = sorted(by_id, key=lambda r: (self.policy.in_flight.get(r, 0), r))
@@ -104,8 +109,10 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
         return [[r] for r in ordered[first:] + ordered[:first]]
 
 
-def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
+def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | Any | None:
+    """The request's first argument when it carries a `routing` key (a ForwardedRequest, or a
+    prefill replica's PrefillJob / ReleaseJob)."""
     if pending_request is None or not pending_request.args:
         return None
     arg = pending_request.args[0]
-    return arg if isinstance(arg, ForwardedRequest) else None
+    return arg if isinstance(arg, ForwardedRequest) or hasattr(arg, "routing") else None

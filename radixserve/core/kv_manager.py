@@ -15,7 +15,7 @@ blocks go into the cache, its session advances), restore its tier blocks.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.radix_cache import MatchResult, RadixCache
@@ -48,6 +48,10 @@ class KVManager:
         self.block_size = block_size
         self.sessions = sessions
         self.prefetch = prefetch if cache is not None else None
+        # Blocks held outside the queues, e.g. a KV export awaiting its ack (engine/kv_transfer.py):
+        # each value has a block_table (a reference per block) and a locked cache_node, like a
+        # running request, and counts as one in check_integrity.
+        self.external_holds: dict[str, Any] = {}
 
     @property
     def caching(self) -> bool:
@@ -197,6 +201,7 @@ class KVManager:
     def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
         """Raise AssertionError unless every block reference and node lock is accounted for:
         free + cached + in use == total, ref counts equal their holders, locks equal users."""
+        running = [*running, *self.external_holds.values()]
         expected = [0] * self.pool.num_blocks
         for request in running:
             for b in request.block_table:

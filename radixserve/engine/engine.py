@@ -25,6 +25,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
@@ -127,6 +128,7 @@ class Engine:
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
+        self.kv_transfer = KVTransfer(self)  # prefill/decode handoffs (engine/kv_transfer.py)
 
     # ---- online API -------------------------------------------------------------
 
@@ -176,6 +178,26 @@ class Engine:
         request.session_id = p.session_id
         self._register(request)
         return request_id
+
+    @_one_thread
+    def admit_handoff(
+        self, prepared: PreparedRequest, handoff: KVHandoff | TransferFailed | None, request_id: str | None = None
+    ) -> tuple[str, RequestOutput | None]:
+        """Queue a prepared request whose prompt another engine computed (the decode role):
+        the handoff's blocks go into this engine's tree, and the request goes on from the
+        handoff's first token, which is its first output (returned with the id). A
+        TransferFailed, or a handoff that cannot be used, makes it an ordinary request that
+        computes its prompt here (counted); None: an ordinary request, not counted."""
+        usable = isinstance(handoff, KVHandoff) and handoff.token_ids == prepared.token_ids
+        if usable and self.kv_transfer.import_blocks(handoff).failed is not None:
+            usable = False
+        if handoff is not None and not usable:
+            self.kv_transfer.count_fallback(len(prepared.token_ids))
+        request_id = self.admit(prepared, request_id)
+        if not usable:
+            return request_id, None
+        request = self._requests[request_id]
+        return request_id, self._append_token(request, handoff.first_token, handoff.first_logprob)
 
     @_one_thread
     def step(self) -> list[RequestOutput]:
@@ -299,6 +321,7 @@ class Engine:
             spec_pauses=spec.pauses,
             cache=self._cache_stats(),
             tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
+            transfer=self.kv_transfer.snapshot(),
             **self.timings,
         )
 

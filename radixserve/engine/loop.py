@@ -76,17 +76,21 @@ class EngineLoop:
     # ---- any thread ----------------------------------------------------------------------
 
     def submit(
-        self, prepared: Sequence["PreparedRequest"], listener: Listener, request_ids: Sequence[str] | None = None
+        self, prepared: Sequence["PreparedRequest"], listener: Listener, request_ids: Sequence[str] | None = None,
+        handoffs: Sequence[Any] | None = None,
     ) -> concurrent.futures.Future[list[str]]:
         """Admit prepared requests together (they join the same step): either all or none.
         The future gives their ids, or the error: ValueError for one the engine refuses,
         EngineStoppedError / EngineBrokenError when the loop takes no more work. From then on
-        `listener` gets every output of these requests, or the exception that failed one."""
+        `listener` gets every output of these requests, or the exception that failed one.
+        `handoffs` (one per request, or None) are KV handoffs of prompts another engine
+        computed (Engine.admit_handoff): such a request's first output is its handoff's token."""
         prepared = list(prepared)
         ids = list(request_ids) if request_ids is not None else [None] * len(prepared)
         if len(ids) != len(prepared):
             raise ValueError(f"got {len(ids)} request ids for {len(prepared)} requests")
-        return self._post_call(lambda: self._admit_all(prepared, ids, listener))
+        handoffs = list(handoffs) if handoffs is not None else [None] * len(prepared)
+        return self._post_call(lambda: self._admit_all(prepared, ids, listener, handoffs))
 
     def call(self, fn: Callable[[EngineProtocol], T]) -> concurrent.futures.Future[T]:
         """Run fn(engine) on the engine thread between steps; the stats snapshot is
@@ -223,13 +227,22 @@ class EngineLoop:
         finally:
             self._refresh_stats()
 
-    def _admit_all(self, prepared: list["PreparedRequest"], ids: list[str | None], listener: Listener) -> list[str]:
+    def _admit_all(
+        self, prepared: list["PreparedRequest"], ids: list[str | None], listener: Listener, handoffs: list[Any]
+    ) -> list[str]:
         if self._closing:
             raise self._refusal()
         added: list[str] = []
+        firsts: list[RequestOutput] = []
         try:
-            for item, request_id in zip(prepared, ids):
-                added.append(self.engine.admit(item, request_id))
+            for item, request_id, handoff in zip(prepared, ids, handoffs):
+                if handoff is None:
+                    added.append(self.engine.admit(item, request_id))
+                    continue
+                request_id, first = self.engine.admit_handoff(item, handoff, request_id)
+                added.append(request_id)
+                if first is not None:
+                    firsts.append(first)
         except BaseException as exc:
             for request_id in added:
                 self.engine.abort(request_id)
@@ -239,7 +252,18 @@ class EngineLoop:
         for request_id in added:
             self._listeners[request_id] = listener
         self._refresh_stats()
+        if firsts:  # after the caller learns the ids: the next task, before the next step
+            self._post(_Task(lambda: self._emit(firsts), lambda exc: None))
         return added
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            listener = self._listeners.get(output.request_id)
+            if listener is None:
+                continue
+            if output.finished:
+                del self._listeners[output.request_id]
+            _notify(listener, output)
 
     def _recover(self, exc: BaseException) -> None:
         """The one recovery rule: fail and abort what is in flight, then check integrity."""

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from radixserve.config import EngineConfig
     from radixserve.core.block_pool import BlockPool
     from radixserve.engine.inputs import PreparedRequest, Prompt
+    from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
     from radixserve.engine.stats import EngineStats
     from radixserve.model.loader import LoadedModel
     from radixserve.outputs import RequestOutput
@@ -24,6 +25,7 @@ class EngineProtocol(Protocol):
     attention_backend: str
     pool: BlockPool
     loaded: LoadedModel
+    kv_transfer: KVTransfer  # prefill/decode handoffs: export, hold, import (engine thread only)
 
     # ---- any thread ---------------------------------------------------------------
 
@@ -35,6 +37,9 @@ class EngineProtocol(Protocol):
     # ---- the engine thread ----------------------------------------------------------
 
     def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str: ...
+
+    def admit_handoff(self, prepared: PreparedRequest, handoff: KVHandoff | TransferFailed | None,
+                      request_id: str | None = None) -> tuple[str, RequestOutput | None]: ...
 
     def step(self) -> list[RequestOutput]: ...
 

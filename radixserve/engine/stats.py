@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.engine.kv_transfer import TransferStats
 from radixserve.kv_tier.tiering import TierStats
 
 
@@ -42,8 +43,8 @@ class EngineStats:
     blocks_evictable: int
     evicted_blocks: int
     cache_nodes: int
-    kv_cache_dtype: str  # the KV pool's element: the model's dtype (float32, bfloat16, ...) or int8
-    kv_bytes_per_token: float  # a cached token's bytes over all layers (codes and scales, for int8)
+    kv_cache_dtype: str  # the KV pool's element type: float32, bfloat16, int8 (codes with per-token scales)
+    kv_bytes_per_token: int  # bytes one cached token takes in the pool, all layers, scales included
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
@@ -54,6 +55,7 @@ class EngineStats:
     postprocess_s: float
     cache: CacheStats | None = None
     tier: TierStats | None = None
+    transfer: TransferStats | None = None  # an engine with a prefill or decode role (kv_transfer.py)
 
     @property
     def blocks_used(self) -> int:
@@ -64,7 +66,7 @@ class EngineStats:
         """The flat dictionary of `Engine.stats()`, keys in their documented order."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier"):
+            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer"):
                 continue
             out[f.name] = getattr(self, f.name)
         if self.cache is not None:
@@ -75,5 +77,7 @@ class EngineStats:
             out.update(sessions_open=c.sessions_open, pool_cached_bytes=c.pool_cached_bytes, pins=c.pins)
             if self.tier is not None:
                 out.update(dataclasses.asdict(self.tier))
+        if self.transfer is not None:
+            out.update(self.transfer.as_dict())
         out.update(schedule_s=self.schedule_s, model_s=self.model_s, postprocess_s=self.postprocess_s)
         return out

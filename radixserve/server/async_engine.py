@@ -66,6 +66,9 @@ class AsyncEngine:
         self._groups: dict[str, RequestGroup] = {}  # event loop only
         self._accepting = True
         self._group_ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+        # The decode role: an object whose `await prefill(self, prepared)` gives one KV handoff
+        # (or TransferFailed, or None: compute here) per member, and `release(handoffs)` acks them.
+        self.remote_prefill: Any = None
 
     # ---- lifecycle (event loop) -------------------------------------------------------
 
@@ -145,15 +148,21 @@ class AsyncEngine:
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         if timeout_s is not None:
             group.timer = self._loop.call_later(timeout_s, self._expire, group, timeout_s)
+        handoffs = None
         try:
             prepared = await self._prepare(group)
+            if prepared is not None and not group.done and self.remote_prefill is not None:
+                handoffs = await self.remote_prefill.prefill(self, prepared)
             if prepared is not None and not group.done:  # a timeout may have ended it meanwhile
-                self._admit(group, prepared)
+                self._admit(group, prepared, handoffs)
             await group.accepted()
         except BaseException:
             self._forget(group)
             group.abort()
             raise
+        finally:
+            if handoffs is not None:
+                self.remote_prefill.release(handoffs)
         return group
 
     def run_on_engine(self, fn: Callable[[EngineProtocol], T]) -> concurrent.futures.Future[T]:
@@ -186,8 +195,8 @@ class AsyncEngine:
             self._reject(group, exc)
             return None
 
-    def _admit(self, group: RequestGroup, prepared: list[PreparedRequest]) -> None:
-        future = self._engine_loop.submit(prepared, self._listener(group), group.request_ids)
+    def _admit(self, group: RequestGroup, prepared: list[PreparedRequest], handoffs: list[Any] | None = None) -> None:
+        future = self._engine_loop.submit(prepared, self._listener(group), group.request_ids, handoffs)
         future.add_done_callback(lambda done: self._to_loop(self._settle, group, done))
 
     def _listener(self, group: RequestGroup) -> Listener:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.engine.kv_transfer import TransferStats
 from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.kv_tier.tiering import TierStats
 from radixserve.server.request_group import MemberTiming
@@ -26,6 +27,10 @@ def _cache(read: Callable[[CacheStats], int]) -> Read:
 
 def _tier(read: Callable[[TierStats], int]) -> Read:
     return lambda s: read(s.tier) if s.tier is not None else None
+
+
+def _transfer(read: Callable[[TransferStats], "int | float"]) -> Read:
+    return lambda s: read(s.transfer) if s.transfer is not None else None
 
 
 # metric name -> (help, how to read it from EngineStats; None: not exported); counters are cumulative
@@ -50,6 +55,34 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
     "radixserve_spec_drafts": ("Speculative drafts verified (one per request and step)", lambda s: s.spec_drafts),
     "radixserve_spec_draft_tokens": ("Speculative tokens proposed", lambda s: s.spec_draft_tokens),
     "radixserve_spec_accepted_tokens": ("Speculative tokens accepted by verification", lambda s: s.spec_accepted_tokens),
+    # prefill/decode disaggregation (engine/kv_transfer.py): a prefill replica's exports ...
+    "radixserve_kv_sent_blocks": ("KV blocks exported to decode replicas", _transfer(lambda t: t.sent_blocks)),
+    "radixserve_kv_sent_tokens": ("Prompt tokens whose KV was exported to decode replicas",
+                                  _transfer(lambda t: t.sent_tokens)),
+    "radixserve_kv_sent_bytes": ("Bytes of KV exported to decode replicas", _transfer(lambda t: t.sent_bytes)),
+    "radixserve_kv_export_ms": ("Milliseconds spent copying exported KV out of the pool",
+                                _transfer(lambda t: t.export_ms)),
+    "radixserve_kv_holds_expired": ("Exports released by timeout (their ack never came)",
+                                    _transfer(lambda t: t.holds_expired)),
+    # ... and a decode replica's imports
+    "radixserve_kv_received_blocks": ("KV blocks received and inserted into the tree",
+                                      _transfer(lambda t: t.received_blocks)),
+    "radixserve_kv_received_tokens": ("Prompt tokens whose KV was received", _transfer(lambda t: t.received_tokens)),
+    "radixserve_kv_received_bytes": ("Bytes of KV received", _transfer(lambda t: t.received_bytes)),
+    "radixserve_kv_transfer_ms": ("Milliseconds waiting for KV bytes to arrive", _transfer(lambda t: t.fetch_ms)),
+    "radixserve_kv_import_ms": ("Milliseconds spent copying received KV into the pool",
+                                _transfer(lambda t: t.import_ms)),
+    "radixserve_kv_blocks_already_cached": ("Prompt blocks a decode replica held before asking",
+                                            _transfer(lambda t: t.skipped_blocks)),
+    "radixserve_kv_blocks_received_meanwhile": ("Received blocks the decode tree had gained meanwhile (not copied)",
+                                                _transfer(lambda t: t.blocks_already_held)),
+    "radixserve_kv_fallback_recomputes": ("Prompts computed on the decode replica because their KV did not arrive",
+                                          _transfer(lambda t: t.fallback_recomputes)),
+    "radixserve_kv_fallback_tokens": ("Prompt tokens of those fallbacks", _transfer(lambda t: t.fallback_tokens)),
+    "radixserve_kv_remote_prefills": ("Prompts sent to prefill replicas (retries included)",
+                                      _transfer(lambda t: t.remote_prefills)),
+    "radixserve_kv_prefill_retries": ("Prompts resent after their prefill replica died",
+                                      _transfer(lambda t: t.prefill_retries)),
 }
 _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_requests_running": ("Requests running in the engine", lambda s: s.running),
@@ -59,8 +92,9 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_kv_blocks_cached": ("KV blocks held by the prefix cache", lambda s: s.blocks_cached),
     "radixserve_kv_blocks_evictable": ("Cached KV blocks no request uses", lambda s: s.blocks_evictable),
     "radixserve_cache_nodes": ("Nodes of the radix prefix cache", lambda s: s.cache_nodes),
-    "radixserve_kv_bytes_per_token": ("Bytes one cached token takes in the KV pool, all layers (codes and scales "
-                                      "for int8)", lambda s: s.kv_bytes_per_token),
+    "radixserve_kv_bytes_per_token": (
+        "Bytes one cached token takes in the KV pool, all layers (codes and scales for int8)",
+        lambda s: s.kv_bytes_per_token),
     "radixserve_kv_tier_blocks_total": ("Block slots of the second KV tier", _tier(lambda t: t.tier_blocks_total)),
     "radixserve_kv_tier_blocks_used": ("Second-tier slots holding cached blocks", _tier(lambda t: t.tier_blocks_used)),
     "radixserve_sessions_open": ("Agent sessions holding their latest context in the cache",
@@ -71,6 +105,8 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_spec_acceptance_rate": ("Accepted / proposed speculative tokens so far",
                                         lambda s: s.spec_acceptance_rate),
     "radixserve_kv_blocks_used": ("KV blocks in use (requests or cache)", lambda s: s.blocks_used),
+    "radixserve_kv_export_holds": ("Exports holding their blocks until the decode side acks",
+                                   _transfer(lambda t: t.holds)),
 }
 
 
@@ -131,11 +167,10 @@ class _EngineCollector(Collector):
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
         yield from _tier_families(stats)
-        if stats.kv_cache_dtype:
-            family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
-                                       labels=["dtype"])
-            family.add_metric([stats.kv_cache_dtype], 1)
-            yield family
+        family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
+                                   labels=["dtype"])
+        family.add_metric([stats.kv_cache_dtype], 1)
+        yield family
         for name, value in self.server_gauges().items():
             yield GaugeMetricFamily(name, "server-side request gauge", value=value)
 

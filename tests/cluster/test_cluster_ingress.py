@@ -270,3 +270,25 @@ def test_an_anthropic_x_api_key_routes_in_its_keys_namespace_like_a_bearer_key()
     assert _credential(request([(b"x-api-key", b"key-b")])) == "Bearer key-b"
     assert _credential(request([(b"authorization", b"Bearer key-b")])) == "Bearer key-b"
     assert _credential(request([])) is None
+
+
+def test_disaggregated_broadcasts_reach_both_roles_and_forwarding_only_decode():
+    decode, prefill = _Handle({"d": _replica_app("d")}), _Handle({"p": _replica_app("p")})
+    ingress = ClusterIngress(decode, IngressOptions("test-app", replicas=2), prefill)
+
+    async def asgi(scope, receive, send):
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def go(method: str, path: str, **kwargs) -> httpx.Response:
+        transport = httpx.ASGITransport(app=asgi)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cluster") as client:
+            return await client.request(method, path, **kwargs)
+
+    health = asyncio.run(go("GET", "/health")).json()
+    assert health["status"] == "ok" and health["replicas_expected"] == 2
+    assert {r["replica"] for r in health["replicas"]} == {"d", "p"}
+    assert asyncio.run(go("POST", "/v1/completions", json={"prompt": "hi"})).json()["replica"] == "d"
+    assert set(asyncio.run(go("POST", "/abort_request", json={"rid": "x"})).json()["replicas"]) == {"d", "p"}
+    metrics = asyncio.run(go("GET", "/metrics", headers={"authorization": "Bearer k"})).text
+    assert 'replica="p"' in metrics and 'replica="d"' in metrics

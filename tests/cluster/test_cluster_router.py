@@ -420,3 +420,43 @@ def test_common_prefix_length_at_every_split_point():
         assert common_prefix_length(base, other) == (i if i < len(base) else len(base))
         assert common_prefix_length(base, base[:i]) == i
         assert common_prefix_length(tuple(base), tuple(other)) == min(i, len(base))
+
+
+def test_disaggregation_flags_make_roles_and_refuse_half_a_pair(capsys):
+    import argparse
+
+    from radixserve.__main__ import main
+    from radixserve.cluster.launch import add_cluster_args, cluster_options, cluster_requested
+    from radixserve.server.launch import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    add_cluster_args(parser)
+    args = parser.parse_args(["--prefill-replicas", "2", "--decode-replicas", "3", "--transfer-timeout", "5",
+                              "--local-prefill-tokens", "0", "--prefill-resource", "gpu_a"])
+    options = cluster_options(args)
+    assert cluster_requested(args) and options.disaggregated and options.total_replicas == 5
+    assert (options.prefill_replicas, options.decode_replicas, options.prefill_resource) == (2, 3, "gpu_a")
+    assert (options.pd.transfer_timeout_s, options.pd.local_prefill_tokens) == (5.0, 0)
+    assert not cluster_options(parser.parse_args(["--replicas", "2"])).disaggregated
+    assert main(["serve", "--prefill-replicas", "1"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--prefill-replicas", "1", "--decode-replicas", "1"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--transfer-timeout", "3"]) == 2
+    assert "configure disaggregation" in capsys.readouterr().err
+
+
+def test_prefill_jobs_carry_a_token_key_and_acks_name_their_replica():
+    from radixserve.cluster.pd_jobs import PrefillJob, ReleaseJob
+    from radixserve.cluster.routers import _forwarded
+    from radixserve.sampling_params import SamplingParams
+
+    job = PrefillJob.of([5, 6, 7], SamplingParams(), "tenant", 0)
+    assert job.routing.key == ("ns:tenant", 5, 6, 7)
+    assert PrefillJob.of([5, 6], SamplingParams(), None, 1).routing.key == (5, 6)
+
+    class Pending:
+        args = [ReleaseJob("replica-b", "h-1")]
+
+    assert _forwarded(Pending()).target_replica == "replica-b"

@@ -302,7 +302,8 @@ _STATS_KEYS = [
     "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "computed_tokens", "preemptions",
     "deferred_for_sharing", "steps", "running", "waiting", "blocks_total", "blocks_free", "blocks_cached",
     "blocks_evictable", "evicted_blocks", "cache_nodes", "kv_cache_dtype", "kv_bytes_per_token", "spec_drafts",
-    "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_pauses",
+    "spec_draft_tokens",
+    "spec_accepted_tokens", "spec_acceptance_rate", "spec_pauses",
 ]
 _CACHE_KEYS = ["restored_prompt_tokens", "tier_hits", "restored_blocks"]
 _SESSION_KEYS = ["sessions_open", "pool_cached_bytes", "pins"]

@@ -15,7 +15,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import FIRST_LENGTH, MIN_TRIES, PAUSE_STEPS, PromptLookupDrafter, lookup
 from radixserve.core.request import Request
-from test_scheduler import add, chunks, make_scheduler
+from scheduler_helpers import add, chunks, make_scheduler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -330,8 +330,9 @@ def test_metrics_export_the_acceptance_counters():
     from radixserve.engine.stats import EngineStats
     from radixserve.server.metrics import ServerMetrics
 
-    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("cache", "tier")}
-    stats = EngineStats(**{**zeros, "spec_drafts": 3, "spec_draft_tokens": 12, "spec_accepted_tokens": 9,
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("cache", "tier", "transfer")}
+    stats = EngineStats(**{**zeros, "kv_cache_dtype": "float32", "spec_drafts": 3, "spec_draft_tokens": 12,
+                           "spec_accepted_tokens": 9,
                            "spec_acceptance_rate": 0.75})
     text = ServerMetrics(lambda: stats, lambda: {}).render().decode()
     assert "radixserve_spec_drafts_total 3.0" in text

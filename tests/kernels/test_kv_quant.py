@@ -6,6 +6,7 @@ with odd lengths, partial blocks, shared prefixes and GQA."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 
 import pytest
@@ -17,6 +18,10 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.kernels.int8_pages import Int8Pages, check_kv_cache_dtype, dequantize, quantize
 from radixserve.kernels.native_attention import load_native_attention
+from radixserve.kernels.triton import configure_triton  # imports no triton
+
+TEST_DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
+configure_triton(TEST_DEVICE)  # at collection, before anything imports triton (as tests/kernels/test_kernels.py)
 
 native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
@@ -28,7 +33,8 @@ def _triton_backend():
     return TritonAttentionBackend
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None or TEST_DEVICE != "cpu",
+                                  reason="triton is not installed, or its kernels are compiled for another device here")
 BACKENDS = [lambda: TorchAttentionBackend, pytest.param(lambda: CpuAttentionBackend, marks=needs_native),
             pytest.param(_triton_backend, marks=needs_triton)]
 TOL = dict(atol=3e-5, rtol=3e-5)

@@ -37,6 +37,10 @@ NEEDS = {
     "--router": ["--replicas", "2"],
     "--balance-threshold": ["--replicas", "2"],
     "--replica-cpus": ["--replicas", "2"],
+    "--transfer-timeout": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--local-prefill-tokens": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--prefill-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--decode-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
 }
 VALUES = {"--device": "cpu", "--speculative": "prompt-lookup"}
 REFUSED_ALONE = {
@@ -49,6 +53,10 @@ REFUSED_ALONE = {
     "--router": "--replicas",
     "--balance-threshold": "--replicas",
     "--replica-cpus": "--replicas",
+    "--transfer-timeout": "--replicas",
+    "--local-prefill-tokens": "--replicas",
+    "--prefill-resource": "--replicas",
+    "--decode-resource": "--replicas",
 }
 
 
@@ -93,7 +101,9 @@ def _settle(argv: list[str]) -> dict:
     refuse_cluster_flags_alone(args)
     return {"engine": dataclasses.asdict(EngineConfig(**engine_kwargs(args))), "server": options.reported(),
             "cluster": {name: getattr(args, name) for name in ("replicas", "router", "balance_threshold",
-                                                                "replica_cpus")}}
+                                                                "replica_cpus", "prefill_replicas", "decode_replicas",
+                                                                "transfer_timeout", "local_prefill_tokens",
+                                                                "prefill_resource", "decode_resource")}}
 
 
 def test_every_flag_changes_a_reported_setting_or_is_refused(tmp_path, monkeypatch):
@@ -124,7 +134,7 @@ def test_every_flag_changes_a_reported_setting_or_is_refused(tmp_path, monkeypat
     (["--no-enable-prefix-cache", "--session-ttl-s", "5"], "need the prefix cache"),
     (["--no-enable-prefix-cache", "--schedule-policy", "dfs-weight"], "needs the prefix cache"),
     (["--schedule-policy", "fcfs", "--policy-fcfs-threshold", "9"], "cache-aware policies"),
-    (["--model", "/m", "--model-cache-dir", "/c"], "does nothing with model set"),
+    (["--model", "/m", "--model-cache-dir", "/c"], "does nothing with a model directory"),
 ])
 def test_options_that_would_do_nothing_together_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):

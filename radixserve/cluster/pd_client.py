@@ -1,0 +1,94 @@
+"""PrefillClient: the decode role's side of disaggregation, installed as the AsyncEngine's
+`remote_prefill` on a decode replica.
+
+For each request it first asks its own engine how many leading blocks of the prompt its tree
+holds; a prompt with few tokens beyond them is computed here (a round trip would cost more).
+Otherwise a prefill replica (prefix affinity, through the handle) computes it and answers with
+a KVHandoff whose bytes wait in Ray's object store; the client fetches them and the engine
+inserts them (Engine.admit_handoff), then the prefill replica is told to release its hold.
+A prefill replica that dies before answering: the job goes to another (nothing has streamed).
+No answer within transfer_timeout_s, or every attempt failed: TransferFailed, and the decode
+engine computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from radixserve.cluster.options import PDOptions
+from radixserve.cluster.pd_jobs import PrefillJob, ReleaseJob
+from radixserve.engine.inputs import PreparedRequest
+from radixserve.engine.kv_transfer import KVHandoff, TransferFailed
+
+log = logging.getLogger("radixserve.cluster")
+
+
+class PrefillClient:
+    def __init__(self, handle: Any, options: PDOptions, replica_gone: tuple[type[BaseException], ...] = ()):
+        self.handle = handle  # the prefill deployment's handle (or a stand-in with the same calls)
+        self.options = options
+        self.replica_gone = replica_gone  # exceptions meaning "that prefill replica died": retry
+        self._pending: set[asyncio.Future] = set()
+
+    async def prefill(self, engine: Any, prepared: list[PreparedRequest]) -> list[KVHandoff | TransferFailed | None]:
+        return list(await asyncio.gather(*(self._one(engine, p) for p in prepared)))
+
+    def release(self, handoffs: list[Any]) -> None:
+        """Ack every handoff that left blocks held on its prefill replica (fire and forget)."""
+        for h in handoffs:
+            if isinstance(h, KVHandoff) and h.num_blocks and h.source is not None:
+                task = asyncio.ensure_future(self._release(ReleaseJob(h.source, h.handoff_id)))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    async def _one(self, engine: Any, p: PreparedRequest) -> KVHandoff | TransferFailed | None:
+        if p.params.prompt_logprobs is not None or p.params.prefill_only:
+            return None  # prompt logprobs are computed where they are returned
+        have = await engine.call(lambda e: e.kv_transfer.cached_blocks(p.token_ids, p.cache_salt))
+        block_size = engine.engine.config.block_size
+        if len(p.token_ids) - have * block_size <= self.options.local_prefill_tokens:
+            return None
+        job = PrefillJob.of(p.token_ids, p.params, p.cache_salt, have)
+        try:
+            return await asyncio.wait_for(self._transfer(engine, job), self.options.transfer_timeout_s)
+        except asyncio.TimeoutError:
+            return TransferFailed("timeout")
+        except Exception as exc:  # every attempt failed, or the payload could not be fetched
+            log.warning("remote prefill failed, computing here: %s: %s", type(exc).__name__, exc)
+            return TransferFailed(f"{type(exc).__name__}: {exc}")
+
+    async def _transfer(self, engine: Any, job: PrefillJob) -> KVHandoff:
+        handoff = await self._call_prefill(engine, job)
+        t0 = time.perf_counter()
+        if not isinstance(handoff.data, np.ndarray):
+            handoff.data = await handoff.data  # a Ray ObjectRef: the bytes come to this node
+        stats = engine.engine.kv_transfer.stats
+        stats.fetch_ms += (time.perf_counter() - t0) * 1000.0
+        return handoff
+
+    async def _call_prefill(self, engine: Any, job: PrefillJob) -> KVHandoff:
+        stats = engine.engine.kv_transfer.stats
+        for attempt in range(self.options.max_attempts):
+            stats.remote_prefills += 1
+            try:
+                return await self.handle.prefill.remote(job)
+            except self.replica_gone as exc:
+                stats.prefill_retries += 1
+                if attempt + 1 == self.options.max_attempts:
+                    raise
+                log.warning("prefill replica failed (%s); retrying on another", type(exc).__name__)
+                await asyncio.sleep(0.05 * (attempt + 1))  # let the router hear of the death
+        raise AssertionError("unreachable")
+
+    async def _release(self, job: ReleaseJob) -> None:
+        try:
+            await self.handle.release.remote(job)
+        except Exception:  # the prefill replica's hold times out on its own
+            log.debug("release of %s failed", job.handoff_id, exc_info=True)

@@ -1,0 +1,44 @@
+"""The prefill role's work on one replica: compute a prompt through the replica's own engine
+(its radix cache included), sample the first token, export the blocks the decode side lacks.
+No Ray here: PrefillReplica (pd_replica.py) puts the bytes in Ray's object store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from radixserve.cluster.pd_jobs import PrefillJob
+from radixserve.engine.kv_transfer import KVHandoff
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.request_group import GenerationInput
+
+
+async def run_prefill(engine: AsyncEngine, job: PrefillJob, source: str | None = None) -> KVHandoff:
+    """The job's handoff; raises APIError if the engine refuses or fails the request."""
+    params = first_token_params(job.params)
+    group = await engine.submit([GenerationInput(list(job.token_ids), params, job.cache_salt)])
+    [out] = await group.results()
+    if not out.token_ids:
+        raise RuntimeError(f"the prefill ended without a token ({out.finish_reason})")
+    first_logprob = out.logprobs[0] if out.logprobs else None
+
+    def export(e):
+        return e.kv_transfer.export(job.token_ids, job.cache_salt, job.skip_blocks, out.token_ids[0], first_logprob)
+
+    handoff = await engine.call(export)
+    handoff.source = source
+    return handoff
+
+
+async def release(engine: AsyncEngine, handoff_id: str) -> bool:
+    return await engine.call(lambda e: e.kv_transfer.release(handoff_id))
+
+
+async def expire(engine: AsyncEngine) -> int:
+    return await engine.call(lambda e: e.kv_transfer.expire())
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """The request's params for its first token only (stop checks and the constraint hold; the
+    decode side makes the same checks again as it appends the token)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), speculative=False)

@@ -1,0 +1,254 @@
+"""KV handoff between a prefill engine and a decode engine (engine/kv_transfer.py), without Ray:
+greedy output equal to one engine doing it all, only the blocks the decode tree lacks move
+(exact counts), exports held until released or timed out, a handoff that never arrives
+computed on the decode side, integrity on both engines after every scenario."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.engine.kv_transfer import KVHandoff, TransferFailed
+
+BS = 4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def engine_of(directory, **options) -> Engine:
+    defaults = dict(block_size=BS, num_kv_blocks=256, chunked_prefill_size=8, max_num_batched_tokens=32)
+    return Engine(str(directory), **{**defaults, **options})
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 97) for _ in range(n)]
+
+
+def run(engine: Engine, request_id: str) -> list[int]:
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == request_id and o.finished:
+                out = o
+    assert out is not None
+    return out.token_ids
+
+
+def prefill(engine: Engine, prompt: list[int], skip_blocks: int, salt: str | None = None, **params) -> KVHandoff:
+    """The prefill role: compute the prompt, sample its first token, export what the decode side lacks."""
+    sp = SamplingParams(**{**GREEDY, **params, "max_tokens": 1})
+    rid = engine.add_request(prompt, sp, cache_salt=salt)
+    [first] = run(engine, rid)
+    return engine.kv_transfer.export(prompt, salt, skip_blocks, first)
+
+
+def decode(engine: Engine, prompt: list[int], handoff, salt: str | None = None, max_tokens: int = 10,
+           wire: bool = True) -> tuple[list[int], list[int]]:
+    """The decode role: (all output tokens, the first output's tokens)."""
+    if wire and isinstance(handoff, KVHandoff):
+        handoff = pickle.loads(pickle.dumps(handoff))  # what a transport carries
+    prepared = engine.prepare(prompt, SamplingParams(**GREEDY, max_tokens=max_tokens), salt)
+    rid, first = engine.admit_handoff(prepared, handoff)
+    first_tokens = first.token_ids if first is not None else []
+    if first is not None and first.finished:
+        return first.token_ids, first_tokens
+    return run(engine, rid), first_tokens
+
+
+def handoff_round(p: Engine, d: Engine, prompt: list[int], salt: str | None = None, max_tokens: int = 10):
+    have = d.kv_transfer.cached_blocks(prompt, salt)
+    handoff = prefill(p, prompt, have, salt)
+    out, _ = decode(d, prompt, handoff, salt, max_tokens)
+    assert p.kv_transfer.release(handoff.handoff_id) == (handoff.num_blocks > 0)  # nothing sent: nothing held
+    assert p.kv_transfer.num_holds == 0
+    return out, handoff, have
+
+
+def check(*engines: Engine) -> None:
+    for engine in engines:
+        engine.check_integrity()
+        assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_greedy_output_equals_one_engine(model):
+    single = engine_of(model)
+    p, d = engine_of(model), engine_of(model)
+    for n, seed in [(1, 1), (3, 2), (4, 3), (13, 4), (16, 5), (41, 6)]:
+        prompt = tokens(n, seed)
+        want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=10))[0].token_ids
+        got, handoff, have = handoff_round(p, d, prompt)
+        assert got == want, (n, got, want)
+        assert handoff.num_blocks == n // BS - have
+        check(single, p, d)
+
+
+def test_only_the_missing_blocks_move(model):
+    p, d = engine_of(model), engine_of(model)
+    system = tokens(24, 10)  # 6 blocks
+    first = system + tokens(6, 11)  # 30 tokens: 7 full blocks
+    _, h1, have = handoff_round(p, d, first)
+    assert (have, h1.start_block, h1.num_blocks) == (0, 0, 7)
+    assert d.stats()["kv_received_blocks"] == 7
+    check(p, d)
+
+    second = system + tokens(10, 12)  # shares the 6 system blocks, then 2 more full blocks
+    _, h2, have = handoff_round(p, d, second)
+    assert (have, h2.start_block, h2.num_blocks) == (6, 6, 2)
+    check(p, d)
+
+    _, h3, have = handoff_round(p, d, second)  # an exact repeat: nothing moves
+    assert (have, h3.num_blocks, h3.nbytes) == (8, 0, 0)
+    stats = d.stats()
+    assert stats["kv_received_blocks"] == 9 and stats["kv_received_tokens"] == 9 * BS
+    assert stats["kv_skipped_blocks"] == 6 + 8 and stats["kv_fallback_recomputes"] == 0
+    assert p.stats()["kv_sent_blocks"] == 9
+    assert p.stats()["kv_sent_bytes"] == d.stats()["kv_received_bytes"] == 9 * h1.nbytes // 7
+    check(p, d)
+
+    # The decode tree serves the next turn from the received blocks.
+    turn = second + tokens(3, 13)
+    out = d.generate([turn], SamplingParams(**GREEDY, max_tokens=4))[0]
+    assert out.cached_tokens == 8 * BS
+    check(p, d)
+
+
+def test_blocks_the_decode_tree_gained_meanwhile_are_not_copied(model):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(20, 20)
+    handoff = prefill(p, prompt, skip_blocks=0)
+    d.generate([prompt[:12]], SamplingParams(**GREEDY, max_tokens=1))  # 3 blocks appear meanwhile
+    want = engine_of(model).generate([prompt], SamplingParams(**GREEDY, max_tokens=10))[0].token_ids
+    got, _ = decode(d, prompt, handoff)
+    assert got == want
+    stats = d.stats()
+    assert (stats["kv_received_blocks"], stats["kv_blocks_already_held"]) == (2, 3)
+    p.kv_transfer.release(handoff.handoff_id)
+    check(p, d)
+
+
+def test_export_holds_its_blocks_until_release_or_timeout(model):
+    p = engine_of(model, num_kv_blocks=16)
+    prompt = tokens(24, 30)  # 6 blocks
+    handoff = prefill(p, prompt, skip_blocks=0)
+    assert p.stats()["kv_export_holds"] == 1
+    p.check_integrity()
+    assert p.flush_cache() == 0  # held: nothing of it can be dropped
+    # Other prompts fill the pool: the held blocks stay.
+    p.generate([tokens(30, 31)], SamplingParams(**GREEDY, max_tokens=2))
+    assert p.kv_transfer.cached_blocks(prompt, None) == 6
+    assert p.kv_transfer.expire(now=handoff_deadline(p, handoff) + 1) == 1
+    assert p.stats()["kv_holds_expired"] == 1 and p.stats()["kv_export_holds"] == 0
+    assert not p.kv_transfer.release(handoff.handoff_id)  # a late ack changes nothing
+    check(p)
+    assert p.flush_cache() > 0
+    assert p.pool.num_free == p.pool.num_blocks
+
+
+def handoff_deadline(engine: Engine, handoff: KVHandoff) -> float:
+    return engine.kv.external_holds[handoff.handoff_id].deadline
+
+
+def test_a_handoff_that_never_arrives_is_computed_on_the_decode_side(model):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(18, 40)
+    want = engine_of(model).generate([prompt], SamplingParams(**GREEDY, max_tokens=10))[0].token_ids
+    handoff = prefill(p, prompt, skip_blocks=0)  # exported, but the decode side never gets it
+    got, first = decode(d, prompt, TransferFailed("timeout"))
+    assert got == want and first == []
+    stats = d.stats()
+    assert (stats["kv_fallback_recomputes"], stats["kv_fallback_tokens"], stats["kv_received_blocks"]) == (1, 18, 0)
+    assert stats["computed_tokens"] >= 18
+    p.kv_transfer.expire(now=handoff_deadline(p, handoff))
+    check(p, d)
+
+
+@pytest.mark.parametrize("spoil", ["hashes", "layout", "data", "short_data", "prompt"])
+def test_an_unusable_handoff_falls_back(model, spoil):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(16, 50)
+    want = engine_of(model).generate([prompt], SamplingParams(**GREEDY, max_tokens=6))[0].token_ids
+    handoff = prefill(p, prompt, skip_blocks=0)
+    if spoil == "hashes":
+        handoff.block_hashes = [h ^ 1 for h in handoff.block_hashes]
+    elif spoil == "layout":
+        handoff.dtype = "torch.int8"
+    elif spoil == "data":
+        handoff.data = None
+    elif spoil == "short_data":
+        handoff.data = handoff.data[:, :-4]
+    else:
+        handoff.token_ids = handoff.token_ids[:-1] + [handoff.token_ids[-1] % 90 + 4]
+    got, _ = decode(d, prompt, handoff, max_tokens=6)
+    assert got == want
+    assert d.stats()["kv_fallback_recomputes"] == 1 and d.stats()["kv_received_blocks"] == 0
+    p.kv_transfer.release(handoff.handoff_id)
+    check(p, d)
+
+
+def test_namespaces_and_a_first_token_that_stops(model):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(12, 60)
+    _, h, _ = handoff_round(p, d, prompt, salt="tenant-a")
+    assert h.num_blocks == 3
+    assert d.kv_transfer.cached_blocks(prompt, "tenant-b") == 0 and d.kv_transfer.cached_blocks(prompt, "tenant-a") == 3
+    out, first = decode(d, prompt, prefill(p, prompt, 3, "tenant-a"), "tenant-a", max_tokens=1)
+    assert len(out) == 1 and first == out  # max_tokens=1: the first token finishes the request
+    p.kv_transfer.expire(now=float("inf"))
+    check(p, d)
+
+
+def test_bfloat16_pool_moves_as_bytes(model):
+    p, d = engine_of(model, dtype="bfloat16"), engine_of(model, dtype="bfloat16")
+    single = engine_of(model, dtype="bfloat16")
+    prompt = tokens(22, 70)
+    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    got, h, _ = handoff_round(p, d, prompt, max_tokens=8)
+    assert got == want and h.dtype == "torch.bfloat16" and h.data.dtype.name == "uint8"
+    check(p, d)
+
+
+@pytest.mark.real_model
+def test_real_model_handoff_equals_one_engine(real_model_dir):
+    p, d = Engine(str(real_model_dir), num_threads=1), Engine(str(real_model_dir), num_threads=1)
+    single = Engine(str(real_model_dir), num_threads=1)
+    system = "You are a careful assistant. Answer in one short sentence. " * 4
+    for question in ["What is the capital of France?", "Name a prime number above ten."]:
+        prompt = single.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}])
+        want = single.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].token_ids
+        have = d.kv_transfer.cached_blocks(prompt, None)
+        handoff = prefill(p, prompt, have, temperature=0.0, ignore_eos=False)
+        prepared = d.prepare(prompt, SamplingParams(temperature=0.0, max_tokens=12))
+        rid, first = d.admit_handoff(prepared, pickle.loads(pickle.dumps(handoff)))
+        got = first.token_ids if first.finished else run(d, rid)
+        assert got == want
+        assert handoff.num_blocks == len(prompt) // 16 - have
+        p.kv_transfer.release(handoff.handoff_id)
+        check(p, d, single)
+    assert d.stats()["kv_skipped_blocks"] > 0  # the second question reused the system prompt's blocks
+
+
+def test_int8_pages_move_as_bytes_with_their_scales(model):
+    """An int8 pool's blocks (codes and per-token scales in one page) move as one unit."""
+    p, d = engine_of(model, kv_cache_dtype="int8"), engine_of(model, kv_cache_dtype="int8")
+    single = engine_of(model, kv_cache_dtype="int8")
+    prompt = tokens(22, 71)
+    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    got, h, _ = handoff_round(p, d, prompt, max_tokens=8)
+    assert got == want and h.num_blocks == 22 // BS and h.data.dtype.name == "uint8"
+    assert d.stats()["kv_cache_dtype"] == "int8"
+    float_side, float_single = engine_of(model), engine_of(model)
+    handoff = prefill(p, prompt, 0)
+    computed, _ = decode(float_side, prompt, handoff, max_tokens=8)  # another page layout: computed, not copied
+    assert p.kv_transfer.release(handoff.handoff_id)
+    assert computed == float_single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    stats = float_side.stats()
+    assert stats["kv_fallback_recomputes"] == 1 and stats["kv_received_blocks"] == 0
+    check(p, d, float_side)
