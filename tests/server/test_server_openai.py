@@ -299,6 +299,7 @@ def test_metrics_parse_and_move(served):
                 values[key] = sample.value
         return values
 
+    served.client().completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1, temperature=0)  # cached now
     before = scrape()
     served.client().completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
     after = scrape()
