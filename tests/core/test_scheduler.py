@@ -2,47 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
-from radixserve.core.block_pool import BlockPool
-from radixserve.config import EngineConfig
-from radixserve.core.radix_cache import RadixCache
-from radixserve.core.request import Request, RequestStatus
-from radixserve.sampling_params import SamplingParams
-from radixserve.core.scheduler import Scheduler
-
-_ids = itertools.count()
-
-
-def make_scheduler(num_blocks=32, cache=True, **options):
-    config = EngineConfig(**{"block_size": 4, **options})
-    pool = BlockPool(num_blocks)
-    radix = RadixCache(pool, config.block_size) if cache else None
-    return Scheduler(config, pool, radix)
-
-
-def add(s, tokens, max_tokens=4):
-    r = Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens), len(tokens) + max_tokens)
-    s.add(r)
-    return r
-
-
-def step(s, token=7):
-    """One scheduler round trip: the 'model' samples `token` for every sampling chunk."""
-    plan = s.schedule()
-    s.commit(plan)
-    for c in plan.chunks:
-        if c.samples:
-            c.request.token_ids.append(token)
-            if c.request.num_tokens >= c.request.max_total_tokens:
-                s.finish(c.request, "length")
-    s.check_integrity()
-    return plan
-
-
-def chunks(plan):
-    return [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks]
-
+from radixserve.core.request import RequestStatus
+from scheduler_helpers import add, chunks, make_scheduler, step
 
 def test_chunked_prefill_under_the_token_budget_with_exact_blocks():
     s = make_scheduler(max_num_batched_tokens=10, chunked_prefill_size=7, cache=False)

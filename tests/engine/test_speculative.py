@@ -15,7 +15,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import FIRST_LENGTH, MIN_TRIES, PAUSE_STEPS, PromptLookupDrafter, lookup
 from radixserve.core.request import Request
-from test_scheduler import add, chunks, make_scheduler
+from scheduler_helpers import add, chunks, make_scheduler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

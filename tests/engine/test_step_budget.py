@@ -12,7 +12,7 @@ import pytest
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.core.step_cost import MIN_PREFILL_TOKENS, StepCostModel
-from test_scheduler import add, chunks, make_scheduler, step
+from scheduler_helpers import add, chunks, make_scheduler, step
 
 
 def budget_step(s, budget, token=7):
