@@ -1,5 +1,4 @@
-"""Scheduler helpers shared by the scheduler, speculation and step-budget tests: a tiny
-scheduler over plain requests (no model) and one round trip of a step."""
+"""Plain-request helpers for scheduler tests (no model): a small scheduler, requests, one step."""
 
 from __future__ import annotations
 

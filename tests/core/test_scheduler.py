@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from radixserve.core.request import RequestStatus
-
 from scheduler_helpers import add, chunks, make_scheduler, step
-
 
 def test_chunked_prefill_under_the_token_budget_with_exact_blocks():
     s = make_scheduler(max_num_batched_tokens=10, chunked_prefill_size=7, cache=False)
