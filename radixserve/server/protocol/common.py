@@ -7,9 +7,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, WrapValidator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ValidationError
 
+from radixserve.server.body_models import NativeModel, OpenAIModel, expects  # noqa: F401 - their home for callers
 from radixserve.server.errors import APIError, bad_request
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -19,42 +19,6 @@ MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit; sample i of n uses seed + i
 # An integer field. JSON has one number type: read_json reads 3.0 as the integer 3 (as JSON
 # Schema counts it), so the strict int check refuses only numbers that are not integers.
 Integer = int
-
-
-class OpenAIModel(BaseModel):
-    """Base of the OpenAI request bodies. Types are strict (no "3" for 3, no 1 for true),
-    a JSON null counts as absent (the default applies), and fields this server does not
-    know are ignored, as OpenAI-compatible servers do for the API's newer fields."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", populate_by_name=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class NativeModel(BaseModel):
-    """Base of the native (/generate) bodies: strict types, and an unknown field is a 400
-    (a misspelt sampling option must not be silently dropped). null is a value here:
-    it means None where the field allows it (`max_tokens: null` generates to the context)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
-
-
-def expects(description: str) -> WrapValidator:
-    """For a union type: one error saying what the field takes ("'prompt' must be <description>")
-    instead of one error per member of the union."""
-
-    def validate(value: Any, handler: Any) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("wrong_type", "must be {expected}", {"expected": description}) from None
-
-    return WrapValidator(validate)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import OpenAIModel, expects
+from radixserve.server.body_models import OpenAIModel, expects
 
 MAX_TOOLS = 128  # OpenAI's own bound on functions per request
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
