@@ -34,3 +34,14 @@ def client(server):
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     stats = httpx.post(server.url + "/debug/check_integrity", timeout=60).json()["stats"]
     assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+@pytest.fixture(scope="module")
+def engine(real_engine):
+    """The shared real engine, flushed before and after a module, checked idle and intact after."""
+    real_engine.flush_cache()
+    yield real_engine
+    real_engine.check_integrity()
+    assert not real_engine.has_unfinished_requests()
+    real_engine.flush_cache()
+

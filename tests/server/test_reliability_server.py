@@ -25,15 +25,6 @@ SHARED_PROMPT = (
 )
 
 
-@pytest.fixture(scope="module")
-def engine(real_engine):
-    real_engine.flush_cache()
-    yield real_engine
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
-
-
 def _check_integrity(server: BackgroundServer, headers: dict | None = None) -> dict:
     check = httpx.post(server.url + "/debug/check_integrity", headers=headers, timeout=60).json()
     assert check["ok"] and check["stats"]["running"] == 0 and check["stats"]["waiting"] == 0

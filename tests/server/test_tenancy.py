@@ -14,6 +14,7 @@ import pytest
 
 from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
+from test_reliability_server import SHARED_PROMPT as PROMPT
 
 pytestmark = pytest.mark.real_model
 
@@ -25,19 +26,6 @@ KEYS = ServerOptions(api_keys=("key-a", "key-b"), admin_api_keys=("key-admin",),
 SHARED = ServerOptions(api_keys=("key-a", "key-b"), admin_api_keys=("key-admin",), shared_cache_across_keys=True,
                        enable_debug_endpoints=True)
 SECRET = "The vault code of the Lindqvist family is 4417-alpha, and the spare key hides under the blue pot."
-PROMPT = (
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "clockmaker who repaired every clock in the valley. One winter morning a stranger arrived and said"
-)
-
-
-@pytest.fixture(scope="module")
-def engine(real_engine):
-    real_engine.flush_cache()
-    yield real_engine
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
 
 
 def _post(server: BackgroundServer, path: str, body: dict, headers: dict) -> httpx.Response:
