@@ -1,7 +1,7 @@
 """ResponseStore: finished Responses API conversations kept in memory for `previous_response_id`.
 
-Bounded three ways: at most `max_entries` responses (the least recently stored goes
-first), each kept `ttl_s` seconds, and a conversation longer than `max_chars` is not kept
+Bounded three ways: at most `max_entries` responses per owner (its least recently
+stored goes first), each kept `ttl_s` seconds, and a conversation longer than `max_chars` is not kept
 (its response says so: `store: false`). Nothing survives a restart.
 
 A response belongs to the tenant (API key) that made it: it is stored under (owner, id),
@@ -31,22 +31,26 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self.max_chars = max_chars
         self._clock = clock
-        self._entries: OrderedDict[tuple[str | None, str], tuple[float, tuple[HistoryMessage, ...]]] = OrderedDict()
+        # One queue per owner, oldest first: `max_entries` bounds each owner (the keys are the
+        # operator's, so the total stays bounded), and no key's responses push out another's.
+        self._entries: dict[str | None, OrderedDict[str, tuple[float, tuple[HistoryMessage, ...]]]] = {}
 
     def put(self, response_id: str, history: list[HistoryMessage], owner: str | None = None) -> bool:
         """Keep the conversation up to and including this response; False if it is too long."""
         if _chars(history) > self.max_chars:
             return False
         self._expire()
-        self._entries[(owner, response_id)] = (self._clock() + self.ttl_s, tuple(history))
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        entries = self._entries.setdefault(owner, OrderedDict())
+        entries[response_id] = (self._clock() + self.ttl_s, tuple(history))
+        entries.move_to_end(response_id)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
         return True
 
     def get(self, response_id: str, owner: str | None = None) -> list[HistoryMessage] | None:
         """`owner`'s stored conversation, or None when unknown, expired or another's."""
         self._expire()
-        entry = self._entries.get((owner, response_id))
+        entry = self._entries.get(owner, {}).get(response_id)
         return list(entry[1]) if entry is not None else None
 
     def for_owner(self, owner: str | None) -> "OwnedResponses":
@@ -54,15 +58,16 @@ class ResponseStore:
 
     def __len__(self) -> int:
         self._expire()
-        return len(self._entries)
+        return sum(len(entries) for entries in self._entries.values())
 
     def _expire(self) -> None:
         now = self._clock()
-        while self._entries:
-            oldest, (deadline, _) = next(iter(self._entries.items()))
-            if deadline > now:
-                return
-            del self._entries[oldest]
+        for owner in list(self._entries):
+            entries = self._entries[owner]
+            while entries and next(iter(entries.values()))[0] <= now:
+                entries.popitem(last=False)
+            if not entries:
+                del self._entries[owner]
 
 
 class OwnedResponses:

@@ -65,3 +65,13 @@ def test_a_response_is_found_only_by_its_owner():
     assert view_b.put("resp_1", [HistoryMessage("user", "other")])  # the same id under B is B's own
     assert store.for_owner("a").get("resp_1") == history
     assert view_b.get("resp_1") == [HistoryMessage("user", "other")]
+
+
+def test_one_owner_filling_the_store_never_evicts_anothers():
+    store = ResponseStore(max_entries=2)
+    assert store.put("a1", [HistoryMessage("user", "mine")], owner="a")
+    for i in range(5):
+        assert store.put(f"b{i}", [HistoryMessage("user", "flood")], owner="b")
+    assert store.get("a1", owner="a") == [HistoryMessage("user", "mine")]
+    assert store.get("b0", owner="b") is None and store.get("b4", owner="b") is not None
+    assert len(store) == 3
