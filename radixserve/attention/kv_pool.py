@@ -31,6 +31,7 @@ class KVPool:
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.pages = Int8Pages(block_size, num_kv_heads, head_dim) if kv_cache_dtype == "int8" else None
+        self.rotate_keys = kv_cache_dtype != "auto"  # quantized pages hold keys in kernels/key_basis.py's basis
         shape, storage = self.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
         self.kv, self._memory = _zeros((*shape[:2], num_blocks, *shape[2:]), storage, torch.device(device))
         self.block_bytes = math.prod(shape) * self.kv.element_size()

@@ -16,6 +16,7 @@ import torch
 
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
+from radixserve.kernels.key_basis import KEY_BASIS
 from radixserve.kernels.int8_pages import SCHEME as INT8_SCHEME, check_kv_cache_dtype
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
@@ -450,7 +451,7 @@ class Engine:
                   "block_size": cfg.block_size, "kv_layout": "layer,kv,block,token,head,dim",
                   "kv_cache_dtype": self.kv_cache_dtype}
         if cfg.kv_cache_dtype == "int8":
-            layout.update(kv_layout="layer,kv,block,page", kv_scheme=INT8_SCHEME)
+            layout.update(kv_layout="layer,kv,block,page", kv_scheme=INT8_SCHEME, kv_key_basis=KEY_BASIS)
         return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
     def _run_tier_copies(self) -> None:

@@ -84,6 +84,7 @@ SIGNATURES: dict[str, Signature] = {
     "rms_norm_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32), None),
     "rope_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64), None),
     "silu_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
+    "hadamard_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64), None),
     "decoder_layers_f32": Signature(
         "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR), _INT,
     ),

@@ -8,7 +8,7 @@ returning None where it does not apply so that the caller keeps its torch path.
   streams, 1.6x MKL at 8 rows, 1.2x at 32, 1.07-1.2x up to 128 (AVX-512 build; the
   AVX2 build stops at 32). Above `max_rows()` (prefill chunks) oneDNN takes over
   (onednn_linear.py), or the BLAS where oneDNN is off.
-- rms_norm, rope_, silu_mul: one pass each instead of the several tensor ops (and as
+- rms_norm, rope_, silu_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
 
@@ -114,6 +114,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, n, dtype=torch.float32)
     fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
     return out
+
+
+def hadamard_heads_(x: torch.Tensor) -> bool:
+    """Rotate every head of x [T, H, D] into the Hadamard basis in place (key_basis.py);
+    False (x untouched) where the kernel does not apply."""
+    if not (x.dim() == 3 and _rows_f32(x) and x.stride(1) == x.shape[2]):
+        return False
+    fn = _load("hadamard_heads_f32")
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.shape[1], x.shape[0], x.shape[2])
+    return True
 
 
 def _rows_f32(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.model.native_decoder import NativeDecoder
+from radixserve.kernels.key_basis import rotate_heads
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.kernels.onednn_linear import onednn_linear
 from radixserve.model.spec import ModelSpec
@@ -118,6 +119,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
+        if pool.rotate_keys:
+            q, k = rotate_heads(q), rotate_heads(k)
         k_cache, v_cache = pool.layer(self.layer_index)
         out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, plan)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -36,7 +36,7 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "num_blocks", "block_size",
-                 "page_bytes", "code_bytes", "kv_int8")]
+                 "page_bytes", "code_bytes", "kv_int8", "rotate_keys")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -105,7 +105,7 @@ class NativeDecoder:
             self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
                                  spec.head_dim, pool.kv.shape[2], pool.block_size, pool.block_bytes // (
                                      2 * spec.num_layers), pages.code_bytes if pages else 0, pages is not None,
-                                 spec.rms_norm_eps, spec.head_dim**-0.5)
+                                 pool.rotate_keys, spec.rms_norm_eps, spec.head_dim**-0.5)
             self._pool_key = key
         return self._layers, self._shape
 

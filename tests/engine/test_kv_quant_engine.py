@@ -9,9 +9,11 @@ import logging
 import random
 
 import pytest
+import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import PromptLookupDrafter
+from radixserve.kernels.key_basis import hadamard_heads
 from radixserve.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -138,3 +140,24 @@ def test_int8_tier_restores_pages_and_a_restart_with_another_dtype_starts_cold(t
     assert other.generate([prompt], GREEDY)[0].cached_tokens == 0
     other.check_integrity()
     other.close()
+
+
+def test_int8_pages_hold_keys_in_the_hadamard_basis(tiny_model_dir):
+    """The first token's layer-0 key (position 0: RoPE is the identity) as the pages hold it:
+    H k, quantized; the raw k would be far from it."""
+    engine = int8_engine(tiny_model_dir("llama"), num_kv_blocks=16)
+    prompt = [7, 3, 9, 4, 1]
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    model, spec, pool = engine.runner.model, engine.loaded.spec, engine.runner.pool
+    layer = model.layers[0]
+    with torch.inference_mode():
+        qkv = layer.self_attn.qkv_proj(layer.input_layernorm(model.embed_tokens(torch.tensor(prompt[:1]))))
+    q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    k = qkv[:, q_size : q_size + kv_size].reshape(1, spec.num_kv_heads, spec.head_dim)
+    block = engine.cache.match_prefix(prompt).blocks[0]
+    stored = pool.pages.read(pool.layer(0)[0][block : block + 1], torch.float32)[0, 0]
+    rotated = hadamard_heads(k)[0]
+    step = pool.pages.scales(pool.layer(0)[0][block : block + 1])[0, 0]
+    assert ((stored - rotated).abs() <= step[:, None] * 0.5 + 1e-6).all()
+    assert (stored - k[0]).abs().max() > 10 * step.max()
+    engine.check_integrity()

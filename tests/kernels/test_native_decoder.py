@@ -47,9 +47,10 @@ def _twin_engines(path, **config) -> tuple[Engine, Engine]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind):
-    fused, layers = _twin_engines(tiny_model_dir(kind))
+@pytest.mark.parametrize("kind, kv_cache_dtype", [("llama", "auto"), ("mistral", "auto"), ("qwen2", "auto"),
+                                                  ("llama", "int8")])
+def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind, kv_cache_dtype):
+    fused, layers = _twin_engines(tiny_model_dir(kind), kv_cache_dtype=kv_cache_dtype)
     # 1-10 blocks, decodes cross block ends; the first step (172 tokens) is too big for the
     # native decoder, the second prompt's later steps are not
     prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19]

@@ -4,7 +4,7 @@
  * token), on CPU in float32, in one call.
  *
  * The per-layer work is the same kernels the model otherwise calls one by one from Python
- * (rms_norm_f32, skinny_linear_f32, rope_f32, the paged store, paged_decode_attention_f32,
+ * (rms_norm_f32, skinny_linear_f32, rope_f32, hadamard_heads_f32 for quantized pages, the paged store, paged_decode_attention_f32,
  * silu_mul_f32) in the same order on the same data, so the result is bit for bit the
  * model's. What goes is the Python between them: at decode sizes each of the ~15 calls of a
  * layer costs 10-25 us of interpreter and dispatch (more once the weight stream has pushed
@@ -36,6 +36,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size;
     int64_t page_bytes, code_bytes, kv_int8; /* kv_int8: the caches are int8 pages (paged_attention.c) */
+    int64_t rotate_keys; /* q and k into the Hadamard basis after RoPE (kernels/key_basis.py) */
     float eps, scale;
 } DecoderShape;
 
@@ -76,6 +77,10 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         if (skinny_linear_f32(normed, rows, s.hidden, w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv, qkv_size))
             return -1;
         rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, cos, sin, rows, s.head_dim);
+        if (s.rotate_keys) {
+            hadamard_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim);
+            hadamard_heads_f32(qkv + q_size, qkv_size, s.num_kv_heads, rows, s.head_dim);
+        }
         for (int64_t r = 0; r < rows; ++r) {
             const float *row = qkv + r * qkv_size;
             memcpy(q + r * q_size, row, sizeof(float) * q_size);

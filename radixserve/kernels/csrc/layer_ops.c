@@ -56,3 +56,37 @@ void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, in
         for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* x [n] <- H_n x / sqrt(n) for n a power of two: the Walsh-Hadamard butterflies, stage by
+ * stage (kernels/key_basis.py does the same adds in the same order, so both agree bit for bit). */
+static void hadamard_block(float *x, int64_t n) {
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; ++j) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    float scale = 1.0f; /* 1/sqrt(n) exactly rounded: powers of 1/2, times 1/sqrt(2) for odd powers */
+    int64_t m = n;
+    for (; m >= 4; m /= 4) scale *= 0.5f;
+    if (m == 2) scale *= 0.70710678118654752f;
+    for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+}
+
+/* Every head [head_dim] of x [tokens, heads, head_dim] (token rows `ld` floats apart) into
+ * the Hadamard basis in place: the head dim split into power-of-two blocks, largest first
+ * (64 -> 64; 96 -> 64 + 32), each block rotated on its own. */
+void hadamard_heads_f32(float *x, int64_t ld, int64_t heads, int64_t tokens, int64_t head_dim) {
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+            float *head = x + t * ld + h * head_dim;
+            for (int64_t start = 0, left = head_dim; left > 0;) {
+                int64_t n = 1;
+                while (2 * n <= left) n *= 2;
+                hadamard_block(head + start, n);
+                start += n, left -= n;
+            }
+        }
+}
