@@ -27,7 +27,7 @@ from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
-from radixserve.core.request import Request, RequestStatus
+from radixserve.core.request import Request
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
 from radixserve.outputs import TokenLogprob
