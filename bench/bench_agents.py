@@ -1,5 +1,6 @@
 """An agent swarm under memory pressure: today's LRU prefix cache, + a second KV tier,
-+ tier and sessions, and the cache off, in one run on the default model.
++ tier and sessions, and the cache off, in one run on the default model; `--systems lru,int8`
+compares LRU on float32 KV with LRU on int8 pages in the same bytes (--kv-cache-dtype int8).
 
     python -m bench.bench_agents [--quick] [--agents 32 --turns 6 ...] [--plot agents.png]
                                  [--json agents.json] [--measure-tier] [--measure-prefetch]
@@ -365,6 +366,7 @@ def main() -> None:
     tier_bytes = 4 * workload.working_set_tokens() * token_bytes  # 4x the working set
     tier_blocks = max(1, int(workload.working_set_tokens() * args.tier_share) // BLOCK_SIZE)
     small_tier = {"kv_offload_memory": tier_blocks * BLOCK_SIZE * token_bytes}
+    int8_pool = {"kv_cache_memory": pool_blocks * BLOCK_SIZE * token_bytes, "kv_cache_dtype": "int8"}
     base = dict(num_kv_blocks=pool_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=1024, chunked_prefill_size=512)
     systems = {
         "lru": ("LRU (one tier)", base, False),
@@ -373,6 +375,8 @@ def main() -> None:
         "smalltier": ("+ small tier", {**base, **small_tier}, False),
         "smalltier+sessions": ("+ small tier + sessions", {**base, **small_tier}, True),
         "off": ("cache off", {**base, "enable_prefix_cache": False}, False),
+        "int8": ("LRU, int8 KV, same bytes", {**int8_pool, **{k: v for k, v in base.items() if k != "num_kv_blocks"}},
+                 False),
     }
     print(f"workload: {workload.describe()}")
     print(f"working set {workload.working_set_tokens()} tokens; KV pool {pool_blocks} blocks "
@@ -391,6 +395,13 @@ def main() -> None:
         report["speedup_vs_lru"] = lru.wall_s / best.wall_s
         print(f"\ntier + sessions: {best.reuse_of_ideal:.0%} of ideal reuse (target >= 90%), LRU {lru.reuse_of_ideal:.0%}; "
               f"wall time {report['speedup_vs_lru']:.2f}x LRU's (target >= 1.5x)")
+    if "LRU (one tier)" in by and "LRU, int8 KV, same bytes" in by:
+        lru, int8 = by["LRU (one tier)"], by["LRU, int8 KV, same bytes"]
+        report["int8_vs_lru"] = {"computed_prompt_tokens": [lru.computed_prompt_tokens, int8.computed_prompt_tokens],
+                                 "wall_s": [lru.wall_s, int8.wall_s]}
+        print(f"int8 KV in the float32 pool's bytes ({int8.stats.get('blocks_total', '?')} blocks against {pool_blocks}): "
+              f"{int8.computed_prompt_tokens / max(1, lru.computed_prompt_tokens):.2f}x LRU's prompt tokens computed "
+              f"(target <= 0.5x), wall time {lru.wall_s / int8.wall_s:.2f}x better (target >= 1.5x)")
     if "+ small tier" in by and "+ small tier + sessions" in by:
         plain, hinted = by["+ small tier"], by["+ small tier + sessions"]
         report["small_tier_sessions_vs_lru"] = {

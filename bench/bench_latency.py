@@ -10,7 +10,9 @@ Two (or more) `radixserve serve` processes, one per configuration, run side by s
 each run sends a workload's prompts (token ids) to one server as streaming /v1/completions with
 Poisson arrivals (--rate, default 0.8 req/s), greedy with ignore_eos, and records when each chunk
 of text arrives. Workloads (bench/workloads.py): no-sharing (32 prompts of 64-512 tokens, 32-128
-new) and shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 new). Reports, per
+new), shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 new) and long-context
+(8 unrelated 3,000-token prompts, 64 new each; give llama.cpp 4k of context a slot:
+`--llama-args "-np 8 -c 32768 -t 2"`). Reports, per
 configuration and workload, the median over runs of each percentile and its spread (min-max),
 then the ratios of every configuration to the first. With --llama-server, a llama.cpp server
 (`llama-server -m --llama-model`, --llama-args: 8 slots, 2 threads by default) takes its turn too,
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 def _workload(name: str, args: argparse.Namespace) -> list[tuple[list[int], int]]:
     if name == "no-sharing":
         w = workloads.no_sharing(num_prompts=args.prompts)
+    elif name == "long-context":
+        w = workloads.long_context()
     else:
         w = workloads.shared_prefix(groups=4, prompts_per_group=max(1, args.prompts // 4))
     return [(s.turns[0].new_tokens, s.turns[0].max_tokens) for s in w.sessions]  # single-turn sessions
@@ -259,7 +263,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="server flags of each configuration (the first is the baseline of the ratios)")
     p.add_argument("--server-args", default="", help="flags for every server")
     p.add_argument("--workloads", nargs="+", default=["no-sharing", "shared-prefix"],
-                   choices=["no-sharing", "shared-prefix"])
+                   choices=["no-sharing", "shared-prefix", "long-context"])
     p.add_argument("--rate", type=float, default=0.8)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)

@@ -117,10 +117,22 @@ def agent_loop(agents=8, steps=4, tools_len=768, task_len=64, action_len=24, obs
     )
 
 
+def long_context(num_prompts=8, prompt_len=3000, output_len=64, seed=5) -> Workload:
+    rng = random.Random(seed)
+    sessions = [Session([Turn(_tokens(rng, prompt_len), output_len)]) for _ in range(num_prompts)]
+    return Workload(
+        "long-context",
+        f"{num_prompts} unrelated prompts of {prompt_len} tokens, {output_len} new tokens each",
+        sessions,
+        dict(num_prompts=num_prompts, prompt_len=prompt_len),
+    )
+
+
 WORKLOADS = {
     "no-sharing": no_sharing,
     "shared-prefix": shared_prefix,
     "few-shot": few_shot,
     "multi-turn": multi_turn,
     "agent-loop": agent_loop,
+    "long-context": long_context,
 }
