@@ -18,6 +18,8 @@ and KV handoff move the pages as bytes, and the persisted layout names the basis
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from radixserve.kernels.native_ops import hadamard_heads_
@@ -26,39 +28,28 @@ KEY_BASIS = "hadamard, power-of-two blocks of the head dim, after RoPE"
 
 
 def rotate_heads(x: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] with every head in the Hadamard basis: in place by the C kernel where it
-    applies (float32 on CPU), else a new tensor from the torch path (the same adds in the same
-    order, so the two agree bit for bit)."""
+    """x [T, H, D] with every head in the Hadamard basis: in place by the C butterflies where
+    they apply (float32 on CPU), else one matmul by the cached matrix (the GPU's path)."""
     if hadamard_heads_(x):
         return x
-    return hadamard_heads(x)
+    return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
 
 
-def hadamard_heads(x: torch.Tensor) -> torch.Tensor:
-    """The torch path: [..., D] -> [..., D], each power-of-two block of D rotated."""
-    blocks, start, left = [], 0, x.shape[-1]
-    while left:
-        n = 1 << (left.bit_length() - 1)
-        blocks.append(_hadamard_block(x[..., start : start + n]))
-        start, left = start + n, left - n
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, -1)
+@functools.cache
+def hadamard_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The rotation as a [D, D] matrix (symmetric: x @ H == H x): block-diagonal over the
+    power-of-two blocks of D, each the Sylvester matrix scaled by 1/sqrt(block)."""
+    h = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    start = 0
+    for n in _blocks(head_dim):
+        block = torch.ones(1, 1, dtype=torch.float64)
+        while block.shape[0] < n:
+            block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
+        h[start : start + n, start : start + n] = block / n**0.5
+        start += n
+    return h.to(dtype=dtype, device=device)
 
 
-def _hadamard_block(x: torch.Tensor) -> torch.Tensor:
-    n, lead = x.shape[-1], x.shape[:-1]
-    h = 1
-    while h < n:
-        pairs = x.reshape(*lead, n // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack((a + b, a - b), -2).reshape(*lead, n)
-        h *= 2
-    return x * _inverse_sqrt(n, x.dtype)
-
-
-def _inverse_sqrt(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """1/sqrt(n) for n a power of two, rounded once: powers of 1/2, times 1/sqrt(2) for odd powers."""
-    scale, m = 1.0, n
-    while m >= 4:
-        scale, m = scale * 0.5, m // 4
-    value = torch.tensor(scale, dtype=dtype)
-    return value * torch.tensor(0.70710678118654752, dtype=dtype) if m == 2 else value
+def _blocks(head_dim: int) -> list[int]:
+    """The head dim as powers of two, largest first: 96 -> [64, 32]."""
+    return [1 << b for b in reversed(range(head_dim.bit_length())) if head_dim >> b & 1]

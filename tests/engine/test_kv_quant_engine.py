@@ -13,7 +13,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import PromptLookupDrafter
-from radixserve.kernels.key_basis import hadamard_heads
+from radixserve.kernels.key_basis import hadamard_matrix
 from radixserve.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -156,7 +156,7 @@ def test_int8_pages_hold_keys_in_the_hadamard_basis(tiny_model_dir):
     k = qkv[:, q_size : q_size + kv_size].reshape(1, spec.num_kv_heads, spec.head_dim)
     block = engine.cache.match_prefix(prompt).blocks[0]
     stored = pool.pages.read(pool.layer(0)[0][block : block + 1], torch.float32)[0, 0]
-    rotated = hadamard_heads(k)[0]
+    rotated = (k @ hadamard_matrix(spec.head_dim, k.dtype, k.device))[0]
     step = pool.pages.scales(pool.layer(0)[0][block : block + 1])[0, 0]
     assert ((stored - rotated).abs() <= step[:, None] * 0.5 + 1e-6).all()
     assert (stored - k[0]).abs().max() > 10 * step.max()

@@ -58,7 +58,7 @@ void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, in
 }
 
 /* x [n] <- H_n x / sqrt(n) for n a power of two: the Walsh-Hadamard butterflies, stage by
- * stage (kernels/key_basis.py does the same adds in the same order, so both agree bit for bit). */
+ * stage (kernels/key_basis.py's matrix is the same rotation). */
 static void hadamard_block(float *x, int64_t n) {
     for (int64_t h = 1; h < n; h *= 2)
         for (int64_t i = 0; i < n; i += 2 * h)
