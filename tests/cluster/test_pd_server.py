@@ -103,8 +103,9 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def complete(url: str, prompt: list[int], stream: bool = False, max_tokens: int = 10) -> str:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def complete(url: str, prompt: list[int], stream: bool = False, max_tokens: int = 10, **sampling) -> str:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            **sampling}
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -206,4 +207,20 @@ def test_short_uncached_tail_stays_on_the_decode_replica(servers):
         client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0)
     metrics = httpx.get(d + "/metrics", timeout=30).text
     assert "radixserve_kv_received_blocks_total" in metrics and "radixserve_kv_fallback_recomputes_total" in metrics
+    check_integrity(p, d)
+
+
+def test_seeded_sampling_equals_one_server(servers):
+    """The first token is drawn on the prefill replica, the rest here: a seeded request's
+    tokens equal one server's, streamed or not (its noise is keyed by seed and position)."""
+    p, d, s, handle, _ = servers
+    prompt = ids(75, 50)
+    sampled = dict(temperature=1.0, seed=7, ignore_eos=True, max_tokens=16)
+    want = complete(s, prompt, **sampled)
+    assert want != complete(s, prompt, **{**sampled, "seed": 8})  # the seed decides the tokens
+    jobs = len(handle.jobs)
+    assert complete(d, prompt, **sampled) == want
+    assert complete(d, prompt + ids(30, 51), stream=True, **sampled) == complete(s, prompt + ids(30, 51), stream=True,
+                                                                                 **sampled)
+    assert len(handle.jobs) == jobs + 2 and handle.jobs[-1].params.seed == 7
     check_integrity(p, d)

@@ -252,3 +252,23 @@ def test_int8_pages_move_as_bytes_with_their_scales(model):
     stats = float_side.stats()
     assert stats["kv_fallback_recomputes"] == 1 and stats["kv_received_blocks"] == 0
     check(p, d, float_side)
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 20, "repetition_penalty": 1.3}])
+def test_seeded_sampling_is_the_same_disaggregated(model, extra):
+    """The first token is drawn on the prefill side, the rest on the decode side: a seeded
+    request's noise is keyed by (seed, output position), so the tokens equal one engine's."""
+    p, d, single = engine_of(model), engine_of(model), engine_of(model)
+    sampled = dict(temperature=0.9, seed=1234, ignore_eos=True, **extra)
+    for n, seed in [(7, 80), (29, 81)]:
+        prompt = tokens(n, seed)
+        want = single.generate([prompt], SamplingParams(**sampled, max_tokens=12))[0].token_ids
+        unseeded = single.generate([prompt], SamplingParams(**{**sampled, "seed": 99}, max_tokens=12))[0].token_ids
+        assert want != unseeded  # the seed decides these tokens
+        handoff = prefill(p, prompt, d.kv_transfer.cached_blocks(prompt, None), **sampled)
+        wire = pickle.loads(pickle.dumps(handoff))
+        rid, first = d.admit_handoff(d.prepare(prompt, SamplingParams(**sampled, max_tokens=12)), wire)
+        got = run(d, rid)
+        assert first.token_ids == want[:1] and got == want, (n, got, want)
+        p.kv_transfer.release(handoff.handoff_id)
+        check(p, d, single)
