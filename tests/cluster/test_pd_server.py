@@ -10,7 +10,6 @@ import asyncio
 import random
 
 import httpx
-import numpy as np
 import pytest
 
 from radixserve import Engine
