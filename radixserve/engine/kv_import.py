@@ -29,7 +29,8 @@ from radixserve.core.hashing import chain_hashes, root_hash
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
-    from radixserve.engine.kv_transfer import KVHandoff
+
+Handoff = Any  # a kv_transfer.KVHandoff (not imported: kv_transfer imports this module)
 
 
 @dataclass
@@ -45,7 +46,7 @@ class PendingImport:
     copying thread, then committed | cancelled on the engine thread (reserved -> cancelled too).
     While in kv.external_holds it counts in check_integrity like a running request."""
 
-    handoff: "KVHandoff"
+    handoff: Handoff
     hold_id: str
     pool: Any  # the runner's KV pool
     prefix_blocks: list[int]  # the blocks of the `have` leading blocks the tree held (locked)
@@ -87,7 +88,7 @@ class PendingImport:
             return True
 
 
-def reserve(engine: "Engine", handoff: "KVHandoff", hold_id: str, deadline: float) -> PendingImport | ImportResult:
+def reserve(engine: "Engine", handoff: Handoff, hold_id: str, deadline: float) -> PendingImport | ImportResult:
     """The reservation of the blocks the tree lacks, or the (failed) ImportResult of a handoff
     that cannot be used. Engine thread."""
     reason = incompatible(engine, handoff)
@@ -144,7 +145,7 @@ def cancel(engine: "Engine", pending: PendingImport) -> bool:
     return True
 
 
-def incompatible(engine: "Engine", handoff: "KVHandoff") -> str | None:
+def incompatible(engine: "Engine", handoff: Handoff) -> str | None:
     """Why this engine cannot take the handoff's blocks, or None."""
     pool = engine.runner.pool
     if engine.cache is None:
@@ -174,7 +175,7 @@ def _drop(engine: "Engine", pending: PendingImport) -> None:
     engine.cache.unlock(pending.cache_node)
 
 
-def _write_blocks(pool: Any, blocks: list[int], handoff: "KVHandoff", skip: int) -> None:
+def _write_blocks(pool: Any, blocks: list[int], handoff: Handoff, skip: int) -> None:
     data = np.ascontiguousarray(handoff.data[skip:skip + len(blocks)])
     with warnings.catch_warnings():  # a read-only view of Ray's object store: only read here,
         warnings.simplefilter("ignore", UserWarning)  # so no copy is made of it first
