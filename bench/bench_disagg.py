@@ -211,7 +211,7 @@ def transfer_only(args: argparse.Namespace) -> None:
         wire = pickle.loads(pickle.dumps(handoff, protocol=5))
         t3 = time.perf_counter()
         prepared = d.prepare(prompt, SamplingParams(max_tokens=1, temperature=0))
-        sync_before = d.stats()["kv_import_engine_ms"]
+        sync_before = d.stats().get("kv_import_engine_ms", 0.0)  # no kv_* keys before a first transfer
         d.admit_handoff(prepared, wire)
         t4 = time.perf_counter()
         split_engine_ms, split_copy_ms = reserved_import(d2, prompt, pickle.loads(pickle.dumps(handoff, protocol=5)))
@@ -240,8 +240,8 @@ def reserved_import(d, prompt: list[int], wire) -> tuple[float, float]:
     copier.join()
     d.admit_handoff(d.prepare(prompt, SamplingParams(max_tokens=1, temperature=0)), pending)
     after = d.stats()
-    return (after["kv_import_engine_ms"] - before["kv_import_engine_ms"],
-            after["kv_import_ms"] - before["kv_import_ms"])
+    return (after["kv_import_engine_ms"] - before.get("kv_import_engine_ms", 0.0),
+            after["kv_import_ms"] - before.get("kv_import_ms", 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:
