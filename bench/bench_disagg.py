@@ -12,8 +12,11 @@ when one ends), while long prompts (--min-len..--max-len random token ids, disti
 a Poisson process of --rate per second, each streaming --prompt-tokens tokens.
 Reported: the streams' inter-token gap p50/p95 and the long prompts' TTFT p50/p95, per run and
 their spread over runs. Targets (issue 27): gap p95 <= 0.5x colocated, TTFT p95 <= 1.5x.
-`--transfer-only`: on two in-process engines, the cost of moving 1,000 tokens' KV (export,
-pickling as a transport stand-in, import) against computing them.
+`--transfer-only`: on in-process engines, the cost of moving 1,000 tokens' KV (export,
+pickling as a transport stand-in, import) against computing them, and the decode engine
+thread's share of an import: all of it when the bytes are copied there (a plain KVHandoff),
+only the reservation and the commit when they are copied on another thread (a PendingImport,
+as a decode replica does).
 """
 
 from __future__ import annotations
@@ -194,7 +197,7 @@ def transfer_only(args: argparse.Namespace) -> None:
 
     from radixserve import Engine, SamplingParams
 
-    p, d = Engine(**ENGINE), Engine(**ENGINE)
+    p, d, d2 = Engine(**ENGINE), Engine(**ENGINE), Engine(**ENGINE)
     rng = random.Random(args.seed)
     n = 1024
     for trial in range(args.repeats):
@@ -208,16 +211,37 @@ def transfer_only(args: argparse.Namespace) -> None:
         wire = pickle.loads(pickle.dumps(handoff, protocol=5))
         t3 = time.perf_counter()
         prepared = d.prepare(prompt, SamplingParams(max_tokens=1, temperature=0))
+        sync_before = d.stats().get("kv_import_engine_ms", 0.0)  # no kv_* keys before a first transfer
         d.admit_handoff(prepared, wire)
         t4 = time.perf_counter()
+        split_engine_ms, split_copy_ms = reserved_import(d2, prompt, pickle.loads(pickle.dumps(handoff, protocol=5)))
         p.kv_transfer.release(handoff.handoff_id)
-        while d.has_unfinished_requests():
-            d.step()
+        for engine in (d, d2):
+            while engine.has_unfinished_requests():
+                engine.step()
         per = 1000 / n
+        sync_engine_ms = d.stats()["kv_import_engine_ms"] - sync_before
+        print(f"  decode engine thread per 1k tokens: copy on it {sync_engine_ms * per:.1f} ms; reserved, copied on "
+              f"another thread {split_engine_ms * per:.2f} ms (the copy there: {split_copy_ms * per:.1f} ms)", flush=True)
         print(f"trial {trial + 1}: compute {compute * per * 1000:.0f} ms/1k tokens; transfer {(t4 - t1) * per * 1000:.1f} "
               f"ms/1k (export {(t2 - t1) * per * 1000:.1f}, serialize {(t3 - t2) * per * 1000:.1f}, import "
               f"{(t4 - t3) * per * 1000:.1f}); {handoff.nbytes * per / 1e6:.1f} MB/1k tokens "
               f"({handoff.dtype}, {handoff.num_blocks} blocks)", flush=True)
+
+
+def reserved_import(d, prompt: list[int], wire) -> tuple[float, float]:
+    """(engine-thread ms, copy ms) of an import reserved on `d`'s thread, copied on another."""
+    from radixserve import SamplingParams
+
+    before = d.stats()
+    pending = d.kv_transfer.reserve(wire)
+    copier = threading.Thread(target=pending.copy)
+    copier.start()
+    copier.join()
+    d.admit_handoff(d.prepare(prompt, SamplingParams(max_tokens=1, temperature=0)), pending)
+    after = d.stats()
+    return (after["kv_import_engine_ms"] - before.get("kv_import_engine_ms", 0.0),
+            after["kv_import_ms"] - before.get("kv_import_ms", 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
     decode = _deployment(DecodeReplica, DECODE_DEPLOYMENT, cluster.decode_replicas, server, cluster,
                          cluster.decode_resource)
     prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
+    if cluster.router == "affinity":  # the ingress picks the prefill replica too (prefill_picker.py)
+        options = dataclasses.replace(options, prefill_affinity=cluster.affinity)
     return ingress.bind(decode.bind(engine_kwargs, server, prefill_app, cluster.pd), options, prefill_app)
 
 

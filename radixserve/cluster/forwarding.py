@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.cluster.pd_jobs import PREFILL_TARGET
 from radixserve.cluster.routing_key import RoutingKey
 
 REPLICA_HEADER = "x-radixserve-replica"  # on every forwarded answer: the replica that served it
@@ -29,6 +31,7 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
     routing: RoutingKey | None = None  # None: any replica will do
+    prefill_replica: str | None = None  # disaggregated: the prefill replica the ingress chose for it
 
     @property
     def prompt(self) -> str:
@@ -75,7 +78,9 @@ async def serve_forwarded(app: Callable, request: ForwardedRequest, replica: str
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    task = asyncio.ensure_future(app(_scope(request), receive, messages.put))
+    context = contextvars.copy_context()  # the app's task sees the ingress's prefill choice
+    context.run(PREFILL_TARGET.set, request.prefill_replica)
+    task = asyncio.get_running_loop().create_task(app(_scope(request), receive, messages.put), context=context)
     try:
         async for message in _until_complete(messages, task):
             if message["type"] == "http.response.start":

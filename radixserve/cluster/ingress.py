@@ -2,7 +2,9 @@
 
 Every request goes to one replica through the deployment handle, whose request router picks
 the replica from the request's RoutingKey; the replica's own app answers it (see
-forwarding.py). Cluster-wide endpoints are broadcast to every replica and merged: /health
+forwarding.py). Disaggregated, that is a decode replica (session, then prefix affinity), and the
+ingress also picks the prefill replica for the request's prompt (prefix affinity over its own
+trees for that role, prefill_picker.py), which the request carries to the decode replica. Cluster-wide endpoints are broadcast to every replica and merged: /health
 (each replica's health), /metrics (every replica's series, labelled by replica),
 /flush_cache, /abort_request (a rid lives on one replica), /v1/sessions/{id}/close and the
 debug endpoints.
@@ -25,9 +27,11 @@ from ray import exceptions as ray_exceptions
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from radixserve.cluster.affinity import AffinityConfig
 from radixserve.cluster.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseHead
 from radixserve.cluster.metrics_merge import merge_metrics
-from radixserve.cluster.registry import router_for
+from radixserve.cluster.prefill_picker import PrefillPicker
+from radixserve.cluster.registry import register_picker, router_for
 from radixserve.cluster.routing_key import routing_key
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import CONTENT_TYPE
@@ -45,6 +49,7 @@ class IngressOptions:
     replicas: int  # the target count (/health says "degraded" below it)
     shared_cache_across_keys: bool = False
     broadcast_timeout_s: float = 10.0
+    prefill_affinity: AffinityConfig | None = None  # disaggregated: the ingress picks prefill replicas by it
 
 
 class ClusterIngress:
@@ -52,6 +57,11 @@ class ClusterIngress:
         self.replicas = replicas  # the RadixReplica (or, disaggregated, DecodeReplica) deployment's handle
         self.prefill = prefill  # disaggregated: the PrefillReplica deployment's handle (broadcasts only)
         self.options = options
+        self.prefill_picker: PrefillPicker | None = None
+        if prefill is not None and options.prefill_affinity is not None:
+            self.prefill_picker = PrefillPicker(options.prefill_affinity)
+            register_picker(options.app_name, self.prefill_picker)  # before the handle's router starts
+            _start_router(prefill)  # it tells the picker the live prefill replicas
 
     async def __call__(self, request: Request) -> Response:
         try:
@@ -72,9 +82,11 @@ class ClusterIngress:
 
     async def _forward(self, request: Request) -> Response:
         forwarded = await self._read(request)
+        picker = self.prefill_picker
+        forwarded.prefill_replica = picker.pick(forwarded.routing) if picker is not None else None
         stream = self.replicas.options(stream=True).forward.remote(forwarded)
         try:
-            head = await stream.__anext__()
+            head = await stream.__anext__()  # a stream's head comes once its prompt is computed
             assert isinstance(head, ResponseHead)
             headers = _headers(head)
             if head.is_stream:
@@ -85,6 +97,9 @@ class ClusterIngress:
             if isinstance(exc, Exception):
                 raise _failure(exc) from None
             raise
+        finally:
+            if forwarded.prefill_replica is not None:
+                picker.done(forwarded.prefill_replica)
         self._bind_response(forwarded, head, body)
         return Response(body, status_code=head.status, headers=headers)
 
@@ -181,6 +196,14 @@ class ClusterIngress:
             for reason, count in sorted(router.reasons.items()):
                 decisions.add_metric([reason], count)
             families.append(decisions)
+        if self.prefill_picker is not None:
+            picks = CounterMetricFamily(
+                "radixserve_cluster_prefill_routing_decisions", "Prefill replicas chosen by the ingress, by reason",
+                labels=["reason"],
+            )
+            for reason, count in sorted(self.prefill_picker.reasons.items()):
+                picks.add_metric([reason], count)
+            families.append(picks)
         return families
 
     async def _broadcast_endpoint(self, request: Request) -> Response:
@@ -195,8 +218,10 @@ class ClusterIngress:
             answers[head.replica] = json.loads(body)
         path = request.url.path
         router = router_for(self.options.app_name)
-        if path == "/flush_cache" and router is not None and all(a.get("flushed", "all") == "all" for a in answers.values()):
-            router.forget_prefixes()  # a key's own flush leaves the other keys' prefixes where they are
+        if path == "/flush_cache" and all(a.get("flushed", "all") == "all" for a in answers.values()):
+            for chooser in (router, self.prefill_picker):  # a key's own flush leaves the other keys' prefixes
+                if chooser is not None:
+                    chooser.forget_prefixes()
         if path in _SUMMED:
             field = _SUMMED[path]
             return JSONResponse({field: sum(a[field] for a in answers.values()), "replicas": answers})
@@ -211,6 +236,14 @@ class ClusterIngress:
             raise _failure(results[0] if results and isinstance(results[0], Exception) else RuntimeError("no replica"))
         head, body = next((a for a in answers if a[0].status == 200), answers[0])
         return Response(body, status_code=head.status, headers=_headers(head))
+
+
+def _start_router(handle: Any) -> None:
+    """Start a Ray deployment handle's router now (`options()` does), not at its first call."""
+    from ray.serve.handle import DeploymentHandle
+
+    if isinstance(handle, DeploymentHandle):
+        handle.options()
 
 
 def _credential(request: Request) -> str | None:

@@ -3,9 +3,14 @@
 
 For each request it first asks its own engine how many leading blocks of the prompt its tree
 holds; a prompt with few tokens beyond them is computed here (a round trip would cost more).
-Otherwise a prefill replica (prefix affinity, through the handle) computes it and answers with
-a KVHandoff whose bytes wait in Ray's object store; the client fetches them and the engine
-inserts them (Engine.admit_handoff), then the prefill replica is told to release its hold.
+Otherwise a prefill replica (the one the ingress chose, PREFILL_TARGET; else prefix affinity
+through the handle) computes it and answers with a KVHandoff whose bytes wait in Ray's object
+store. The client fetches them, has the engine thread reserve the blocks its tree lacks, copies
+the bytes into them on a thread of its own (never the engine thread: the running streams' steps
+go on meanwhile), and hands the filled reservation over: Engine.admit_handoff commits it to the
+tree and admits the request. Then the prefill replica is told to release its hold. A reservation
+that is not committed (the request went away, the transfer timed out) is cancelled once its
+copy ends.
 A prefill replica that dies before answering: the job goes to another (nothing has streamed).
 No answer within transfer_timeout_s, or every attempt failed: TransferFailed, and the decode
 engine computes the prompt itself.
@@ -14,6 +19,8 @@ engine computes the prompt itself.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,9 +28,12 @@ from typing import Any
 import numpy as np
 
 from radixserve.cluster.options import PDOptions
-from radixserve.cluster.pd_jobs import PrefillJob, ReleaseJob
+from radixserve.cluster.pd_jobs import PREFILL_TARGET, PrefillJob, ReleaseJob
 from radixserve.engine.inputs import PreparedRequest
+from radixserve.engine.kv_import import ImportResult, PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, TransferFailed
+
+Arrival = PendingImport | TransferFailed | None  # what the engine admits a request with
 
 log = logging.getLogger("radixserve.cluster")
 
@@ -34,13 +44,21 @@ class PrefillClient:
         self.options = options
         self.replica_gone = replica_gone  # exceptions meaning "that prefill replica died": retry
         self._pending: set[asyncio.Future] = set()
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-import")
+        self._engine: Any = None  # the AsyncEngine this client serves (set by prefill)
 
-    async def prefill(self, engine: Any, prepared: list[PreparedRequest]) -> list[KVHandoff | TransferFailed | None]:
+    async def prefill(self, engine: Any, prepared: list[PreparedRequest]) -> list[Arrival]:
+        self._engine = engine
         return list(await asyncio.gather(*(self._one(engine, p) for p in prepared)))
 
-    def release(self, handoffs: list[Any]) -> None:
-        """Ack every handoff that left blocks held on its prefill replica (fire and forget)."""
-        for h in handoffs:
+    def release(self, arrivals: list[Any]) -> None:
+        """After admission (or instead of it): cancel every reservation the engine did not commit,
+        and ack every handoff that left blocks held on its prefill replica (fire and forget)."""
+        for h in arrivals:
+            if isinstance(h, PendingImport):
+                if h.state != "committed":
+                    self._cancel(h)
+                h = h.handoff
             if isinstance(h, KVHandoff) and h.num_blocks and h.source is not None:
                 task = asyncio.ensure_future(self._release(ReleaseJob(h.source, h.handoff_id)))
                 self._pending.add(task)
@@ -48,14 +66,14 @@ class PrefillClient:
 
     # ---- helpers ----------------------------------------------------------------------
 
-    async def _one(self, engine: Any, p: PreparedRequest) -> KVHandoff | TransferFailed | None:
+    async def _one(self, engine: Any, p: PreparedRequest) -> Arrival:
         if p.params.prompt_logprobs is not None or p.params.prefill_only:
             return None  # prompt logprobs are computed where they are returned
         have = await engine.call(lambda e: e.kv_transfer.cached_blocks(p.token_ids, p.cache_salt))
         block_size = engine.engine.config.block_size
         if len(p.token_ids) - have * block_size <= self.options.local_prefill_tokens:
             return None
-        job = PrefillJob.of(p.token_ids, p.params, p.cache_salt, have)
+        job = PrefillJob.of(p.token_ids, p.params, p.cache_salt, have, PREFILL_TARGET.get())
         try:
             return await asyncio.wait_for(self._transfer(engine, job), self.options.transfer_timeout_s)
         except asyncio.TimeoutError:
@@ -64,14 +82,46 @@ class PrefillClient:
             log.warning("remote prefill failed, computing here: %s: %s", type(exc).__name__, exc)
             return TransferFailed(f"{type(exc).__name__}: {exc}")
 
-    async def _transfer(self, engine: Any, job: PrefillJob) -> KVHandoff:
+    async def _transfer(self, engine: Any, job: PrefillJob) -> PendingImport | TransferFailed:
         handoff = await self._call_prefill(engine, job)
-        t0 = time.perf_counter()
-        if not isinstance(handoff.data, np.ndarray):
-            handoff.data = await handoff.data  # a Ray ObjectRef: the bytes come to this node
-        stats = engine.engine.kv_transfer.stats
-        stats.fetch_ms += (time.perf_counter() - t0) * 1000.0
-        return handoff
+        try:
+            t0 = time.perf_counter()
+            if not isinstance(handoff.data, np.ndarray):
+                handoff.data = await handoff.data  # a Ray ObjectRef: the bytes come to this node
+            stats = engine.engine.kv_transfer.stats
+            stats.fetch_ms += (time.perf_counter() - t0) * 1000.0
+            return await self._import(engine, handoff)
+        except BaseException:  # timed out or failed after the prefill answered: its hold can go now
+            self.release([handoff])
+            raise
+
+    async def _import(self, engine: Any, handoff: KVHandoff) -> PendingImport | TransferFailed:
+        """The handoff's bytes in blocks reserved for them, copied off the engine thread."""
+        reserving = engine.run_on_engine(lambda e: e.kv_transfer.reserve(handoff))
+        try:
+            pending = await asyncio.shield(asyncio.wrap_future(reserving))
+        except asyncio.CancelledError:
+            reserving.add_done_callback(lambda done: self._cancel_reserved(done))
+            raise
+        if isinstance(pending, ImportResult):
+            self.release([handoff])
+            return TransferFailed(pending.failed or "the handoff could not be used")
+        copying = asyncio.wrap_future(self._copier.submit(pending.copy))
+        try:
+            await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            copying.add_done_callback(lambda _: self._cancel(pending))
+            raise
+        return pending
+
+    def _cancel(self, pending: PendingImport) -> None:
+        """Free a reservation on the engine thread (thread-safe; a no-op once committed)."""
+        if self._engine is not None and pending.block_table:
+            self._engine.run_on_engine(lambda e: e.kv_transfer.cancel(pending))
+
+    def _cancel_reserved(self, reserving: concurrent.futures.Future) -> None:
+        if not reserving.cancelled() and reserving.exception() is None and isinstance(reserving.result(), PendingImport):
+            self._cancel(reserving.result())
 
     async def _call_prefill(self, engine: Any, job: PrefillJob) -> KVHandoff:
         stats = engine.engine.kv_transfer.stats
@@ -81,6 +131,7 @@ class PrefillClient:
                 return await self.handle.prefill.remote(job)
             except self.replica_gone as exc:
                 stats.prefill_retries += 1
+                job = dataclasses.replace(job, target_replica=None)  # the chosen one is gone: any other
                 if attempt + 1 == self.options.max_attempts:
                     raise
                 log.warning("prefill replica failed (%s); retrying on another", type(exc).__name__)

@@ -1,4 +1,4 @@
-"""The affinity routers living in this process, by application name.
+"""The affinity routers and prefill pickers living in this process, by application name.
 
 Its own module: Ray pickles the router's module by value, and a registry there would be
 copied instead of shared.
@@ -10,6 +10,7 @@ import weakref
 from typing import Any
 
 _ROUTERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_PICKERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
 
 def register(app_name: str, router: Any) -> None:
@@ -19,3 +20,12 @@ def register(app_name: str, router: Any) -> None:
 def router_for(app_name: str) -> Any:
     """The PrefixAffinityRouter of `app_name` in this process (the ingress's), or None."""
     return _ROUTERS.get(app_name)
+
+
+def register_picker(app_name: str, picker: Any) -> None:
+    _PICKERS[app_name] = picker
+
+
+def picker_for(app_name: str) -> Any:
+    """The ingress's PrefillPicker of `app_name` in this process (disaggregated), or None."""
+    return _PICKERS.get(app_name)

@@ -44,10 +44,23 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.policy.set_replicas(r.replica_id.unique_id for r in replicas)
+        picker = self._picker()
+        if picker is not None:
+            picker.set_replicas(r.replica_id.unique_id for r in replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.policy.remove_replica(replica_id.unique_id)
+        picker = self._picker()
+        if picker is not None:
+            picker.remove_replica(replica_id.unique_id)
+
+    def _picker(self) -> Any:
+        """The ingress's PrefillPicker when this is the prefill deployment's router in the
+        ingress process: it learns the live prefill replicas from here."""
+        if self._deployment_id.name != PREFILL_DEPLOYMENT:
+            return None
+        return registry.picker_for(self.app_name)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -56,7 +69,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.policy.set_replicas(r.replica_id.unique_id for r in self._replicas.values())
         request = _forwarded(pending_request)
         target = getattr(request, "target_replica", None)
-        if target in by_id:  # an ack for one replica (pd_jobs.ReleaseJob): there, else anywhere
+        if target in by_id:  # an ack, or a job the ingress placed (pd_jobs): there, else as below
             return [[by_id[target]]] + [[r] for i, r in by_id.items() if i != target]
         live = [r for r in by_id if r in self.policy.trees]
         if request is None or request.routing is None or not live:  # (never raise here: Ray's routing loop would die)

@@ -26,6 +26,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.kv_import import PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.request import Request
 from radixserve.execution.runner import ModelRunner
@@ -182,23 +183,21 @@ class Engine:
 
     @_one_thread
     def admit_handoff(
-        self, prepared: PreparedRequest, handoff: KVHandoff | TransferFailed | None, request_id: str | None = None
+        self, prepared: PreparedRequest, handoff: KVHandoff | PendingImport | TransferFailed | None,
+        request_id: str | None = None,
     ) -> tuple[str, RequestOutput | None]:
         """Queue a prepared request whose prompt another engine computed (the decode role):
-        the handoff's blocks go into this engine's tree, and the request goes on from the
-        handoff's first token, which is its first output (returned with the id). A
+        the handoff's blocks go into this engine's tree (copied here from a KVHandoff; from a
+        PendingImport, copied already off this thread: committed), and the request goes on
+        from the handoff's first token, which is its first output (returned with the id). A
         TransferFailed, or a handoff that cannot be used, makes it an ordinary request that
         computes its prompt here (counted); None: an ordinary request, not counted."""
-        usable = isinstance(handoff, KVHandoff) and handoff.token_ids == prepared.token_ids
-        if usable and self.kv_transfer.import_blocks(handoff).failed is not None:
-            usable = False
-        if handoff is not None and not usable:
-            self.kv_transfer.count_fallback(len(prepared.token_ids))
+        taken = self.kv_transfer.take(handoff, prepared.token_ids)
         request_id = self.admit(prepared, request_id)
-        if not usable:
+        if taken is None:
             return request_id, None
         request = self._requests[request_id]
-        return request_id, self._append_token(request, handoff.first_token, handoff.first_logprob)
+        return request_id, self._append_token(request, taken.first_token, taken.first_logprob)
 
     @_one_thread
     def step(self) -> list[RequestOutput]:

@@ -16,7 +16,8 @@ their chained hashes (core/hashing.py); the decode side checks them against the 
 The prefill side holds the exported blocks (one reference each and a lock, like a running
 request) until `release` or until `hold_s` passes, whichever comes first.
 
-Plain Python over the engine's pool and tree on the engine thread; the transport (Ray in
+Plain Python over the engine's pool and tree on the engine thread, but for an import's byte copy,
+which may run on another thread (kv_import.py: reserve, copy, commit); the transport (Ray in
 radixserve.cluster) only carries KVHandoff objects.
 """
 
@@ -26,14 +27,14 @@ import dataclasses
 import itertools
 import time
 import uuid
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from radixserve.core.hashing import chain_hashes, root_hash
+from radixserve.engine.kv_import import ImportResult, PendingImport, block_bytes, cancel, commit, reserve
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
@@ -98,7 +99,9 @@ class TransferStats:
     imports: int = 0
     received_blocks: int = 0
     received_bytes: int = 0
-    import_ms: float = 0.0
+    import_ms: float = 0.0  # copying received bytes into the pool (off the engine thread when reserved first)
+    import_engine_ms: float = 0.0  # the engine thread's share of imports (reserve, commit; a synchronous copy)
+    imports_pending: int = 0  # reservations not yet committed or cancelled (a gauge, filled in by snapshot())
     blocks_already_held: int = 0  # blocks a handoff carried that the decode tree had meanwhile
     skipped_blocks: int = 0  # blocks the decode side held before asking (never sent)
     fallback_recomputes: int = 0  # handoffs that did not arrive or could not be used
@@ -130,13 +133,6 @@ class _Hold:
     block_table: list[int]
     cache_node: Any
     deadline: float
-
-
-@dataclass
-class ImportResult:
-    inserted: int = 0  # blocks copied into the pool and the tree
-    already_held: int = 0  # blocks sent that the tree had by then
-    failed: str | None = None  # why the handoff could not be used (the request computes it)
 
 
 class KVTransfer:
@@ -209,9 +205,10 @@ class KVTransfer:
 
     def release(self, handoff_id: str) -> bool:
         """The decode side has the blocks: drop the export's references and lock."""
-        hold = self.engine.kv.external_holds.pop(handoff_id, None)
-        if hold is None:
+        holds = self.engine.kv.external_holds
+        if not isinstance(holds.get(handoff_id), _Hold):
             return False
+        hold = holds.pop(handoff_id)
         self.engine.cache.unlock(hold.cache_node)
         self.engine.pool.free(reversed(hold.block_table))
         return True
@@ -224,102 +221,99 @@ class KVTransfer:
         for handoff_id in late:
             self.release(handoff_id)
         self.stats.holds_expired += len(late)
+        for stale in [h for h in holds.values() if isinstance(h, PendingImport) and h.deadline <= now]:
+            self.cancel(stale)  # its owner never came back (one being copied stays until it ends)
         return len(late)
 
     def snapshot(self) -> TransferStats | None:
         """A copy of the counters with the holds now; None while this engine plays no role."""
         if not self.enabled:
             return None
-        return dataclasses.replace(self.stats, holds=self.num_holds)
+        return dataclasses.replace(self.stats, holds=self.num_holds, imports_pending=self.num_pending)
 
     @property
     def num_holds(self) -> int:
         return sum(1 for h in self.engine.kv.external_holds.values() if isinstance(h, _Hold))
 
+    @property
+    def num_pending(self) -> int:
+        return sum(1 for h in self.engine.kv.external_holds.values() if isinstance(h, PendingImport))
+
     # ---- decode side --------------------------------------------------------------------
 
+    def take(self, handoff: "KVHandoff | PendingImport | TransferFailed | None", token_ids: list[int]) -> KVHandoff | None:
+        """The handoff a request of `token_ids` goes on from, its blocks now in the tree; None:
+        the request computes its prompt here (counted, unless `handoff` is None). A reservation
+        is committed, or cancelled when it does not fit. Engine thread."""
+        if handoff is None:
+            return None
+        source = handoff.handoff if isinstance(handoff, PendingImport) else handoff
+        usable = isinstance(source, KVHandoff) and source.token_ids == list(token_ids)
+        if isinstance(handoff, PendingImport):
+            if usable:
+                usable = self.commit(handoff).failed is None
+            else:
+                self.cancel(handoff)
+        elif usable:
+            usable = self.import_blocks(handoff).failed is None
+        if not usable:
+            self.count_fallback(len(token_ids))
+            return None
+        return source
+
     def import_blocks(self, handoff: KVHandoff) -> ImportResult:
-        """Insert the handoff's blocks that this tree lacks into the pool and the tree. The
-        tree is matched again first: blocks it gained since are not copied; a tree that lost
-        blocks before the handoff's start (a gap) cannot take it (`failed`)."""
+        """Insert the handoff's blocks that this tree lacks into the pool and the tree, all on
+        this thread (reserve, copy, commit). The tree is matched again first: blocks it gained
+        since are not copied; a tree that lost blocks before the handoff's start (a gap) cannot
+        take it (`failed`)."""
+        pending = self.reserve(handoff)
+        if isinstance(pending, ImportResult):
+            return pending
+        pending.copy()
+        self.stats.import_engine_ms += pending.copy_ms  # here the copy ran on the engine thread
+        return self.commit(pending)
+
+    def reserve(self, handoff: KVHandoff, now: float | None = None) -> PendingImport | ImportResult:
+        """Reserve the blocks the tree lacks for the handoff's bytes (PendingImport.copy fills
+        them on any thread; then commit or cancel here), or a failed ImportResult. Engine thread."""
         t0 = time.perf_counter()
         self.enabled = True
-        result = self._import(handoff)
-        self.stats.import_ms += (time.perf_counter() - t0) * 1000.0
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        hold_id = f"import-{handoff.handoff_id}-{next(self._ids)}"
+        result = reserve(self.engine, handoff, hold_id, now + self.hold_s)
+        if isinstance(result, PendingImport) and result.block_table:
+            self.engine.kv.external_holds[hold_id] = result
+        self.stats.import_engine_ms += (time.perf_counter() - t0) * 1000.0
+        return result
+
+    def commit(self, pending: PendingImport) -> ImportResult:
+        """Insert a copied reservation into the tree (counted); cancel one that did not copy."""
+        t0 = time.perf_counter()
+        result = commit(self.engine, pending)
+        self.stats.import_ms += pending.copy_ms
         if result.failed is None:
             self.stats.imports += 1
             self.stats.received_blocks += result.inserted
-            self.stats.received_bytes += handoff.nbytes
+            self.stats.received_bytes += pending.nbytes
             self.stats.blocks_already_held += result.already_held
-            self.stats.skipped_blocks += handoff.start_block
+            self.stats.skipped_blocks += pending.handoff.start_block
+        self.stats.import_engine_ms += (time.perf_counter() - t0) * 1000.0
         return result
+
+    def cancel(self, pending: PendingImport) -> bool:
+        """Free a reservation that will not be committed (no-op once settled). Engine thread."""
+        return cancel(self.engine, pending)
 
     def count_fallback(self, num_prompt_tokens: int) -> None:
         self.enabled = True
         self.stats.fallback_recomputes += 1
         self.stats.fallback_tokens += num_prompt_tokens
 
-    def _import(self, handoff: KVHandoff) -> ImportResult:
-        engine, cache = self.engine, self.engine.cache
-        reason = self._incompatible(handoff)
-        if reason is not None:
-            return ImportResult(failed=reason)
-        bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
-        end = start + n
-        match = cache.match_prefix(handoff.token_ids[:end * bs], handoff.cache_salt)
-        have = len(match.blocks)
-        if have < start:
-            return ImportResult(failed=f"the tree holds {have} leading blocks, the handoff starts at {start}")
-        skip = min(have, end) - start
-        todo = end - start - skip
-        if todo <= 0:
-            return ImportResult(0, skip)
-        cache.lock(match.node)  # the matched prefix must not be evicted to make room
-        try:
-            if todo > engine.pool.num_free:
-                cache.evict(todo - engine.pool.num_free)
-            todo = min(todo, engine.pool.num_free)
-            if todo <= 0:
-                return ImportResult(0, skip, failed="no free block for the handoff")
-            new = engine.pool.allocate(todo)
-            try:
-                _write_blocks(engine.runner.pool, new, handoff, skip)
-            except Exception as exc:  # nothing is in the tree yet: give the blocks back
-                engine.pool.free(reversed(new))
-                return ImportResult(0, skip, failed=f"copying the blocks in failed: {type(exc).__name__}: {exc}")
-            cache.insert(handoff.token_ids[:(have + todo) * bs], list(match.blocks[:have]) + new, handoff.cache_salt)
-            engine.pool.free(reversed(new))  # the tree holds them now
-        finally:
-            cache.unlock(match.node)
-        return ImportResult(todo, skip)
-
-    def _incompatible(self, handoff: KVHandoff) -> str | None:
-        engine = self.engine
-        pool = engine.runner.pool
-        if engine.cache is None:
-            return "the prefix cache is off"
-        if handoff.block_size != engine.config.block_size:
-            return f"block size {handoff.block_size} != {engine.config.block_size}"
-        if tuple(handoff.block_shape) != tuple(pool.block_shape()) or handoff.dtype != str(pool.kv.dtype):
-            return f"block layout {handoff.block_shape} {handoff.dtype} != {pool.block_shape()} {pool.kv.dtype}"
-        if not isinstance(handoff.data, np.ndarray) or handoff.data.shape != (handoff.num_blocks, _block_bytes(pool)):
-            return "the handoff carries no block data of this pool's block size"
-        bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
-        tokens = handoff.token_ids[:(start + n) * bs]
-        if len(tokens) < (start + n) * bs:
-            return "the handoff names more blocks than its prompt has"
-        if chain_hashes(root_hash(handoff.cache_salt), tokens, bs)[start:] != list(handoff.block_hashes):
-            return "block hashes do not match the prompt"
-        return None
-
 
 def _full_blocks(token_ids: list[int], block_size: int) -> int:
     """Full blocks of a prompt whose K/V a computed prompt leaves in the tree."""
     return len(token_ids) // block_size
-
-
-def _block_bytes(pool: Any) -> int:
-    return int(torch.Size(pool.block_shape()).numel()) * pool.kv.element_size()
 
 
 def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
@@ -328,13 +322,4 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     dest = torch.empty((len(blocks), *shape), dtype=pool.kv.dtype, device=pool.kv.device)
     if blocks:
         pool.copy_blocks_out(blocks, dest, list(range(len(blocks))))
-    return dest.view(torch.uint8).reshape(len(blocks), _block_bytes(pool)).cpu().numpy()
-
-
-def _write_blocks(pool: Any, blocks: list[int], handoff: KVHandoff, skip: int) -> None:
-    data = np.ascontiguousarray(handoff.data[skip:skip + len(blocks)])
-    with warnings.catch_warnings():  # a read-only view of Ray's object store: only read here,
-        warnings.simplefilter("ignore", UserWarning)  # so no copy is made of it first
-        src = torch.from_numpy(data).to(pool.kv.device)
-    src = src.view(pool.kv.dtype).view(len(blocks), *pool.block_shape())
-    pool.copy_blocks_in(list(range(len(blocks))), src, blocks)
+    return dest.view(torch.uint8).reshape(len(blocks), block_bytes(pool)).cpu().numpy()

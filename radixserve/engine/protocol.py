@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from radixserve.config import EngineConfig
     from radixserve.core.block_pool import BlockPool
     from radixserve.engine.inputs import PreparedRequest, Prompt
+    from radixserve.engine.kv_import import PendingImport
     from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
     from radixserve.engine.stats import EngineStats
     from radixserve.model.loader import LoadedModel
@@ -38,7 +39,7 @@ class EngineProtocol(Protocol):
 
     def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str: ...
 
-    def admit_handoff(self, prepared: PreparedRequest, handoff: KVHandoff | TransferFailed | None,
+    def admit_handoff(self, prepared: PreparedRequest, handoff: KVHandoff | PendingImport | TransferFailed | None,
                       request_id: str | None = None) -> tuple[str, RequestOutput | None]: ...
 
     def step(self) -> list[RequestOutput]: ...

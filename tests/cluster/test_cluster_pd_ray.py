@@ -120,6 +120,10 @@ def test_roles_greedy_equality_and_exact_blocks(cluster, single):
     assert "radixserve_kv_sent_bytes_total" in metrics and "radixserve_kv_received_blocks_total" in metrics
     assert 'radixserve_cluster_replicas{state="reachable"} 2.0' in metrics
     assert "radixserve_cluster_routing_decisions_total" in metrics  # the decode deployment's router
+    # The ingress picked the prefill replica for each prompt (it learnt the live one from Ray).
+    picks = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("radixserve_cluster_prefill_routing_decisions_total{"))
+    assert picks >= 3, [line for line in metrics.splitlines() if "prefill_routing" in line]
     check_integrity(cluster)
 
 

@@ -10,7 +10,6 @@ import asyncio
 import random
 
 import httpx
-import numpy as np
 import pytest
 
 from radixserve import Engine
@@ -51,13 +50,15 @@ class _Method:
 
 
 class FakePrefillHandle:
-    """A stand-in for the PrefillReplica deployment's handle: runs jobs on `app`'s engine."""
+    """A stand-in for the PrefillReplica deployment's handle over `apps` (replica name -> app):
+    a job goes to its target replica, as the Ray router sends it, else to the first."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, apps: dict):
+        self.apps = apps
         self.die = 0  # the next N jobs fail as if the replica died
         self.hang = False
         self.jobs: list[PrefillJob] = []
+        self.served: list[str] = []  # the replica each job ran on
         self.releases: list[ReleaseJob] = []
         self.prefill = _Method(self._prefill)
         self.release = _Method(self._release)
@@ -69,33 +70,43 @@ class FakePrefillHandle:
             raise ReplicaGone("the replica died")
         if self.hang:
             await asyncio.sleep(3600)
-        handoff = await self._on_server(run_prefill(self._engine, job, "prefill-0"))
+        name = job.target_replica if job.target_replica in self.apps else next(iter(self.apps))
+        self.served.append(name)
+        handoff = await self._on_server(name, run_prefill(self._engine(name), job, name))
         handoff.data = _Ready(handoff.data)
         return handoff
 
     async def _release(self, job: ReleaseJob):
         self.releases.append(job)
-        return await self._on_server(release(self._engine, job.handoff_id))
+        return await self._on_server(job.target_replica, release(self._engine(job.target_replica), job.handoff_id))
 
-    @property
-    def _engine(self):
-        return self.app.state.server.engine
+    def _engine(self, name: str):
+        return self.apps[name].state.server.engine
 
-    async def _on_server(self, coro):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._engine._loop))
+    async def _on_server(self, name: str, coro):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._engine(name)._loop))
 
 
 @pytest.fixture(scope="module")
-def servers(real_model_dir):
+def apps(real_model_dir):
+    """Two prefill apps, a decode app whose PrefillClient sends them jobs, one single server."""
     options = ServerOptions(enable_debug_endpoints=True)
-    prefill_app = create_app(Engine(str(real_model_dir), **ENGINE), options)
+    prefill_apps = {f"prefill-{i}": create_app(Engine(str(real_model_dir), **ENGINE), options) for i in range(2)}
     decode_app = create_app(Engine(str(real_model_dir), **ENGINE), options)
-    handle = FakePrefillHandle(prefill_app)
+    handle = FakePrefillHandle(prefill_apps)
     client = PrefillClient(handle, PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0), (ReplicaGone,))
     decode_app.state.server.engine.remote_prefill = client
     single_app = create_app(Engine(str(real_model_dir), **ENGINE), options)
-    with BackgroundServer(prefill_app) as p, BackgroundServer(decode_app) as d, BackgroundServer(single_app) as s:
-        yield p.url, d.url, s.url, handle, client
+    with BackgroundServer(prefill_apps["prefill-0"]) as p0, BackgroundServer(prefill_apps["prefill-1"]) as p1, \
+            BackgroundServer(decode_app) as d, BackgroundServer(single_app) as s:
+        yield {"prefill-0": p0.url, "prefill-1": p1.url}, decode_app, d.url, s.url, handle, client
+
+
+@pytest.fixture
+def servers(apps):
+    """Straight to the decode server (no ingress: its jobs go to prefill-0)."""
+    prefill_urls, _, d, s, handle, client = apps
+    return prefill_urls["prefill-0"], d, s, handle, client
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -103,8 +114,9 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def complete(url: str, prompt: list[int], stream: bool = False, max_tokens: int = 10) -> str:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def complete(url: str, prompt: list[int], stream: bool = False, max_tokens: int = 10, **sampling) -> str:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            **sampling}
     if not stream:
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -207,3 +219,128 @@ def test_short_uncached_tail_stays_on_the_decode_replica(servers):
     metrics = httpx.get(d + "/metrics", timeout=30).text
     assert "radixserve_kv_received_blocks_total" in metrics and "radixserve_kv_fallback_recomputes_total" in metrics
     check_integrity(p, d)
+
+
+def test_seeded_sampling_equals_one_server(servers):
+    """The first token is drawn on the prefill replica, the rest here: a seeded request's
+    tokens equal one server's, streamed or not (its noise is keyed by seed and position)."""
+    p, d, s, handle, _ = servers
+    prompt = ids(75, 50)
+    sampled = dict(temperature=1.0, seed=7, ignore_eos=True, max_tokens=16)
+    want = complete(s, prompt, **sampled)
+    assert want != complete(s, prompt, **{**sampled, "seed": 8})  # the seed decides the tokens
+    jobs = len(handle.jobs)
+    assert complete(d, prompt, **sampled) == want
+    assert complete(d, prompt + ids(30, 51), stream=True, **sampled) == complete(s, prompt + ids(30, 51), stream=True,
+                                                                                 **sampled)
+    assert len(handle.jobs) == jobs + 2 and handle.jobs[-1].params.seed == 7
+    check_integrity(p, d)
+
+
+class _DecodeHandle:
+    """A stand-in for the DecodeReplica deployment's handle: forward runs the decode app on its
+    server's loop (where its engine lives) and relays the answer's items."""
+
+    def __init__(self, app, name: str = "decode-0"):
+        self.app, self.name = app, name
+        self.forwarded: list = []
+
+    def options(self, stream: bool) -> "_DecodeHandle":
+        return self
+
+    @property
+    def forward(self) -> "_DecodeHandle":
+        return self
+
+    def remote(self, request):
+        from radixserve.cluster.forwarding import serve_forwarded
+
+        self.forwarded.append(request)
+
+        async def run():
+            return [item async for item in serve_forwarded(self.app, request, self.name)]
+
+        loop = self.app.state.server.engine._loop
+        return _Items(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop)))
+
+
+class _Items:
+    def __init__(self, future):
+        self.future, self.items = future, None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items is None:
+            self.items = list(await self.future)
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        pass
+
+
+def via_ingress(ingress, prompt: list[int], max_tokens: int = 8, **extra) -> httpx.Response:
+    from starlette.requests import Request
+
+    async def asgi(scope, receive, send):
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://cluster") as client:
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    **extra}
+            return await client.post("/v1/completions", json=body, timeout=120)
+
+    return asyncio.run(go())
+
+
+def test_the_ingress_picks_the_prefill_replica_by_prefix(apps):
+    """The ingress's PrefillPicker chooses a prefill replica per request; the choice reaches the
+    decode replica's PrefillJob: a repeated prefix goes to the replica that computed it, a new
+    one to the other, and the answers equal one server's."""
+    from radixserve.cluster.affinity import AffinityConfig
+    from radixserve.cluster.ingress import ClusterIngress, IngressOptions
+
+    prefill_urls, decode_app, d, s, handle, _ = apps
+    ingress = ClusterIngress(_DecodeHandle(decode_app), IngressOptions("pd-test", 3, prefill_affinity=AffinityConfig()),
+                             prefill=handle)
+    ingress.prefill_picker.set_replicas(prefill_urls)  # what the prefill router in the ingress tells it
+    system = ids(80, 60)
+    turns = [system + ids(30, 61), ids(90, 62), system + ids(40, 63), system + ids(20, 64) + ids(30, 65)]
+    served = []
+    for prompt in turns:
+        jobs = len(handle.jobs)
+        answer = via_ingress(ingress, prompt)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == complete(s, prompt, max_tokens=8)
+        assert len(handle.jobs) == jobs + 1 and handle.jobs[-1].target_replica == handle.served[-1]
+        served.append(handle.served[-1])
+    assert served[0] != served[1]  # a new prefix: the replica without one
+    assert served[2] == served[3] == served[0]  # the system prompt's replica, every time
+    assert ingress.prefill_picker.reasons == {"new": 2, "prefix": 2}
+    assert all(load == 0 for load in ingress.prefill_picker.policy.in_flight.values())  # each answered
+    other = prefill_urls[served[1]]
+    assert stats(other)["kv_exports"] == 1
+    home = stats(prefill_urls[served[0]])
+    assert home["cached_prompt_tokens"] >= 2 * 80 // BS * BS  # turns 3 and 4 hit the system prompt there
+    check_integrity(*prefill_urls.values(), d)
+
+
+def test_a_dead_chosen_prefill_replica_is_retried_on_any(apps):
+    from radixserve.cluster.affinity import AffinityConfig
+    from radixserve.cluster.ingress import ClusterIngress, IngressOptions
+
+    prefill_urls, decode_app, d, s, handle, _ = apps
+    ingress = ClusterIngress(_DecodeHandle(decode_app), IngressOptions("pd-test", 3, prefill_affinity=AffinityConfig()),
+                             prefill=handle)
+    ingress.prefill_picker.set_replicas(["prefill-1"])
+    handle.die = 1
+    prompt = ids(70, 70)
+    answer = via_ingress(ingress, prompt)
+    assert answer.json()["choices"][0]["text"] == complete(s, prompt, max_tokens=8)
+    assert [j.target_replica for j in handle.jobs[-2:]] == ["prefill-1", None]  # the retry: wherever it can
+    check_integrity(*prefill_urls.values(), d)

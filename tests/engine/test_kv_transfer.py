@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pickle
 import random
+import threading
 
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.engine.kv_import import ImportResult
 from radixserve.engine.kv_transfer import KVHandoff, TransferFailed
 
 BS = 4
@@ -252,3 +254,120 @@ def test_int8_pages_move_as_bytes_with_their_scales(model):
     stats = float_side.stats()
     assert stats["kv_fallback_recomputes"] == 1 and stats["kv_received_blocks"] == 0
     check(p, d, float_side)
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 20, "repetition_penalty": 1.3}])
+def test_seeded_sampling_is_the_same_disaggregated(model, extra):
+    """The first token is drawn on the prefill side, the rest on the decode side: a seeded
+    request's noise is keyed by (seed, output position), so the tokens equal one engine's."""
+    p, d, single = engine_of(model), engine_of(model), engine_of(model)
+    sampled = dict(temperature=0.9, seed=1234, ignore_eos=True, **extra)
+    for n, seed in [(7, 80), (29, 81)]:
+        prompt = tokens(n, seed)
+        want = single.generate([prompt], SamplingParams(**sampled, max_tokens=12))[0].token_ids
+        unseeded = single.generate([prompt], SamplingParams(**{**sampled, "seed": 99}, max_tokens=12))[0].token_ids
+        assert want != unseeded  # the seed decides these tokens
+        handoff = prefill(p, prompt, d.kv_transfer.cached_blocks(prompt, None), **sampled)
+        wire = pickle.loads(pickle.dumps(handoff))
+        rid, first = d.admit_handoff(d.prepare(prompt, SamplingParams(**sampled, max_tokens=12)), wire)
+        got = run(d, rid)
+        assert first.token_ids == want[:1] and got == want, (n, got, want)
+        p.kv_transfer.release(handoff.handoff_id)
+        check(p, d, single)
+
+
+def reserved(d: Engine, handoff: KVHandoff):
+    """The decode engine's reservation for a handoff off the wire (not yet copied)."""
+    pending = d.kv_transfer.reserve(pickle.loads(pickle.dumps(handoff)))
+    assert not isinstance(pending, ImportResult), pending
+    return pending
+
+
+def test_the_copy_runs_off_the_engine_thread_while_a_stream_steps(model):
+    """Reserve on the engine thread, copy on another while a running request keeps stepping,
+    commit, admit: the output equals one engine's, and the reserved blocks are held (counted by
+    check_integrity, handed to nobody) until the commit puts them in the tree."""
+    p, d, single = engine_of(model), engine_of(model), engine_of(model)
+    prompt, other = tokens(26, 90), tokens(9, 91)
+    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
+    want_other = single.generate([other], SamplingParams(**GREEDY, max_tokens=20))[0].token_ids
+    stream = d.add_request(other, SamplingParams(**GREEDY, max_tokens=20))
+    d.step()
+    handoff = prefill(p, prompt, 0)
+    free = d.pool.num_free
+    pending = reserved(d, handoff)
+    assert len(pending.block_table) == 6 and d.pool.num_free == free - 6
+    assert d.stats()["kv_imports_pending"] == 1 and d.kv_transfer.cached_blocks(prompt, None) == 0
+    d.check_integrity()
+    copier = threading.Thread(target=pending.copy)
+    copier.start()
+    steps = 0
+    while copier.is_alive() or steps < 2:  # the stream steps while the bytes are copied
+        d.step()
+        steps += 1
+    copier.join()
+    assert pending.state == "copied" and pending.handoff.data is None
+    d.check_integrity()
+    rid, first = d.admit_handoff(d.prepare(prompt, SamplingParams(**GREEDY, max_tokens=8)), pending)
+    assert pending.state == "committed" and d.kv_transfer.cached_blocks(prompt, None) == 6
+    outs = {}
+    while d.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in d.step() if o.finished})
+    assert outs[rid] == want and outs[stream] == want_other
+    stats = d.stats()
+    assert (stats["kv_received_blocks"], stats["kv_imports_pending"], stats["kv_fallback_recomputes"]) == (6, 0, 0)
+    assert stats["kv_import_ms"] > 0 and stats["kv_import_engine_ms"] > 0
+    p.kv_transfer.release(handoff.handoff_id)
+    check(p, d, single)
+
+
+@pytest.mark.parametrize("when", ["before_copy", "after_copy", "copy_fails", "expired", "wrong_prompt"])
+def test_a_reservation_not_committed_frees_every_block(model, when):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(21, 92)
+    want = engine_of(model).generate([prompt], SamplingParams(**GREEDY, max_tokens=6))[0].token_ids
+    handoff = prefill(p, prompt, 0)
+    free = d.pool.num_free
+    pending = reserved(d, handoff)
+    if when == "copy_fails":
+        pending.handoff.data = pending.handoff.data[:, :7]  # too short for a block
+    if when != "before_copy":
+        pending.copy()
+    if when == "before_copy":
+        assert d.kv_transfer.cancel(pending) and pending.state == "cancelled"
+        pending.copy()  # a copy that starts after the cancel writes nothing
+        assert pending.state == "cancelled"
+    elif when == "after_copy":
+        assert d.kv_transfer.cancel(pending) and not d.kv_transfer.cancel(pending)
+    elif when == "expired":
+        d.kv_transfer.expire(now=pending.deadline)
+        assert pending.state == "cancelled"
+    assert d.pool.num_free == free or when in ("copy_fails", "wrong_prompt")
+    check(d)
+    asked = prompt if when != "wrong_prompt" else prompt[:-1] + [prompt[-1] % 90 + 4]
+    rid, first = d.admit_handoff(d.prepare(asked, SamplingParams(**GREEDY, max_tokens=6)), pending)
+    assert first is None and pending.state == "cancelled"  # computed here instead
+    got = run(d, rid)
+    if when != "wrong_prompt":
+        assert got == want
+    stats = d.stats()
+    assert (stats["kv_fallback_recomputes"], stats["kv_received_blocks"], stats["kv_imports_pending"]) == (1, 0, 0)
+    d.flush_cache()
+    assert d.pool.num_free == d.pool.num_blocks  # nothing of the reservation is left anywhere
+    p.kv_transfer.release(handoff.handoff_id)
+    check(p, d)
+
+
+def test_a_reservation_with_nothing_to_copy_holds_nothing(model):
+    p, d = engine_of(model), engine_of(model)
+    prompt = tokens(16, 93)
+    d.generate([prompt], SamplingParams(**GREEDY, max_tokens=1))  # the decode tree has all 4 blocks
+    handoff = prefill(p, prompt, 0)
+    free = d.pool.num_free
+    pending = reserved(d, handoff)
+    assert pending.block_table == [] and pending.state == "copied" and d.pool.num_free == free
+    rid, first = d.admit_handoff(d.prepare(prompt, SamplingParams(**GREEDY, max_tokens=4)), pending)
+    assert first is not None and d.stats()["kv_blocks_already_held"] == 4
+    run(d, rid)
+    p.kv_transfer.release(handoff.handoff_id)
+    check(p, d)
