@@ -72,6 +72,8 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
     "radixserve_kv_transfer_ms": ("Milliseconds waiting for KV bytes to arrive", _transfer(lambda t: t.fetch_ms)),
     "radixserve_kv_import_ms": ("Milliseconds spent copying received KV into the pool",
                                 _transfer(lambda t: t.import_ms)),
+    "radixserve_kv_import_engine_ms": ("Milliseconds of imports spent on the engine thread (reserve, commit)",
+                                       _transfer(lambda t: t.import_engine_ms)),
     "radixserve_kv_blocks_already_cached": ("Prompt blocks a decode replica held before asking",
                                             _transfer(lambda t: t.skipped_blocks)),
     "radixserve_kv_blocks_received_meanwhile": ("Received blocks the decode tree had gained meanwhile (not copied)",
@@ -107,6 +109,8 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_kv_blocks_used": ("KV blocks in use (requests or cache)", lambda s: s.blocks_used),
     "radixserve_kv_export_holds": ("Exports holding their blocks until the decode side acks",
                                    _transfer(lambda t: t.holds)),
+    "radixserve_kv_imports_pending": ("Received KV reserved in the pool, its copy not yet committed",
+                                      _transfer(lambda t: t.imports_pending)),
 }
 
 

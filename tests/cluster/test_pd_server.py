@@ -218,6 +218,7 @@ def test_short_uncached_tail_stays_on_the_decode_replica(servers):
         client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0)
     metrics = httpx.get(d + "/metrics", timeout=30).text
     assert "radixserve_kv_received_blocks_total" in metrics and "radixserve_kv_fallback_recomputes_total" in metrics
+    assert "radixserve_kv_import_engine_ms_total" in metrics and "radixserve_kv_imports_pending" in metrics
     check_integrity(p, d)
 
 
