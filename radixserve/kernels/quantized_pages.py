@@ -25,6 +25,7 @@ same arithmetic.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from radixserve.config import KV_CACHE_DTYPES
 
 FP8_MIN_CAPABILITY = (8, 9)  # compiled Triton converts e4m3 from Ada / Hopper on
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device, attention_ba
             f"kv_cache_dtype fp8_e4m3 on {device.type} runs through the torch attention backend only (the C "
             f"kernels of the {attention_backend} backend read float32 and int8 pages, not fp8): pass "
             "--attention-backend torch, or use --kv-cache-dtype int8, which the C kernels run")
+    else:
+        logger.warning("kv_cache_dtype fp8_e4m3 on %s: the same bytes as int8 pages, measured less accurate "
+                       "(docs/kv-quantization.md), through the %s backend; int8 runs the C kernels", device.type,
+                       attention_backend)
 
 
 def _check_fp8_on_cuda(device: torch.device, attention_backend: str) -> None:

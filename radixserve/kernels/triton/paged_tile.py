@@ -20,11 +20,13 @@ def load_paged_rows(cache_ptr, scale_ptr, table, n, n_mask, d, kv_head, stride_b
     slot = n % BLOCK_SIZE
     rows = cache_ptr + block * stride_block + slot * stride_slot + kv_head * stride_head
     if QUANTIZED:
-        codes = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0)
+        codes = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         scales = tl.load(scale_ptr + block * stride_scale_block + slot * stride_scale_slot + kv_head,
                          mask=n_mask, other=0.0)
-        return codes.to(tl.float32) * scales[:, None]
-    return tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        values = codes.to(tl.float32) * scales[:, None]
+    else:
+        values = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+    return values  # one return: compiled Triton types every return a function has, taken or not
 
 
 @triton.jit
