@@ -6,11 +6,13 @@
     .venv/bin/python -m bench.bench_kv_quant --clock cpu     # CPU seconds on one thread (a loaded machine)
 
   accuracy   greedy continuations (--new-tokens, 64) of every prompt in bench/kv_quant_prompts.py
-             (raw text, and chat through the template) by two engines, float32 KV and int8 KV:
+             (raw text, and chat through the template) by two engines, float32 KV and quantized
+             KV (each of --kv-dtypes: int8, and optionally fp8_e4m3) on the same attention
+             backend (int8: the C kernels; fp8_e4m3: torch, the one CPU path that reads fp8):
              the share of identical outputs and the mean agreeing prefix; then teacher-forced
              next-token distributions over each prompt plus its float32 continuation
-             (--tf-tokens long): top-1 agreement and mean KL(float32 || int8) in nats
-  capacity   blocks at the same kv_cache_memory, int8 vs float32
+             (--tf-tokens long): top-1 agreement and mean KL(float32 || quantized) in nats
+  capacity   blocks at the same kv_cache_memory, int8 (and fp8_e4m3, the same page) vs float32
   speed      one decode step of the whole model (the native decoder, C attention) at each
              batch x context, int8 vs float32 in turns, over a filled pool whose block tables
              are random (no shared prefix); median ms, and the KV bytes a step reads. --clock cpu
@@ -31,11 +33,15 @@ from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.registry import get_backend_class, resolve_backend_name
 from radixserve.model.native_decoder import NativeDecoder
 
 BLOCK = 16
 DTYPES = ("auto", "int8")
 TARGETS = {"top1": 0.99, "kl": 0.01, "capacity": 3.5}
+# The attention backend each quantized dtype's accuracy runs on, float32 reference included
+# (auto: the C kernels here; they read no fp8 pages, so fp8 runs through torch).
+ACCURACY_BACKENDS = {"int8": "auto", "fp8_e4m3": "torch"}
 
 
 def main() -> None:
@@ -43,11 +49,11 @@ def main() -> None:
     torch.manual_seed(0)
     if args.clock == "cpu":
         torch.set_num_threads(1)
-    engines = {d: Engine(kv_cache_dtype=d, kv_cache_memory=args.kv_memory_mb << 20)
-               for d in (DTYPES if "accuracy" in args.parts else DTYPES[:1])}
-    report = {"capacity": capacity(engines["auto"]), "accuracy": None, "speed": []}
+    engines = {"auto": Engine(kv_cache_memory=args.kv_memory_mb << 20)}
+    report = {"capacity": capacity(engines["auto"]), "accuracy": {}, "speed": []}
     if "accuracy" in args.parts:
-        report["accuracy"] = accuracy(engines, _prompts(engines["auto"], args.prompts), args)
+        prompts = _prompts(engines["auto"], args.prompts)
+        report["accuracy"] = {d: accuracy(engines["auto"], d, prompts, args) for d in args.kv_dtypes}
     model, spec = engines["auto"].runner.model, engines["auto"].loaded.spec
     del engines
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -61,38 +67,47 @@ def main() -> None:
 # ---- accuracy -----------------------------------------------------------------------------------
 
 
-def accuracy(engines: dict[str, Engine], prompts: list[list[int]], args) -> dict:
+def accuracy(base: Engine, kv_dtype: str, prompts: list[list[int]], args) -> dict:
+    """kv_dtype's pages against float32 KV, both on ACCURACY_BACKENDS[kv_dtype] (`base`:
+    float32 on auto)."""
+    backend, memory = ACCURACY_BACKENDS[kv_dtype], args.kv_memory_mb << 20
+    engines = {"auto": base if backend == "auto" else Engine(attention_backend=backend, kv_cache_memory=memory),
+               kv_dtype: Engine(kv_cache_dtype=kv_dtype, attention_backend=backend, kv_cache_memory=memory)}
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outs = {d: [o.token_ids for o in e.generate(prompts, greedy, use_tqdm=False)] for d, e in engines.items()}
-    prefixes = [_agreeing(a, b) for a, b in zip(outs["auto"], outs["int8"])]
-    print(f"  accuracy: greedy done, {sum(n == args.new_tokens for n in prefixes)}/{len(prompts)} identical", flush=True)
+    prefixes = [_agreeing(a, b) for a, b in zip(outs["auto"], outs[kv_dtype])]
+    print(f"  accuracy {kv_dtype}: greedy done, {sum(n == args.new_tokens for n in prefixes)}/{len(prompts)} identical",
+          flush=True)
     forced = SamplingParams(max_tokens=args.tf_tokens, temperature=0.0, ignore_eos=True)
     sequences = [p + o.token_ids for p, o in zip(prompts, engines["auto"].generate(prompts, forced, use_tqdm=False))]
-    model, spec = engines["auto"].runner.model, engines["auto"].loaded.spec
+    model, spec = base.runner.model, base.loaded.spec
+    backend_class = get_backend_class(resolve_backend_name(backend, torch.device("cpu")))
+    del engines
     agree = kl = positions = 0
     for seq in sequences:
-        full, quant = (teacher_forced_logits(model, spec, seq, d) for d in DTYPES)
+        full, quant = (teacher_forced_logits(model, spec, seq, d, backend_class) for d in ("auto", kv_dtype))
         p, q = torch.log_softmax(full.double(), -1), torch.log_softmax(quant.double(), -1)
         agree += int((full.argmax(-1) == quant.argmax(-1)).sum())
         kl += float((p.exp() * (p - q)).sum())
         positions += len(seq)
-        print(f"  accuracy: {positions} positions forced, top-1 {agree / positions:.2%}", end="\r", flush=True)
+        print(f"  accuracy {kv_dtype}: {positions} positions forced, top-1 {agree / positions:.2%}", end="\r",
+              flush=True)
     return {
-        "prompts": len(prompts), "new_tokens": args.new_tokens,
+        "kv_dtype": kv_dtype, "backend": backend, "prompts": len(prompts), "new_tokens": args.new_tokens,
         "identical": sum(n == args.new_tokens for n in prefixes) / len(prompts),
         "mean_prefix": statistics.mean(prefixes), "positions": positions,
         "top1": agree / positions, "kl": kl / positions,
     }
 
 
-def teacher_forced_logits(model, spec, tokens: list[int], kv_cache_dtype: str) -> torch.Tensor:
+def teacher_forced_logits(model, spec, tokens: list[int], kv_cache_dtype: str, backend_class) -> torch.Tensor:
     """Next-token logits at every position of `tokens`, computed as one prompt chunk over a
     fresh pool of that KV dtype (every position attends to its context as the pages hold it)."""
     n, blocks = len(tokens), -(-len(tokens) // BLOCK)
     pool = KVPool(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, torch.float32,
                   torch.device("cpu"), kv_cache_dtype)
-    backend = CpuAttentionBackend(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
-                                  torch.float32, pool.pages)
+    backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
+                            torch.float32, pool.pages)
     meta = _metadata(0, [0, n], [n], [list(range(blocks))], list(range(n)))
     plan = backend.prepare(meta)
     ids, positions = torch.tensor(tokens), torch.arange(n)
@@ -105,7 +120,7 @@ def teacher_forced_logits(model, spec, tokens: list[int], kv_cache_dtype: str) -
 def capacity(engine: Engine) -> dict:
     spec, memory = engine.loaded.spec, 1 << 30
     geometry = (spec.num_layers, BLOCK, spec.num_kv_heads, spec.head_dim, torch.float32)
-    per_block = {d: KVPool.bytes_per_block(*geometry, kv_cache_dtype=d) for d in DTYPES}
+    per_block = {d: KVPool.bytes_per_block(*geometry, kv_cache_dtype=d) for d in (*DTYPES, "fp8_e4m3")}
     blocks = {d: memory // b for d, b in per_block.items()}
     return {"memory": memory, "bytes_per_token": {d: b / BLOCK for d, b in per_block.items()},
             "blocks": blocks, "ratio": blocks["int8"] / blocks["auto"]}
@@ -207,12 +222,13 @@ def _print(report: dict, args) -> None:
     print(f"  default model, torch threads {torch.get_num_threads()}, step times in {clock}; greedy, "
           f"{args.new_tokens} new tokens")
     print("=" * 92)
-    if acc is not None:
-        _print_accuracy(acc)
+    for a in acc.values():
+        _print_accuracy(a)
     bpt = cap["bytes_per_token"]
     print(f"capacity at {cap['memory'] >> 20} MiB: float32 {cap['blocks']['auto']} blocks ({bpt['auto']:.0f} B/token), "
           f"int8 {cap['blocks']['int8']} blocks ({bpt['int8']:.0f} B/token): {cap['ratio']:.2f}x "
-          f"(target >= {TARGETS['capacity']}x) {_verdict(cap['ratio'] >= TARGETS['capacity'])}")
+          f"(target >= {TARGETS['capacity']}x) {_verdict(cap['ratio'] >= TARGETS['capacity'])}; "
+          f"fp8_e4m3 the same page ({cap['blocks']['fp8_e4m3']} blocks)")
     if not report["speed"]:
         return
     print("decode step, whole model (median ms; KV MiB read per step):")
@@ -223,13 +239,14 @@ def _print(report: dict, args) -> None:
 
 
 def _print_accuracy(acc: dict) -> None:
-    print(f"accuracy over {acc['prompts']} prompts ({len(RAW[: -(-acc['prompts'] // 2)])} raw, the rest chat):")
+    print(f"accuracy of {acc['kv_dtype']} (attention backend {acc['backend']}) over {acc['prompts']} prompts "
+          f"({len(RAW[: -(-acc['prompts'] // 2)])} raw, the rest chat):")
     print(f"  identical greedy outputs        {acc['identical']:7.1%}")
     print(f"  mean agreeing prefix            {acc['mean_prefix']:7.1f} of {acc['new_tokens']} tokens")
     print(f"  teacher-forced positions        {acc['positions']:7d}")
     print(f"  top-1 agreement                 {acc['top1']:7.2%}   (target >= {TARGETS['top1']:.0%})"
           f"  {_verdict(acc['top1'] >= TARGETS['top1'])}")
-    print(f"  mean KL(float32 || int8)        {acc['kl']:7.4f} nats (target <= {TARGETS['kl']})"
+    print(f"  mean KL(float32 || quantized)   {acc['kl']:7.4f} nats (target <= {TARGETS['kl']})"
           f"  {_verdict(acc['kl'] <= TARGETS['kl'])}")
 
 
@@ -245,10 +262,13 @@ def _plot(path: str, report: dict) -> None:
 
     acc, cap, rows = report["accuracy"], report["capacity"], report["speed"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    if acc is not None:
-        axes[0].bar(["identical outputs", "top-1 agreement"], [acc["identical"], acc["top1"]], color=["C0", "C1"])
+    for i, a in enumerate(acc.values()):
+        axes[0].bar([f"{a['kv_dtype']}\nidentical", f"{a['kv_dtype']}\ntop-1"], [a["identical"], a["top1"]],
+                    color=[f"C{2 * i}", f"C{2 * i + 1}"])
+    if acc:
         axes[0].set_ylim(0, 1.05)
-        axes[0].set_title(f"int8 vs float32 KV accuracy (KL {acc['kl']:.4f} nats)")
+        kls = ", ".join(f"{a['kv_dtype']} {a['kl']:.4f}" for a in acc.values())
+        axes[0].set_title(f"quantized vs float32 KV accuracy (KL {kls} nats)")
     axes[1].bar(["float32", "int8"], [cap["blocks"]["auto"], cap["blocks"]["int8"]], color=["C0", "C2"])
     axes[1].set_title(f"KV blocks in {cap['memory'] >> 20} MiB ({cap['ratio']:.2f}x)")
     labels = [f"b{r['batch']}\n{r['context']}" for r in rows]
@@ -281,6 +301,8 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=["accuracy", "speed"], default=["accuracy", "speed"],
                         help="what to measure (capacity is always reported)")
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--kv-dtypes", nargs="+", choices=list(ACCURACY_BACKENDS), default=["int8"],
+                        help="quantized KV dtypes whose accuracy is measured (fp8_e4m3: through the torch backend)")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.tf_tokens, args.batches, args.contexts = 20, 64, [1, 8], [512, 6144]

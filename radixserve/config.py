@@ -26,7 +26,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     # auto: the model's dtype; int8: symmetric int8 codes with one float32 scale per token and
     # KV head, inside each block (~3.8x the blocks at the same kv_cache_memory, CPU and GPU);
-    # fp8_e4m3: refused for now (CPU has no fp8 arithmetic; the GPU kernels are not written yet)
+    # fp8_e4m3: float8 e4m3 codes in the same page (the same blocks as int8): Triton kernels on
+    # GPUs of compute capability 8.9+, or the torch attention backend (on CPU: torch only)
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
@@ -116,6 +117,9 @@ class EngineConfig:
             if trace.is_dir() or not trace.parent.is_dir():
                 raise ValueError(f"step_trace must be a file in an existing directory, got {self.step_trace!r}")
         _check_takes_effect(self)
+        if self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "cpu":
+            raise ValueError("kv_cache_dtype fp8_e4m3 is not read by the cpu attention backend (its C kernels read "
+                             "float32 and int8 pages): use --attention-backend torch, or --kv-cache-dtype int8")
         if self.chunked_prefill_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must not exceed "

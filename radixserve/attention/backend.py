@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages
 from radixserve.attention.metadata import AttentionMetadata
 
 
@@ -26,16 +26,21 @@ class AttentionBackend(abc.ABC):
     context through its block table. Query head h reads KV head h // (num_heads // num_kv_heads).
 
     Caches are one layer's pool: [num_blocks, block_size, num_kv_heads, head_dim] of
-    `dtype`, or with `pages` (int8 KV) its [num_blocks, page_bytes] uint8 pages. q is
+    `dtype`, or with `pages` (quantized KV) its [num_blocks, page_bytes] uint8 pages, of
+    a code in `page_codes`. q is
     [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the result has q's shape.
     """
 
     name = "abstract"
+    page_codes: tuple[str, ...] = ("int8",)  # the quantized pages this backend reads
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
+                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if pages is not None and pages.code.name not in self.page_codes:
+            raise ValueError(f"the {self.name} attention backend reads {' and '.join(self.page_codes)} KV pages, "
+                             f"not {pages.code.name}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -1,4 +1,4 @@
-"""KVPool: the paged K/V tensors of every layer, in the model's dtype or as int8 pages."""
+"""KVPool: the paged K/V tensors of every layer, in the model's dtype or as quantized (int8, fp8) pages."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import mmap
 
 import torch
 
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages, page_code
 
 
 class KVPool:
     """K and V for every layer in one tensor of shape
     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] of `dtype`; with
-    kv_cache_dtype int8, [num_layers, 2, num_blocks, page_bytes] uint8 (int8_pages.py: a
-    block's codes and scales in one page). Either way kv[:, :, b] is block b's whole KV,
+    kv_cache_dtype int8 or fp8_e4m3, [num_layers, 2, num_blocks, page_bytes] uint8
+    (quantized_pages.py: a block's codes and scales in one page). Either way kv[:, :, b] is block b's whole KV,
     which the tier and persistence copy as opaque bytes."""
 
     def __init__(
@@ -30,8 +30,9 @@ class KVPool:
     ):
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
-        self.pages = Int8Pages(block_size, num_kv_heads, head_dim) if kv_cache_dtype == "int8" else None
-        self.rotate_keys = kv_cache_dtype != "auto"  # quantized pages hold keys in kernels/key_basis.py's basis
+        code = page_code(kv_cache_dtype)
+        self.pages = QuantizedPages(block_size, num_kv_heads, head_dim, code) if code else None
+        self.rotate_keys = code is not None  # quantized pages hold keys in kernels/key_basis.py's basis
         shape, storage = self.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
         self.kv, self._memory = _zeros((*shape[:2], num_blocks, *shape[2:]), storage, torch.device(device))
         self.block_bytes = math.prod(shape) * self.kv.element_size()
@@ -72,8 +73,9 @@ class KVPool:
     def geometry(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto") -> tuple[tuple[int, ...], torch.dtype]:
         """One block's shape over all layers, and the pool's storage dtype."""
-        if kv_cache_dtype == "int8":
-            return (num_layers, 2, Int8Pages(block_size, num_kv_heads, head_dim).page_bytes), torch.uint8
+        code = page_code(kv_cache_dtype)
+        if code:
+            return (num_layers, 2, QuantizedPages(block_size, num_kv_heads, head_dim, code).page_bytes), torch.uint8
         return (num_layers, 2, block_size, num_kv_heads, head_dim), dtype
 
     @staticmethod
@@ -81,7 +83,7 @@ class KVPool:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
     ) -> int:
-        """A block's real bytes over all layers (codes and scales, for int8 pages)."""
+        """A block's real bytes over all layers (codes and scales, for quantized pages)."""
         shape, storage = KVPool.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
         return math.prod(shape) * torch.empty((), dtype=storage).element_size()
 

@@ -1,9 +1,10 @@
 """Attention backend registry: factories import lazily, so the package imports without Triton.
 
-    torch   plain torch ops, any device and dtype
+    torch   plain torch ops, any device and dtype; int8 and fp8_e4m3 pages
     cpu     C kernels on CPU (store, decode and prompt attention in place through the block tables),
             float32 pools and int8 pages
-    triton  Triton kernels on CUDA (in Triton's interpreter elsewhere, for tests)
+    triton  Triton kernels on CUDA (in Triton's interpreter elsewhere, for tests); int8 and
+            fp8_e4m3 pages (fp8 compiled from compute capability 8.9 on)
 """
 
 from __future__ import annotations

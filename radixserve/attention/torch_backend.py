@@ -8,8 +8,9 @@ few per step and each is a large op, so they run one SDPA call each; a chunk wit
 cached prefix attends to its own fresh K/V without touching the pool. The cpu backend
 shares the prefill path (plan_prefills, prefill_attention) and the fallback store.
 
-With int8 pages the store quantizes, gathered pages are dequantized before SDPA, and a
-chunk with no cached prefix attends to its fresh K/V as the pages hold them (dequantized).
+With quantized pages (int8 or fp8_e4m3) the store quantizes, gathered pages are dequantized
+before SDPA, and a chunk with no cached prefix attends to its fresh K/V as the pages hold
+them (dequantized).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages
 from radixserve.attention.metadata import AttentionMetadata
 
 
@@ -43,9 +44,10 @@ class TorchPlan(AttentionPlan):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    page_codes = ("int8", "fp8_e4m3")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
+                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._group = num_heads // num_kv_heads
         self._workspace: torch.Tensor | None = None
@@ -87,9 +89,9 @@ class TorchAttentionBackend(AttentionBackend):
         return ws[:need].view(2, rows, *cache.shape[1:]).unbind(0)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, pages: Int8Pages | None = None):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, pages: QuantizedPages | None = None):
     """Write k, v [T, kv_heads, head_dim] into the caches' flat slots; returns k, v as the
-    caches now hold them (themselves, or dequantized from int8 pages)."""
+    caches now hold them (themselves, or dequantized from quantized pages)."""
     if pages is not None:
         return pages.store(k, v, k_cache, v_cache, slot_mapping)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -118,7 +120,7 @@ def plan_prefills(meta: AttentionMetadata) -> list[PrefillChunk]:
 
 
 def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float,
-                      pages: Int8Pages | None = None) -> torch.Tensor:
+                      pages: QuantizedPages | None = None) -> torch.Tensor:
     """One prefill chunk's attention [q_len, num_heads, head_dim], by one SDPA call; k, v
     are the step's K/V as store_kv returned them."""
     queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
@@ -143,7 +145,7 @@ def _plan_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Ten
     return index, length, (positions[None, :] < meta.seq_lens[:d, None]).view(d, 1, 1, -1)
 
 
-def _gather(cache: torch.Tensor, chunk: PrefillChunk, pages: Int8Pages | None, dtype: torch.dtype) -> torch.Tensor:
+def _gather(cache: torch.Tensor, chunk: PrefillChunk, pages: QuantizedPages | None, dtype: torch.dtype) -> torch.Tensor:
     blocks = cache.index_select(0, chunk.block_index)
     if pages is not None:
         blocks = pages.read(blocks, dtype)

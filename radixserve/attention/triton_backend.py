@@ -2,9 +2,9 @@
 
 Each layer: store_kv writes the step's K/V into the pool, the decode kernel serves the
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
-chunks, reading cached prefixes in place through their block tables. With int8 pages the
-kernels take each layer's pages as two strided views, the codes and the scales
-(kernels/int8_pages.py): the store quantizes, attention dequantizes as it loads.
+chunks, reading cached prefixes in place through their block tables. With quantized pages
+(int8 or fp8_e4m3) the kernels take each layer's pages as two strided views, the codes and
+the scales (kernels/quantized_pages.py): the store quantizes, attention dequantizes as it loads.
 
 On a device other than CUDA the kernels run in Triton's interpreter, which must be
 selected before the kernel modules are imported; so they are imported on the first
@@ -20,7 +20,7 @@ import torch
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.metadata import AttentionMetadata
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ def load_kernels(device: torch.device) -> SimpleNamespace:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    page_codes = ("int8", "fp8_e4m3")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None):
+                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels: SimpleNamespace | None = None
 

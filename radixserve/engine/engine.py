@@ -17,7 +17,7 @@ import torch
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
 from radixserve.kernels.key_basis import KEY_BASIS
-from radixserve.kernels.int8_pages import SCHEME as INT8_SCHEME, check_kv_cache_dtype
+from radixserve.kernels.quantized_pages import check_kv_cache_dtype, page_code
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
 from radixserve.execution.constrained import GrammarFactory
@@ -87,7 +87,7 @@ class Engine:
         self.step_trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        check_kv_cache_dtype(cfg.kv_cache_dtype, resolve_device(cfg.device))  # before the model loads
+        check_kv_cache_dtype(cfg.kv_cache_dtype, resolve_device(cfg.device), cfg.attention_backend)  # before the model loads
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -96,7 +96,7 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         self.eos_token_ids = self.loaded.eos_token_ids
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
-        # the KV pool's element: the model's dtype (auto), or int8 pages
+        # the KV pool's element: the model's dtype (auto), or quantized pages (int8, fp8_e4m3)
         self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
         self.pool = BlockPool(num_blocks)
@@ -449,8 +449,9 @@ class Engine:
         layout = {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
                   "block_size": cfg.block_size, "kv_layout": "layer,kv,block,token,head,dim",
                   "kv_cache_dtype": self.kv_cache_dtype}
-        if cfg.kv_cache_dtype == "int8":
-            layout.update(kv_layout="layer,kv,block,page", kv_scheme=INT8_SCHEME, kv_key_basis=KEY_BASIS)
+        code = page_code(cfg.kv_cache_dtype)
+        if code:
+            layout.update(kv_layout="layer,kv,block,page", kv_scheme=code.scheme, kv_key_basis=KEY_BASIS)
         return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
     def _run_tier_copies(self) -> None:

@@ -49,11 +49,6 @@ def test_int8_sizes_the_pool_by_page_bytes_and_reports_it(tiny_model_dir):
     assert "radixserve_kv_bytes_per_token 160.0" in text
 
 
-def test_fp8_is_refused_on_cpu_at_start(tiny_model_dir):
-    with pytest.raises(ValueError, match="fp8_e4m3 is not supported on CPU"):
-        Engine(str(tiny_model_dir("llama")), kv_cache_dtype="fp8_e4m3")
-
-
 @pytest.mark.parametrize("native_decoder", [True, False])
 def test_int8_shares_prefixes_and_preempts_with_the_same_tokens(tiny_model_dir, native_decoder):
     directory = tiny_model_dir("llama")

@@ -284,17 +284,17 @@ def test_extend_scenario_shares_physical_blocks():
     assert not set(tables[0][:2]) & set(tables[2][:5])  # the prefix-less request owns all its blocks
 
 
-# ---- int8 pages (kernels/int8_pages.py) -----------------------------------------------------
+# ---- int8 pages (kernels/quantized_pages.py; fp8 pages: test_kv_fp8.py) ---------------------
 
 
-def _int8_views(paged: Paged):
-    """The paged case's K/V quantized into int8 pages: (k codes, v codes, k scales, v scales),
-    strided views of the pages as the triton backend hands them to the kernels, and the
-    pages dequantized ([blocks, block_size, kv_heads, head_dim] float64)."""
-    from radixserve.kernels.int8_pages import Int8Pages
+def _quantized_views(paged: Paged, code_name: str = "int8"):
+    """The paged case's K/V quantized into pages of that code: (k codes, v codes, k scales,
+    v scales), strided views of the pages as the triton backend hands them to the kernels,
+    and the pages dequantized ([blocks, block_size, kv_heads, head_dim] float64)."""
+    from radixserve.kernels.quantized_pages import PAGE_CODES, QuantizedPages
 
     num_blocks, block_size, kv_heads, head_dim = paged.k_cache.shape
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim, PAGE_CODES[code_name])
     raw = [torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
     flat = [c.float().reshape(-1, kv_heads, head_dim) for c in (paged.k_cache, paged.v_cache)]
     pages.store(*flat, *raw, torch.arange(num_blocks * block_size, device=DEVICE))
@@ -314,22 +314,32 @@ def _float64_rows(q, dequantized, block_tables, seq_lens, query_starts, scale):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("block_size, kv_heads", [(1, 2), (5, 1), (16, 3)])
-def test_store_kv_int8_matches_reference(block_size, kv_heads):
-    from radixserve.kernels.int8_pages import Int8Pages
-
+def _store_quantized(pages, num_blocks: int, tiny_token: bool = False):
+    """7 tokens' strided K/V rows (the third not stored; with tiny_token the second's K 1e5
+    times smaller) stored into zeroed pages by store_kv and by store_kv_reference: both
+    results as (k codes, v codes, k scales, v scales) views of the pages."""
     g = torch.Generator().manual_seed(3)
-    pages, num_blocks, head_dim = Int8Pages(block_size, kv_heads, 64), 9, 64
+    kv_heads, head_dim = pages.num_kv_heads, pages.head_dim
     fused = (_randn(g, 7, 2 * kv_heads + 1, head_dim) * 4).to(DEVICE)
     k, v = fused[:, :kv_heads], fused[:, kv_heads + 1 :]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:7].to(DEVICE)
+    if tiny_token:
+        k[1] *= 1e-5
+    slots = torch.randperm(num_blocks * pages.block_size, generator=g)[:7].to(DEVICE)
     slots[2] = -1  # not stored
-    got, want = ([torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
-                 for _ in range(2))
-    views = lambda raw: (pages.codes(raw[0]), pages.codes(raw[1]), pages.scales(raw[0]), pages.scales(raw[1]))  # noqa: E731
-    g_views, w_views = views(got), views(want)
-    store_kv(k, v, g_views[0], g_views[1], slots, k_scales=g_views[2], v_scales=g_views[3])
-    store_kv_reference(k, v, w_views[0], w_views[1], slots, k_scales=w_views[2], v_scales=w_views[3])
+    results = []
+    for store in (store_kv, store_kv_reference):
+        raw = [torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+        views = (pages.codes(raw[0]), pages.codes(raw[1]), pages.scales(raw[0]), pages.scales(raw[1]))
+        store(k, v, views[0], views[1], slots, k_scales=views[2], v_scales=views[3])
+        results.append(views)
+    return results
+
+
+@pytest.mark.parametrize("block_size, kv_heads", [(1, 2), (5, 1), (16, 3)])
+def test_store_kv_int8_matches_reference(block_size, kv_heads):
+    from radixserve.kernels.quantized_pages import QuantizedPages
+
+    g_views, w_views = _store_quantized(QuantizedPages(block_size, kv_heads, 64), 9)
     for a, b in zip(g_views[:2], w_views[:2]):
         assert (a.int() - b.int()).abs().max() <= 1  # rounding ties only
     for a, b in zip(g_views[2:], w_views[2:]):
@@ -342,7 +352,7 @@ def test_store_kv_int8_matches_reference(block_size, kv_heads):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_int8_matches_float64(heads, block_size, num_splits):
     paged, q = _decode_case(heads, 64, block_size, torch.float32, _decode_contexts(block_size), 2)
-    (k_codes, v_codes, k_scales, v_scales), dequantized = _int8_views(paged)
+    (k_codes, v_codes, k_scales, v_scales), dequantized = _quantized_views(paged)
     out = decode_attention(q, k_codes, v_codes, paged.block_tables, paged.seq_lens, 0.125, num_splits=num_splits,
                            k_scales=k_scales, v_scales=v_scales)
     starts = list(range(q.shape[0] + 1))
@@ -355,7 +365,7 @@ def test_decode_int8_matches_float64(heads, block_size, num_splits):
 def test_extend_int8_matches_float64(heads, block_size):
     case = _extend_case(heads, 64, block_size, torch.float32, shared_blocks=2 if block_size > 1 else 20)
     p = case.paged
-    (k_codes, v_codes, k_scales, v_scales), dequantized = _int8_views(p)
+    (k_codes, v_codes, k_scales, v_scales), dequantized = _quantized_views(p)
     out = extend_attention(case.q, k_codes, v_codes, p.block_tables, case.query_start_loc, p.seq_lens, 0.125,
                            k_scales=k_scales, v_scales=v_scales)
     expected = _float64_rows(case.q, dequantized, p.block_tables, p.seq_lens, case.query_start_loc.tolist(), 0.125)
@@ -364,7 +374,7 @@ def test_extend_int8_matches_float64(heads, block_size):
 
 def test_int8_kernels_refuse_missing_or_misshapen_scales():
     paged, q = _decode_case((2, 2), 64, 4, torch.float32, [3], 0)
-    (k_codes, v_codes, k_scales, v_scales), _ = _int8_views(paged)
+    (k_codes, v_codes, k_scales, v_scales), _ = _quantized_views(paged)
     with pytest.raises(ValueError, match="both k_scales and v_scales"):
         decode_attention(q, k_codes, v_codes, paged.block_tables, paged.seq_lens, 0.125, k_scales=k_scales)
     with pytest.raises(ValueError, match="k_scales must be float32"):

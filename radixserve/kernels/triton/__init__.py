@@ -17,6 +17,9 @@ import sys
 
 import torch
 
+# Quantized pages' code element types (kernels/quantized_pages.py); the kernels tell them apart by the cache's dtype.
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
 
 def configure_triton(device: torch.device | str) -> None:
     """Select Triton's interpreter unless `device` is CUDA. Triton fixes its mode when it
@@ -71,12 +74,12 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
-    """With int8 pages the caches are int8 codes and the scales float32 [blocks, block_size,
-    kv_heads] with contiguous heads (views of the pages: kernels/int8_pages.py)."""
+    """With quantized pages the caches are int8 or float8_e4m3fn codes and the scales float32
+    [blocks, block_size, kv_heads] with contiguous heads (views of the pages: kernels/quantized_pages.py)."""
     if k_scales is None and v_scales is None:
         return
-    if k_scales is None or v_scales is None or k_cache.dtype != torch.int8:
-        raise ValueError("int8 pages need int8 caches and both k_scales and v_scales")
+    if k_scales is None or v_scales is None or k_cache.dtype not in CODE_DTYPES:
+        raise ValueError("quantized pages need int8 or float8_e4m3fn caches and both k_scales and v_scales")
     for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
         if t.dtype != torch.float32 or t.shape != k_cache.shape[:3] or t.stride(2) != 1:
             raise ValueError(f"{name} must be float32 {tuple(k_cache.shape[:3])} with contiguous heads, got "
@@ -84,7 +87,7 @@ def check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales:
 
 
 def scale_args(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> tuple:
-    """The scale pointers and strides a kernel takes (the caches themselves, unused, when not int8)."""
+    """The scale pointers and strides a kernel takes (the caches themselves, unused, when not quantized)."""
     if k_scales is None:
         return k_cache, k_cache, 0, 0, 0, 0
     return k_scales, v_scales, k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)

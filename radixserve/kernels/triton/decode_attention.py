@@ -50,7 +50,7 @@ def _decode_kernel(
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -82,7 +82,7 @@ def _decode_kernel(
         n_mask = n < end
         k = load_paged_rows(
             k_cache_ptr, k_scale_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch,
-            stride_ksb, stride_kss, BLOCK_SIZE, INT8,
+            stride_ksb, stride_kss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
@@ -90,7 +90,7 @@ def _decode_kernel(
         s = tl.where(n_mask[None, :], s, float("-inf"))
         v = load_paged_rows(
             v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
-            stride_vsb, stride_vss, BLOCK_SIZE, INT8,
+            stride_vsb, stride_vss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
@@ -192,8 +192,8 @@ def decode_attention(
     max_seq_len (the largest seq_len, to size the split without a device sync) and
     num_splits (force the split-K path with that many splits; 1 = single pass) only
     change scheduling, never the result. Writes into and returns `out` (like q). With
-    k_scales/v_scales ([num_blocks, block_size, num_kv_heads] float32) the caches are int8
-    codes of int8 pages, dequantized as they are loaded.
+    k_scales/v_scales ([num_blocks, block_size, num_kv_heads] float32) the caches are the
+    int8 or float8_e4m3fn codes of quantized pages, dequantized as they are loaded.
     """
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scales, v_scales)
@@ -226,7 +226,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), INT8=k_scales is not None,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
         num_warps=4, num_stages=2,
     )
     if split:
@@ -267,7 +267,7 @@ def decode_attention_reference(
 
 
 def dequantized(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """The cache as values: itself, or int8 codes times their per-token-head scales."""
+    """The cache as values: itself, or its codes times their per-token-head scales."""
     return cache if scales is None else cache.float() * scales[..., None]
 
 

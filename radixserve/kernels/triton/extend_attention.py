@@ -43,7 +43,7 @@ def _extend_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
@@ -76,7 +76,7 @@ def _extend_kernel(
         n_mask = n < kv_end
         k = load_paged_rows(
             k_cache_ptr, k_scale_ptr, table, n, n_mask, d, kv_head, stride_kcb, stride_kcs, stride_kch,
-            stride_ksb, stride_kss, BLOCK_SIZE, INT8,
+            stride_ksb, stride_kss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
@@ -85,7 +85,7 @@ def _extend_kernel(
         s = tl.where(visible, s, float("-inf"))
         v = load_paged_rows(
             v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
-            stride_vsb, stride_vss, BLOCK_SIZE, INT8,
+            stride_vsb, stride_vss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
 
@@ -148,7 +148,7 @@ def extend_attention(
     ([num_blocks, block_size, num_kv_heads, head_dim]) through block_tables[i] (int32).
     Only those rows of `out` (like q; zeros when not given) are written; it is returned.
     max_query_len (the longest chunk) sizes the grid without a device sync. With
-    k_scales/v_scales the caches are the int8 codes of int8 pages (as in decode_attention).
+    k_scales/v_scales the caches are the codes of quantized pages (as in decode_attention).
     """
     out = torch.zeros_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_scales, v_scales)
@@ -172,7 +172,7 @@ def extend_attention(
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), INT8=k_scales is not None,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
         num_warps=num_warps, num_stages=2,
     )
     return out

@@ -1,6 +1,6 @@
 """Device helpers shared by the paged attention kernels: load one tile of K or V rows
-through a block table (dequantizing int8 pages in registers), and fold one tile of scores
-into an online softmax."""
+through a block table (dequantizing int8 or fp8 pages in registers), and fold one tile of
+scores into an online softmax."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ import triton.language as tl
 
 @triton.jit
 def load_paged_rows(cache_ptr, scale_ptr, table, n, n_mask, d, kv_head, stride_block, stride_slot, stride_head,
-                    stride_scale_block, stride_scale_slot, BLOCK_SIZE: tl.constexpr, INT8: tl.constexpr):
+                    stride_scale_block, stride_scale_slot, BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
     """Rows [len(n), head_dim] of one KV head for context positions n (0 where masked),
-    each found at block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE. INT8: the cache holds
-    int8 codes and scale_ptr their float32 scales ([blocks, block_size, kv_heads]); the rows
-    come back dequantized, in fp32."""
+    each found at block table[n // BLOCK_SIZE], slot n % BLOCK_SIZE. QUANTIZED: the cache
+    holds int8 or float8e4nv codes (the pointer's type says which) and scale_ptr their float32
+    scales ([blocks, block_size, kv_heads]); the rows come back dequantized, in fp32 (both
+    code types convert to fp32 exactly)."""
     block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = n % BLOCK_SIZE
     rows = cache_ptr + block * stride_block + slot * stride_slot + kv_head * stride_head
-    if INT8:
-        codes = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0)
+    if QUANTIZED:
+        codes = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
         scales = tl.load(scale_ptr + block * stride_scale_block + slot * stride_scale_slot + kv_head,
                          mask=n_mask, other=0.0)
-        return codes.to(tl.float32) * scales[:, None]
-    return tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+        values = codes.to(tl.float32) * scales[:, None]
+    else:
+        values = tl.load(rows[:, None] + d[None, :], mask=n_mask[:, None], other=0.0)
+    return values  # one return: compiled Triton types every return a function has, taken or not
 
 
 @triton.jit
