@@ -53,9 +53,9 @@ def real_engine(real_model_dir):
 
 @pytest.fixture(autouse=True)
 def _kv_cache_dtype_from_env(monkeypatch):
-    """RADIXSERVE_TEST_KV_CACHE_DTYPE=int8 runs every engine a test builds on int8 KV pages
-    (unless the test names a kv_cache_dtype itself): the whole engine suite over quantized
-    pages, on demand, without doubling every run."""
+    """RADIXSERVE_TEST_KV_CACHE_DTYPE=int8 (or fp8_e4m3: on CPU through the torch backend) runs
+    every engine a test builds on quantized KV pages (unless the test names a kv_cache_dtype
+    itself): the whole engine suite over quantized pages, on demand, without doubling every run."""
     dtype = os.environ.get("RADIXSERVE_TEST_KV_CACHE_DTYPE")
     if not dtype:
         return
@@ -65,6 +65,8 @@ def _kv_cache_dtype_from_env(monkeypatch):
 
     def init(self, model=None, **options):
         options.setdefault("kv_cache_dtype", dtype)
+        if options["kv_cache_dtype"] == "fp8_e4m3" and options.get("device", "cpu") == "cpu":
+            options.setdefault("attention_backend", "torch")  # the one CPU path that reads fp8 pages
         original(self, model, **options)
 
     monkeypatch.setattr(Engine, "__init__", init)
