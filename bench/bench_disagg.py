@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.bench_disagg                       # 2 runs of each, 40 s each
     .venv/bin/python -m bench.bench_disagg --duration 60 --repeats 3 --rate 0.25
+    .venv/bin/python -m bench.bench_disagg --chunk 128 --rate 0.12   # shorter, more frequent stalls
     .venv/bin/python -m bench.bench_disagg --transfer-only       # transfer vs recompute, no Ray
 
 Starts a local Ray and, for each configuration, deploys the cluster app afresh:
@@ -137,7 +138,8 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
         for repeat in range(args.repeats):
             for name in args.configs.split(","):
                 port = free_port()
-                deploy(ENGINE, ServerOptions(), configs[name], "127.0.0.1", port)
+                engine = {**ENGINE, **({"chunked_prefill_size": args.chunk} if args.chunk else {})}
+                deploy(engine, ServerOptions(), configs[name], "127.0.0.1", port)
                 url = f"http://127.0.0.1:{port}"
                 stream(url, {"model": MODEL, "prompt": "Warm up.", "max_tokens": 4, "temperature": 0})
                 run = Run(name)
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=120, help="tokens each stream generates")
     parser.add_argument("--configs", default="colocated,disagg")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="chunked_prefill_size of every engine, both configurations (0: the default)")
     parser.add_argument("--transfer-only", action="store_true")
     args = parser.parse_args(argv)
     if args.transfer_only:

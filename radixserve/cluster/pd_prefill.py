@@ -5,12 +5,22 @@ No Ray here: PrefillReplica (pd_replica.py) puts the bytes in Ray's object store
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from radixserve.cluster.pd_jobs import PrefillJob
+from radixserve.config import EngineConfig
 from radixserve.engine.kv_transfer import KVHandoff
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.request_group import GenerationInput
+
+
+def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A prefill replica's engine options: the cluster's, with prompt chunks as large as one
+    step takes. Chunking protects running decodes from a long prompt's step; a prefill
+    replica runs none, so smaller chunks there would only cost matmul efficiency (and TTFT)."""
+    budget = engine_kwargs.get("max_num_batched_tokens", EngineConfig().max_num_batched_tokens)
+    return {**engine_kwargs, "chunked_prefill_size": budget}  # a chunk never exceeds the budget
 
 
 async def run_prefill(engine: AsyncEngine, job: PrefillJob, source: str | None = None) -> KVHandoff:

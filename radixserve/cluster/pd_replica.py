@@ -28,7 +28,7 @@ class PrefillReplica(RadixReplica):
     role = "prefill"
 
     async def __init__(self, engine_kwargs: dict[str, Any], server_options: ServerOptions, pd: PDOptions):
-        await super().__init__(engine_kwargs, server_options)
+        await super().__init__(pd_prefill.prefill_engine_kwargs(engine_kwargs), server_options)
         self.engine = self.app.state.server.engine
         self.engine.engine.kv_transfer.hold_s = pd.hold_s
         self.engine.engine.kv_transfer.enabled = True  # its kv_* stats and metrics from the start

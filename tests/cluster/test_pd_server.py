@@ -14,9 +14,10 @@ import pytest
 
 from radixserve import Engine
 from radixserve.cluster.options import PDOptions
+from radixserve.config import EngineConfig
 from radixserve.cluster.pd_client import PrefillClient
 from radixserve.cluster.pd_jobs import PrefillJob, ReleaseJob
-from radixserve.cluster.pd_prefill import release, run_prefill
+from radixserve.cluster.pd_prefill import prefill_engine_kwargs, release, run_prefill
 from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
 
@@ -345,3 +346,12 @@ def test_a_dead_chosen_prefill_replica_is_retried_on_any(apps):
     assert answer.json()["choices"][0]["text"] == complete(s, prompt, max_tokens=8)
     assert [j.target_replica for j in handle.jobs[-2:]] == ["prefill-1", None]  # the retry: wherever it can
     check_integrity(*prefill_urls.values(), d)
+
+
+def test_a_prefill_replica_takes_prompt_chunks_as_large_as_a_step():
+    """Chunking protects decodes; a prefill replica runs none, so its chunk is the step budget."""
+    assert prefill_engine_kwargs({"chunked_prefill_size": 128, "num_threads": 1}) == {
+        "chunked_prefill_size": 2048, "num_threads": 1}
+    options = prefill_engine_kwargs({"chunked_prefill_size": 64, "max_num_batched_tokens": 512})
+    assert options == {"chunked_prefill_size": 512, "max_num_batched_tokens": 512}
+    EngineConfig(**options)  # a valid engine configuration (a chunk never exceeds the budget)
