@@ -4,6 +4,7 @@ with --cpu, the tiled C prefill kernel on CPU beside SDPA and the model's matmul
     python -m bench.bench_kernels            # decode and prefix-extend vs torch SDPA
     python -m bench.bench_kernels --engine   # default model, bf16: triton vs torch backend
     python -m bench.bench_kernels --cpu      # float32 on CPU: GFLOP/s of attention and matmuls
+    python -m bench.bench_kernels --cpu --cpu-rows  # the decode kernel on several rows of a request
 
 Kernels are timed two ways: replayed from a CUDA graph (the GPU's own time, no host
 launch overhead) and called eagerly (what an engine without CUDA graphs pays). The
@@ -287,6 +288,47 @@ def bench_cpu(args: argparse.Namespace) -> None:
         print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
 
 
+def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
+    """The C decode kernel on several query rows of one request (a speculative verify, a small
+    prompt chunk: row i sees the context up to its own position), float32 and int8 pages, at
+    the default model's heads: the rows in one call, which reads each K/V tile once for all of
+    them, beside the same rows one call each (each walks the context again) and beside rows of
+    as many different requests (no context to share, what every row costs alone)."""
+    from radixserve.kernels.int8_pages import Int8Pages
+    from radixserve.kernels.native_attention import load_native_attention
+
+    kernels = load_native_attention()
+    heads = HEAD_CONFIGS[0]
+    scale = heads.head_dim**-0.5
+    print(f"  decode kernel, R query rows of one request (ms per call, best of {args.cpu_repeats}; "
+          f"x: the cost of one row):")
+    for int8 in (False, True):
+        for context in (2048, 6144):
+            data = paged_batch(8, context, heads, torch.device("cpu"))
+            k, v, pages = data.k_cache.float(), data.v_cache.float(), None
+            if int8:
+                pages = Int8Pages(BLOCK_SIZE, heads.kv_heads, heads.head_dim)
+                k8, v8 = (torch.zeros(k.shape[0], pages.page_bytes, dtype=torch.uint8) for _ in range(2))
+                pages.store(k.flatten(0, 1), v.flatten(0, 1), k8, v8, torch.arange(k.shape[0] * BLOCK_SIZE))
+                k, v = k8, v8
+            one = None
+            for rows in (1, 4, 8):
+                q = torch.randn(rows, heads.num_heads, heads.head_dim)
+                lens = torch.arange(context - rows + 1, context + 1, dtype=torch.int32)
+                same = data.block_tables[:1].repeat(rows, 1).contiguous()
+                apart = data.block_tables[:rows].contiguous()
+                full = torch.full((rows,), context, dtype=torch.int32)
+                times = _best_cpu_times({
+                    "one call": lambda: kernels.decode(q, k, v, same, lens, scale, pages),
+                    "a call per row": lambda: [kernels.decode(q[i : i + 1], k, v, same[i : i + 1], lens[i : i + 1],
+                                                              scale, pages) for i in range(rows)],
+                    "rows of R requests": lambda: kernels.decode(q, k, v, apart, full, scale, pages),
+                }, args.cpu_repeats)
+                one = one or times["one call"]
+                cells = "  ".join(f"{name} {t * 1e3:6.2f} ms ({t / one:4.1f}x)" for name, t in times.items())
+                print(f"    {'int8' if int8 else 'float32':7s} context {context:5d} R={rows}: {cells}")
+
+
 def _best_cpu_times(calls: dict, repeats: int) -> dict[str, float]:
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     for fn in calls.values():
@@ -314,10 +356,13 @@ def main() -> None:
     parser.add_argument("--extend-batch", type=int, default=8)
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels instead (no GPU needed)")
     parser.add_argument("--cpu-repeats", type=int, default=5)
+    parser.add_argument("--cpu-rows", action="store_true", help="with --cpu: only the decode kernel on several rows")
     args = parser.parse_args()
     if args.cpu:
         with torch.inference_mode():
-            bench_cpu(args)
+            if not args.cpu_rows:
+                bench_cpu(args)
+            bench_cpu_decode_rows(args)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")

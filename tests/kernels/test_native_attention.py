@@ -15,6 +15,7 @@ from radixserve.attention import registry
 from radixserve.attention.cpu_backend import CpuAttentionBackend, CpuPlan
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend, TorchPlan, store_kv
+from radixserve.kernels.int8_pages import Int8Pages
 from radixserve.kernels.native_attention import load_native_attention
 
 native = load_native_attention()
@@ -77,6 +78,61 @@ def test_native_decode_matches_dense_reference(heads, kv_heads, head_dim, block_
     scale = head_dim**-0.5
     got = native.decode(*args, scale)
     torch.testing.assert_close(got, dense_reference(*args, scale), atol=2e-5, rtol=2e-5)
+
+
+def request_rows(requests, *, heads, kv_heads, head_dim, block_size, int8=False, seed=0):
+    """Query rows laid out as the runner lays out a verify step or a small prompt chunk:
+    requests is a list of (context, rows, table of a request it forks from or None, blocks
+    shared with it); a request's rows are consecutive, share its block table, and row i of
+    r sees the context up to context - r + 1 + i (causal offsets). Returns the decode
+    kernel's arguments, then `pages` (or None) and the caches as floats for the reference."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    needed = sum(-(-n // block_size) for n, *_ in requests) + 2
+    free = list(range(needed))
+    rng.shuffle(free)
+    tables, row_tables, lens = [], [], []
+    for context, rows, parent, shared in requests:
+        head = tables[parent][:shared] if parent is not None else []
+        table = head + [free.pop() for _ in range(-(-context // block_size) - len(head))]
+        tables.append(table)
+        row_tables += [table] * rows
+        lens += [context - rows + 1 + i for i in range(rows)]
+    width = max(len(t) for t in row_tables)
+    k = torch.randn(needed, block_size, kv_heads, head_dim, generator=gen)
+    v = torch.randn(needed, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in row_tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if not int8:
+        return (q, k, v, block_tables, seq_lens), None, k, v
+    pages = Int8Pages(block_size, kv_heads, head_dim)
+    k_pages, v_pages = (torch.zeros(needed, pages.page_bytes, dtype=torch.uint8) for _ in range(2))
+    pages.store(k.flatten(0, 1), v.flatten(0, 1), k_pages, v_pages, torch.arange(needed * block_size))
+    return (q, k_pages, v_pages, block_tables, seq_lens), pages, pages.read(k_pages, torch.float32), \
+        pages.read(v_pages, torch.float32)
+
+
+ROW_CASES = [
+    [(37, 5, None, 0)],  # a verify step: 5 rows, the last blocks partial
+    [(64, 4, None, 0), (1, 1, None, 0), (33, 8, None, 0)],  # rows cross a block boundary; a lone decode
+    [(150, 70, None, 0)],  # a small prompt chunk: more rows than one group holds
+    [(7, 7, None, 0), (200, 3, None, 0), (211, 6, 1, 9)],  # a fresh prompt; a fork sharing 9 blocks, then its own
+]
+
+
+@needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (2, 2)])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (40, 5), (128, 16)])
+@pytest.mark.parametrize("case", range(len(ROW_CASES)))
+def test_native_decode_of_several_rows_per_request_matches_float64(int8, heads, kv_heads, head_dim, block_size, case):
+    requests = [(n, rows, parent, min(shared, -(-n // block_size) - 1)) for n, rows, parent, shared in ROW_CASES[case]]
+    args, pages, k, v = request_rows(requests, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                     block_size=block_size, int8=int8, seed=case)
+    scale = head_dim**-0.5
+    got = native.decode(*args, scale, pages)
+    q, _, _, tables, seq_lens = args
+    torch.testing.assert_close(got, dense_reference(q, k, v, tables, seq_lens, scale), atol=3e-5, rtol=3e-5)
 
 
 @needs_native

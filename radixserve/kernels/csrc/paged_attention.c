@@ -1,34 +1,41 @@
 /*
  * Paged KV on CPU, float32: writing a step's new K/V rows into their pool slots, and
- * decode attention (one query token per request) reading K and V straight out of the
- * block pool through each request's block table (no gather, no copy).
+ * decode attention (one query row per request row) reading K and V straight out of the
+ * block pool through each row's block table (no gather, no copy).
  *
- * Requests are taken in groups: neighbours whose block tables start with the same
- * physical blocks (prefix-cache hits on one system prompt, forks of one program) attend
- * to those shared blocks together, so a shared block is read from memory once per group
- * and then reused from L1 by every query head of every member. Each member then walks
- * its own remaining blocks alone. The caller puts requests that share a prefix next to
- * each other (the runner orders decodes by block table). Groups are spread over OpenMP
- * threads (torch's own workers, see native_build.py).
+ * Rows are taken in groups: neighbours whose block tables start with the same physical
+ * block (the rows of one request in a speculative verify or a small prompt chunk, each
+ * with its own causal length; prefix-cache hits on one system prompt; forks of one
+ * program). A group walks the leading blocks that all its rows still reading them hold
+ * at the same place together ("joint" blocks): each K/V tile of a KV head is read from
+ * memory once and then serves, from L1, every query head of that KV head in every row,
+ * each row taking the block's keys up to its own length. Then each row walks its own
+ * remaining blocks alone. The caller puts rows that share a prefix next to each other (the
+ * runner orders decodes by block table; a chunk's rows are consecutive). Groups are spread
+ * over OpenMP threads (torch's own workers, see native_build.py).
  *
  * Softmax is online (flash-decoding style): every query row keeps its running max m,
- * running sum l and an unnormalised output acc; each block of keys rescales them once.
+ * running sum l and an unnormalised output acc; each group of VW keys rescales them once.
+ * Scores are in log2 units (q is pre-scaled by scale * log2(e)), so weights are exp2. The
+ * VW scores of a key group are VW dot products reduced together (v_sums), the weighted sum
+ * of V rows runs over head_dim in vectors, and nothing of either is per-element scalar work.
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
  * Layouts (float32, contiguous):
- *   q, out           [num_requests, num_heads, head_dim]
+ *   q, out           [num_rows, num_heads, head_dim]
  *   k, v (new rows)  [tokens, num_kv_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables     [num_requests, table_stride] int32
- *   seq_lens         [num_requests] int32 (context length, >= 1)
+ *   block_tables     [num_rows, table_stride] int32
+ *   seq_lens         [num_rows] int32 (context length, >= 1)
  *   slots            [tokens] int64 (block * block_size + offset)
  *
  * int8 pages (the _i8 entry points; kernels/int8_pages.py): k_pages, v_pages are
  * [num_blocks, page_bytes] bytes, each page int8 codes [block_size, num_kv_heads, head_dim]
  * then, from code_bytes on, float32 scales [block_size, num_kv_heads]. The store quantizes
- * each token's head (scale = max|x| / 127, codes rounded half away from zero); decode
- * dequantizes one block's rows of one KV head into an L1 tile, which every query head of
- * the group then reads as float32 rows, so a block is converted once per group.
+ * each token's head (scale = max|x| / 127, codes rounded half away from zero). Decode
+ * converts a block's codes of one KV head to floats once per group (int8 -> int32 -> float
+ * in registers, unscaled), and folds each token's scales in once per query row: the K
+ * scale into the token's score, the V scale into its softmax weight.
  */
 #include <float.h>
 #include <math.h>
@@ -39,119 +46,14 @@
 #include <omp.h>
 #endif
 
-#define MAX_GROUP 16 /* members per group: their running state stays in L2 */
+#include "vec.h"
+
+#define MAX_GROUP 64 /* rows per group: their running state stays in L2 */
 #define PREFETCH_BLOCKS 2
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VECTOR_PATH 1
-/* The 8 dot products of q with 8 key rows `stride` floats apart, as one vector. */
-static inline __m256 dot_8_keys(const float *q, const float *k, int64_t stride, int64_t head_dim) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + d), a7);
-    }
-    const __m256 lo4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 hi4 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31));
-}
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-/* acc = acc * alpha + sum_t p[t] * v[t], head_dim floats, v rows `stride` apart. Eight
- * independent accumulators per pass keep the FMA units busy despite their latency. */
-static inline void accumulate(float *acc, float alpha, const float *p, const float *v, int64_t ntok,
-                              int64_t stride, int64_t head_dim) {
-    const __m256 a = _mm256_set1_ps(alpha);
-    int64_t d = 0;
-    for (; d + 64 <= head_dim; d += 64) {
-        __m256 o[8];
-        for (int i = 0; i < 8; ++i) o[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * i), a);
-        for (int64_t t = 0; t < ntok; ++t) {
-            const __m256 w = _mm256_set1_ps(p[t]);
-            const float *x = v + t * stride + d;
-            for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * i), o[i]);
-        }
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d + 8 * i, o[i]);
-    }
-    for (; d < head_dim; d += 8) {
-        __m256 even = _mm256_mul_ps(_mm256_loadu_ps(acc + d), a), odd = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 2 <= ntok; t += 2) {
-            even = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + d), even);
-            odd = _mm256_fmadd_ps(_mm256_set1_ps(p[t + 1]), _mm256_loadu_ps(v + (t + 1) * stride + d), odd);
-        }
-        if (t < ntok) even = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + d), even);
-        _mm256_storeu_ps(acc + d, _mm256_add_ps(even, odd));
-    }
-}
-#else
-#define VECTOR_PATH 0
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-#endif
-
-static void accumulate_scalar(float *acc, float alpha, const float *p, const float *v, int64_t ntok,
-                              int64_t stride, int64_t head_dim) {
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= alpha;
-    for (int64_t t = 0; t < ntok; ++t)
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[t] * v[t * stride + d];
-}
-
-/* One query row against ntok keys/values `stride` floats apart: fold them into the row's
- * running (m, l, acc). s is scratch for ntok scores. */
-static void attend_keys(const float *q, const float *k, const float *v, int64_t ntok, int64_t stride,
-                        int64_t head_dim, float scale, float *m, float *l, float *acc, float *s) {
-    int64_t t = 0;
-#if VECTOR_PATH
-    const int vector = head_dim % 8 == 0;
-    if (vector)
-        for (; t + 8 <= ntok; t += 8)
-            _mm256_storeu_ps(s + t, _mm256_mul_ps(dot_8_keys(q, k + t * stride, stride, head_dim), _mm256_set1_ps(scale)));
-#else
-    const int vector = 0;
-#endif
-    for (; t < ntok; ++t) {
-        const float *kt = k + t * stride;
-        float x = 0.0f;
-        if (vector) x = dot(q, kt, head_dim);
-        else
-            for (int64_t d = 0; d < head_dim; ++d) x += q[d] * kt[d];
-        s[t] = x * scale;
-    }
-    float top = *m;
-    for (t = 0; t < ntok; ++t) top = s[t] > top ? s[t] : top;
-    float sum = 0.0f;
-    for (t = 0; t < ntok; ++t) {
-        s[t] = expf(s[t] - top);
-        sum += s[t];
-    }
-    const float alpha = expf(*m - top); /* 0 on the first block, where *m is -FLT_MAX */
-    *l = *l * alpha + sum;
-    *m = top;
-#if VECTOR_PATH
-    if (vector) {
-        accumulate(acc, alpha, s, v, ntok, stride, head_dim);
-        return;
-    }
-#endif
-    accumulate_scalar(acc, alpha, s, v, ntok, stride, head_dim);
-}
+#define PANEL 4 /* vectors of a row's output accumulated at once */
+#define LOG2E 1.4426950408889634f
+#define MASKED (-1e30f) /* a score no key reaches; finite, as -ffast-math wants */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
     const char *k_pages, *v_pages; /* block b's K/V start at b * page_bytes */
@@ -182,102 +84,243 @@ static void quantize_row(const float *x, int64_t head_dim, int8_t *codes, float 
     *scale = amax * (1.0f / 127.0f);
 }
 
-/* Rows of KV head j of an int8 page, dequantized: out [ntok][head_dim]. */
-static void dequantize_rows(const Shape *sh, const char *page, int64_t j, int64_t ntok, float *out) {
-    const int64_t h = sh->num_kv_heads, d = sh->head_dim;
-    const int8_t *codes = (const int8_t *)page + j * d;
-    const float *scales = (const float *)(page + sh->code_bytes) + j;
-    for (int64_t t = 0; t < ntok; ++t) {
-        const int8_t *c = codes + t * h * d;
-        const float sc = scales[t * h];
-        float *o = out + t * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = (float)c[i] * sc;
-    }
+static int64_t vectors_of(int64_t n) { return (n + VW - 1) / VW; }
+
+/* A group's query rows, [row][head] (row i's head h at i * num_heads + h), and their state. */
+typedef struct {
+    float *q, *acc; /* [rows][padded]: q pre-scaled, zeros past head_dim; acc unnormalised */
+    float *m, *l;   /* [rows] */
+    int64_t padded; /* head_dim rounded up to whole vectors */
+} Rows;
+
+/* One block of one KV head as the rows read it: token t's head_dim floats at k + t * stride
+ * (the tail vector holds `tail` of them); with int8 pages the codes as floats in a tile
+ * (padded with zeros, tail = VW) and the tokens' scales (ks, vs), else ks = vs = NULL. */
+typedef struct {
+    const float *k, *v, *ks, *vs;
+    int64_t stride, vectors, tail;
+} Keys;
+
+/* Per-thread scratch for an int8 block: K and V codes as floats, their scales. */
+typedef struct {
+    float *k, *v; /* [block_size][padded] */
+    float *ks, *vs; /* [block_size rounded up to VW] */
+} Tile;
+
+/* Vector c of a token's head_dim floats at x: the last of nv holds `tail` floats. */
+INLINE vf load_vector(const float *x, int64_t c, int64_t nv, int64_t tail) {
+    return c + 1 < nv || tail == VW ? v_load(x + c * VW) : v_load_n(x + c * VW, tail);
 }
 
-/* Fold block `block` (its first ntok tokens) into the state of every query row of the
- * members [0, count) of a group; q and the state (m, l, acc) are laid out [count, num_heads].
- * tile: 2 * block_size * head_dim floats of scratch for int8 pages. */
-static void attend_block(const Shape *sh, const float *q, int64_t count, int64_t block, int64_t ntok,
-                         float *m, float *l, float *acc, float *s, float *tile) {
-    const int64_t group = sh->num_heads / sh->num_kv_heads, dim = sh->head_dim;
-    const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
-    for (int64_t j = 0; j < sh->num_kv_heads; ++j) {
-        const float *k, *v;
-        int64_t row = sh->num_kv_heads * dim;
-        if (sh->int8) {
-            dequantize_rows(sh, kp, j, ntok, tile);
-            dequantize_rows(sh, vp, j, ntok, tile + sh->block_size * dim);
-            k = tile, v = tile + sh->block_size * dim, row = dim;
-        } else {
-            k = (const float *)kp + j * dim, v = (const float *)vp + j * dim;
-        }
-        for (int64_t r = 0; r < count; ++r)
-            for (int64_t h = j * group; h < (j + 1) * group; ++h) {
-                const int64_t i = r * sh->num_heads + h;
-                attend_keys(q + i * dim, k, v, ntok, row, dim, sh->scale, m + i, l + i, acc + i * dim, s);
+/* Lane t: q . key t for the g (<= VW) keys at k, `stride` floats apart, of nv vectors
+ * each; lanes past g are 0. */
+INLINE vf key_scores(const float *q, const float *k, int64_t stride, int64_t nv, int64_t tail, int64_t g) {
+    vf a[VW];
+    for (int t = 0; t < VW; ++t) {
+        a[t] = v_set1(0.0f);
+        if (t < g)
+            for (int64_t c = 0; c < nv; ++c) a[t] = v_fma(v_load(q + c * VW), load_vector(k + t * stride, c, nv, tail), a[t]);
+    }
+    return v_sums(a);
+}
+
+/* o[nv (<= PANEL) vectors] = o * alpha + sum_t w[t] v[t] over g value rows `stride` floats
+ * apart. Two accumulators per vector hide the FMA latency. */
+INLINE void value_panel(float *o, vf alpha, const float *w, const float *v, int64_t stride, int64_t nv,
+                        int64_t tail, int64_t g) {
+    vf even[PANEL], odd[PANEL];
+    for (int i = 0; i < PANEL; ++i) even[i] = i < nv ? v_mul(v_load(o + i * VW), alpha) : v_set1(0.0f), odd[i] = v_set1(0.0f);
+    int64_t t = 0;
+    for (; t + 2 <= g; t += 2) {
+        const vf w0 = v_set1(w[t]), w1 = v_set1(w[t + 1]);
+        for (int i = 0; i < PANEL; ++i)
+            if (i < nv) {
+                even[i] = v_fma(w0, load_vector(v + t * stride, i, nv, tail), even[i]);
+                odd[i] = v_fma(w1, load_vector(v + (t + 1) * stride, i, nv, tail), odd[i]);
             }
     }
+    for (int i = 0; i < PANEL; ++i)
+        if (i < nv && t < g) even[i] = v_fma(v_set1(w[t]), load_vector(v + t * stride, i, nv, tail), even[i]);
+    for (int i = 0; i < PANEL; ++i)
+        if (i < nv) v_store(o + i * VW, v_add(even[i], odd[i]));
 }
 
-/* Ask for a block's keys and values (every KV head) into L2, PREFETCH_BLOCKS blocks before
- * they are read: a request's blocks lie anywhere in the pool, so the hardware's stream
- * prefetcher starts over at every block (measured on the 2-core dev machine, 8 requests of
- * ~330 tokens, cold pool, 30 layers: 8.9 -> 7.9 ms; into L1 instead of L2: 8.6 ms). */
-static inline void prefetch_block(const Shape *sh, int64_t block) {
-    const int64_t bytes = sh->page_bytes;
-    const char *k = sh->k_pages + block * bytes, *v = sh->v_pages + block * bytes;
-    for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(k + o, 0, 2);
-        __builtin_prefetch(v + o, 0, 2);
+/* Fold keys [t0, t0 + g) (g <= VW) into one query row's running (m, l, acc); the rows have
+ * nv vectors, the last holding `tail` floats. */
+INLINE void fold_keys(const float *q, float *acc, float *m, float *l, const Keys *keys, int64_t t0, int64_t g,
+                      int64_t nv, int64_t tail) {
+    const int64_t stride = keys->stride;
+    vf s = key_scores(q, keys->k + t0 * stride, stride, nv, tail, g);
+    if (keys->ks) s = v_mul(s, v_load(keys->ks + t0));
+    s = v_keep(s, g, MASKED);
+    const float m_old = *m, top = v_hmax(s), m_new = top > m_old ? top : m_old;
+    const vf p = v_keep(v_exp2(v_sub(s, v_set1(m_new))), g, 0.0f);
+    const vf alpha = v_exp2(v_set1(m_old - m_new)); /* 0 on the first keys, where m_old is MASKED */
+    *l = *l * v_first(alpha) + v_hsum(p);
+    *m = m_new;
+    float w[VW];
+    v_store(w, keys->vs ? v_mul(p, v_load(keys->vs + t0)) : p);
+    const float *v = keys->v + t0 * stride;
+    for (int64_t c = 0; c < nv; c += PANEL) {
+        const int64_t n = nv - c < PANEL ? nv - c : PANEL;
+        value_panel(acc + c * VW, alpha, w, v + c * VW, stride, n, c + n < nv ? VW : tail, g);
     }
 }
 
-/* How many leading blocks requests [first, last) all hold, whole and identical. */
-static int64_t shared_blocks(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int64_t first,
-                             int64_t last, int64_t block_size) {
-    int64_t n = seq_lens[first] / block_size;
-    for (int64_t r = first + 1; r < last && n > 0; ++r) {
-        const int64_t full = seq_lens[r] / block_size;
-        n = full < n ? full : n;
-        int64_t b = 0;
-        while (b < n && tables[first * stride + b] == tables[r * stride + b]) ++b;
-        n = b;
+/* One query row against the block's first n keys, VW at a time. The common shape (whole
+ * key groups, rows of PANEL whole vectors: head_dim 64 on AVX-512) is compiled apart. */
+static void attend_row(const Rows *rows, int64_t i, const Keys *keys, int64_t n) {
+    const float *q = rows->q + i * rows->padded;
+    float *acc = rows->acc + i * rows->padded, *m = rows->m + i, *l = rows->l + i;
+    const int common = keys->vectors == PANEL && keys->tail == VW;
+    int64_t t0 = 0;
+    for (; t0 + VW <= n; t0 += VW) {
+        if (common) fold_keys(q, acc, m, l, keys, t0, VW, PANEL, VW);
+        else fold_keys(q, acc, m, l, keys, t0, VW, keys->vectors, keys->tail);
     }
-    return n;
+    if (t0 < n) fold_keys(q, acc, m, l, keys, t0, n - t0, keys->vectors, keys->tail);
 }
 
-/* The members of the group that starts at `first`: up to `cap` neighbours sharing its first block. */
-static int64_t group_end(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int64_t first,
-                         int64_t end, int64_t block_size, int64_t cap) {
+/* KV head j's first n tokens of an int8 page: codes as floats into out [n][padded], zeros
+ * past head_dim; their scales into scales [n rounded up to VW], zeros past n. */
+static void convert_codes(const Shape *sh, const char *page, int64_t j, int64_t n, int64_t padded, float *out,
+                          float *scales) {
+    const int64_t h = sh->num_kv_heads, d = sh->head_dim, tail = d - (vectors_of(d) - 1) * VW;
+    const int8_t *codes = (const int8_t *)page + j * d;
+    const float *sc = (const float *)(page + sh->code_bytes) + j;
+    for (int64_t t = 0; t < n; ++t) {
+        const int8_t *c = codes + t * h * d;
+        float *o = out + t * padded;
+        int64_t x = 0;
+        for (; x + VW <= d; x += VW) v_store(o + x, v_load_i8(c + x));
+        if (x < d) v_store(o + x, v_load_i8_n(c + x, tail));
+        scales[t] = sc[t * h];
+    }
+    for (int64_t t = n; t < vectors_of(n) * VW; ++t) scales[t] = 0.0f;
+}
+
+/* KV head j of the block whose pages start at kp, vp, for its first n tokens. */
+static Keys block_keys(const Shape *sh, const char *kp, const char *vp, int64_t j, int64_t n, int64_t padded,
+                       Tile *tile) {
+    const int64_t d = sh->head_dim, vectors = vectors_of(d);
+    if (!sh->int8) {
+        const Keys keys = {(const float *)kp + j * d, (const float *)vp + j * d, NULL, NULL,
+                           sh->num_kv_heads * d, vectors, d - (vectors - 1) * VW};
+        return keys;
+    }
+    convert_codes(sh, kp, j, n, padded, tile->k, tile->ks);
+    convert_codes(sh, vp, j, n, padded, tile->v, tile->vs);
+    const Keys keys = {tile->k, tile->v, tile->ks, tile->vs, padded, vectors, VW};
+    return keys;
+}
+
+/* How many of block b's tokens a row of context `len` sees. */
+static int64_t tokens_in(int64_t len, int64_t b, int64_t block_size) {
+    const int64_t n = len - b * block_size;
+    return n < 0 ? 0 : n < block_size ? n : block_size;
+}
+
+/* Lines [part, part + 1) / parts of block `ahead`'s K and V pages into L2 (nothing for ahead < 0). */
+static inline void prefetch_part(const Shape *sh, int64_t ahead, int64_t part, int64_t parts) {
+    if (ahead < 0) return;
+    const int64_t lines = (sh->page_bytes + 63) / 64, from = lines * part / parts, to = lines * (part + 1) / parts;
+    const char *k = sh->k_pages + ahead * sh->page_bytes, *v = sh->v_pages + ahead * sh->page_bytes;
+    for (int64_t o = from * 64; o < to * 64; o += 64) {
+        v_prefetch(k + o);
+        v_prefetch(v + o);
+    }
+}
+
+/* Fold block `block` (position b of their tables) into every query head of rows [0, count),
+ * each up to its own length lens[i]; rows' state is theirs from row 0 on. Block `ahead`, read
+ * PREFETCH_BLOCKS later, is asked into L2 a slice per query head: a request's blocks lie
+ * anywhere in the pool, so the hardware's stream prefetcher starts over at every block, and a
+ * whole block's prefetches at once fill the core's miss buffers and stall the loads behind
+ * them (decode kernel alone, 8 requests x 6k tokens, cold 1 GiB pool, one thread: float32
+ * 7.0 -> 5.7 ms, int8 5.9 -> 3.4 ms against the whole block at once). */
+static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
+                         int64_t b, int64_t ahead, Tile *tile) {
+    const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads;
+    int64_t most = 0;
+    for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
+    const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
+    for (int64_t j = 0; j < sh->num_kv_heads; ++j) {
+        const Keys keys = block_keys(sh, kp, vp, j, most, rows->padded, tile);
+        for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+            prefetch_part(sh, ahead, h, sh->num_heads);
+            for (int64_t i = 0; i < count; ++i)
+                if (tokens_in(lens[i], b, bs)) attend_row(rows, i * sh->num_heads + h, &keys, tokens_in(lens[i], b, bs));
+        }
+    }
+}
+
+/* Block PREFETCH_BLOCKS after position b of a table for context len, or -1 past its end. */
+static int64_t block_ahead(const int32_t *table, int64_t len, int64_t b, int64_t block_size) {
+    return (b + PREFETCH_BLOCKS) * block_size < len ? table[b + PREFETCH_BLOCKS] : -1;
+}
+
+/* How many leading blocks the rows [first, last) walk together: at every such position, every
+ * row whose context reaches it holds the same block there (and some row does). */
+static int64_t joint_blocks(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int64_t first,
+                            int64_t last, int64_t block_size) {
+    for (int64_t b = 0;; ++b) {
+        int64_t id = -1;
+        for (int64_t r = first; r < last; ++r) {
+            if (seq_lens[r] <= b * block_size) continue;
+            if (id < 0) id = tables[r * stride + b];
+            else if (tables[r * stride + b] != id) return b;
+        }
+        if (id < 0) return b;
+    }
+}
+
+/* The rows of the group that starts at `first`: up to `cap` neighbours sharing its first block. */
+static int64_t group_end(const int32_t *tables, int64_t stride, int64_t first, int64_t end, int64_t cap) {
     int64_t last = first + 1;
-    while (last < end && last - first < cap && seq_lens[last] >= block_size &&
-           seq_lens[first] >= block_size && tables[last * stride] == tables[first * stride])
-        ++last;
+    while (last < end && last - first < cap && tables[last * stride] == tables[first * stride]) ++last;
     return last;
 }
 
-static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
-                         const int32_t *seq_lens, int64_t first, int64_t last, float *out, float *m,
-                         float *l, float *acc, float *s, float *tile) {
-    const int64_t count = last - first, rows = count * sh->num_heads, bs = sh->block_size;
-    const int64_t shared = count > 1 ? shared_blocks(tables, stride, seq_lens, first, last, bs) : 0;
-    for (int64_t i = 0; i < rows; ++i) m[i] = -FLT_MAX, l[i] = 0.0f;
-    for (int64_t i = 0; i < rows * sh->head_dim; ++i) acc[i] = 0.0f;
-    const float *q_group = q + first * sh->num_heads * sh->head_dim;
-    for (int64_t b = 0; b < shared; ++b) attend_block(sh, q_group, count, tables[first * stride + b], bs, m, l, acc, s, tile);
-    for (int64_t r = 0; r < count; ++r) {
-        const int64_t len = seq_lens[first + r], i = r * sh->num_heads;
-        for (int64_t b = shared; b * bs < len; ++b) {
-            const int64_t ntok = len - b * bs < bs ? len - b * bs : bs;
-            if ((b + PREFETCH_BLOCKS) * bs < len) prefetch_block(sh, tables[(first + r) * stride + b + PREFETCH_BLOCKS]);
-            attend_block(sh, q_group + i * sh->head_dim, 1, tables[(first + r) * stride + b], ntok, m + i, l + i,
-                         acc + i * sh->head_dim, s, tile);
-        }
+/* Row r's query heads into rows->q [i] pre-scaled and padded; its state reset. */
+static void load_rows(const Shape *sh, const float *q, int64_t count, const Rows *rows) {
+    const int64_t d = sh->head_dim, p = rows->padded;
+    const float scale = sh->scale * LOG2E;
+    for (int64_t i = 0; i < count * sh->num_heads; ++i) {
+        for (int64_t x = 0; x < p; ++x) rows->q[i * p + x] = x < d ? q[i * d + x] * scale : 0.0f;
+        for (int64_t x = 0; x < p; ++x) rows->acc[i * p + x] = 0.0f;
+        rows->m[i] = MASKED, rows->l[i] = 0.0f;
     }
-    float *o = out + first * sh->num_heads * sh->head_dim;
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t d = 0; d < sh->head_dim; ++d) o[i * sh->head_dim + d] = acc[i * sh->head_dim + d] / l[i];
+}
+
+/* Blocks from position `from` on of one row (table, length len), walked alone. */
+static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table, const int32_t *len, int64_t from,
+                        Tile *tile) {
+    const int64_t bs = sh->block_size;
+    for (int64_t b = from; b * bs < *len; ++b) {
+        attend_block(sh, rows, len, 1, table[b], b, block_ahead(table, *len, b, bs), tile);
+    }
+}
+
+static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
+                         const int32_t *seq_lens, int64_t first, int64_t last, float *out, const Rows *rows,
+                         Tile *tile) {
+    const int64_t count = last - first, bs = sh->block_size, d = sh->head_dim, p = rows->padded;
+    const int64_t joint = count > 1 ? joint_blocks(tables, stride, seq_lens, first, last, bs) : 0;
+    int64_t longest = first;
+    for (int64_t r = first; r < last; ++r) longest = seq_lens[r] > seq_lens[longest] ? r : longest;
+    load_rows(sh, q + first * sh->num_heads * d, count, rows);
+    for (int64_t b = 0; b < joint; ++b) {
+        const int64_t ahead = block_ahead(tables + longest * stride, seq_lens[longest], b, bs);
+        attend_block(sh, rows, seq_lens + first, count, tables[first * stride + b], b, ahead, tile);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+        const Rows own = {rows->q + r * sh->num_heads * p, rows->acc + r * sh->num_heads * p,
+                          rows->m + r * sh->num_heads, rows->l + r * sh->num_heads, p};
+        attend_rest(sh, &own, tables + (first + r) * stride, seq_lens + first + r, joint, tile);
+    }
+    float *o = out + first * sh->num_heads * d;
+    for (int64_t i = 0; i < count * sh->num_heads; ++i)
+        for (int64_t x = 0; x < d; ++x) o[i * d + x] = rows->acc[i * p + x] / rows->l[i];
 }
 
 static int max_threads(void) {
@@ -317,14 +360,15 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
     int64_t num_groups = 0;
     for (int64_t first = 0; first < num_requests; ++num_groups) {
         starts[num_groups] = first;
-        first = group_end(block_tables, table_stride, seq_lens, first, num_requests, block_size, cap);
+        first = group_end(block_tables, table_stride, first, num_requests, cap);
     }
     starts[num_groups] = num_requests;
     int failed = 0;
 #pragma omp parallel
     {
-        const int64_t rows = cap * num_heads;
-        float *scratch = (float *)malloc(sizeof(float) * (rows * (head_dim + 2) + block_size * (1 + 2 * head_dim)));
+        const int64_t rows = cap * num_heads, padded = vectors_of(head_dim) * VW;
+        const int64_t tile = block_size * padded, scales = vectors_of(block_size) * VW;
+        float *scratch = (float *)malloc(sizeof(float) * (rows * (2 * padded + 2) + 2 * (tile + scales)));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -332,9 +376,12 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < num_groups; ++g) {
             if (!scratch) continue;
-            float *m = scratch, *l = m + rows, *acc = l + rows, *s = acc + rows * head_dim, *tile = s + block_size;
-            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, m, l, acc, s,
-                         tile);
+            const Rows state = {scratch, scratch + rows * padded, scratch + 2 * rows * padded,
+                                scratch + rows * (2 * padded + 1), padded};
+            float *t = scratch + rows * (2 * padded + 2);
+            Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
+            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, &state,
+                         &block);
         }
         free(scratch);
     }

@@ -11,6 +11,8 @@
 #define RADIXSERVE_VEC_H
 
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,13 +27,31 @@ static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float v_hmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline float v_first(vf x) { return _mm512_cvtss_f32(x); }
 static inline float v_hsum(vf x) { return _mm512_reduce_add_ps(x); }
 static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf v_ldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+static inline __mmask16 v_mask(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+}
 /* x in its first `count` lanes, `fill` in the others. */
-static inline vf v_keep(vf x, int64_t count, float fill) {
-    const __mmask16 k = count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
-    return _mm512_mask_blend_ps(k, _mm512_set1_ps(fill), x);
+static inline vf v_keep(vf x, int64_t count, float fill) { return _mm512_mask_blend_ps(v_mask(count), _mm512_set1_ps(fill), x); }
+/* The first `count` floats at p, zeros in the other lanes (nothing past them is read). */
+static inline vf v_load_n(const float *p, int64_t count) { return _mm512_maskz_loadu_ps(v_mask(count), p); }
+/* VW int8 codes as floats. */
+static inline vf v_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* Lane i = the sum of r[i]'s lanes: pairs within 128-bit lanes, then the 128-bit lanes. */
+static inline vf v_sums(const vf r[VW]) {
+    vf t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const vf w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const vf w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 /* r[i] lane j <-> r[j] lane i: two in-lane stages, then two across 128-bit lanes. */
 static inline void v_transpose(vf r[VW]) {
@@ -62,6 +82,7 @@ static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float v_first(vf x) { return _mm256_cvtss_f32(x); }
 static inline float v_hmax(vf x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -82,6 +103,19 @@ static inline vf v_keep(vf x, int64_t count, float fill) {
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 keep = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)count), _CMP_LT_OQ);
     return _mm256_blendv_ps(_mm256_set1_ps(fill), x, keep);
+}
+static inline vf v_load_n(const float *p, int64_t count) {
+    if (count >= 8) return _mm256_loadu_ps(p);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), lanes));
+}
+static inline vf v_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf v_sums(const vf r[VW]) {
+    const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 static inline void v_transpose(vf r[VW]) {
     vf a[8], b[8];
@@ -106,12 +140,33 @@ static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline vf v_max(vf a, vf b) { return a > b ? a : b; }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline float v_hmax(vf x) { return x; }
+static inline float v_first(vf x) { return x; }
 static inline float v_hsum(vf x) { return x; }
 static inline vf v_round(vf x) { return nearbyintf(x); }
 static inline vf v_ldexp(vf p, vf n) { return ldexpf(p, (int)n); }
 static inline vf v_keep(vf x, int64_t count, float fill) { return count >= 1 ? x : fill; }
+static inline vf v_load_n(const float *p, int64_t count) { return count >= 1 ? *p : 0.0f; }
+static inline vf v_load_i8(const int8_t *p) { return (float)*p; }
+static inline vf v_sums(const vf r[VW]) { return r[0]; }
 static inline void v_transpose(vf r[VW]) { (void)r; }
 #endif
+
+/* Ask for p's cache line into L2. An asm statement: GCC drops a __builtin_prefetch whose
+ * function it finds has no other effect (a block's prefetches vanished from decode that way). */
+static inline void v_prefetch(const void *p) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+/* The first `count` (< VW) int8 codes at p as floats, zeros in the other lanes. */
+static inline vf v_load_i8_n(const int8_t *p, int64_t count) {
+    int8_t codes[VW] = {0};
+    memcpy(codes, p, (size_t)count);
+    return v_load_i8(codes);
+}
 
 /* 2^x for x <= 0: 2^round(x) times a degree-6 Taylor polynomial of 2^r, |r| <= 1/2. */
 static inline vf v_exp2(vf x) {
