@@ -5,6 +5,7 @@ with --cpu, the tiled C prefill kernel on CPU beside SDPA and the model's matmul
     python -m bench.bench_kernels --engine   # default model, bf16: triton vs torch backend
     python -m bench.bench_kernels --cpu      # float32 on CPU: GFLOP/s of attention and matmuls
     python -m bench.bench_kernels --cpu --cpu-rows  # the decode kernel on several rows of a request
+    python -m bench.bench_kernels --cpu --cpu-routing  # step times behind the runner's ROWS_ATTENTION_WORK
 
 Kernels are timed two ways: replayed from a CUDA graph (the GPU's own time, no host
 launch overhead) and called eagerly (what an engine without CUDA graphs pays). The
@@ -329,6 +330,47 @@ def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
                 print(f"    {'int8' if int8 else 'float32':7s} context {context:5d} R={rows}: {cells}")
 
 
+def bench_cpu_routing(args: argparse.Namespace) -> None:
+    """Where the runner's ROWS_ATTENTION_WORK should sit: 8 decoding requests plus one
+    --routing-prompt-token prompt computed in chunks (chunked_prefill_size), on two engines of
+    the default model stepping in turns, one that always lays a small step's prompt chunk out
+    as single-query rows (the native decoder's one C call, attention in the decode kernel) and
+    one that never does (the layer path, the chunk in the tiled prefill kernel). Median ms per
+    step by the chunk's context, with rows x context, the work the runner compares."""
+    import statistics
+
+    import radixserve.execution.runner as runner
+    from bench.bench_native_decoder import prompt, settle
+    from radixserve import Engine, SamplingParams
+
+    work = {"rows": 1 << 62, "tiled": -1}
+    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    print(f"routing: 8 decodes + a {args.routing_prompt}-token prompt in chunks; ms per step, rows / tiled "
+          f"(ROWS_ATTENTION_WORK now {runner.ROWS_ATTENTION_WORK})")
+    for chunk in args.routing_chunks:
+        engines = {name: Engine(chunked_prefill_size=chunk) for name in work}
+        times = {name: {} for name in work}
+        for name, engine in engines.items():
+            runner.ROWS_ATTENTION_WORK = work[name]
+            for i in range(8):
+                engine.add_request(prompt(i, 300), params)
+            settle(engine)
+            engine.add_request(prompt(99, args.routing_prompt), params)
+        for step in range(-(-args.routing_prompt // chunk)):
+            context = min((step + 1) * chunk, args.routing_prompt)
+            for name, engine in engines.items():
+                runner.ROWS_ATTENTION_WORK = work[name]
+                t0 = time.perf_counter()
+                engine.step()
+                times[name].setdefault(context // 1024, []).append(time.perf_counter() - t0)
+        for bucket in sorted(times["rows"]):
+            ms = {name: statistics.median(times[name][bucket]) * 1e3 for name in work}
+            mid = bucket * 1024 + 512
+            print(f"  chunk {chunk:3d} context {bucket * 1024:5d}-{bucket * 1024 + 1023:5d} (work ~{chunk * mid:7d}): "
+                  f"rows {ms['rows']:6.1f} ms  tiled {ms['tiled']:6.1f} ms  rows/tiled {ms['rows'] / ms['tiled']:.2f}")
+        del engines
+
+
 def _best_cpu_times(calls: dict, repeats: int) -> dict[str, float]:
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     for fn in calls.values():
@@ -357,9 +399,16 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels instead (no GPU needed)")
     parser.add_argument("--cpu-repeats", type=int, default=5)
     parser.add_argument("--cpu-rows", action="store_true", help="with --cpu: only the decode kernel on several rows")
+    parser.add_argument("--cpu-routing", action="store_true",
+                        help="with --cpu: only the step-time measurement behind the runner's ROWS_ATTENTION_WORK")
+    parser.add_argument("--routing-chunks", type=int, nargs="+", default=[16, 40, 100])
+    parser.add_argument("--routing-prompt", type=int, default=4096)
     args = parser.parse_args()
     if args.cpu:
         with torch.inference_mode():
+            if args.cpu_routing:
+                bench_cpu_routing(args)
+                return
             if not args.cpu_rows:
                 bench_cpu(args)
             bench_cpu_decode_rows(args)
