@@ -20,7 +20,7 @@ from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
 from radixserve.core.plan import ScheduledChunk, StepPlan
 
-ROWS_ATTENTION_WORK = 128 * 1024  # query rows x context, summed over a step's prefill chunks
+ROWS_ATTENTION_WORK = 32 * 1024  # query rows x context, summed over a step's prefill chunks
 
 
 @dataclass
@@ -187,10 +187,11 @@ class ModelRunner:
         """Whether this step lays every token out as its own attention row, as drafts always
         are, so that the native decoder runs the whole step: at most row_limit tokens, and
         prefill chunks whose rows x context stay under ROWS_ATTENTION_WORK. The decode
-        kernel reads a chunk's shared context once per group of its rows but does not tile
-        rows the way SDPA does; past that work SDPA's speed outweighs the Python the native
-        decoder saves (8 decodes plus 100-token chunks: 1.12x faster through a 2048-token
-        prompt, 0.89x through a 6000-token one, on the 2-core dev machine)."""
+        kernel reads a chunk's context once for all its rows, but each row still does its own
+        arithmetic at decode speed; past that work the tiled prefill kernel's speed outweighs
+        the Python the native decoder saves (bench_kernels --cpu --cpu-routing, 8 decodes plus
+        a prompt in 16 / 40 / 100-token chunks, rows / tiled step time: 0.99 / 0.93 / 1.03 at
+        contexts under 1k, 1.07 / 1.06 / 1.22 at 1-2k, 1.18-1.28 at 2-3k)."""
         if sum(c.num_tokens for c in chunks) > self.row_limit:
             return False
         work = sum(c.num_tokens * (c.start + c.num_tokens) for c in chunks if c.num_tokens > 1 and not c.draft)
