@@ -295,7 +295,7 @@ def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
     the default model's heads: the rows in one call, which reads each K/V tile once for all of
     them, beside the same rows one call each (each walks the context again) and beside rows of
     as many different requests (no context to share, what every row costs alone)."""
-    from radixserve.kernels.int8_pages import Int8Pages
+    from radixserve.kernels.quantized_pages import QuantizedPages
     from radixserve.kernels.native_attention import load_native_attention
 
     kernels = load_native_attention()
@@ -308,7 +308,7 @@ def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
             data = paged_batch(8, context, heads, torch.device("cpu"))
             k, v, pages = data.k_cache.float(), data.v_cache.float(), None
             if int8:
-                pages = Int8Pages(BLOCK_SIZE, heads.kv_heads, heads.head_dim)
+                pages = QuantizedPages(BLOCK_SIZE, heads.kv_heads, heads.head_dim)
                 k8, v8 = (torch.zeros(k.shape[0], pages.page_bytes, dtype=torch.uint8) for _ in range(2))
                 pages.store(k.flatten(0, 1), v.flatten(0, 1), k8, v8, torch.arange(k.shape[0] * BLOCK_SIZE))
                 k, v = k8, v8

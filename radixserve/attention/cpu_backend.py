@@ -8,7 +8,7 @@ chunks, whole prompts and extends over a cached prefix alike, run one call of th
 kernel (prefill_attention.c), which also reads the pool in place. With `tiled_prefill`
 off, chunks run torch's SDPA over gathered pages, one call each, as in the torch backend
 (the reference, to compare). The kernels take float32 pools and int8 pages
-(kernels/int8_pages.py: the store quantizes, attention dequantizes as it reads); with a
+(kernels/quantized_pages.py: the store quantizes, attention dequantizes as it reads); with a
 pool of another dtype the backend runs the torch backend's paths throughout (and says so once).
 """
 
@@ -24,7 +24,7 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import (
     PrefillChunk, TorchAttentionBackend, plan_prefills, prefill_attention, store_kv,
 )
-from radixserve.kernels.int8_pages import Int8Pages, dequantize
+from radixserve.kernels.quantized_pages import QuantizedPages, dequantize
 from radixserve.kernels.native_attention import load_native_attention
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32, pages: Int8Pages | None = None, tiled_prefill: bool = True):
+                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None, tiled_prefill: bool = True):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels = load_native_attention()
         if self._kernels is None:
@@ -102,7 +102,7 @@ class CpuAttentionBackend(AttentionBackend):
         return out
 
 
-def _read_back(pages: Int8Pages, k_pages, v_pages, slots, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_back(pages: QuantizedPages, k_pages, v_pages, slots, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     blocks, offsets = slots // pages.block_size, slots % pages.block_size
     return tuple(
         dequantize(pages.codes(p)[blocks, offsets], pages.scales(p)[blocks, offsets], dtype) for p in (k_pages, v_pages)

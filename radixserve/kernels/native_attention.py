@@ -5,7 +5,7 @@ chunks over the pool (csrc/prefill_attention.c); the cpu attention backend's ker
 Pure torch has to gather a request's blocks into a contiguous buffer before attention can
 read them, which triples the memory traffic of decode attention; the C kernel reads K/V
 in place through the block table, and reads a prefix that neighbouring requests share
-once for all of them. With int8 pages (kernels/int8_pages.py) the store quantizes and
+once for all of them. With int8 pages (kernels/quantized_pages.py) the store quantizes and
 decode dequantizes each block once per group of query heads, prefill each row as it packs a
 tile. Built, loaded and typed by native_build.py.
 """
@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages
 from radixserve.kernels.native_build import load_kernel
 
 
@@ -41,7 +41,7 @@ class NativePagedAttention:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
-        pages: Int8Pages | None = None,
+        pages: QuantizedPages | None = None,
     ) -> torch.Tensor:
         """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d], or
         with `pages` int8 pages [blocks, page_bytes]. Requests that share leading blocks
@@ -58,7 +58,7 @@ class NativePagedAttention:
         _raise_for(status)
         return out
 
-    def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: Int8Pages) -> torch.Tensor:
+    def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: QuantizedPages) -> torch.Tensor:
         _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages)
         out = torch.empty_like(q)
         status = self._decode_i8(
@@ -80,7 +80,7 @@ class NativePagedAttention:
         seq_lens: torch.Tensor,
         scale: float,
         out: torch.Tensor,
-        pages: Int8Pages | None = None,
+        pages: QuantizedPages | None = None,
     ) -> None:
         """Causal attention of C prompt chunks, written into their rows of out (q's shape,
         [T, H, d] float32): chunk c's queries are q rows query_start[c]:query_start[c + 1]
@@ -112,7 +112,7 @@ class NativePagedAttention:
             raise RuntimeError("native prefill attention could not allocate its scratch memory")
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor, pages: Int8Pages | None = None) -> bool:
+              slots: torch.Tensor, pages: QuantizedPages | None = None) -> bool:
         """Write k, v [T, kv_heads, d] into the caches' flat slots [T] (int64); False (and
         nothing written) where the kernel does not apply; ValueError (nothing written) for
         a slot outside the pool. With `pages` the caches are int8 pages and k, v are quantized."""
@@ -134,7 +134,7 @@ class NativePagedAttention:
             raise ValueError(f"a slot is outside the pool's {num_slots} slots")
         return True
 
-    def _store_pages(self, k, v, k_pages, v_pages, slots, pages: Int8Pages) -> bool:
+    def _store_pages(self, k, v, k_pages, v_pages, slots, pages: QuantizedPages) -> bool:
         row = pages.num_kv_heads * pages.head_dim
         if not (
             all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (k, v))
@@ -169,12 +169,12 @@ def _raise_for(status: int) -> None:
         raise RuntimeError("native decode attention could not allocate its scratch memory")
 
 
-def _is_pages(t: torch.Tensor, pages: Int8Pages) -> bool:
+def _is_pages(t: torch.Tensor, pages: QuantizedPages) -> bool:
     return (t.dtype == torch.uint8 and t.device.type == "cpu" and t.is_contiguous() and t.dim() == 2
             and t.shape[1] == pages.page_bytes)
 
 
-def _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages: Int8Pages, per_query: bool = True) -> None:
+def _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages: QuantizedPages, per_query: bool = True) -> None:
     if not (_is_pages(k_pages, pages) and _is_pages(v_pages, pages) and k_pages.shape == v_pages.shape):
         raise ValueError(f"int8 pages must be contiguous CPU uint8 [blocks, {pages.page_bytes}], alike")
     for name, t, dtype in (("q", q, torch.float32), ("block_tables", block_tables, torch.int32),

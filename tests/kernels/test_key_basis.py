@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kernels.int8_pages import dequantize, quantize
+from radixserve.kernels.quantized_pages import dequantize, quantize
 from radixserve.kernels.key_basis import hadamard_matrix, rotate_heads
 from radixserve.kernels.native_ops import hadamard_heads_
 

@@ -1,4 +1,4 @@
-"""int8 KV pages (kernels/int8_pages.py): the layout and its arithmetic, the pool's sizing,
+"""int8 KV pages (kernels/quantized_pages.py): the layout and its arithmetic, the pool's sizing,
 and every CPU path that writes or reads them (the torch reference, the C store and decode
 kernels, the torch and cpu backends) against a float64 reference on the dequantized pages,
 with odd lengths, partial blocks, shared prefixes and GQA."""
@@ -16,7 +16,7 @@ from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend
-from radixserve.kernels.int8_pages import Int8Pages, check_kv_cache_dtype, dequantize, quantize
+from radixserve.kernels.quantized_pages import QuantizedPages, check_kv_cache_dtype, dequantize, quantize
 from radixserve.kernels.native_attention import load_native_attention
 from radixserve.kernels.triton import configure_triton  # imports no triton
 
@@ -40,7 +40,7 @@ BACKENDS = [lambda: TorchAttentionBackend, pytest.param(lambda: CpuAttentionBack
 TOL = dict(atol=3e-5, rtol=3e-5)
 
 
-def empty_pages(pages: Int8Pages, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_pages(pages: QuantizedPages, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8),
             torch.zeros(num_blocks, pages.page_bytes, dtype=torch.uint8))
 
@@ -56,7 +56,7 @@ def quantized_case(lens, shared_blocks, *, heads, kv_heads, head_dim, block_size
     prefix = [free.pop() for _ in range(max(shared_blocks))]
     tables = [prefix[:s] + [free.pop() for _ in range(-(-n // block_size) - s)] for n, s in zip(lens, shared_blocks)]
     width = max(len(t) for t in tables)
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
     k_pages, v_pages = empty_pages(pages, needed)
     k = torch.randn(needed * block_size, kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(needed * block_size, kv_heads, head_dim, generator=gen)
@@ -84,9 +84,9 @@ def dense_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
 
 
 def test_page_layout_holds_codes_then_scales():
-    pages = Int8Pages(block_size=16, num_kv_heads=3, head_dim=64)
+    pages = QuantizedPages(block_size=16, num_kv_heads=3, head_dim=64)
     assert (pages.code_bytes, pages.page_bytes) == (3072, 3072 + 16 * 3 * 4)
-    odd = Int8Pages(block_size=5, num_kv_heads=1, head_dim=7)  # codes rounded up to whole floats
+    odd = QuantizedPages(block_size=5, num_kv_heads=1, head_dim=7)  # codes rounded up to whole floats
     assert (odd.code_bytes, odd.page_bytes) == (36, 56)
     raw = torch.zeros(2, pages.page_bytes, dtype=torch.uint8)
     pages.scales(raw)[1, 15, 2] = 1.5
@@ -129,7 +129,7 @@ def test_unknown_dtypes_are_refused_everywhere():  # fp8's rules: test_kv_fp8.py
 @needs_native
 @pytest.mark.parametrize("block_size, kv_heads, head_dim", [(16, 3, 64), (5, 2, 40), (1, 1, 16)])
 def test_native_store_writes_the_reference_bytes(block_size, kv_heads, head_dim):
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
     gen = torch.Generator().manual_seed(1)
     slots = torch.randperm(16 * block_size, generator=gen)[:11].contiguous()
     k = torch.randn(11, kv_heads, head_dim, generator=gen) * 3
@@ -178,7 +178,7 @@ def test_native_decode_refuses_pages_of_another_layout():
 # ---- the backends: a mixed step (decodes, a fresh prompt, a prompt over a cached prefix) --------
 
 
-def mixed_step(pages: Int8Pages, heads: int, seed: int = 0):
+def mixed_step(pages: QuantizedPages, heads: int, seed: int = 0):
     """Pages holding 3 requests' cached contexts, and one step over them: two decodes
     (contexts 37 and 6 after the step), a fresh 11-token prompt and a 9-token chunk after 23
     cached tokens. Returns the backend inputs and the float64 expectation per request."""
@@ -228,7 +228,7 @@ def expected_mixed(pages, q, k_pages, v_pages, tables, contexts, new, scale):
 def test_backends_on_int8_pages_match_float64(backend_class, block_size, heads, kv_heads, head_dim):
     """Triton's kernels run in its interpreter here."""
     backend_class = backend_class()
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
     q, k, v, k_pages, v_pages, meta, tables, contexts, new = mixed_step(pages, heads)
     scale = head_dim**-0.5
     backend = backend_class(heads, kv_heads, head_dim, scale, torch.float32, pages)
@@ -246,7 +246,7 @@ def test_backends_on_int8_pages_match_float64(backend_class, block_size, heads, 
 def test_cpu_backend_prompt_chunks_on_int8_pages_match_float64(block_size, heads, kv_heads, head_dim, tiled):
     """The tiled prefill kernel's int8 instantiation (and SDPA, tiled off) on a step of
     prompt chunks only: a fresh prompt and an extend that starts inside a block."""
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
     q, k, v, k_pages, v_pages, meta, tables, contexts, new = mixed_step(pages, heads, seed=2)
     skip = 2  # drop the decodes: rows 0 and 1
     meta = AttentionMetadata(

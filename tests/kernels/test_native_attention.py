@@ -15,7 +15,7 @@ from radixserve.attention import registry
 from radixserve.attention.cpu_backend import CpuAttentionBackend, CpuPlan
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend, TorchPlan, store_kv
-from radixserve.kernels.int8_pages import Int8Pages
+from radixserve.kernels.quantized_pages import QuantizedPages
 from radixserve.kernels.native_attention import load_native_attention
 
 native = load_native_attention()
@@ -105,7 +105,7 @@ def request_rows(requests, *, heads, kv_heads, head_dim, block_size, int8=False,
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     if not int8:
         return (q, k, v, block_tables, seq_lens), None, k, v
-    pages = Int8Pages(block_size, kv_heads, head_dim)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
     k_pages, v_pages = (torch.zeros(needed, pages.page_bytes, dtype=torch.uint8) for _ in range(2))
     pages.store(k.flatten(0, 1), v.flatten(0, 1), k_pages, v_pages, torch.arange(needed * block_size))
     return (q, k_pages, v_pages, block_tables, seq_lens), pages, pages.read(k_pages, torch.float32), \
