@@ -29,7 +29,7 @@
  *   seq_lens         [num_rows] int32 (context length, >= 1)
  *   slots            [tokens] int64 (block * block_size + offset)
  *
- * int8 pages (the _i8 entry points; kernels/int8_pages.py): k_pages, v_pages are
+ * int8 pages (the _i8 entry points; kernels/quantized_pages.py): k_pages, v_pages are
  * [num_blocks, page_bytes] bytes, each page int8 codes [block_size, num_kv_heads, head_dim]
  * then, from code_bytes on, float32 scales [block_size, num_kv_heads]. The store quantizes
  * each token's head (scale = max|x| / 127, codes rounded half away from zero). Decode
@@ -71,7 +71,7 @@ static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num
     return sh;
 }
 
-/* x [head_dim] -> codes and their scale (kernels/int8_pages.py's quantize). */
+/* x [head_dim] -> codes and their scale (kernels/quantized_pages.py's quantize). */
 static void quantize_row(const float *x, int64_t head_dim, int8_t *codes, float *scale) {
     float amax = 0.0f;
     for (int64_t d = 0; d < head_dim; ++d) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;

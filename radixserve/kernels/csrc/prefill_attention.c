@@ -3,7 +3,7 @@
  * prefix) on CPU in float32, reading K and V straight out of the paged pool through each
  * chunk's block table: the tiled kernel of tiled_attention.h, instantiated for float pools
  * and for int8 pages (a page's codes, then its float32 scales per token and KV head, from
- * code_bytes on: kernels/int8_pages.py), whose rows are dequantized as a tile is packed.
+ * code_bytes on: kernels/quantized_pages.py), whose rows are dequantized as a tile is packed.
  * The step's new K/V are already in the pool (the store kernel runs first), so a chunk's
  * own tokens are read like its prefix.
  *
