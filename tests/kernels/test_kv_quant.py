@@ -19,6 +19,7 @@ from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.kernels.quantized_pages import QuantizedPages, check_kv_cache_dtype, dequantize, quantize
 from radixserve.kernels.native_attention import load_native_attention
 from radixserve.kernels.triton import configure_triton  # imports no triton
+from attention_reference import dense_reference
 
 TEST_DEVICE = os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu")
 configure_triton(TEST_DEVICE)  # at collection, before anything imports triton (as tests/kernels/test_kernels.py)
@@ -67,17 +68,6 @@ def quantized_case(lens, shared_blocks, *, heads, kv_heads, head_dim, block_size
             pages.read(k_pages, torch.float32), pages.read(v_pages, torch.float32))
 
 
-def dense_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """float64 attention of each row q[r] (the last token) over its whole context."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
-    for r, n in enumerate(seq_lens.tolist()):
-        blocks = block_tables[r, : -(-n // k_cache.shape[1])].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
-        v = v_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
-        weights = (torch.einsum("hd,thd->ht", q[r].double(), k) * scale).softmax(-1)
-        out[r] = torch.einsum("ht,thd->hd", weights, v).float()
-    return out
 
 
 # ---- the layout and its arithmetic ---------------------------------------------------------

@@ -17,6 +17,7 @@ from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend, TorchPlan, store_kv
 from radixserve.kernels.quantized_pages import QuantizedPages
 from radixserve.kernels.native_attention import load_native_attention
+from attention_reference import dense_reference
 
 native = load_native_attention()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
@@ -45,16 +46,6 @@ def build_case(lens, shared_prefix_blocks, *, heads, kv_heads, head_dim, block_s
     return q, k_cache, v_cache, block_tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def dense_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
-    for r, n in enumerate(seq_lens.tolist()):
-        blocks = block_tables[r, : -(-n // k_cache.shape[1])].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
-        v = v_cache[blocks].flatten(0, 1)[:n].double().repeat_interleave(group, 1)
-        weights = (torch.einsum("hd,thd->ht", q[r].double(), k) * scale).softmax(-1)
-        out[r] = torch.einsum("ht,thd->hd", weights, v).float()
-    return out
 
 
 CASES = [
