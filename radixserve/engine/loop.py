@@ -213,13 +213,7 @@ class EngineLoop:
             self._recover(exc)
             return
         self._refresh_stats()  # before any output goes out: whoever it reaches sees this step
-        for output in outputs:
-            listener = self._listeners.get(output.request_id)
-            if listener is None:
-                continue
-            if output.finished:
-                del self._listeners[output.request_id]
-            _notify(listener, output)
+        self._emit(outputs)
 
     def _call(self, fn: Callable[[EngineProtocol], T]) -> T:
         try:
