@@ -262,6 +262,61 @@ def test_native_prefill_matches_dense_reference(heads, kv_heads, head_dim, block
 
 
 @needs_native
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_native_prefill_follows_scores_that_jump_across_tiles(block_size):
+    """Scores rising by less than the kernel's rescale slack (its running max may trail), by
+    far more (it must move), then falling and rising again, tile after tile: still float64's
+    softmax, with no overflow on the way."""
+    heads, kv_heads, head_dim, context = 9, 3, 64, 6 * 64 + 7
+    args = build_chunks([(context, context - 3, 0)], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        block_size=block_size, seed=3)
+    q, k_cache, _, block_tables = args[:4]
+    gen = torch.Generator().manual_seed(4)
+    direction = torch.nn.functional.normalize(torch.randn(head_dim, generator=gen), dim=0)
+    q.mul_(0.05).add_(4 * direction)
+    steps = [0.0, 8.0, 40.0, 80.0, -60.0, 30.0, 250.0]  # q.k / sqrt(d) ~ step / 2 in each 64-key tile
+    blocks = block_tables[0].long()
+    for t in range(context):
+        row = k_cache[blocks[t // block_size], t % block_size]
+        row.mul_(0.05).add_(steps[t // 64] * direction)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, 7.0)
+    native.prefill(*args, scale, out)
+    want = chunks_reference(*args, scale, torch.full_like(q, 7.0))
+    assert torch.isfinite(out).all()
+    # scores of ~125 carry float32 rounding of ~1e-5 into the weights; a wrong rescale is off by O(1)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]])
+def test_native_prefill_builds_for_each_vector_width(tmp_path, flags):
+    """The tiled kernel is one source over vec.h's vectors: built here for AVX2 (8 lanes) and
+    for plain floats (1), it computes what float64 does, scores that jump across tiles included."""
+    import ctypes
+    import shutil
+
+    from radixserve.kernels import native_build
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    library = tmp_path / "prefill.so"
+    native_build._compile(compiler, native_build.CSRC / "prefill_attention.c", ["-fopenmp", *flags], library)
+    fn = ctypes.CDLL(str(library)).paged_prefill_attention_f32
+    signature = native_build.SIGNATURES["paged_prefill_attention_f32"]
+    fn.argtypes, fn.restype = list(signature.argtypes), signature.restype
+    for heads, kv_heads, head_dim, chunks in [(9, 3, 64, [(301, 300, 0), (700, 237, 0)]), (6, 2, 24, [(96, 40, 0)])]:
+        q, k_cache, v_cache, tables, starts, lens = build_chunks(chunks, heads=heads, kv_heads=kv_heads,
+                                                                  head_dim=head_dim, block_size=5, seed=head_dim)
+        k_cache[tables[0, 20:30].long()] *= 12  # keys 100-149 of the first chunk: its rows' max must move
+        out = torch.full_like(q, 7.0)
+        assert fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
+                  tables.stride(0), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], q.shape[0],
+                  out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5) == 0
+        want = chunks_reference(q, k_cache, v_cache, tables, starts, lens, head_dim**-0.5, torch.full_like(q, 7.0))
+        torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+@needs_native
 def test_native_prefill_rejects_out_of_range_chunks_without_writing():
     q, k_cache, v_cache, tables, starts, lens = build_chunks([(20, 8, 0), (9, 9, 0)], heads=4, kv_heads=2,
                                                              head_dim=8, block_size=4)

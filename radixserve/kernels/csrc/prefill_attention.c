@@ -107,11 +107,11 @@ static WorkItem *plan_items(const int32_t *starts, const int32_t *seq_lens, int6
 static float *thread_scratch(const TileShape *sh, int64_t max_rows, TileRows *rows, Tile *tile) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
     const int64_t floats =
-        max_rows * (d + dp + 2) + d * TILE_KEYS + TILE_KEYS * dp + TILE_ROWS * TILE_KEYS + TILE_ROWS + VW * d;
+        max_rows * (d + dp + 1 + VW) + d * TILE_KEYS + TILE_KEYS * dp + TILE_ROWS * TILE_KEYS + TILE_ROWS + VW * d;
     float *base = (float *)malloc(sizeof(float) * floats + sizeof(int64_t) * max_rows);
     if (!base) return NULL;
     rows->q = base, rows->o = rows->q + max_rows * d, rows->m = rows->o + max_rows * dp, rows->l = rows->m + max_rows;
-    tile->kt = rows->l + max_rows, tile->v = tile->kt + d * TILE_KEYS, tile->p = tile->v + TILE_KEYS * dp;
+    tile->kt = rows->l + max_rows * VW, tile->v = tile->kt + d * TILE_KEYS, tile->p = tile->v + TILE_KEYS * dp;
     tile->alpha = tile->p + TILE_ROWS * TILE_KEYS, tile->tmp = tile->alpha + TILE_ROWS;
     rows->last = (int64_t *)(base + floats);
     return base;

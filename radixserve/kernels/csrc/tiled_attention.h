@@ -50,7 +50,8 @@ typedef struct {
 typedef struct {
     float *q;      /* [rows][head_dim], pre-scaled */
     float *o;      /* [rows][padded_dim] unnormalised output */
-    float *m, *l;  /* [rows] */
+    float *m;      /* [rows] */
+    float *l;      /* [rows][VW] each row's sum of weights, in VW partial sums */
     int64_t *last; /* [rows] the last key position each row sees, nondecreasing */
     int64_t rows;  /* a multiple of TILE_ROWS; the padding rows repeat the last real row's `last` */
 } TileRows;
@@ -78,8 +79,13 @@ static inline void tile_scores(const float *q, const float *kt, int64_t head_dim
     }
 }
 
-/* Fold the scores of TILE_ROWS rows (keys k0 ...) into m and l: weights into tile->p, each row's
- * rescale of its old O into tile->alpha. */
+/* Fold the scores of TILE_ROWS rows (keys k0 ...) into their running m and l: weights into
+ * tile->p, each row's rescale of its old O into tile->alpha. A row's m moves only when a score
+ * passes it by more than RESCALE_SLACK (log2 units), and then to the tile's max: so m stays
+ * within RESCALE_SLACK below every score seen (weights <= 2^RESCALE_SLACK, far from overflow),
+ * and once it settles a tile costs no horizontal max, no rescale and no exp2 of alpha. The
+ * result is the same softmax: O and l carry the same shift. */
+#define RESCALE_SLACK 8.0f
 static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, float *m, float *l,
                                 Tile *tile) {
     for (int i = 0; i < TILE_ROWS; ++i) {
@@ -88,18 +94,22 @@ static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last,
             for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_keep(s[i][v], visible - v * VW, MASKED);
         vf top = s[i][0];
         for (int v = 1; v < TILE_VECS; ++v) top = v_max(top, s[i][v]);
-        const float m_old = m[i], highest = v_hmax(top), m_new = highest > m_old ? highest : m_old;
-        const vf shift = v_set1(m_new);
-        vf sum = v_set1(0.0f);
+        vf sum = v_load(l + i * VW);
+        float alpha = 1.0f;
+        if (v_any_above(top, m[i] + RESCALE_SLACK)) {
+            const float m_new = v_hmax(top);
+            alpha = v_first(v_exp2(v_set1(m[i] - m_new))); /* ~0 on the first tile, where m is MASKED */
+            sum = v_mul(sum, v_set1(alpha));
+            m[i] = m_new;
+        }
+        tile->alpha[i] = alpha;
+        const vf shift = v_set1(m[i]);
         for (int v = 0; v < TILE_VECS; ++v) {
             const vf w = v_exp2(v_sub(s[i][v], shift));
             sum = v_add(sum, w);
             v_store(tile->p + i * TILE_KEYS + v * VW, w);
         }
-        const float alpha = exp2f(m_old - m_new);
-        tile->alpha[i] = alpha;
-        l[i] = l[i] * alpha + v_hsum(sum);
-        m[i] = m_new;
+        v_store(l + i * VW, sum);
     }
 }
 
@@ -131,7 +141,7 @@ static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k
         if (rows->last[i + TILE_ROWS - 1] < k0) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores(rows->q + i * d, tile->kt, d, s);
-        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i, tile);
+        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile);
         tile_accumulate(rows->o + i * dp, tile, nk, dp);
     }
 }
@@ -200,7 +210,8 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
         const float *src = q + ((q_row + r) * sh->num_heads + head * group + i % group) * d;
         for (int64_t x = 0; x < d; ++x) rows->q[i * d + x] = i < real ? src[x] * sh->scale_log2 : 0.0f;
         rows->last[i] = prefix + r;
-        rows->m[i] = MASKED, rows->l[i] = 0.0f;
+        rows->m[i] = MASKED;
+        v_store(rows->l + i * VW, v_set1(0.0f));
     }
     memset(rows->o, 0, sizeof(float) * rows->rows * dp);
     const int64_t end = prefix + r1; /* keys the last row sees */
@@ -211,7 +222,7 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
     }
     for (int64_t i = 0; i < real; ++i) {
         float *dst = out + ((q_row + r0 + i / group) * sh->num_heads + head * group + i % group) * d;
-        const float inv = 1.0f / rows->l[i];
+        const float inv = 1.0f / v_hsum(v_load(rows->l + i * VW));
         for (int64_t x = 0; x < d; ++x) dst[x] = rows->o[i * dp + x] * inv;
     }
 }

@@ -3,9 +3,9 @@
  * plain float (1) where neither is compiled in (-march=native decides). Every kernel that
  * includes it is written once over vf and runs at each width unchanged.
  *
- * v_exp2 takes x <= 0 (softmax arguments after the running max is subtracted) and is
- * accurate to ~2 ulp; below -126 it returns ~2^-126, which no float32 sum of weights >= 1
- * can see.
+ * v_exp2 takes x <= 64 (softmax arguments after a running max is subtracted: <= 0, or a few
+ * units above where the max is let trail, tiled_attention.h) and is accurate to ~2 ulp; below
+ * -126 it returns ~2^-126, which no float32 sum of weights >= 1 can see.
  */
 #ifndef RADIXSERVE_VEC_H
 #define RADIXSERVE_VEC_H
@@ -29,6 +29,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float v_hmax(vf x) { return _mm512_reduce_max_ps(x); }
 static inline float v_first(vf x) { return _mm512_cvtss_f32(x); }
 static inline float v_hsum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline int v_any_above(vf x, float y) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(y), _CMP_GT_OQ) != 0; }
 static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf v_ldexp(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 static inline __mmask16 v_mask(int64_t count) {
@@ -93,8 +94,9 @@ static inline float v_hsum(vf x) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+static inline int v_any_above(vf x, float y) { return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(y), _CMP_GT_OQ)) != 0; }
 static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-/* p * 2^n for integral n in [-126, 0]: n goes straight into the exponent bits. */
+/* p * 2^n for integral n in [-126, 127]: n goes straight into the exponent bits. */
 static inline vf v_ldexp(vf p, vf n) {
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -142,6 +144,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline float v_hmax(vf x) { return x; }
 static inline float v_first(vf x) { return x; }
 static inline float v_hsum(vf x) { return x; }
+static inline int v_any_above(vf x, float y) { return x > y; }
 static inline vf v_round(vf x) { return nearbyintf(x); }
 static inline vf v_ldexp(vf p, vf n) { return ldexpf(p, (int)n); }
 static inline vf v_keep(vf x, int64_t count, float fill) { return count >= 1 ? x : fill; }
@@ -168,7 +171,7 @@ static inline vf v_load_i8_n(const int8_t *p, int64_t count) {
     return v_load_i8(codes);
 }
 
-/* 2^x for x <= 0: 2^round(x) times a degree-6 Taylor polynomial of 2^r, |r| <= 1/2. */
+/* 2^x for x <= 64: 2^round(x) times a degree-6 Taylor polynomial of 2^r, |r| <= 1/2. */
 static inline vf v_exp2(vf x) {
     x = v_max(x, v_set1(-126.0f));
     const vf n = v_round(x), r = v_sub(x, n);
