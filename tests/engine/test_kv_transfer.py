@@ -207,13 +207,24 @@ def test_namespaces_and_a_first_token_that_stops(model):
     check(p, d)
 
 
-def test_bfloat16_pool_moves_as_bytes(model):
-    p, d = engine_of(model, dtype="bfloat16"), engine_of(model, dtype="bfloat16")
-    single = engine_of(model, dtype="bfloat16")
+POOLS = {  # engine options of each pool kind, and the kv_cache_dtype its stats name
+    "bfloat16": ({"dtype": "bfloat16"}, "bfloat16"),
+    "int8": ({"kv_cache_dtype": "int8"}, "int8"),
+    "fp8_e4m3": ({"kv_cache_dtype": "fp8_e4m3", "attention_backend": "torch"}, "fp8_e4m3"),
+}
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_every_kv_dtype_moves_as_its_pages_bytes(model, pool):
+    """A block moves as its storage's bytes: bfloat16 elements, or a quantized page's codes and
+    per-token scales as one unit."""
+    options, name = POOLS[pool]
+    p, d, single = (engine_of(model, **options) for _ in range(3))
     prompt = tokens(22, 70)
     want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
     got, h, _ = handoff_round(p, d, prompt, max_tokens=8)
-    assert got == want and h.dtype == "torch.bfloat16" and h.data.dtype.name == "uint8"
+    assert got == want and h.num_blocks == 22 // BS and h.data.dtype.name == "uint8"
+    assert d.stats()["kv_cache_dtype"] == name and d.stats()["kv_received_blocks"] == h.num_blocks
     check(p, d)
 
 
@@ -237,23 +248,16 @@ def test_real_model_handoff_equals_one_engine(real_model_dir):
     assert d.stats()["kv_skipped_blocks"] > 0  # the second question reused the system prompt's blocks
 
 
-def test_int8_pages_move_as_bytes_with_their_scales(model):
-    """An int8 pool's blocks (codes and per-token scales in one page) move as one unit."""
-    p, d = engine_of(model, kv_cache_dtype="int8"), engine_of(model, kv_cache_dtype="int8")
-    single = engine_of(model, kv_cache_dtype="int8")
+def test_a_handoff_of_another_page_layout_is_computed_not_copied(model):
+    p, float_side, float_single = engine_of(model, kv_cache_dtype="int8"), engine_of(model), engine_of(model)
     prompt = tokens(22, 71)
-    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
-    got, h, _ = handoff_round(p, d, prompt, max_tokens=8)
-    assert got == want and h.num_blocks == 22 // BS and h.data.dtype.name == "uint8"
-    assert d.stats()["kv_cache_dtype"] == "int8"
-    float_side, float_single = engine_of(model), engine_of(model)
     handoff = prefill(p, prompt, 0)
-    computed, _ = decode(float_side, prompt, handoff, max_tokens=8)  # another page layout: computed, not copied
+    computed, _ = decode(float_side, prompt, handoff, max_tokens=8)
     assert p.kv_transfer.release(handoff.handoff_id)
     assert computed == float_single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
     stats = float_side.stats()
     assert stats["kv_fallback_recomputes"] == 1 and stats["kv_received_blocks"] == 0
-    check(p, d, float_side)
+    check(p, float_side)
 
 
 @pytest.mark.parametrize("extra", [{}, {"top_k": 20, "repetition_penalty": 1.3}])
