@@ -256,75 +256,140 @@ static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens,
 
 #if VW == 16 && defined(__AVX512BW__)
 /* int8 pages on AVX-512 (attend_block_i8). A block's tokens are taken 16 at a time (a
- * sub-block); per KV head its K codes are converted once into a transposed tile (kt[d] = dim
- * d of the 16 tokens), so a query head's 16 scores are head_dim FMAs of a broadcast q[d]
- * against kt[d], with no reduction across lanes; its V codes into a [16][padded] tile. Then
- * up to GROUP_MAX query heads of the KV head are folded together: every K and V vector loaded
- * feeds all of them, and their scores and output panels stay in registers. */
+ * sub-block), lane t = token t. Per KV head the K codes go through a 16 x 16 dword transpose,
+ * so that dim x of the 16 tokens is one vector and a query head's 16 scores are head_dim
+ * FMAs of a broadcast q[x] against it, with no reduction across lanes. Up to GROUP_MAX query
+ * heads of the KV head are folded together: every K and V vector converted feeds all of them,
+ * and their scores and output panels stay in registers. A single row converts straight from
+ * the page (fold_codes); several rows convert a sub-block once into a tile and read it from
+ * there (fold_tile).
+ *
+ * A K dim is converted with its code in the top byte of an int32, so its float is code * 2^24
+ * exactly; the scores take the 2^-24 back after the K scale. Scaling by a power of two
+ * changes no rounding, so the scores are those of the codes themselves. */
 #define FAST_I8 1
 #define GROUP_MAX 4
+#define TOP_BYTE 16777216.0f /* 2^24 */
 
-/* c + *a * b, *a broadcast from memory inside the FMA: GCC would broadcast into a register and
- * then take b from memory once per use, twice the loads where b feeds several heads. */
+/* c + *a * b, *a broadcast from memory inside the FMA (GCC would broadcast into a register and
+ * take b from memory at every use). */
 INLINE vf fma_bcast(const float *a, vf b, vf c) {
     __asm__("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*a), "v"(b));
     return c;
 }
 
-/* Tokens [t0, t0 + n) (n <= 16) of KV head j's K codes in the page at kp as kt[d][16]
- * floats, zeros past n and past head_dim (up to a whole dword). The codes move as dwords (4
- * dims) through a 16 x 16 transpose; then each dim is shifted out of its dword. */
-static void transpose_keys(const Shape *sh, const char *kp, int64_t j, int64_t t0, int64_t n, float *kt) {
-    const int64_t h = sh->num_kv_heads, d = sh->head_dim;
-    const int8_t *codes = (const int8_t *)kp + (t0 * h + j) * d;
+/* c + a * b with both in registers. */
+INLINE vf fma_reg(vf a, vf b, vf c) {
+    __asm__("vfmadd231ps %1, %2, %0" : "+v"(c) : "v"(a), "v"(b));
+    return c;
+}
+
+/* r[c] lane t = dims [4c, 4c + 4) of token t's w (<= 64) codes at codes + t * stride, for
+ * t < n; zeros elsewhere. A masked-off row reads nothing (past n may be past the page). */
+INLINE void key_columns(const int8_t *codes, int64_t stride, int64_t n, int64_t w, vf r[16]) {
+    if (n == 16 && w == 64)
+        for (int t = 0; t < 16; ++t) r[t] = v_load((const float *)(codes + t * stride));
+    else {
+        const __mmask64 bytes = w >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << w) - 1);
+        for (int t = 0; t < 16; ++t)
+            r[t] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(t < n ? bytes : 0, codes + t * stride));
+    }
+    v_transpose(r);
+}
+
+/* Dim k of every token's dword in column dw, as code * 2^24: the byte moved to the top. */
+INLINE vf key_dim(__m512i dw, int k) {
+    const __m512i to_top = _mm512_set4_epi32((int)(0x0C808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x08808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x04808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x00808080u + (unsigned)k * 0x01000000u));
+    return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(dw, to_top));
+}
+
+/* 16 V codes (or the first `left` < 16) at p as floats. */
+INLINE vf value_codes(const int8_t *p, int64_t left) {
+    if (left >= 16) return v_load_i8(p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << left) - 1), p)));
+}
+
+/* One softmax step for g heads from their raw scores s (4 partial sums each, K codes * 2^24):
+ * scale, mask past n, running max, weights w[h] (times the V scales) and alpha[h]; a head
+ * whose max stays keeps alpha = 1 (exp2(0)). */
+INLINE void softmax_step(vf s[GROUP_MAX][4], const int g, const float *ks, const float *vs, int64_t n, float *m,
+                         float *l, float w[GROUP_MAX][16], float alpha[GROUP_MAX]) {
+    const vf kscale = v_load(ks), vscale = v_load(vs), down = v_set1(1.0f / TOP_BYTE);
+    for (int h = 0; h < g; ++h) {
+        const vf raw = v_add(v_add(s[h][0], s[h][1]), v_add(s[h][2], s[h][3]));
+        const vf sc = v_keep(v_mul(v_mul(raw, kscale), down), n, MASKED);
+        const float top = v_hmax(sc);
+        alpha[h] = 1.0f;
+        if (top > m[h]) { /* 2^-126 (times zeros) on the first keys, where m is MASKED */
+            alpha[h] = v_first(v_exp2(v_set1(m[h] - top)));
+            m[h] = top;
+        }
+        const vf p = v_keep(v_exp2(v_sub(sc, v_set1(m[h]))), n, 0.0f);
+        l[h] = l[h] * alpha[h] + v_hsum(p);
+        v_store(w[h], v_mul(p, vscale));
+    }
+}
+
+/* acc[h] = acc[h] * alpha[h] + sum_t w[h][t] v[t] for g heads (acc `padded` floats apart), V
+ * rows of nv vectors read by value(t, c), PANEL vectors of all g heads at a time in registers. */
+#define VALUE_PANELS(g, acc, padded, alpha, w, nv, n, value)                                        \
+    for (int64_t c = 0; c < (nv); c += PANEL) {                                                    \
+        const int64_t np = (nv) - c < PANEL ? (nv) - c : PANEL;                                    \
+        vf o[GROUP_MAX][PANEL];                                                                    \
+        for (int h = 0; h < (g); ++h)                                                              \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) o[h][i] = v_mul(v_load((acc) + h * (padded) + (c + i) * 16), v_set1((alpha)[h])); \
+        for (int64_t t = 0; t < (n); ++t) {                                                        \
+            vf wt[GROUP_MAX];                                                                      \
+            for (int h = 0; h < (g); ++h) wt[h] = v_set1((w)[h][t]);                               \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) {                                                                      \
+                    const vf vv = value(t, c + i);                                                 \
+                    for (int h = 0; h < (g); ++h) o[h][i] = fma_reg(wt[h], vv, o[h][i]);           \
+                }                                                                                  \
+        }                                                                                          \
+        for (int h = 0; h < (g); ++h)                                                              \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) v_store((acc) + h * (padded) + (c + i) * 16, o[h][i]);                 \
+    }
+
+/* The n (<= 16) tokens of a sub-block, K codes at kc and V codes at vc (token t at t * stride),
+ * scales ks, vs [16], folded into g query heads of one row (q, acc `padded` floats apart; m,
+ * l one apart), converting as it goes. */
+INLINE void fold_codes(const float *q, float *acc, float *m, float *l, int64_t padded, const int8_t *kc,
+                       const int8_t *vc, int64_t stride, const float *ks, const float *vs, int64_t d, int64_t nv,
+                       int64_t n, const int g) {
+    vf s[GROUP_MAX][4];
+    for (int h = 0; h < g; ++h)
+        for (int k = 0; k < 4; ++k) s[h][k] = v_set1(0.0f);
     for (int64_t x = 0; x < d; x += 64) {
         const int64_t w = d - x < 64 ? d - x : 64;
-        const __mmask64 bytes = w == 64 ? ~(__mmask64)0 : (((__mmask64)1 << w) - 1);
         vf r[16];
-        if (n == 16 && w == 64)
-            for (int t = 0; t < 16; ++t) r[t] = v_load((const float *)(codes + t * h * d + x));
-        else /* a masked-off row reads nothing: past n may be past the page */
-            for (int t = 0; t < 16; ++t)
-                r[t] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(t < n ? bytes : 0, codes + t * h * d + x));
-        v_transpose(r);
-        for (int64_t c = 0; 4 * c < w; ++c) {
-            const __m512i dw = _mm512_castps_si512(r[c]);
-            float *o = kt + (x + 4 * c) * 16;
-            _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(dw, 24), 24)));
-            _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(dw, 16), 24)));
-            _mm512_storeu_ps(o + 32, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(dw, 8), 24)));
-            _mm512_storeu_ps(o + 48, _mm512_cvtepi32_ps(_mm512_srai_epi32(dw, 24)));
-        }
+        key_columns(kc + x, stride, n, w, r);
+        for (int c = 0; c < 16; ++c)
+            if (4 * c < w) {
+                const __m512i dw = _mm512_castps_si512(r[c]);
+                for (int k = 0; k < 4; ++k) {
+                    const vf kv = key_dim(dw, k);
+                    for (int h = 0; h < g; ++h) s[h][k] = fma_bcast(q + h * padded + x + 4 * c + k, kv, s[h][k]);
+                }
+            }
     }
+    float wts[GROUP_MAX][16] __attribute__((aligned(64)));
+    float alpha[GROUP_MAX];
+    softmax_step(s, g, ks, vs, n, m, l, wts, alpha);
+#define FROM_CODES(t, c) value_codes(vc + (t) * stride + (c) * 16, d - (c) * 16)
+    VALUE_PANELS(g, acc, padded, alpha, wts, nv, n, FROM_CODES)
+#undef FROM_CODES
 }
 
-/* Tokens [t0, t0 + n) of KV head j's V codes as out [n][padded] floats (zeros past head_dim). */
-static void convert_values(const Shape *sh, const char *vp, int64_t j, int64_t t0, int64_t n, int64_t padded,
-                           float *out) {
-    const int64_t h = sh->num_kv_heads, d = sh->head_dim;
-    const int8_t *codes = (const int8_t *)vp + (t0 * h + j) * d;
-    for (int64_t t = 0; t < n; ++t) {
-        int64_t x = 0;
-        for (; x + 16 <= d; x += 16) v_store(out + t * padded + x, v_load_i8(codes + t * h * d + x));
-        if (x < d) {
-            const __m512i c = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << (d - x)) - 1), codes + t * h * d + x));
-            v_store(out + t * padded + x, _mm512_cvtepi32_ps(c));
-        }
-    }
-}
-
-/* Tokens [t0, t0 + n) of KV head j's scales in the page at pg into out [16], zeros past n. */
-static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, int64_t n, float *out) {
-    const float *sc = (const float *)(pg + sh->code_bytes) + t0 * sh->num_kv_heads + j;
-    for (int64_t t = 0; t < 16; ++t) out[t] = t < n ? sc[t * sh->num_kv_heads] : 0.0f;
-}
-
-/* The n (<= 16) tokens of a converted sub-block folded into g query heads of one row (q, acc
- * `padded` floats apart; m, l one apart): one softmax step per head; a head whose running max
- * stays skips its alpha (it is 1). d4: head_dim rounded up to 4 (q and kt are 0 past it). */
-INLINE void fold_heads(const float *q, float *acc, float *m, float *l, int64_t padded, const float *kt,
-                       const float *ks, const float *v, const float *vs, int64_t d4, int64_t nv, int64_t n,
-                       const int g) {
+/* The same from a converted tile: kt [d rounded up to 4][16] (dims as code * 2^24), v [16][padded]. */
+INLINE void fold_tile(const float *q, float *acc, float *m, float *l, int64_t padded, const float *kt,
+                      const float *ks, const float *v, const float *vs, int64_t d4, int64_t nv, int64_t n,
+                      const int g) {
     vf s[GROUP_MAX][4];
     for (int h = 0; h < g; ++h)
         for (int k = 0; k < 4; ++k) s[h][k] = v_set1(0.0f);
@@ -333,86 +398,110 @@ INLINE void fold_heads(const float *q, float *acc, float *m, float *l, int64_t p
             const vf kv = v_load(kt + (x + k) * 16);
             for (int h = 0; h < g; ++h) s[h][k] = fma_bcast(q + h * padded + x + k, kv, s[h][k]);
         }
-    float w[GROUP_MAX][16] __attribute__((aligned(64)));
+    float wts[GROUP_MAX][16] __attribute__((aligned(64)));
     float alpha[GROUP_MAX];
-    const vf kscale = v_load(ks), vscale = v_load(vs);
-    for (int h = 0; h < g; ++h) {
-        const vf sc = v_keep(v_mul(v_add(v_add(s[h][0], s[h][1]), v_add(s[h][2], s[h][3])), kscale), n, MASKED);
-        const float top = v_hmax(sc);
-        alpha[h] = 1.0f;
-        if (top > m[h]) { /* 0 (2^-126 times zeros) on the first keys, where m is MASKED */
-            alpha[h] = v_first(v_exp2(v_set1(m[h] - top)));
-            m[h] = top;
-        }
-        const vf p = v_keep(v_exp2(v_sub(sc, v_set1(m[h]))), n, 0.0f);
-        l[h] = l[h] * alpha[h] + v_hsum(p);
-        v_store(w[h], v_mul(p, vscale));
-    }
-    for (int64_t c = 0; c < nv; c += PANEL) {
-        const int64_t np = nv - c < PANEL ? nv - c : PANEL;
-        vf o[GROUP_MAX][PANEL];
-        for (int h = 0; h < g; ++h)
-            for (int i = 0; i < PANEL; ++i)
-                if (i < np) o[h][i] = v_mul(v_load(acc + h * padded + (c + i) * 16), v_set1(alpha[h]));
-        for (int64_t t = 0; t < n; ++t)
-            for (int i = 0; i < PANEL; ++i)
-                if (i < np) {
-                    const vf vv = v_load(v + t * padded + (c + i) * 16);
-                    for (int h = 0; h < g; ++h) o[h][i] = fma_bcast(&w[h][t], vv, o[h][i]);
-                }
-        for (int h = 0; h < g; ++h)
-            for (int i = 0; i < PANEL; ++i)
-                if (i < np) v_store(acc + h * padded + (c + i) * 16, o[h][i]);
-    }
+    softmax_step(s, g, ks, vs, n, m, l, wts, alpha);
+#define FROM_TILE(t, c) v_load(v + (t) * padded + (c) * 16)
+    VALUE_PANELS(g, acc, padded, alpha, wts, nv, n, FROM_TILE)
+#undef FROM_TILE
 }
 
-/* fold_heads for g in [1, GROUP_MAX], compiled per g, and apart for head_dim 64. */
-static void fold_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, int64_t d4, int64_t nv, int64_t n) {
-    const int64_t p = rows->padded;
+/* Tokens [t0, t0 + n) (n <= 16) of KV head j in the pages at kp, vp into the tile: K as
+ * kt [d rounded up to 4][16], V as [n][padded] (zeros past head_dim). */
+static void convert_tile(const Shape *sh, const char *kp, const char *vp, int64_t j, int64_t t0, int64_t n,
+                         int64_t padded, Tile *tile) {
+    const int64_t h = sh->num_kv_heads, d = sh->head_dim, stride = h * d;
+    const int8_t *kc = (const int8_t *)kp + (t0 * h + j) * d, *vc = (const int8_t *)vp + (t0 * h + j) * d;
+    for (int64_t x = 0; x < d; x += 64) {
+        const int64_t w = d - x < 64 ? d - x : 64;
+        vf r[16];
+        key_columns(kc + x, stride, n, w, r);
+        for (int c = 0; 4 * c < w; ++c)
+            for (int k = 0; k < 4; ++k) v_store(tile->k + (x + 4 * c + k) * 16, key_dim(_mm512_castps_si512(r[c]), k));
+    }
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t x = 0; x < d; x += 16) v_store(tile->v + t * padded + x, value_codes(vc + t * stride + x, d - x));
+}
+
+/* Tokens [t0, t0 + n) of KV head j's scales in the page at pg into out [16], zeros past n. */
+static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, int64_t n, float *out) {
+    const float *sc = (const float *)(pg + sh->code_bytes) + t0 * sh->num_kv_heads + j;
+    for (int64_t t = 0; t < 16; ++t) out[t] = t < n ? sc[t * sh->num_kv_heads] : 0.0f;
+}
+
+#define FOLD_G(FOLD)                                                                               \
+    switch (g) {                                                                                   \
+    case 1: FOLD(1); break;                                                                        \
+    case 2: FOLD(2); break;                                                                        \
+    case 3: FOLD(3); break;                                                                        \
+    default: FOLD(4); break;                                                                       \
+    }
+
+/* fold_codes for g in [1, GROUP_MAX] heads from row run i, compiled per g, and apart for
+ * head_dim 64. */
+static void codes_run(const Rows *rows, int64_t i, int64_t g, const int8_t *kc, const int8_t *vc, int64_t stride,
+                      const Tile *tile, int64_t d, int64_t n) {
+    const int64_t p = rows->padded, nv = vectors_of(d);
     const float *q = rows->q + i * p;
     float *acc = rows->acc + i * p, *m = rows->m + i, *l = rows->l + i;
-#define FOLD(D4, NV, G) fold_heads(q, acc, m, l, p, tile->k, tile->ks, tile->v, tile->vs, D4, NV, n, G)
-#define FOLD_G(D4, NV)                                                                             \
-    switch (g) {                                                                                   \
-    case 1: FOLD(D4, NV, 1); break;                                                                \
-    case 2: FOLD(D4, NV, 2); break;                                                                \
-    case 3: FOLD(D4, NV, 3); break;                                                                \
-    default: FOLD(D4, NV, 4); break;                                                               \
-    }
-    if (d4 == 64 && nv == 4) {
-        FOLD_G(64, 4)
+#define FOLD64(G) fold_codes(q, acc, m, l, 64, kc, vc, stride, tile->ks, tile->vs, 64, 4, n, G)
+#define FOLD(G) fold_codes(q, acc, m, l, p, kc, vc, stride, tile->ks, tile->vs, d, nv, n, G)
+    if (d == 64) {
+        FOLD_G(FOLD64)
     } else {
-        FOLD_G(d4, nv)
+        FOLD_G(FOLD)
     }
-#undef FOLD_G
 #undef FOLD
+#undef FOLD64
+}
+
+/* fold_tile likewise. */
+static void tile_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, int64_t d, int64_t n) {
+    const int64_t p = rows->padded, nv = vectors_of(d), d4 = (d + 3) / 4 * 4;
+    const float *q = rows->q + i * p;
+    float *acc = rows->acc + i * p, *m = rows->m + i, *l = rows->l + i;
+#define FOLD64(G) fold_tile(q, acc, m, l, 64, tile->k, tile->ks, tile->v, tile->vs, 64, 4, n, G)
+#define FOLD(G) fold_tile(q, acc, m, l, p, tile->k, tile->ks, tile->v, tile->vs, d4, nv, n, G)
+    if (d == 64) {
+        FOLD_G(FOLD64)
+    } else {
+        FOLD_G(FOLD)
+    }
+#undef FOLD
+#undef FOLD64
 }
 
 /* attend_block for int8 pages. */
 static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
                             int64_t b, int64_t ahead, Tile *tile) {
     const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads, d = sh->head_dim;
-    const int64_t nv = vectors_of(d), d4 = (d + 3) / 4 * 4, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
+    const int64_t h = sh->num_kv_heads, stride = h * d, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
+    const int direct = count == 1 && chunks == 1; /* the codes are read once either way */
     int64_t most = 0;
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
-    for (int64_t j = 0; j < sh->num_kv_heads; ++j)
+    for (int64_t j = 0; j < h; ++j)
         for (int64_t t0 = 0; t0 < most; t0 += 16) {
             const int64_t n = most - t0 < 16 ? most - t0 : 16;
-            if (t0 == 0) prefetch_part(sh, ahead, j, sh->num_kv_heads);
-            transpose_keys(sh, kp, j, t0, n, tile->k);
-            convert_values(sh, vp, j, t0, n, rows->padded, tile->v);
+            const int8_t *kc = (const int8_t *)kp + (t0 * h + j) * d, *vc = (const int8_t *)vp + (t0 * h + j) * d;
+            if (t0 == 0) prefetch_part(sh, ahead, j, h);
             sub_scales(sh, kp, j, t0, n, tile->ks);
             sub_scales(sh, vp, j, t0, n, tile->vs);
+            if (direct) {
+                codes_run(rows, j * group, group, kc, vc, stride, tile, d, n);
+                continue;
+            }
+            convert_tile(sh, kp, vp, j, t0, n, rows->padded, tile);
             for (int64_t c = 0; c < chunks; ++c) {
                 const int64_t h0 = j * group + group * c / chunks, h1 = j * group + group * (c + 1) / chunks;
                 for (int64_t i = 0; i < count; ++i) {
                     const int64_t left = tokens_in(lens[i], b, bs) - t0;
-                    if (left > 0) fold_run(rows, i * sh->num_heads + h0, h1 - h0, tile, d4, nv, left < 16 ? left : 16);
+                    if (left > 0) tile_run(rows, i * sh->num_heads + h0, h1 - h0, tile, d, left < 16 ? left : 16);
                 }
             }
         }
 }
+#undef FOLD_G
 #endif
 
 /* Block `block` into the rows: attend_block_i8 where it is compiled and the pages are int8. */
