@@ -369,6 +369,7 @@ INLINE void fold_codes(const float *q, float *acc, float *m, float *l, int64_t p
         const int64_t w = d - x < 64 ? d - x : 64;
         vf r[16];
         key_columns(kc + x, stride, n, w, r);
+#pragma GCC unroll 16
         for (int c = 0; c < 16; ++c)
             if (4 * c < w) {
                 const __m512i dw = _mm512_castps_si512(r[c]);
