@@ -312,6 +312,12 @@ INLINE vf value_codes(const int8_t *p, int64_t left) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << left) - 1), p)));
 }
 
+/* Tokens [t0, t0 + n) of KV head j's scales in the page at pg into out [16], zeros past n. */
+static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, int64_t n, float *out) {
+    const float *sc = (const float *)(pg + sh->code_bytes) + t0 * sh->num_kv_heads + j;
+    for (int64_t t = 0; t < 16; ++t) out[t] = t < n ? sc[t * sh->num_kv_heads] : 0.0f;
+}
+
 /* One softmax step for g heads from their raw scores s (4 partial sums each, K codes * 2^24):
  * scale, mask past n, running max, weights w[h] (times the V scales) and alpha[h]; a head
  * whose max stays keeps alpha = 1 (exp2(0)). */
@@ -356,13 +362,11 @@ INLINE void softmax_step(vf s[GROUP_MAX][4], const int g, const float *ks, const
                 if (i < np) v_store((acc) + h * (padded) + (c + i) * 16, o[h][i]);                 \
     }
 
-/* The n (<= 16) tokens of a sub-block, K codes at kc and V codes at vc (token t at t * stride),
- * scales ks, vs [16], folded into g query heads of one row (q, acc `padded` floats apart; m,
- * l one apart), converting as it goes. */
-INLINE void fold_codes(const float *q, float *acc, float *m, float *l, int64_t padded, const int8_t *kc,
-                       const int8_t *vc, int64_t stride, const float *ks, const float *vs, int64_t d, int64_t nv,
-                       int64_t n, const int g) {
-    vf s[GROUP_MAX][4];
+/* Raw scores s (4 partial sums per head, K codes * 2^24) of g query heads (q `padded` floats
+ * apart) against the n (<= 16) tokens whose K codes are at kc (token t at t * stride),
+ * converted as they are read. */
+INLINE void score_codes(const float *q, int64_t padded, const int8_t *kc, int64_t stride, int64_t d, int64_t n,
+                        const int g, vf s[GROUP_MAX][4]) {
     for (int h = 0; h < g; ++h)
         for (int k = 0; k < 4; ++k) s[h][k] = v_set1(0.0f);
     for (int64_t x = 0; x < d; x += 64) {
@@ -379,12 +383,36 @@ INLINE void fold_codes(const float *q, float *acc, float *m, float *l, int64_t p
                 }
             }
     }
-    float wts[GROUP_MAX][16] __attribute__((aligned(64)));
-    float alpha[GROUP_MAX];
-    softmax_step(s, g, ks, vs, n, m, l, wts, alpha);
-#define FROM_CODES(t, c) value_codes(vc + (t) * stride + (c) * 16, d - (c) * 16)
-    VALUE_PANELS(g, acc, padded, alpha, wts, nv, n, FROM_CODES)
+}
+
+/* The tokens [t0, t0 + n) (n <= 16) of a block (pages at kp, vp) folded into one row's query
+ * heads (run 0 of rows, g per KV head), converting from the pages as they are read. The KV
+ * heads are software-pipelined: KV head j's scores are issued between KV head j - 1's softmax
+ * step and its values, so that the step's latency chain (max, exp2, weights) runs under them. */
+INLINE void block_codes(const Shape *sh, const Rows *rows, const char *kp, const char *vp, int64_t t0, int64_t n,
+                        int64_t ahead, const int g, const int64_t d, const int64_t padded) {
+    const int64_t h = sh->num_kv_heads, stride = h * d, nv = (d + 15) / 16;
+    const int8_t *kc = (const int8_t *)kp + t0 * stride, *vc = (const int8_t *)vp + t0 * stride;
+    float ks[16] __attribute__((aligned(64))), vs[2][16] __attribute__((aligned(64)));
+    float wts[2][GROUP_MAX][16] __attribute__((aligned(64))), alpha[2][GROUP_MAX];
+    vf s[GROUP_MAX][4];
+    for (int64_t j = 0; j <= h; ++j) {
+        const int cur = (int)(j & 1), prev = cur ^ 1;
+        if (j < h) {
+            if (t0 == 0) prefetch_part(sh, ahead, j, h);
+            sub_scales(sh, kp, j, t0, n, ks);
+            sub_scales(sh, vp, j, t0, n, vs[cur]);
+            score_codes(rows->q + j * g * padded, padded, kc + j * d, stride, d, n, g, s);
+        }
+        if (j > 0) {
+            const int8_t *v = vc + (j - 1) * d;
+            float *acc = rows->acc + (j - 1) * g * padded;
+#define FROM_CODES(t, c) value_codes(v + (t) * stride + (c) * 16, d - (c) * 16)
+            VALUE_PANELS(g, acc, padded, alpha[prev], wts[prev], nv, n, FROM_CODES)
 #undef FROM_CODES
+        }
+        if (j < h) softmax_step(s, g, ks, vs[cur], n, rows->m + j * g, rows->l + j * g, wts[cur], alpha[cur]);
+    }
 }
 
 /* The same from a converted tile: kt [d rounded up to 4][16] (dims as code * 2^24), v [16][padded]. */
@@ -424,11 +452,6 @@ static void convert_tile(const Shape *sh, const char *kp, const char *vp, int64_
         for (int64_t x = 0; x < d; x += 16) v_store(tile->v + t * padded + x, value_codes(vc + t * stride + x, d - x));
 }
 
-/* Tokens [t0, t0 + n) of KV head j's scales in the page at pg into out [16], zeros past n. */
-static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, int64_t n, float *out) {
-    const float *sc = (const float *)(pg + sh->code_bytes) + t0 * sh->num_kv_heads + j;
-    for (int64_t t = 0; t < 16; ++t) out[t] = t < n ? sc[t * sh->num_kv_heads] : 0.0f;
-}
 
 #define FOLD_G(FOLD)                                                                               \
     switch (g) {                                                                                   \
@@ -438,15 +461,12 @@ static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, i
     default: FOLD(4); break;                                                                       \
     }
 
-/* fold_codes for g in [1, GROUP_MAX] heads from row run i, compiled per g, and apart for
- * head_dim 64. */
-static void codes_run(const Rows *rows, int64_t i, int64_t g, const int8_t *kc, const int8_t *vc, int64_t stride,
-                      const Tile *tile, int64_t d, int64_t n) {
-    const int64_t p = rows->padded, nv = vectors_of(d);
-    const float *q = rows->q + i * p;
-    float *acc = rows->acc + i * p, *m = rows->m + i, *l = rows->l + i;
-#define FOLD64(G) fold_codes(q, acc, m, l, 64, kc, vc, stride, tile->ks, tile->vs, 64, 4, n, G)
-#define FOLD(G) fold_codes(q, acc, m, l, p, kc, vc, stride, tile->ks, tile->vs, d, nv, n, G)
+/* block_codes compiled per g in [1, GROUP_MAX], and apart for head_dim 64. */
+static void direct_run(const Shape *sh, const Rows *rows, const char *kp, const char *vp, int64_t t0, int64_t n,
+                       int64_t ahead, int64_t g) {
+    const int64_t d = sh->head_dim, p = rows->padded;
+#define FOLD64(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, 64, 64)
+#define FOLD(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, d, p)
     if (d == 64) {
         FOLD_G(FOLD64)
     } else {
@@ -476,22 +496,21 @@ static void tile_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, i
 static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
                             int64_t b, int64_t ahead, Tile *tile) {
     const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads, d = sh->head_dim;
-    const int64_t h = sh->num_kv_heads, stride = h * d, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
+    const int64_t h = sh->num_kv_heads, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
     const int direct = count == 1 && chunks == 1; /* the codes are read once either way */
     int64_t most = 0;
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
+    if (direct) {
+        for (int64_t t0 = 0; t0 < most; t0 += 16) direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
+        return;
+    }
     for (int64_t j = 0; j < h; ++j)
         for (int64_t t0 = 0; t0 < most; t0 += 16) {
             const int64_t n = most - t0 < 16 ? most - t0 : 16;
-            const int8_t *kc = (const int8_t *)kp + (t0 * h + j) * d, *vc = (const int8_t *)vp + (t0 * h + j) * d;
             if (t0 == 0) prefetch_part(sh, ahead, j, h);
             sub_scales(sh, kp, j, t0, n, tile->ks);
             sub_scales(sh, vp, j, t0, n, tile->vs);
-            if (direct) {
-                codes_run(rows, j * group, group, kc, vc, stride, tile, d, n);
-                continue;
-            }
             convert_tile(sh, kp, vp, j, t0, n, rows->padded, tile);
             for (int64_t c = 0; c < chunks; ++c) {
                 const int64_t h0 = j * group + group * c / chunks, h1 = j * group + group * (c + 1) / chunks;
