@@ -35,7 +35,9 @@
  * each token's head (scale = max|x| / 127, codes rounded half away from zero). Decode
  * converts a block's codes of one KV head to floats once per group (int8 -> int32 -> float
  * in registers, unscaled), and folds each token's scales in once per query row: the K
- * scale into the token's score, the V scale into its softmax weight.
+ * scale into the token's score, the V scale into its softmax weight. On AVX-512 it takes
+ * attend_block_i8 (below), which converts K transposed and folds a KV head's query heads
+ * together; elsewhere the float path's attend_block over a converted tile.
  */
 #include <float.h>
 #include <math.h>
@@ -256,17 +258,19 @@ static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens,
 
 #if VW == 16 && defined(__AVX512BW__)
 /* int8 pages on AVX-512 (attend_block_i8). A block's tokens are taken 16 at a time (a
- * sub-block), lane t = token t. Per KV head the K codes go through a 16 x 16 dword transpose,
- * so that dim x of the 16 tokens is one vector and a query head's 16 scores are head_dim
- * FMAs of a broadcast q[x] against it, with no reduction across lanes. Up to GROUP_MAX query
- * heads of the KV head are folded together: every K and V vector converted feeds all of them,
- * and their scores and output panels stay in registers. A single row converts straight from
- * the page (fold_codes); several rows convert a sub-block once into a tile and read it from
- * there (fold_tile).
+ * sub-block), lane t = token t. Per KV head the K codes go through a 16 x 16 dword transpose
+ * in registers, so that dim x of the 16 tokens is one vector and a query head's 16 scores are
+ * head_dim FMAs of a broadcast q[x] against it, with no reduction across lanes. Up to
+ * GROUP_MAX query heads of the KV head are folded together: every K and V vector converted
+ * feeds all of them, and their scores and output panels stay in registers. A row walking its
+ * blocks alone converts straight from the page (block_codes: no tile stored and reloaded);
+ * several rows (joint blocks), or more than GROUP_MAX heads a KV head, convert a sub-block
+ * once into a tile and read it from there (fold_tile).
  *
  * A K dim is converted with its code in the top byte of an int32, so its float is code * 2^24
  * exactly; the scores take the 2^-24 back after the K scale. Scaling by a power of two
- * changes no rounding, so the scores are those of the codes themselves. */
+ * changes no rounding (short of overflow: |q . k| past ~1e31), so the scores are those of the
+ * codes themselves. */
 #define FAST_I8 1
 #define GROUP_MAX 4
 #define TOP_BYTE 16777216.0f /* 2^24 */
@@ -415,7 +419,8 @@ INLINE void block_codes(const Shape *sh, const Rows *rows, const char *kp, const
     }
 }
 
-/* The same from a converted tile: kt [d rounded up to 4][16] (dims as code * 2^24), v [16][padded]. */
+/* One row's g heads against a converted tile: kt [d rounded up to 4][16] (dims as code * 2^24),
+ * v [16][padded]. */
 INLINE void fold_tile(const float *q, float *acc, float *m, float *l, int64_t padded, const float *kt,
                       const float *ks, const float *v, const float *vs, int64_t d4, int64_t nv, int64_t n,
                       const int g) {
@@ -451,7 +456,6 @@ static void convert_tile(const Shape *sh, const char *kp, const char *vp, int64_
     for (int64_t t = 0; t < n; ++t)
         for (int64_t x = 0; x < d; x += 16) v_store(tile->v + t * padded + x, value_codes(vc + t * stride + x, d - x));
 }
-
 
 #define FOLD_G(FOLD)                                                                               \
     switch (g) {                                                                                   \
@@ -502,7 +506,8 @@ static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *le
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
     if (direct) {
-        for (int64_t t0 = 0; t0 < most; t0 += 16) direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
+        for (int64_t t0 = 0; t0 < most; t0 += 16)
+            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
         return;
     }
     for (int64_t j = 0; j < h; ++j)
