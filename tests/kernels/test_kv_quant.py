@@ -156,6 +156,48 @@ def test_native_decode_on_int8_pages_matches_float64(heads, kv_heads, head_dim, 
     torch.testing.assert_close(got, dense_reference(q, k_deq, v_deq, tables, seq_lens, scale), **TOL)
 
 
+# Shapes for each vector width's build: GQA groups of 3, 8 (more heads than the AVX-512 path
+# folds at once: it goes through its tile) and 1; head dims 64 (compiled apart), 40, 128 (two
+# 64-dim slices) and 18 (a partial dword); blocks of 16, 5, 3 and 32 (two 16-token slices).
+WIDTH_SHAPES = [(9, 3, 64, 16), (8, 1, 40, 5), (4, 4, 128, 32), (2, 1, 18, 3)]
+
+
+@needs_native
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
+                         ids=["native", "avx2", "scalar"])
+def test_native_decode_on_int8_pages_builds_for_each_vector_width(tmp_path, flags):
+    """The int8 decode of this machine's build, and of builds with AVX-512 (then AVX2) switched
+    off, which take the generic path, against float64 on the dequantized pages: one row alone,
+    rows sharing a prefix, partial blocks."""
+    import ctypes
+    import shutil
+
+    from radixserve.kernels import native_build
+    from radixserve.kernels.native_attention import NativePagedAttention
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library = tmp_path / "paged_attention.so"
+    native_build._compile(compiler, native_build.CSRC / "paged_attention.c", ["-fopenmp", *flags], library)
+    built = ctypes.CDLL(str(library))
+    fns = []
+    for name in ("paged_decode_attention_f32", "paged_store_f32", "paged_decode_attention_i8", "paged_store_i8"):
+        fn = getattr(built, name)
+        fn.argtypes = list(native_build.SIGNATURES[name].argtypes)
+        fn.restype = native_build.SIGNATURES[name].restype
+        fns.append(fn)
+    kernels = NativePagedAttention(*fns)
+    for heads, kv_heads, head_dim, block_size in WIDTH_SHAPES:
+        for lens, shared in [([1, 37, 70], [0, 0, 0]), ([40, 70, 33, 9], [2, 2, 1, 0])]:
+            shared = [min(s, n // block_size) for s, n in zip(shared, lens)]
+            q, kp, vp, tables, seq_lens, pages, k_deq, v_deq = quantized_case(
+                lens, shared, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+            scale = head_dim**-0.5
+            got = kernels.decode(q, kp, vp, tables, seq_lens, scale, pages)
+            torch.testing.assert_close(got, dense_reference(q, k_deq, v_deq, tables, seq_lens, scale), **TOL)
+
+
 @needs_native
 def test_native_decode_refuses_pages_of_another_layout():
     q, kp, vp, tables, seq_lens, pages, *_ = quantized_case([20], [0], heads=2, kv_heads=1, head_dim=16, block_size=4)

@@ -35,7 +35,9 @@
  * each token's head (scale = max|x| / 127, codes rounded half away from zero). Decode
  * converts a block's codes of one KV head to floats once per group (int8 -> int32 -> float
  * in registers, unscaled), and folds each token's scales in once per query row: the K
- * scale into the token's score, the V scale into its softmax weight.
+ * scale into the token's score, the V scale into its softmax weight. On AVX-512 it takes
+ * attend_block_i8 (below), which converts K transposed and folds a KV head's query heads
+ * together; elsewhere the float path's attend_block over a converted tile.
  */
 #include <float.h>
 #include <math.h>
@@ -254,6 +256,291 @@ static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens,
     }
 }
 
+#if VW == 16 && defined(__AVX512BW__)
+/* int8 pages on AVX-512 (attend_block_i8). A block's tokens are taken 16 at a time (a
+ * sub-block), lane t = token t. Per KV head the K codes go through a 16 x 16 dword transpose
+ * in registers, so that dim x of the 16 tokens is one vector and a query head's 16 scores are
+ * head_dim FMAs of a broadcast q[x] against it, with no reduction across lanes. Up to
+ * GROUP_MAX query heads of the KV head are folded together: every K and V vector converted
+ * feeds all of them, and their scores and output panels stay in registers. A row walking its
+ * blocks alone converts straight from the page (block_codes: no tile stored and reloaded);
+ * several rows (joint blocks), or more than GROUP_MAX heads a KV head, convert a sub-block
+ * once into a tile and read it from there (fold_tile).
+ *
+ * A K dim is converted with its code in the top byte of an int32, so its float is code * 2^24
+ * exactly; the scores take the 2^-24 back after the K scale. Scaling by a power of two
+ * changes no rounding (short of overflow: |q . k| past ~1e31), so the scores are those of the
+ * codes themselves. */
+#define FAST_I8 1
+#define GROUP_MAX 4
+#define TOP_BYTE 16777216.0f /* 2^24 */
+
+/* c + *a * b, *a broadcast from memory inside the FMA (GCC would broadcast into a register and
+ * take b from memory at every use). */
+INLINE vf fma_bcast(const float *a, vf b, vf c) {
+    __asm__("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*a), "v"(b));
+    return c;
+}
+
+/* c + a * b with both in registers. */
+INLINE vf fma_reg(vf a, vf b, vf c) {
+    __asm__("vfmadd231ps %1, %2, %0" : "+v"(c) : "v"(a), "v"(b));
+    return c;
+}
+
+/* r[c] lane t = dims [4c, 4c + 4) of token t's w (<= 64) codes at codes + t * stride, for
+ * t < n; zeros elsewhere. A masked-off row reads nothing (past n may be past the page). */
+INLINE void key_columns(const int8_t *codes, int64_t stride, int64_t n, int64_t w, vf r[16]) {
+    if (n == 16 && w == 64)
+        for (int t = 0; t < 16; ++t) r[t] = v_load((const float *)(codes + t * stride));
+    else {
+        const __mmask64 bytes = w >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << w) - 1);
+        for (int t = 0; t < 16; ++t)
+            r[t] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi8(t < n ? bytes : 0, codes + t * stride));
+    }
+    v_transpose(r);
+}
+
+/* Dim k of every token's dword in column dw, as code * 2^24: the byte moved to the top. */
+INLINE vf key_dim(__m512i dw, int k) {
+    const __m512i to_top = _mm512_set4_epi32((int)(0x0C808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x08808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x04808080u + (unsigned)k * 0x01000000u),
+                                             (int)(0x00808080u + (unsigned)k * 0x01000000u));
+    return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(dw, to_top));
+}
+
+/* 16 V codes (or the first `left` < 16) at p as floats. */
+INLINE vf value_codes(const int8_t *p, int64_t left) {
+    if (left >= 16) return v_load_i8(p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << left) - 1), p)));
+}
+
+/* Tokens [t0, t0 + n) of KV head j's scales in the page at pg into out [16], zeros past n. */
+static void sub_scales(const Shape *sh, const char *pg, int64_t j, int64_t t0, int64_t n, float *out) {
+    const float *sc = (const float *)(pg + sh->code_bytes) + t0 * sh->num_kv_heads + j;
+    for (int64_t t = 0; t < 16; ++t) out[t] = t < n ? sc[t * sh->num_kv_heads] : 0.0f;
+}
+
+/* One softmax step for g heads from their raw scores s (4 partial sums each, K codes * 2^24):
+ * scale, mask past n, running max, weights w[h] (times the V scales) and alpha[h]; a head
+ * whose max stays keeps alpha = 1 (exp2(0)). */
+INLINE void softmax_step(vf s[GROUP_MAX][4], const int g, const float *ks, const float *vs, int64_t n, float *m,
+                         float *l, float w[GROUP_MAX][16], float alpha[GROUP_MAX]) {
+    const vf kscale = v_load(ks), vscale = v_load(vs), down = v_set1(1.0f / TOP_BYTE);
+    for (int h = 0; h < g; ++h) {
+        const vf raw = v_add(v_add(s[h][0], s[h][1]), v_add(s[h][2], s[h][3]));
+        const vf sc = v_keep(v_mul(v_mul(raw, kscale), down), n, MASKED);
+        const float top = v_hmax(sc);
+        alpha[h] = 1.0f;
+        if (top > m[h]) { /* 2^-126 (times zeros) on the first keys, where m is MASKED */
+            alpha[h] = v_first(v_exp2(v_set1(m[h] - top)));
+            m[h] = top;
+        }
+        const vf p = v_keep(v_exp2(v_sub(sc, v_set1(m[h]))), n, 0.0f);
+        l[h] = l[h] * alpha[h] + v_hsum(p);
+        v_store(w[h], v_mul(p, vscale));
+    }
+}
+
+/* acc[h] = acc[h] * alpha[h] + sum_t w[h][t] v[t] for g heads (acc `padded` floats apart), V
+ * rows of nv vectors read by value(t, c), PANEL vectors of all g heads at a time in registers. */
+#define VALUE_PANELS(g, acc, padded, alpha, w, nv, n, value)                                        \
+    for (int64_t c = 0; c < (nv); c += PANEL) {                                                    \
+        const int64_t np = (nv) - c < PANEL ? (nv) - c : PANEL;                                    \
+        vf o[GROUP_MAX][PANEL];                                                                    \
+        for (int h = 0; h < (g); ++h)                                                              \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) o[h][i] = v_mul(v_load((acc) + h * (padded) + (c + i) * 16), v_set1((alpha)[h])); \
+        for (int64_t t = 0; t < (n); ++t) {                                                        \
+            vf wt[GROUP_MAX];                                                                      \
+            for (int h = 0; h < (g); ++h) wt[h] = v_set1((w)[h][t]);                               \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) {                                                                      \
+                    const vf vv = value(t, c + i);                                                 \
+                    for (int h = 0; h < (g); ++h) o[h][i] = fma_reg(wt[h], vv, o[h][i]);           \
+                }                                                                                  \
+        }                                                                                          \
+        for (int h = 0; h < (g); ++h)                                                              \
+            for (int i = 0; i < PANEL; ++i)                                                        \
+                if (i < np) v_store((acc) + h * (padded) + (c + i) * 16, o[h][i]);                 \
+    }
+
+/* Raw scores s (4 partial sums per head, K codes * 2^24) of g query heads (q `padded` floats
+ * apart) against the n (<= 16) tokens whose K codes are at kc (token t at t * stride),
+ * converted as they are read. */
+INLINE void score_codes(const float *q, int64_t padded, const int8_t *kc, int64_t stride, int64_t d, int64_t n,
+                        const int g, vf s[GROUP_MAX][4]) {
+    for (int h = 0; h < g; ++h)
+        for (int k = 0; k < 4; ++k) s[h][k] = v_set1(0.0f);
+    for (int64_t x = 0; x < d; x += 64) {
+        const int64_t w = d - x < 64 ? d - x : 64;
+        vf r[16];
+        key_columns(kc + x, stride, n, w, r);
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; ++c)
+            if (4 * c < w) {
+                const __m512i dw = _mm512_castps_si512(r[c]);
+                for (int k = 0; k < 4; ++k) {
+                    const vf kv = key_dim(dw, k);
+                    for (int h = 0; h < g; ++h) s[h][k] = fma_bcast(q + h * padded + x + 4 * c + k, kv, s[h][k]);
+                }
+            }
+    }
+}
+
+/* The tokens [t0, t0 + n) (n <= 16) of a block (pages at kp, vp) folded into one row's query
+ * heads (run 0 of rows, g per KV head), converting from the pages as they are read. The KV
+ * heads are software-pipelined: KV head j's scores are issued between KV head j - 1's softmax
+ * step and its values, so that the step's latency chain (max, exp2, weights) runs under them. */
+INLINE void block_codes(const Shape *sh, const Rows *rows, const char *kp, const char *vp, int64_t t0, int64_t n,
+                        int64_t ahead, const int g, const int64_t d, const int64_t padded) {
+    const int64_t h = sh->num_kv_heads, stride = h * d, nv = (d + 15) / 16;
+    const int8_t *kc = (const int8_t *)kp + t0 * stride, *vc = (const int8_t *)vp + t0 * stride;
+    float ks[16] __attribute__((aligned(64))), vs[2][16] __attribute__((aligned(64)));
+    float wts[2][GROUP_MAX][16] __attribute__((aligned(64))), alpha[2][GROUP_MAX];
+    vf s[GROUP_MAX][4];
+    for (int64_t j = 0; j <= h; ++j) {
+        const int cur = (int)(j & 1), prev = cur ^ 1;
+        if (j < h) {
+            if (t0 == 0) prefetch_part(sh, ahead, j, h);
+            sub_scales(sh, kp, j, t0, n, ks);
+            sub_scales(sh, vp, j, t0, n, vs[cur]);
+            score_codes(rows->q + j * g * padded, padded, kc + j * d, stride, d, n, g, s);
+        }
+        if (j > 0) {
+            const int8_t *v = vc + (j - 1) * d;
+            float *acc = rows->acc + (j - 1) * g * padded;
+#define FROM_CODES(t, c) value_codes(v + (t) * stride + (c) * 16, d - (c) * 16)
+            VALUE_PANELS(g, acc, padded, alpha[prev], wts[prev], nv, n, FROM_CODES)
+#undef FROM_CODES
+        }
+        if (j < h) softmax_step(s, g, ks, vs[cur], n, rows->m + j * g, rows->l + j * g, wts[cur], alpha[cur]);
+    }
+}
+
+/* One row's g heads against a converted tile: kt [d rounded up to 4][16] (dims as code * 2^24),
+ * v [16][padded]. */
+INLINE void fold_tile(const float *q, float *acc, float *m, float *l, int64_t padded, const float *kt,
+                      const float *ks, const float *v, const float *vs, int64_t d4, int64_t nv, int64_t n,
+                      const int g) {
+    vf s[GROUP_MAX][4];
+    for (int h = 0; h < g; ++h)
+        for (int k = 0; k < 4; ++k) s[h][k] = v_set1(0.0f);
+    for (int64_t x = 0; x < d4; x += 4)
+        for (int k = 0; k < 4; ++k) {
+            const vf kv = v_load(kt + (x + k) * 16);
+            for (int h = 0; h < g; ++h) s[h][k] = fma_bcast(q + h * padded + x + k, kv, s[h][k]);
+        }
+    float wts[GROUP_MAX][16] __attribute__((aligned(64)));
+    float alpha[GROUP_MAX];
+    softmax_step(s, g, ks, vs, n, m, l, wts, alpha);
+#define FROM_TILE(t, c) v_load(v + (t) * padded + (c) * 16)
+    VALUE_PANELS(g, acc, padded, alpha, wts, nv, n, FROM_TILE)
+#undef FROM_TILE
+}
+
+/* Tokens [t0, t0 + n) (n <= 16) of KV head j in the pages at kp, vp into the tile: K as
+ * kt [d rounded up to 4][16], V as [n][padded] (zeros past head_dim). */
+static void convert_tile(const Shape *sh, const char *kp, const char *vp, int64_t j, int64_t t0, int64_t n,
+                         int64_t padded, Tile *tile) {
+    const int64_t h = sh->num_kv_heads, d = sh->head_dim, stride = h * d;
+    const int8_t *kc = (const int8_t *)kp + (t0 * h + j) * d, *vc = (const int8_t *)vp + (t0 * h + j) * d;
+    for (int64_t x = 0; x < d; x += 64) {
+        const int64_t w = d - x < 64 ? d - x : 64;
+        vf r[16];
+        key_columns(kc + x, stride, n, w, r);
+        for (int c = 0; 4 * c < w; ++c)
+            for (int k = 0; k < 4; ++k) v_store(tile->k + (x + 4 * c + k) * 16, key_dim(_mm512_castps_si512(r[c]), k));
+    }
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t x = 0; x < d; x += 16) v_store(tile->v + t * padded + x, value_codes(vc + t * stride + x, d - x));
+}
+
+#define FOLD_G(FOLD)                                                                               \
+    switch (g) {                                                                                   \
+    case 1: FOLD(1); break;                                                                        \
+    case 2: FOLD(2); break;                                                                        \
+    case 3: FOLD(3); break;                                                                        \
+    default: FOLD(4); break;                                                                       \
+    }
+
+/* block_codes compiled per g in [1, GROUP_MAX], and apart for head_dim 64. */
+static void direct_run(const Shape *sh, const Rows *rows, const char *kp, const char *vp, int64_t t0, int64_t n,
+                       int64_t ahead, int64_t g) {
+    const int64_t d = sh->head_dim, p = rows->padded;
+#define FOLD64(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, 64, 64)
+#define FOLD(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, d, p)
+    if (d == 64) {
+        FOLD_G(FOLD64)
+    } else {
+        FOLD_G(FOLD)
+    }
+#undef FOLD
+#undef FOLD64
+}
+
+/* fold_tile likewise. */
+static void tile_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, int64_t d, int64_t n) {
+    const int64_t p = rows->padded, nv = vectors_of(d), d4 = (d + 3) / 4 * 4;
+    const float *q = rows->q + i * p;
+    float *acc = rows->acc + i * p, *m = rows->m + i, *l = rows->l + i;
+#define FOLD64(G) fold_tile(q, acc, m, l, 64, tile->k, tile->ks, tile->v, tile->vs, 64, 4, n, G)
+#define FOLD(G) fold_tile(q, acc, m, l, p, tile->k, tile->ks, tile->v, tile->vs, d4, nv, n, G)
+    if (d == 64) {
+        FOLD_G(FOLD64)
+    } else {
+        FOLD_G(FOLD)
+    }
+#undef FOLD
+#undef FOLD64
+}
+
+/* attend_block for int8 pages. */
+static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
+                            int64_t b, int64_t ahead, Tile *tile) {
+    const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads, d = sh->head_dim;
+    const int64_t h = sh->num_kv_heads, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
+    const int direct = count == 1 && chunks == 1; /* the codes are read once either way */
+    int64_t most = 0;
+    for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
+    const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
+    if (direct) {
+        for (int64_t t0 = 0; t0 < most; t0 += 16)
+            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
+        return;
+    }
+    for (int64_t j = 0; j < h; ++j)
+        for (int64_t t0 = 0; t0 < most; t0 += 16) {
+            const int64_t n = most - t0 < 16 ? most - t0 : 16;
+            if (t0 == 0) prefetch_part(sh, ahead, j, h);
+            sub_scales(sh, kp, j, t0, n, tile->ks);
+            sub_scales(sh, vp, j, t0, n, tile->vs);
+            convert_tile(sh, kp, vp, j, t0, n, rows->padded, tile);
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t h0 = j * group + group * c / chunks, h1 = j * group + group * (c + 1) / chunks;
+                for (int64_t i = 0; i < count; ++i) {
+                    const int64_t left = tokens_in(lens[i], b, bs) - t0;
+                    if (left > 0) tile_run(rows, i * sh->num_heads + h0, h1 - h0, tile, d, left < 16 ? left : 16);
+                }
+            }
+        }
+}
+#undef FOLD_G
+#endif
+
+/* Block `block` into the rows: attend_block_i8 where it is compiled and the pages are int8. */
+static void attend_pages(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
+                         int64_t b, int64_t ahead, Tile *tile) {
+#ifdef FAST_I8
+    if (sh->int8) {
+        attend_block_i8(sh, rows, lens, count, block, b, ahead, tile);
+        return;
+    }
+#endif
+    attend_block(sh, rows, lens, count, block, b, ahead, tile);
+}
+
 /* Block PREFETCH_BLOCKS after position b of a table for context len, or -1 past its end. */
 static int64_t block_ahead(const int32_t *table, int64_t len, int64_t b, int64_t block_size) {
     return (b + PREFETCH_BLOCKS) * block_size < len ? table[b + PREFETCH_BLOCKS] : -1;
@@ -297,7 +584,7 @@ static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table,
                         Tile *tile) {
     const int64_t bs = sh->block_size;
     for (int64_t b = from; b * bs < *len; ++b) {
-        attend_block(sh, rows, len, 1, table[b], b, block_ahead(table, *len, b, bs), tile);
+        attend_pages(sh, rows, len, 1, table[b], b, block_ahead(table, *len, b, bs), tile);
     }
 }
 
@@ -311,7 +598,7 @@ static void attend_group(const Shape *sh, const float *q, const int32_t *tables,
     load_rows(sh, q + first * sh->num_heads * d, count, rows);
     for (int64_t b = 0; b < joint; ++b) {
         const int64_t ahead = block_ahead(tables + longest * stride, seq_lens[longest], b, bs);
-        attend_block(sh, rows, seq_lens + first, count, tables[first * stride + b], b, ahead, tile);
+        attend_pages(sh, rows, seq_lens + first, count, tables[first * stride + b], b, ahead, tile);
     }
     for (int64_t r = 0; r < count; ++r) {
         const Rows own = {rows->q + r * sh->num_heads * p, rows->acc + r * sh->num_heads * p,
@@ -367,7 +654,8 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
 #pragma omp parallel
     {
         const int64_t rows = cap * num_heads, padded = vectors_of(head_dim) * VW;
-        const int64_t tile = block_size * padded, scales = vectors_of(block_size) * VW;
+        /* A tile holds at least VW tokens: attend_block_i8 converts 16 at a time. */
+        const int64_t tile = (block_size > VW ? block_size : VW) * padded, scales = vectors_of(block_size) * VW;
         float *scratch = (float *)malloc(sizeof(float) * (rows * (2 * padded + 2) + 2 * (tile + scales)));
         if (!scratch) {
 #pragma omp atomic write
