@@ -166,7 +166,7 @@ WIDTH_SHAPES = [(9, 3, 64, 16), (8, 1, 40, 5), (4, 4, 128, 32), (2, 1, 18, 3)]
 @pytest.mark.parametrize("flags", [[], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
                          ids=["native", "avx2", "scalar"])
 def test_native_decode_on_int8_pages_builds_for_each_vector_width(tmp_path, flags):
-    """The int8 decode of this machine's build, and of builds with AVX-512 (then AVX2) switched
+    """The int8 (and float32) decode of this machine's build, and of builds with AVX-512 (then AVX2) switched
     off, which take the generic path, against float64 on the dequantized pages: one row alone,
     rows sharing a prefix, partial blocks."""
     import ctypes
@@ -196,6 +196,12 @@ def test_native_decode_on_int8_pages_builds_for_each_vector_width(tmp_path, flag
             scale = head_dim**-0.5
             got = kernels.decode(q, kp, vp, tables, seq_lens, scale, pages)
             torch.testing.assert_close(got, dense_reference(q, k_deq, v_deq, tables, seq_lens, scale), **TOL)
+            # The same values as float32 pages: the float decode of each build (every width
+            # takes the generic attend_block for float pages).
+            k_cache = k_deq.reshape(-1, block_size, kv_heads, head_dim).contiguous()
+            v_cache = v_deq.reshape(-1, block_size, kv_heads, head_dim).contiguous()
+            got = kernels.decode(q, k_cache, v_cache, tables, seq_lens, scale)
+            torch.testing.assert_close(got, dense_reference(q, k_cache, v_cache, tables, seq_lens, scale), **TOL)
 
 
 @needs_native
