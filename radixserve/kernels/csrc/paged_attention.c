@@ -465,17 +465,21 @@ static void convert_tile(const Shape *sh, const char *kp, const char *vp, int64_
     default: FOLD(4); break;                                                                       \
     }
 
+/* FOLD_G of FOLD64 (head_dim 64, its shape compiled in) where d is 64, else of FOLD. */
+#define FOLD_BY_DIM(d, FOLD64, FOLD) \
+    if ((d) == 64) {                 \
+        FOLD_G(FOLD64)               \
+    } else {                         \
+        FOLD_G(FOLD)                 \
+    }
+
 /* block_codes compiled per g in [1, GROUP_MAX], and apart for head_dim 64. */
 static void direct_run(const Shape *sh, const Rows *rows, const char *kp, const char *vp, int64_t t0, int64_t n,
                        int64_t ahead, int64_t g) {
     const int64_t d = sh->head_dim, p = rows->padded;
 #define FOLD64(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, 64, 64)
 #define FOLD(G) block_codes(sh, rows, kp, vp, t0, n, ahead, G, d, p)
-    if (d == 64) {
-        FOLD_G(FOLD64)
-    } else {
-        FOLD_G(FOLD)
-    }
+    FOLD_BY_DIM(d, FOLD64, FOLD)
 #undef FOLD
 #undef FOLD64
 }
@@ -487,11 +491,7 @@ static void tile_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, i
     float *acc = rows->acc + i * p, *m = rows->m + i, *l = rows->l + i;
 #define FOLD64(G) fold_tile(q, acc, m, l, 64, tile->k, tile->ks, tile->v, tile->vs, 64, 4, n, G)
 #define FOLD(G) fold_tile(q, acc, m, l, p, tile->k, tile->ks, tile->v, tile->vs, d4, nv, n, G)
-    if (d == 64) {
-        FOLD_G(FOLD64)
-    } else {
-        FOLD_G(FOLD)
-    }
+    FOLD_BY_DIM(d, FOLD64, FOLD)
 #undef FOLD
 #undef FOLD64
 }
