@@ -179,7 +179,7 @@ def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
 
 @needs_kernel
 def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_model_dir):
-    engine = Engine(str(tiny_model_dir("llama")))
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64)  # a small pool: the test copies all of it
     decoder, pool, spec = engine.runner.model.native, engine.runner.pool, engine.runner.spec
     num_slots = pool.kv.shape[2] * pool.kv.shape[3]
     x = torch.randn(1, spec.hidden_size)

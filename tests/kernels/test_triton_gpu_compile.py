@@ -30,11 +30,13 @@ e4m3 in hardware and the int8 and model-dtype kernels' PTX does not.
 The compiles run in a subprocess (this file run as a script) with TRITON_INTERPRET unset,
 since triton fixes its mode when first imported and the other kernel tests import it
 interpreted; it uses its own Triton cache directory, so every run really compiles. The
-default geometry on sm_90 is the fast test; the other five groups are marked slow.
+default geometry on sm_90 is the fast test; the other three groups are one slow test,
+compiled by two workers side by side.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -85,8 +87,15 @@ def _compile_in_subprocess(cases: list[tuple[str, str, int]], cache_dir: Path) -
 
 
 def _check_group(geometry: str, arch: int, cache_dir: Path) -> None:
+    _check_report(geometry, arch, _compile_in_subprocess(_group_cases(geometry, arch), cache_dir))
+
+
+def _group_cases(geometry: str, arch: int) -> list[tuple[str, str, int]]:
+    return [(geometry, kind, arch) for kind in _kinds_for(arch)]
+
+
+def _check_report(geometry: str, arch: int, report: dict) -> None:
     kinds = _kinds_for(arch)
-    report = _compile_in_subprocess([(geometry, kind, arch) for kind in kinds], cache_dir)
     if "skip" in report:
         pytest.skip(report["skip"])
     assert Path(report["radixserve"]).is_relative_to(_REPO), f"the worker compiled {report['radixserve']}'s kernels"
@@ -136,11 +145,28 @@ def test_default_geometry_compiles_for_sm90(tmp_path):
     _check_group(DEFAULT_GEOMETRY, 90, tmp_path)
 
 
+OTHER_GROUPS = [(geometry, arch) for geometry in GEOMETRIES for arch in ARCHS if (geometry, arch) != (DEFAULT_GEOMETRY, 90)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("geometry,arch", [
-    (geometry, arch) for geometry in GEOMETRIES for arch in ARCHS if (geometry, arch) != (DEFAULT_GEOMETRY, 90)])
-def test_kernels_compile(geometry, arch, tmp_path):
-    _check_group(geometry, arch, tmp_path)
+def test_kernels_compile_for_the_other_geometries_and_targets(tmp_path):
+    """The other groups, two workers at a time (each compile is one process's work: LLVM and
+    ptxas run on one core), each group checked as the fast test checks its own."""
+    halves = [OTHER_GROUPS[0::2], OTHER_GROUPS[1::2]]
+    with concurrent.futures.ThreadPoolExecutor(len(halves)) as pool:
+        reports = list(pool.map(
+            lambda half: _compile_in_subprocess([c for g in half[1] for c in _group_cases(*g)], tmp_path / str(half[0])),
+            enumerate(halves)))
+    problems = []
+    for half, report in zip(halves, reports):
+        for geometry, arch in half:
+            group = dict(report, cases={k: v for k, v in report.get("cases", {}).items() if k.startswith(f"{geometry}/")
+                                        and k.endswith(f"/{arch}")})
+            try:
+                _check_report(geometry, arch, group)
+            except AssertionError as exc:
+                problems.append(f"{geometry} sm_{arch}: {exc}")
+    assert not problems, "\n\n".join(problems)
 
 
 # ---- the compile worker (this file run as a script, TRITON_INTERPRET unset) ----------------
