@@ -32,6 +32,7 @@ from radixserve.cluster.pd_jobs import PREFILL_TARGET, PrefillJob, ReleaseJob
 from radixserve.engine.inputs import PreparedRequest
 from radixserve.engine.kv_import import ImportResult, PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, TransferFailed
+from radixserve.kernels.openmp_pool import release_thread_pool
 
 Arrival = PendingImport | TransferFailed | None  # what the engine admits a request with
 
@@ -106,7 +107,7 @@ class PrefillClient:
         if isinstance(pending, ImportResult):
             self.release([handoff])
             return TransferFailed(pending.failed or "the handoff could not be used")
-        copying = asyncio.wrap_future(self._copier.submit(pending.copy))
+        copying = asyncio.wrap_future(self._copier.submit(_copy_in, pending))
         try:
             await asyncio.shield(copying)
         except asyncio.CancelledError:
@@ -143,3 +144,12 @@ class PrefillClient:
             await self.handle.release.remote(job)
         except Exception:  # the prefill replica's hold times out on its own
             log.debug("release of %s failed", job.handoff_id, exc_info=True)
+
+
+def _copy_in(pending: PendingImport) -> None:
+    """The copy, on the copier thread; then that thread's OpenMP workers go (a pool idling
+    beside the engine thread's would stop its workers spinning: openmp_pool.py)."""
+    try:
+        pending.copy()
+    finally:
+        release_thread_pool()

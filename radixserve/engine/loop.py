@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from radixserve.kernels.openmp_pool import release_thread_pool
 from radixserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class EngineLoop:
         self._closing = False  # set under _lock; once set nothing more is posted
         self._listeners: dict[str, Listener] = {}  # engine thread only
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        release_thread_pool()  # the parallel work moves to the loop's thread (openmp_pool.py)
         self._thread.start()
         _live_loops.add(self)
 

@@ -1,0 +1,87 @@
+"""release_thread_pool and the EngineLoop's use of it: a thread that hands its parallel work
+to another lets its OpenMP workers go, so the stepping thread's workers keep spinning
+between parallel regions instead of sleeping (radixserve/kernels/openmp_pool.py)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine, SamplingParams
+from radixserve.engine.loop import EngineLoop
+from radixserve.kernels.openmp_pool import release_thread_pool
+
+TASKS = Path("/proc/self/task")
+pytestmark = pytest.mark.skipif(not TASKS.exists() or torch.get_num_threads() < 2,
+                                reason="needs /proc and OpenMP with two threads or more")
+
+
+def _threads() -> set[int]:
+    return {int(t.name) for t in TASKS.iterdir()}
+
+
+def _parallel_work() -> None:
+    torch.randn(1 << 22).exp_()  # one torch op large enough to run on every OpenMP thread
+
+
+def _voluntary_switches(tids: set[int]) -> int:
+    total = 0
+    for tid in tids:
+        try:
+            status = (TASKS / str(tid) / "status").read_text()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("voluntary_ctxt_switches")))
+    return total
+
+
+def test_release_lets_the_calling_threads_workers_go():
+    found: dict[str, object] = {}
+
+    def on_a_thread_of_its_own():
+        before = _threads()
+        _parallel_work()
+        found["workers"] = _threads() - before
+        found["released"] = release_thread_pool()
+        deadline = time.monotonic() + 5
+        while found["workers"] & _threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found["left"] = found["workers"] & _threads()
+
+    thread = threading.Thread(target=on_a_thread_of_its_own)
+    thread.start()
+    thread.join()
+    assert len(found["workers"]) == torch.get_num_threads() - 1  # the thread's pool, started by the op
+    assert found["released"] is True and not found["left"]
+
+
+def test_an_engine_loop_steps_with_spinning_workers(tiny_model_dir):
+    """Built and used on this thread (its pool exists), then stepped by a loop: the loop's
+    decode steps must not put OpenMP workers to sleep between parallel regions. With two
+    pools on two cores they did, a few times a region: hundreds of switches a step."""
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64)
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    _parallel_work()  # this thread's pool, as a server's start-up leaves it
+    loop = EngineLoop(engine, name="test-engine")
+    try:
+        loop.call(lambda e: _parallel_work()).result(60)  # the loop thread's own pool
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        main = threading.get_native_id()
+        others = _threads() - {main}
+        before = _voluntary_switches(others)
+        steps = 48
+        loop.submit([engine.prepare([1, 2, 3, 4], SamplingParams(max_tokens=steps, temperature=0.0,
+                                                                  ignore_eos=True))], outputs.put)
+        while not (item := outputs.get(timeout=60)).finished:
+            pass
+        switches = _voluntary_switches(others) - before
+    finally:
+        loop.shutdown(60)
+    assert len(item.token_ids) == steps
+    assert switches < 2 * steps, f"{switches} voluntary context switches over {steps} decode steps"
