@@ -17,6 +17,7 @@ import torch
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.registry import resolve_backend_name
 from radixserve.kernels.key_basis import KEY_BASIS
+from radixserve.kernels.openmp_pool import release_thread_pool
 from radixserve.kernels.quantized_pages import check_kv_cache_dtype, page_code
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
@@ -131,6 +132,7 @@ class Engine:
         self.step_cost = StepCostModel()  # fitted from every step's measured time
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
         self.kv_transfer = KVTransfer(self)  # prefill/decode handoffs (engine/kv_transfer.py)
+        release_thread_pool()  # the loading thread's OpenMP workers: it may not be the one that steps
 
     # ---- online API -------------------------------------------------------------
 

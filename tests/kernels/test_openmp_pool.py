@@ -53,12 +53,33 @@ def test_release_lets_the_calling_threads_workers_go():
         while found["workers"] & _threads() and time.monotonic() < deadline:
             time.sleep(0.01)
         found["left"] = found["workers"] & _threads()
+        x = torch.arange(1 << 22, dtype=torch.float32)
+        found["again"] = torch.equal(x.mul(2.0).sub_(x), x)  # a later region builds a new pool
+        found["rebuilt"] = len(_threads() - before) == torch.get_num_threads() - 1
 
     thread = threading.Thread(target=on_a_thread_of_its_own)
     thread.start()
     thread.join()
     assert len(found["workers"]) == torch.get_num_threads() - 1  # the thread's pool, started by the op
     assert found["released"] is True and not found["left"]
+    assert found["again"] and found["rebuilt"]
+
+
+def test_an_engine_leaves_no_pool_on_the_thread_that_built_it(tiny_model_dir):
+    """Loading runs parallel regions; after the build the thread's workers are gone, so its
+    next region starts a pool anew (new threads) rather than reusing one."""
+    found: dict[str, object] = {}
+
+    def build():
+        Engine(str(tiny_model_dir("llama")), num_kv_blocks=64)
+        after_build = _threads()
+        _parallel_work()
+        found["new"] = _threads() - after_build
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert len(found["new"]) == torch.get_num_threads() - 1, found
 
 
 def test_an_engine_loop_steps_with_spinning_workers(tiny_model_dir):
