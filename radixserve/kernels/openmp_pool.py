@@ -3,12 +3,15 @@
 torch's parallel ops and the C kernels share one OpenMP runtime (the libgomp torch loads,
 native_build.py), which keeps a pool of worker threads for every thread that has started a
 parallel region. Once the process holds more of those threads than there are cores,
-libgomp's workers stop spinning between regions and sleep on a futex after ~1,000 spins, so
-every region of a step (hundreds) starts with a wake-up. An engine built on one thread and
-stepped on another (EngineLoop: the server, the DSL) has two pools, and on 2 cores its
-decode steps took 1.3-1.5x as long, with ~300 voluntary context switches a step instead of
-none. A thread that hands its parallel work to another releases its pool here; a later
-parallel region on it builds a new one.
+libgomp's workers spin only briefly between regions and then sleep on a futex
+(GOMP_SPINCOUNT does not change that), so every region of a step (hundreds) starts with a
+wake-up. An engine built on one thread and stepped on another (EngineLoop: the server, the
+DSL) has two pools, and on 2 cores its decode steps took 1.3-1.5x as long, with ~300
+voluntary context switches a step instead of none. A thread that hands its parallel work to
+another releases its pool here; a later parallel region on it builds a new one. Only
+libgomp (torch's Linux wheels) is handled: its omp_pause_resource_all frees the calling
+thread's pool alone, so it is safe while another thread is inside a region; other runtimes
+are left as they are.
 """
 
 from __future__ import annotations
@@ -20,30 +23,29 @@ import os
 
 log = logging.getLogger(__name__)
 
-_RUNTIMES = ("libgomp.so.1", "libomp.so", "libomp.dylib", "libiomp5.so")  # as torch builds load them
+_LIBGOMP = "libgomp.so.1"  # the name torch's copy answers to once loaded (native_build.py)
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a restart needs
 
 
 @functools.cache
 def _pause_call():
-    """The loaded OpenMP runtime's omp_pause_resource_all, or None (none loaded, or too old)."""
+    """The loaded libgomp's omp_pause_resource_all, or None (not loaded, or too old: GCC < 9)."""
     import torch  # noqa: F401  (the runtime torch brings is the one to find)
 
-    for name in _RUNTIMES:
-        try:
-            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)  # never a second copy
-        except (OSError, AttributeError):
-            continue
-        call = getattr(runtime, "omp_pause_resource_all", None)
-        if call is not None:
-            call.argtypes, call.restype = [ctypes.c_int], ctypes.c_int
-            return call
-    return None
+    try:
+        runtime = ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)  # never a second copy
+    except (OSError, AttributeError):  # another runtime (or none); RTLD_NOLOAD is POSIX-only
+        return None
+    call = getattr(runtime, "omp_pause_resource_all", None)
+    if call is not None:
+        call.argtypes, call.restype = [ctypes.c_int], ctypes.c_int
+    return call
 
 
 def release_thread_pool() -> bool:
-    """Free the calling thread's OpenMP worker threads (not inside a parallel region: OpenMP
-    refuses then); True when the runtime did. Other threads' pools are not touched."""
+    """Free the calling thread's OpenMP worker threads (not inside a parallel region: libgomp
+    refuses then); True when it did. Other threads' pools are not touched; False, and nothing
+    done, where the runtime is not libgomp."""
     call = _pause_call()
     if call is None:
         return False

@@ -106,3 +106,37 @@ def test_an_engine_loop_steps_with_spinning_workers(tiny_model_dir):
         loop.shutdown(60)
     assert len(item.token_ids) == steps
     assert switches < 2 * steps, f"{switches} voluntary context switches over {steps} decode steps"
+
+
+def test_releasing_beside_a_stepping_loop_changes_no_token(tiny_model_dir):
+    """The PD copy thread releases its pool while the engine thread is inside its regions:
+    the loop's greedy tokens are the same as with nothing beside it."""
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
+    alone = [o.token_ids for o in engine.generate(prompts, params)]
+    loop = EngineLoop(engine, name="test-engine")
+    stop, released = threading.Event(), []
+
+    def beside():
+        while not stop.is_set():
+            _parallel_work()
+            released.append(release_thread_pool())
+
+    other = threading.Thread(target=beside)
+    other.start()
+    try:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        ids = loop.submit([engine.prepare(p, params) for p in prompts], outputs.put).result(60)
+        done = {}
+        while len(done) < len(prompts):
+            item = outputs.get(timeout=60)
+            if item.finished:
+                done[item.request_id] = item.token_ids
+    finally:
+        stop.set()
+        other.join()
+        loop.shutdown(60)
+    assert [done[i] for i in ids] == alone
+    assert released and all(released)
+    engine.check_integrity()
