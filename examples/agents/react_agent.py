@@ -152,9 +152,11 @@ class LocalServer:
         self.process = subprocess.Popen(command)
         deadline = time.monotonic() + timeout_s
         while not _healthy(self.url):
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode} before it was healthy")
+            if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("the server did not start")
+                raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s")
             time.sleep(0.5)
         return self
 
