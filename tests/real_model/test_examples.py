@@ -54,3 +54,11 @@ def _load(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_local_server_says_the_server_exited_and_with_what_code(tmp_path):
+    module = _load(EXAMPLES / "react_agent.py")
+    server = module.LocalServer(str(tmp_path / "no-such-model"))
+    with pytest.raises(RuntimeError, match=r"exited with code [1-9]\d* before it was healthy"):
+        server.start(timeout_s=120)
+    assert server.process.poll() is not None
