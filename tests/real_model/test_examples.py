@@ -23,6 +23,10 @@ SMOKE_ARGS = {
 }
 # the `agents` extra, and the `test` extra's anthropic client (scripts/setup.sh installs both)
 NEEDS = {"langchain_tools": "langchain_openai", "anthropic_tools": "anthropic"}
+# The examples that start `radixserve serve` themselves share one here, started once with room for a
+# cold page cache on a slow machine; the in-process examples keep their own runtime.
+SERVED = {"react_agent", "langchain_tools", "anthropic_tools"}
+SERVER_START_S = 900.0
 
 
 def test_every_example_has_a_smoke_test():
@@ -30,11 +34,15 @@ def test_every_example_has_a_smoke_test():
 
 
 @pytest.mark.parametrize("name", sorted(SMOKE_ARGS))
-def test_example_runs_and_reports_its_hit_rate(name, real_model_dir, capsys):
+def test_example_runs_and_reports_its_hit_rate(name, real_model_dir, request, capsys):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])
     module = _load(EXAMPLES / f"{name}.py")
-    assert module.main(["--model", str(real_model_dir), *SMOKE_ARGS[name]]) == 0
+    if name in SERVED:
+        target = ["--url", request.getfixturevalue("example_server").url]
+    else:
+        target = ["--model", str(real_model_dir)]
+    assert module.main([*target, *SMOKE_ARGS[name]]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^answer: ", out, re.MULTILINE), out
     rate = re.search(r"^cache hit rate: (\d+\.\d)%", out, re.MULTILINE)
@@ -47,6 +55,16 @@ def test_example_runs_and_reports_its_hit_rate(name, real_model_dir, capsys):
         cached, prompt, steps = map(int, counts.groups())
         assert steps >= 2 and 0 < cached < prompt, out
         assert rate.group(1) == f"{100 * cached / prompt:.1f}", out
+
+
+@pytest.fixture(scope="module")
+def example_server(real_model_dir):
+    """The examples' own `LocalServer`, so its success path is what the served examples run on."""
+    server = _load(EXAMPLES / "react_agent.py").LocalServer(str(real_model_dir))
+    server.start(timeout_s=SERVER_START_S)
+    yield server
+    server.stop()
+    assert server.process.returncode == 0, "the server did not stop cleanly on SIGTERM"
 
 
 def _load(path: Path):
