@@ -68,3 +68,21 @@ def test_readme_architecture_map_names_files_that_exist() -> None:
         if not path.exists():
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"the README's architecture map names what is not there: {missing}"
+
+
+def test_readme_architecture_map_lists_every_module_of_the_folders_it_opens() -> None:
+    """A folder whose files the map lists one by one lists all of them (a new module gets its line)."""
+    tree = next(block for block in re.findall(r"```\n(radixserve/\n.*?)```", README.read_text(), flags=re.S))
+    listed: dict[str, set[str]] = {}
+    folder = None
+    for line in tree.splitlines()[1:]:
+        top, nested = re.match(r"^  (\S+)", line), re.match(r"^    (\S+)", line)
+        if top:
+            folder = top.group(1) if top.group(1).endswith("/") else None
+        elif nested and folder:
+            listed.setdefault(folder, set()).add(nested.group(1))
+    assert listed, "the map lists no folder's files"
+    unlisted = [f"{folder}{module.name}" for folder, names in listed.items()
+                for module in sorted((ROOT / "radixserve" / folder).glob("*.py"))
+                if module.name != "__init__.py" and module.name not in names]
+    assert not unlisted, f"the README's architecture map leaves out: {unlisted}"
