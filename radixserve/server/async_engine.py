@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixserve.server")
 
 T = TypeVar("T")
+FinishHook = Callable[["EngineProtocol", RequestOutput], None]  # on the engine thread, at a request's final output
 
 
 class AsyncEngine:
@@ -131,9 +132,14 @@ class AsyncEngine:
 
     # ---- requests (event loop) ----------------------------------------------------------
 
-    async def submit(self, inputs: list[GenerationInput], timeout_s: float | None = None) -> RequestGroup:
+    async def submit(
+        self, inputs: list[GenerationInput], timeout_s: float | None = None, on_finish: FinishHook | None = None,
+    ) -> RequestGroup:
         """Queue the members of one HTTP request together: either all are accepted or none.
-        Raises APIError: 400 for input the engine refuses, 503 when full or stopping."""
+        Raises APIError: 400 for input the engine refuses, 503 when full or stopping.
+        `on_finish(engine, output)` runs on the engine thread with each member's final output,
+        before the engine steps again (so the finished prompt's blocks are still in its tree);
+        it must not raise, and its cost lands on the engine thread."""
         self._check_accepting()
         if self.num_queued + len(inputs) > self.max_queued_requests:
             raise unavailable(
@@ -154,7 +160,7 @@ class AsyncEngine:
             if prepared is not None and not group.done and self.remote_prefill is not None:
                 handoffs = await self.remote_prefill.prefill(self, prepared)
             if prepared is not None and not group.done:  # a timeout may have ended it meanwhile
-                self._admit(group, prepared, handoffs)
+                self._admit(group, prepared, handoffs, on_finish)
             await group.accepted()
         except BaseException:
             self._forget(group)
@@ -195,12 +201,17 @@ class AsyncEngine:
             self._reject(group, exc)
             return None
 
-    def _admit(self, group: RequestGroup, prepared: list[PreparedRequest], handoffs: list[Any] | None = None) -> None:
-        future = self._engine_loop.submit(prepared, self._listener(group), group.request_ids, handoffs)
+    def _admit(
+        self, group: RequestGroup, prepared: list[PreparedRequest], handoffs: list[Any] | None = None,
+        on_finish: FinishHook | None = None,
+    ) -> None:
+        future = self._engine_loop.submit(prepared, self._listener(group, on_finish), group.request_ids, handoffs)
         future.add_done_callback(lambda done: self._to_loop(self._settle, group, done))
 
-    def _listener(self, group: RequestGroup) -> Listener:
+    def _listener(self, group: RequestGroup, on_finish: FinishHook | None = None) -> Listener:
         def listener(item: RequestOutput | BaseException) -> None:  # on the engine thread
+            if on_finish is not None and isinstance(item, RequestOutput) and item.finished:
+                on_finish(self.engine, item)
             self._to_loop(self._deliver, group, item)
 
         return listener

@@ -12,13 +12,14 @@ import random
 import httpx
 import pytest
 
-from radixserve import Engine
+from radixserve import Engine, SamplingParams
 from radixserve.cluster.options import PDOptions
 from radixserve.config import EngineConfig
 from radixserve.cluster.pd_client import PrefillClient
 from radixserve.cluster.pd_jobs import PrefillJob, ReleaseJob
 from radixserve.cluster.pd_prefill import prefill_engine_kwargs, release, run_prefill
 from radixserve.server import ServerOptions, create_app
+from radixserve.server.request_group import GenerationInput
 from radixserve.server.testing import BackgroundServer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
@@ -355,3 +356,48 @@ def test_a_prefill_replica_takes_prompt_chunks_as_large_as_a_step():
     options = prefill_engine_kwargs({"chunked_prefill_size": 64, "max_num_batched_tokens": 512})
     assert options == {"chunked_prefill_size": 512, "max_num_batched_tokens": 512}
     EngineConfig(**options)  # a valid engine configuration (a chunk never exceeds the budget)
+
+
+def test_a_prompt_is_exported_at_its_finish_not_after_the_next_prompts_step(apps):
+    """The prefill side holds a prompt's blocks on the engine thread at the prompt's finish, and
+    reads their bytes on another thread. An export queued as a later call ran after the engine's
+    next step: behind a prompt waiting there, it waited for that prompt's whole prefill (seconds,
+    on a prefill replica)."""
+    prefill_urls, handle = apps[0], apps[4]
+    async_engine = handle._engine("prefill-0")
+    engine = async_engine.engine
+    finished_at: dict[tuple[int, ...], int] = {}
+    exported_at: list[int] = []
+    step, hold = engine.step, engine.kv_transfer.hold
+
+    def counting_step():
+        outputs = step()
+        finished_at.update({tuple(o.prompt_token_ids): engine.scheduler.stats.steps for o in outputs if o.finished})
+        return outputs
+
+    def recording_hold(*args, **kwargs):
+        exported_at.append(engine.scheduler.stats.steps)
+        return hold(*args, **kwargs)
+
+    first, behind = ids(400, 31), ids(500, 32)  # one step each (the chunk is 512)
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+
+    async def scenario():
+        prefill = asyncio.ensure_future(run_prefill(async_engine, PrefillJob.of(first, greedy, None, 0)))
+        await asyncio.sleep(0.2)  # the first prompt's step is running: the second waits for the next
+        group = await async_engine.submit([GenerationInput(behind, greedy)])
+        handoff = await prefill
+        await group.results()
+        assert await release(async_engine, handoff.handoff_id)
+        return handoff
+
+    engine.step, engine.kv_transfer.hold = counting_step, recording_hold
+    try:
+        handoff = asyncio.run(handle._on_server("prefill-0", scenario()))
+    finally:
+        engine.step, engine.kv_transfer.hold = step, hold
+    assert finished_at[tuple(behind)] > finished_at[tuple(first)], "the second prompt ran in a later step"
+    assert exported_at == [finished_at[tuple(first)]], (exported_at, finished_at)
+    assert handoff.num_blocks == len(first) // BS and handoff.first_token is not None
+    assert handoff.data.shape[0] == handoff.num_blocks and handoff.data.any(), "the bytes were read"
+    check_integrity(prefill_urls["prefill-0"])
