@@ -4,21 +4,16 @@ No Ray here: PrefillReplica (pd_replica.py) puts the bytes in Ray's object store
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 from typing import Any
 
 from radixserve.cluster.pd_jobs import PrefillJob
 from radixserve.config import EngineConfig
 from radixserve.engine.kv_transfer import KVHandoff
-from radixserve.kernels.openmp_pool import release_thread_pool
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.request_group import GenerationInput
-
-_READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-export")  # one read at a time
 
 
 def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -32,46 +27,31 @@ def prefill_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 async def run_prefill(engine: AsyncEngine, job: PrefillJob, source: str | None = None) -> KVHandoff:
     """The job's handoff; raises APIError if the engine refuses or fails the request.
 
-    The blocks are held on the engine thread at the request's finish, before the engine steps
-    again (held by a call queued behind the next step, a prompt waited for the whole prefill of
-    the one behind it, and its blocks could be evicted meanwhile); their bytes are then read on
-    a thread of their own while the engine goes on with the next prompt."""
+    The export runs on the engine thread at the request's finish, before the engine steps
+    again. Queued as a later engine call it ran after the next step: behind a waiting prompt,
+    a prompt's handoff waited for that one's whole prefill, and its blocks could be evicted."""
     params = first_token_params(job.params)
-    held: list[KVHandoff | BaseException] = []
+    exported: list[KVHandoff | BaseException] = []
 
-    def hold(e, out: RequestOutput) -> None:
+    def export(e, out: RequestOutput) -> None:
         if not out.token_ids or out.finish_reason == "abort":
             return
         first_logprob = out.logprobs[0] if out.logprobs else None
         try:
-            held.append(e.kv_transfer.hold(job.token_ids, job.cache_salt, job.skip_blocks, out.token_ids[0],
-                                           first_logprob))
+            exported.append(e.kv_transfer.export(job.token_ids, job.cache_salt, job.skip_blocks, out.token_ids[0],
+                                                 first_logprob))
         except Exception as exc:  # raised below, on the event loop
-            held.append(exc)
+            exported.append(exc)
 
-    group = await engine.submit([GenerationInput(list(job.token_ids), params, job.cache_salt)], on_finish=hold)
+    group = await engine.submit([GenerationInput(list(job.token_ids), params, job.cache_salt)], on_finish=export)
     [out] = await group.results()
-    if not held:
+    if not exported:
         raise RuntimeError(f"the prefill ended without a token ({out.finish_reason})")
-    if isinstance(held[0], BaseException):
-        raise held[0]
-    handoff = held[0]
+    if isinstance(exported[0], BaseException):
+        raise exported[0]
+    handoff = exported[0]
     handoff.source = source
-    try:
-        await asyncio.get_running_loop().run_in_executor(_READER, _read, engine, handoff)
-    except BaseException:
-        engine.run_on_engine(lambda e: e.kv_transfer.release(handoff.handoff_id))  # no one will ask for it
-        raise
     return handoff
-
-
-def _read(engine: AsyncEngine, handoff: KVHandoff) -> None:
-    """On the reader thread; then its OpenMP workers go (openmp_pool.py: a pool idling beside
-    the engine thread's stops that one's workers spinning)."""
-    try:
-        engine.engine.kv_transfer.read(handoff)
-    finally:
-        release_thread_pool()
 
 
 async def release(engine: AsyncEngine, handoff_id: str) -> bool:

@@ -16,17 +16,15 @@ their chained hashes (core/hashing.py); the decode side checks them against the 
 The prefill side holds the exported blocks (one reference each and a lock, like a running
 request) until `release` or until `hold_s` passes, whichever comes first.
 
-Plain Python over the engine's pool and tree on the engine thread, but for the byte copies,
-which may run on another thread: an export's read (`hold` on the engine thread, then `read`;
-a hold being read is never dropped) and an import's copy (kv_import.py: reserve, copy,
-commit); the transport (Ray in radixserve.cluster) only carries KVHandoff objects.
+Plain Python over the engine's pool and tree on the engine thread, but for an import's byte copy,
+which may run on another thread (kv_import.py: reserve, copy, commit); the transport (Ray in
+radixserve.cluster) only carries KVHandoff objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -135,8 +133,6 @@ class _Hold:
     block_table: list[int]
     cache_node: Any
     deadline: float
-    sent: list[int] = dataclasses.field(default_factory=list)  # the blocks whose bytes the handoff carries
-    reading: int = 0  # reads of its bytes in progress (under KVTransfer._lock): never dropped meanwhile
 
 
 class KVTransfer:
@@ -149,7 +145,6 @@ class KVTransfer:
         self.enabled = False  # True once the engine plays a role (or did a transfer): stats report it
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
-        self._lock = threading.Lock()  # holds being read off the engine thread, and the counters they add to
 
     # ---- both sides ---------------------------------------------------------------------
 
@@ -176,17 +171,9 @@ class KVTransfer:
         self, token_ids: list[int], salt: str | None, skip_blocks: int, first_token: int,
         first_logprob: Any = None, now: float | None = None,
     ) -> KVHandoff:
-        """hold() and read() in one go, on the engine thread."""
-        return self.read(self.hold(token_ids, salt, skip_blocks, first_token, first_logprob, now))
-
-    def hold(
-        self, token_ids: list[int], salt: str | None, skip_blocks: int, first_token: int,
-        first_logprob: Any = None, now: float | None = None,
-    ) -> KVHandoff:
-        """The handoff of a computed prompt, its bytes not read yet (read() does, on any
-        thread): its full blocks from `skip_blocks` on, held (referenced and locked) until
-        release() or hold_s. Blocks the tree no longer holds (evicted meanwhile) end the
-        handoff early: the decode side computes them. Engine thread."""
+        """The handoff of a computed prompt: the bytes of its full blocks from `skip_blocks`
+        on, held (referenced and locked) until release() or hold_s. Blocks the tree no
+        longer holds (evicted meanwhile) end the handoff early: the decode side computes them."""
         t0 = time.perf_counter()
         self.enabled = True
         now = time.monotonic() if now is None else now
@@ -196,56 +183,32 @@ class KVTransfer:
         pool = engine.runner.pool
         handoff_id = f"{self._prefix}-{next(self._ids)}"
         full = _full_blocks(token_ids, bs)
-        sent: list[int] = []
+        blocks: list[int] = []
         if cache is not None and full > skip_blocks:
             match = cache.match_prefix(token_ids[:full * bs], salt)
             if len(match.blocks) > skip_blocks:
                 cache.lock(match.node)
                 engine.pool.share(match.blocks)
-                sent = match.blocks[skip_blocks:]
-                engine.kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s, sent)
-        hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(sent)) * bs], bs)[skip_blocks:]
+                engine.kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
+                blocks = match.blocks[skip_blocks:]
+        hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(blocks)) * bs], bs)[skip_blocks:]
         handoff = KVHandoff(
             handoff_id, list(token_ids), first_token, salt, bs, skip_blocks, hashes, tuple(pool.block_shape()),
-            str(pool.kv.dtype), None if sent else _read_blocks(pool, []), first_logprob,
+            str(pool.kv.dtype), _read_blocks(pool, blocks), first_logprob,
         )
         handoff.export_ms = (time.perf_counter() - t0) * 1000.0
-        with self._lock:
-            self.stats.exports += 1
-            self.stats.sent_blocks += len(sent)
-            self.stats.export_ms += handoff.export_ms
-        return handoff
-
-    def read(self, handoff: KVHandoff) -> KVHandoff:
-        """Fill a held handoff's bytes. Any thread, the engine stepping meanwhile: held blocks
-        are sealed (never written again) and not freed while a read is in progress."""
-        if handoff.data is not None:
-            return handoff
-        t0 = time.perf_counter()
-        with self._lock:
-            hold = self.engine.kv.external_holds.get(handoff.handoff_id)
-            if not isinstance(hold, _Hold):
-                raise RuntimeError(f"handoff {handoff.handoff_id} is no longer held: its blocks cannot be read")
-            hold.reading += 1
-        try:
-            handoff.data = _read_blocks(self.engine.runner.pool, hold.sent)
-        finally:
-            ms = (time.perf_counter() - t0) * 1000.0
-            with self._lock:
-                hold.reading -= 1
-                handoff.export_ms += ms
-                self.stats.export_ms += ms
-                self.stats.sent_bytes += handoff.nbytes
+        self.stats.exports += 1
+        self.stats.sent_blocks += len(blocks)
+        self.stats.sent_bytes += handoff.nbytes
+        self.stats.export_ms += handoff.export_ms
         return handoff
 
     def release(self, handoff_id: str) -> bool:
         """The decode side has the blocks: drop the export's references and lock."""
         holds = self.engine.kv.external_holds
-        with self._lock:
-            hold = holds.get(handoff_id)
-            if not isinstance(hold, _Hold) or hold.reading:
-                return False  # one being read stays until hold_s (its decode side cannot have it yet)
-            del holds[handoff_id]
+        if not isinstance(holds.get(handoff_id), _Hold):
+            return False
+        hold = holds.pop(handoff_id)
         self.engine.cache.unlock(hold.cache_node)
         self.engine.pool.free(reversed(hold.block_table))
         return True
@@ -255,7 +218,8 @@ class KVTransfer:
         now = time.monotonic() if now is None else now
         holds = self.engine.kv.external_holds
         late = [h for h, hold in holds.items() if isinstance(hold, _Hold) and hold.deadline <= now]
-        late = [handoff_id for handoff_id in late if self.release(handoff_id)]  # not one being read
+        for handoff_id in late:
+            self.release(handoff_id)
         self.stats.holds_expired += len(late)
         for stale in [h for h in holds.values() if isinstance(h, PendingImport) and h.deadline <= now]:
             self.cancel(stale)  # its owner never came back (one being copied stays until it ends)

@@ -359,25 +359,24 @@ def test_a_prefill_replica_takes_prompt_chunks_as_large_as_a_step():
 
 
 def test_a_prompt_is_exported_at_its_finish_not_after_the_next_prompts_step(apps):
-    """The prefill side holds a prompt's blocks on the engine thread at the prompt's finish, and
-    reads their bytes on another thread. An export queued as a later call ran after the engine's
-    next step: behind a prompt waiting there, it waited for that prompt's whole prefill (seconds,
-    on a prefill replica)."""
+    """The prefill side exports a prompt's blocks on the engine thread at the prompt's finish. An
+    export queued as a later call ran after the engine's next step: behind a prompt waiting
+    there, it waited for that prompt's whole prefill (seconds, on a prefill replica)."""
     prefill_urls, handle = apps[0], apps[4]
     async_engine = handle._engine("prefill-0")
     engine = async_engine.engine
     finished_at: dict[tuple[int, ...], int] = {}
     exported_at: list[int] = []
-    step, hold = engine.step, engine.kv_transfer.hold
+    step, export = engine.step, engine.kv_transfer.export
 
     def counting_step():
         outputs = step()
         finished_at.update({tuple(o.prompt_token_ids): engine.scheduler.stats.steps for o in outputs if o.finished})
         return outputs
 
-    def recording_hold(*args, **kwargs):
+    def recording_export(*args, **kwargs):
         exported_at.append(engine.scheduler.stats.steps)
-        return hold(*args, **kwargs)
+        return export(*args, **kwargs)
 
     first, behind = ids(400, 31), ids(500, 32)  # one step each (the chunk is 512)
     greedy = SamplingParams(max_tokens=1, temperature=0)
@@ -391,13 +390,13 @@ def test_a_prompt_is_exported_at_its_finish_not_after_the_next_prompts_step(apps
         assert await release(async_engine, handoff.handoff_id)
         return handoff
 
-    engine.step, engine.kv_transfer.hold = counting_step, recording_hold
+    engine.step, engine.kv_transfer.export = counting_step, recording_export
     try:
         handoff = asyncio.run(handle._on_server("prefill-0", scenario()))
     finally:
-        engine.step, engine.kv_transfer.hold = step, hold
+        engine.step, engine.kv_transfer.export = step, export
     assert finished_at[tuple(behind)] > finished_at[tuple(first)], "the second prompt ran in a later step"
     assert exported_at == [finished_at[tuple(first)]], (exported_at, finished_at)
     assert handoff.num_blocks == len(first) // BS and handoff.first_token is not None
-    assert handoff.data.shape[0] == handoff.num_blocks and handoff.data.any(), "the bytes were read"
+    assert handoff.data.shape[0] == handoff.num_blocks and handoff.data.any(), "the bytes were copied"
     check_integrity(prefill_urls["prefill-0"])

@@ -376,39 +376,3 @@ def test_a_reservation_with_nothing_to_copy_holds_nothing(model):
     p.kv_transfer.release(handoff.handoff_id)
     check(p, d)
 
-
-def test_a_hold_is_read_on_another_thread_and_not_dropped_while_read(model, monkeypatch):
-    """hold() on the engine thread, read() on another while the engine steps other prompts
-    through a small pool: the bytes equal an export's, and while the read is in progress
-    neither a release nor the hold's timeout frees the blocks under it."""
-    import radixserve.engine.kv_transfer as kv_transfer
-
-    p, d, single = engine_of(model, num_kv_blocks=24), engine_of(model), engine_of(model)
-    prompt = tokens(26, 95)  # 6 full blocks
-    want = single.generate([prompt], SamplingParams(**GREEDY, max_tokens=8))[0].token_ids
-    rid = p.add_request(prompt, SamplingParams(**GREEDY, max_tokens=1))
-    [first] = run(p, rid)
-    handoff = p.kv_transfer.hold(prompt, None, 0, first)
-    assert handoff.data is None and handoff.num_blocks == 6 and p.kv_transfer.num_holds == 1
-    reading, finish = threading.Event(), threading.Event()
-    read_blocks = kv_transfer._read_blocks
-
-    def slow_read(pool, blocks):
-        reading.set()
-        assert finish.wait(30)
-        return read_blocks(pool, blocks)
-
-    monkeypatch.setattr(kv_transfer, "_read_blocks", slow_read)
-    reader = threading.Thread(target=p.kv_transfer.read, args=(handoff,))
-    reader.start()
-    assert reading.wait(30)
-    assert not p.kv_transfer.release(handoff.handoff_id)  # being read: it stays
-    assert p.kv_transfer.expire(now=handoff_deadline(p, handoff) + 1) == 0
-    p.generate([tokens(40, 96)], SamplingParams(**GREEDY, max_tokens=3))  # other prompts fill the pool
-    finish.set()
-    reader.join(30)
-    assert not reader.is_alive() and handoff.data.shape == (6, handoff.data.shape[1])
-    assert p.stats()["kv_sent_bytes"] == handoff.nbytes > 0
-    assert decode(d, prompt, handoff, max_tokens=8)[0] == want
-    assert p.kv_transfer.release(handoff.handoff_id)  # read: the ack frees it now
-    check(p, d, single)
