@@ -375,4 +375,3 @@ def test_a_reservation_with_nothing_to_copy_holds_nothing(model):
     run(d, rid)
     p.kv_transfer.release(handoff.handoff_id)
     check(p, d)
-
