@@ -13,7 +13,8 @@ that is not committed (the request went away, the transfer timed out) is cancell
 copy ends.
 A prefill replica that dies before answering: the job goes to another (nothing has streamed).
 No answer within transfer_timeout_s, or every attempt failed: TransferFailed, and the decode
-engine computes the prompt itself.
+engine computes the prompt itself; the prefill call it stopped waiting for is cancelled, so the
+prefill replica stops computing it too.
 """
 
 from __future__ import annotations
@@ -128,8 +129,13 @@ class PrefillClient:
         stats = engine.engine.kv_transfer.stats
         for attempt in range(self.options.max_attempts):
             stats.remote_prefills += 1
+            response = self.handle.prefill.remote(job)
             try:
-                return await self.handle.prefill.remote(job)
+                return await response
+            except asyncio.CancelledError:  # timed out, or the request went away
+                if hasattr(response, "cancel"):
+                    response.cancel()  # Ray's: the prefill replica stops computing what no one waits for
+                raise
             except self.replica_gone as exc:
                 stats.prefill_retries += 1
                 job = dataclasses.replace(job, target_replica=None)  # the chosen one is gone: any other

@@ -4,7 +4,9 @@ No Ray here: PrefillReplica (pd_replica.py) puts the bytes in Ray's object store
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 from typing import Any
 
 from radixserve.cluster.pd_jobs import PrefillJob
@@ -29,22 +31,38 @@ async def run_prefill(engine: AsyncEngine, job: PrefillJob, source: str | None =
 
     The export runs on the engine thread at the request's finish, before the engine steps
     again. Queued as a later engine call it ran after the next step: behind a waiting prompt,
-    a prompt's handoff waited for that one's whole prefill, and its blocks could be evicted."""
+    a prompt's handoff waited for that one's whole prefill, and its blocks could be evicted.
+    Cancelled (the decode side stopped waiting), the prompt is aborted: a waiting prompt is not
+    computed, one in its last step is not exported (or its hold is released)."""
     params = first_token_params(job.params)
     exported: list[KVHandoff | BaseException] = []
+    gone = threading.Lock()  # the hook on the engine thread against a cancel on the event loop
+    cancelled = False
 
     def export(e, out: RequestOutput) -> None:
         if not out.token_ids or out.finish_reason == "abort":
             return
         first_logprob = out.logprobs[0] if out.logprobs else None
-        try:
-            exported.append(e.kv_transfer.export(job.token_ids, job.cache_salt, job.skip_blocks, out.token_ids[0],
-                                                 first_logprob))
-        except Exception as exc:  # raised below, on the event loop
-            exported.append(exc)
+        with gone:
+            if cancelled:
+                return  # finished in the step that was running when the decode side gave up
+            try:
+                exported.append(e.kv_transfer.export(job.token_ids, job.cache_salt, job.skip_blocks,
+                                                     out.token_ids[0], first_logprob))
+            except Exception as exc:  # raised below, on the event loop
+                exported.append(exc)
 
     group = await engine.submit([GenerationInput(list(job.token_ids), params, job.cache_salt)], on_finish=export)
-    [out] = await group.results()
+    try:
+        [out] = await group.results()
+    except asyncio.CancelledError:  # the decode side stopped waiting: stop computing it, drop its hold
+        group.abort()
+        with gone:
+            cancelled = True
+            held = [h for h in exported if isinstance(h, KVHandoff)]
+        for handoff in held:
+            engine.run_on_engine(lambda e, h=handoff: e.kv_transfer.release(h.handoff_id))
+        raise
     if not exported:
         raise RuntimeError(f"the prefill ended without a token ({out.finish_reason})")
     if isinstance(exported[0], BaseException):

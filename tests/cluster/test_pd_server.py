@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -205,6 +206,28 @@ def test_a_transfer_that_times_out_is_computed_on_the_decode_side(servers):
     assert now["kv_fallback_recomputes"] - before["kv_fallback_recomputes"] == 1
     assert now["kv_fallback_tokens"] - before["kv_fallback_tokens"] == 90
     assert now["kv_received_blocks"] == before["kv_received_blocks"]
+    check_integrity(p, d)
+
+
+def test_a_prefill_the_decode_side_stopped_waiting_for_is_stopped(servers):
+    """A transfer that times out while the prefill replica is still computing the prompt: the
+    decode side computes it itself, and the prefill call is cancelled, so the prefill replica
+    aborts the prompt (it used to compute and export it, and hold the blocks for nobody)."""
+    p, d, s, handle, client = servers
+    before_p, before_d = stats(p), stats(d)
+    client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=0.3)
+    try:
+        prompt = ids(1500, 33)  # seconds of prefill on one thread
+        assert complete(d, prompt) == complete(s, prompt)
+    finally:
+        client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0)
+    assert stats(d)["kv_fallback_recomputes"] - before_d.get("kv_fallback_recomputes", 0) == 1
+    deadline = time.monotonic() + 60
+    while (now := stats(p))["running"] + now["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now["running"] + now["waiting"] == 0
+    assert now.get("kv_exports", 0) == before_p.get("kv_exports", 0) and now.get("kv_export_holds", 0) == 0
+    assert now["computed_tokens"] - before_p["computed_tokens"] < len(prompt), "it was aborted, not finished"
     check_integrity(p, d)
 
 
