@@ -52,10 +52,14 @@ def test_readme_architecture_map_is_the_third_section() -> None:
     assert len(sections) >= 3 and "architecture" in sections[2].lower(), sections
 
 
+def _map_tree() -> str:
+    """The README map's file tree (the code block that starts with `radixserve/`)."""
+    return next(block for block in re.findall(r"```\n(radixserve/\n.*?)```", README.read_text(), flags=re.S))
+
+
 def test_readme_architecture_map_names_files_that_exist() -> None:
     """Every file and folder the map's tree names is in the package (the map stays true)."""
-    text = README.read_text()
-    tree = next(block for block in re.findall(r"```\n(radixserve/\n.*?)```", text, flags=re.S))
+    tree = _map_tree()
     folder, missing = None, []
     for line in tree.splitlines()[1:]:
         match = re.match(r"^  (  )?(\S+)", line)
@@ -72,7 +76,7 @@ def test_readme_architecture_map_names_files_that_exist() -> None:
 
 def test_readme_architecture_map_lists_every_module_of_the_folders_it_opens() -> None:
     """A folder whose files the map lists one by one lists all of them (a new module gets its line)."""
-    tree = next(block for block in re.findall(r"```\n(radixserve/\n.*?)```", README.read_text(), flags=re.S))
+    tree = _map_tree()
     listed: dict[str, set[str]] = {}
     folder = None
     for line in tree.splitlines()[1:]:
