@@ -8,6 +8,8 @@
 Starts a local Ray and, for each configuration, deploys the cluster app afresh:
   colocated   --replicas 2 (one engine thread each, prefix-affinity router)
   disagg      --prefill-replicas 1 --decode-replicas 1 (one engine thread each)
+  conditional the same, with --prefill-backlog-tokens (--configs colocated,disagg,conditional):
+              the decode replica computes a prompt itself while the prefill replica is backed up
 Workload, the same arrivals for both (seeded): two streams decode all along (a new one starts
 when one ends), while long prompts (--min-len..--max-len random token ids, distinct) arrive as
 a Poisson process of --rate per second, each streaming --prompt-tokens tokens.
@@ -124,13 +126,16 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
     from ray import serve
 
     from radixserve.cluster.app import deploy
-    from radixserve.cluster.options import ClusterOptions
+    from radixserve.cluster.options import ClusterOptions, PDOptions
     from radixserve.server.options import ServerOptions
     from tests.subprocess_server import free_port
 
+    conditional = PDOptions(prefill_backlog_tokens=args.prefill_backlog_tokens)
     configs = {
         "colocated": ClusterOptions(replicas=2, app_name="bench-colocated"),
         "disagg": ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-disagg"),
+        "conditional": ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-conditional",
+                                      pd=conditional),
     }
     runs = []
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
@@ -147,7 +152,7 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
                 runs.append(run)
                 print(f"run {repeat + 1} {name}: " + line(run), flush=True)
                 print("  TTFT by arrival: " + ", ".join(f"{a:.0f}s/{n}t: {t:.1f}s" for a, n, t in sorted(run.by_arrival)))
-                if name == "disagg":
+                if name != "colocated":
                     print("  " + transfer_line(url), flush=True)
                 serve.shutdown()
     finally:
@@ -169,7 +174,7 @@ def transfer_line(url: str) -> str:
 
     text = httpx.get(url + "/metrics", timeout=60).text
     names = ["kv_received_tokens", "kv_received_bytes", "kv_transfer_ms", "kv_import_ms", "kv_export_ms",
-             "kv_blocks_already_cached", "kv_fallback_recomputes", "kv_remote_prefills"]
+             "kv_blocks_already_cached", "kv_fallback_recomputes", "kv_remote_prefills", "kv_backlog_local_prefills"]
     values = {n: sample_total(text, f"radixserve_{n}_total") for n in names}
     tokens = values["kv_received_tokens"] or float("nan")
     per_k = 1000.0 / tokens
@@ -177,7 +182,8 @@ def transfer_line(url: str) -> str:
             f"{values['kv_remote_prefills']:.0f} remote prefills; per 1,000 tokens: fetch "
             f"{values['kv_transfer_ms'] * per_k:.0f} ms, import {values['kv_import_ms'] * per_k:.0f} ms, export "
             f"{values['kv_export_ms'] * per_k:.0f} ms; {values['kv_blocks_already_cached']:.0f} blocks already "
-            f"cached, {values['kv_fallback_recomputes']:.0f} fallback recomputes")
+            f"cached, {values['kv_fallback_recomputes']:.0f} fallback recomputes, "
+            f"{values['kv_backlog_local_prefills']:.0f} prompts computed on the decode replica (backlog)")
 
 
 def report(runs: list[Run]) -> None:
@@ -187,10 +193,12 @@ def report(runs: list[Run]) -> None:
         t = [pct(r.ttfts, .95) for r in rs]
         print(f"{name:10s} gap p95 ms {statistics.mean(g):.0f} (runs {', '.join(f'{x:.0f}' for x in g)})  "
               f"TTFT p95 s {statistics.mean(t):.2f} (runs {', '.join(f'{x:.2f}' for x in t)})")
-    if "colocated" in by and "disagg" in by:
-        g = statistics.mean(pct(r.gaps, .95) for r in by["disagg"]) / statistics.mean(pct(r.gaps, .95) for r in by["colocated"])
-        t = statistics.mean(pct(r.ttfts, .95) for r in by["disagg"]) / statistics.mean(pct(r.ttfts, .95) for r in by["colocated"])
-        print(f"disagg / colocated: gap p95 {g:.2f}x (target <= 0.5), TTFT p95 {t:.2f}x (target <= 1.5)")
+    base = by.get("colocated")
+    for name in ("disagg", "conditional"):
+        if base and name in by:
+            g = statistics.mean(pct(r.gaps, .95) for r in by[name]) / statistics.mean(pct(r.gaps, .95) for r in base)
+            t = statistics.mean(pct(r.ttfts, .95) for r in by[name]) / statistics.mean(pct(r.ttfts, .95) for r in base)
+            print(f"{name} / colocated: gap p95 {g:.2f}x (target <= 0.5), TTFT p95 {t:.2f}x (target <= 1.5)")
 
 
 def transfer_only(args: argparse.Namespace) -> None:
@@ -257,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=120, help="tokens each stream generates")
     parser.add_argument("--configs", default="colocated,disagg")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-backlog-tokens", type=int, default=2048,
+                        help="the conditional config's PDOptions.prefill_backlog_tokens")
     parser.add_argument("--chunk", type=int, default=0,
                         help="chunked_prefill_size of every engine, both configurations (0: the default)")
     parser.add_argument("--transfer-only", action="store_true")

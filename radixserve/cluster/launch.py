@@ -42,6 +42,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--local-prefill-tokens", type=int, default=PDOptions().local_prefill_tokens,
                        help="a prompt with at most this many tokens beyond a decode replica's cached blocks "
                             "is computed there")
+    group.add_argument("--prefill-backlog-tokens", type=int, default=PDOptions().prefill_backlog_tokens,
+                       help="conditional disaggregation: once a decode replica's prompts waiting at the prefill "
+                            "replica add up to this many tokens, it computes the next one itself (0: never)")
 
 
 def cluster_requested(args: argparse.Namespace) -> bool:
@@ -59,7 +62,7 @@ def cluster_only_flags(args: argparse.Namespace) -> list[str]:
     pd = PDOptions()
     defaults = {"router": "affinity", "balance_threshold": AffinityConfig().balance_threshold, "replica_cpus": 1.0,
                 "transfer_timeout": pd.transfer_timeout_s, "local_prefill_tokens": pd.local_prefill_tokens,
-                "prefill_resource": None, "decode_resource": None}
+                "prefill_backlog_tokens": pd.prefill_backlog_tokens, "prefill_resource": None, "decode_resource": None}
     return ["--" + name.replace("_", "-") for name, value in defaults.items() if getattr(args, name, value) != value]
 
 
@@ -80,7 +83,8 @@ def cluster_options(args: argparse.Namespace) -> Any:
         raise ValueError("--prefill-replicas and --decode-replicas go together")
     if prefill is not None and args.replicas is not None:
         raise ValueError("--replicas (colocated) and --prefill-replicas/--decode-replicas exclude each other")
-    pd_only = ("--transfer-timeout", "--local-prefill-tokens", "--prefill-resource", "--decode-resource")
+    pd_only = ("--transfer-timeout", "--local-prefill-tokens", "--prefill-backlog-tokens", "--prefill-resource",
+               "--decode-resource")
     pd_flags = [f for f in cluster_only_flags(args) if f in pd_only]
     if pd_flags and prefill is None:
         raise ValueError(f"{', '.join(pd_flags)} configure disaggregation: give --prefill-replicas and --decode-replicas")
@@ -89,7 +93,8 @@ def cluster_options(args: argparse.Namespace) -> Any:
         affinity=AffinityConfig(balance_threshold=args.balance_threshold), replica_cpus=args.replica_cpus,
         prefill_replicas=prefill or 0, decode_replicas=decode or 0,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
-        pd=PDOptions(transfer_timeout_s=args.transfer_timeout, local_prefill_tokens=args.local_prefill_tokens),
+        pd=PDOptions(transfer_timeout_s=args.transfer_timeout, local_prefill_tokens=args.local_prefill_tokens,
+                     prefill_backlog_tokens=args.prefill_backlog_tokens),
     )
 
 

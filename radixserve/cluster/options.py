@@ -15,14 +15,19 @@ PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT = "PrefillReplica", "DecodeReplica"  # the
 class PDOptions:
     transfer_timeout_s: float = 30.0  # from sending the job to having the bytes; then recompute here
     local_prefill_tokens: int = 32  # prompts with at most this many tokens beyond the cached blocks stay here
+    # Conditional disaggregation: once this decode replica's prompts waiting at its prefill
+    # replica add up to this many tokens, and its own pending prompt work is less, the next
+    # prompt is computed here (its streams stall for it, as colocated; the burst does not
+    # queue behind the prefill role). 0: every prompt goes to the prefill role.
+    prefill_backlog_tokens: int = 0
     max_attempts: int = 3  # prefill replicas tried when one dies
     hold_s: float = 60.0  # how long a prefill replica holds an export without its ack
 
     def __post_init__(self) -> None:
         if self.transfer_timeout_s <= 0 or self.hold_s <= 0:
             raise ValueError("transfer_timeout_s and hold_s must be > 0")
-        if self.local_prefill_tokens < 0 or self.max_attempts < 1:
-            raise ValueError("local_prefill_tokens must be >= 0 and max_attempts >= 1")
+        if self.local_prefill_tokens < 0 or self.prefill_backlog_tokens < 0 or self.max_attempts < 1:
+            raise ValueError("local_prefill_tokens and prefill_backlog_tokens must be >= 0, max_attempts >= 1")
 
 
 @dataclass(frozen=True)

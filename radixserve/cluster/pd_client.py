@@ -3,6 +3,9 @@
 
 For each request it first asks its own engine how many leading blocks of the prompt its tree
 holds; a prompt with few tokens beyond them is computed here (a round trip would cost more).
+So is one that arrives while the prefill role is backed up (conditional disaggregation,
+PDOptions.prefill_backlog_tokens): the prompts this client has sent to that prefill replica,
+not yet answered, add up to the limit, and this engine's own pending prompt work is less.
 Otherwise a prefill replica (the one the ingress chose, PREFILL_TARGET; else prefix affinity
 through the handle) computes it and answers with a KVHandoff whose bytes wait in Ray's object
 store. The client fetches them, has the engine thread reserve the blocks its tree lacks, copies
@@ -48,6 +51,7 @@ class PrefillClient:
         self._pending: set[asyncio.Future] = set()
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-import")
         self._engine: Any = None  # the AsyncEngine this client serves (set by prefill)
+        self._backlog: dict[str | None, int] = {}  # prompt tokens sent, not yet answered, by target replica
 
     async def prefill(self, engine: Any, prepared: list[PreparedRequest]) -> list[Arrival]:
         self._engine = engine
@@ -71,26 +75,47 @@ class PrefillClient:
     async def _one(self, engine: Any, p: PreparedRequest) -> Arrival:
         if p.params.prompt_logprobs is not None or p.params.prefill_only:
             return None  # prompt logprobs are computed where they are returned
-        have = await engine.call(lambda e: e.kv_transfer.cached_blocks(p.token_ids, p.cache_salt))
-        block_size = engine.engine.config.block_size
-        if len(p.token_ids) - have * block_size <= self.options.local_prefill_tokens:
+        have, pending_here = await engine.call(
+            lambda e: (e.kv_transfer.cached_blocks(p.token_ids, p.cache_salt), e.scheduler.pending_prefill_tokens()))
+        missing = len(p.token_ids) - have * engine.engine.config.block_size
+        if missing <= self.options.local_prefill_tokens:
             return None
-        job = PrefillJob.of(p.token_ids, p.params, p.cache_salt, have, PREFILL_TARGET.get())
+        target = PREFILL_TARGET.get()
+        if self._backed_up(target, pending_here):
+            engine.engine.kv_transfer.stats.backlog_local_prefills += 1
+            return None
+        job = PrefillJob.of(p.token_ids, p.params, p.cache_salt, have, target)
         try:
-            return await asyncio.wait_for(self._transfer(engine, job), self.options.transfer_timeout_s)
+            return await asyncio.wait_for(self._transfer(engine, job, missing), self.options.transfer_timeout_s)
         except asyncio.TimeoutError:
             return TransferFailed("timeout")
         except Exception as exc:  # every attempt failed, or the payload could not be fetched
             log.warning("remote prefill failed, computing here: %s: %s", type(exc).__name__, exc)
             return TransferFailed(f"{type(exc).__name__}: {exc}")
 
-    async def _transfer(self, engine: Any, job: PrefillJob) -> PendingImport | TransferFailed:
-        handoff = await self._call_prefill(engine, job)
+    def _backed_up(self, target: str | None, pending_here: int) -> bool:
+        """Whether the prompt should be computed here: the prefill replica it would go to (all of
+        them when the ingress named none) has `prefill_backlog_tokens` of this client's prompts
+        waiting, and this engine has less prompt work of its own."""
+        limit = self.options.prefill_backlog_tokens
+        if not limit:
+            return False
+        waiting = self._backlog.get(target, 0) if target is not None else sum(self._backlog.values())
+        return waiting >= limit and pending_here < waiting
+
+    async def _transfer(self, engine: Any, job: PrefillJob, missing: int) -> PendingImport | TransferFailed:
+        stats = engine.engine.kv_transfer.stats
+        self._backlog[job.target_replica] = self._backlog.get(job.target_replica, 0) + missing
+        stats.prefill_backlog_tokens += missing
+        try:
+            handoff = await self._call_prefill(engine, job)
+        finally:
+            self._backlog[job.target_replica] -= missing
+            stats.prefill_backlog_tokens -= missing
         try:
             t0 = time.perf_counter()
             if not isinstance(handoff.data, np.ndarray):
                 handoff.data = await handoff.data  # a Ray ObjectRef: the bytes come to this node
-            stats = engine.engine.kv_transfer.stats
             stats.fetch_ms += (time.perf_counter() - t0) * 1000.0
             return await self._import(engine, handoff)
         except BaseException:  # timed out or failed after the prefill answered: its hold can go now

@@ -93,6 +93,10 @@ class Scheduler:
         return [(r.arrival_time if r.first_token_time is None else None, r.num_tokens - r.num_computed_tokens)
                 for r in pending]
 
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens this engine still has to compute (cache hits of the waiting not counted)."""
+        return sum(left for _, left in self.pending_prefills())
+
     def schedule(self, prefill_token_budget: int | None = None) -> StepPlan:
         """Plan the next step. A step in which requests decode computes at most
         max_prefill_tokens_decoding prompt tokens, and at most `prefill_token_budget` (the

@@ -108,6 +108,8 @@ class TransferStats:
     fallback_tokens: int = 0  # prompt tokens the decode side computed for them
     remote_prefills: int = 0  # jobs sent to a prefill replica (retries included)
     prefill_retries: int = 0  # of those, resent after the prefill replica died
+    backlog_local_prefills: int = 0  # prompts computed on the decode side: the prefill role was backed up
+    prefill_backlog_tokens: int = 0  # prompt tokens this decode side has waiting at prefill replicas (a gauge)
     fetch_ms: float = 0.0  # waiting for handoff bytes to arrive (the transport's share)
 
     @property

@@ -85,6 +85,9 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
                                       _transfer(lambda t: t.remote_prefills)),
     "radixserve_kv_prefill_retries": ("Prompts resent after their prefill replica died",
                                       _transfer(lambda t: t.prefill_retries)),
+    "radixserve_kv_backlog_local_prefills": (
+        "Prompts a decode replica computed itself because the prefill role was backed up",
+        _transfer(lambda t: t.backlog_local_prefills)),
 }
 _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_requests_running": ("Requests running in the engine", lambda s: s.running),
@@ -111,6 +114,8 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
                                    _transfer(lambda t: t.holds)),
     "radixserve_kv_imports_pending": ("Received KV reserved in the pool, its copy not yet committed",
                                       _transfer(lambda t: t.imports_pending)),
+    "radixserve_kv_prefill_backlog_tokens": ("Prompt tokens a decode replica has waiting at prefill replicas",
+                                             _transfer(lambda t: t.prefill_backlog_tokens)),
 }
 
 

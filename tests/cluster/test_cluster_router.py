@@ -433,11 +433,13 @@ def test_disaggregation_flags_make_roles_and_refuse_half_a_pair(capsys):
     add_server_args(parser)
     add_cluster_args(parser)
     args = parser.parse_args(["--prefill-replicas", "2", "--decode-replicas", "3", "--transfer-timeout", "5",
-                              "--local-prefill-tokens", "0", "--prefill-resource", "gpu_a"])
+                              "--local-prefill-tokens", "0", "--prefill-backlog-tokens", "4096",
+                              "--prefill-resource", "gpu_a"])
     options = cluster_options(args)
     assert cluster_requested(args) and options.disaggregated and options.total_replicas == 5
     assert (options.prefill_replicas, options.decode_replicas, options.prefill_resource) == (2, 3, "gpu_a")
     assert (options.pd.transfer_timeout_s, options.pd.local_prefill_tokens) == (5.0, 0)
+    assert options.pd.prefill_backlog_tokens == 4096
     assert not cluster_options(parser.parse_args(["--replicas", "2"])).disaggregated
     assert main(["serve", "--prefill-replicas", "1"]) == 2
     assert "go together" in capsys.readouterr().err

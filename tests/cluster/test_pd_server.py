@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import httpx
@@ -60,6 +61,7 @@ class FakePrefillHandle:
         self.apps = apps
         self.die = 0  # the next N jobs fail as if the replica died
         self.hang = False
+        self.gate: threading.Event | None = None  # when set to an Event, jobs wait for it first
         self.jobs: list[PrefillJob] = []
         self.served: list[str] = []  # the replica each job ran on
         self.releases: list[ReleaseJob] = []
@@ -73,6 +75,8 @@ class FakePrefillHandle:
             raise ReplicaGone("the replica died")
         if self.hang:
             await asyncio.sleep(3600)
+        while self.gate is not None and not self.gate.is_set():
+            await asyncio.sleep(0.01)
         name = job.target_replica if job.target_replica in self.apps else next(iter(self.apps))
         self.served.append(name)
         handoff = await self._on_server(name, run_prefill(self._engine(name), job, name))
@@ -249,6 +253,56 @@ def test_short_uncached_tail_stays_on_the_decode_replica(servers):
     assert "radixserve_kv_received_blocks_total" in metrics and "radixserve_kv_fallback_recomputes_total" in metrics
     assert "radixserve_kv_import_engine_ms_total" in metrics and "radixserve_kv_imports_pending" in metrics
     check_integrity(p, d)
+
+
+def test_a_prompt_arriving_while_the_prefill_replica_is_backed_up_is_computed_on_the_decode_side(servers):
+    """Conditional disaggregation: while a 200-token prompt waits at the prefill replica (held
+    there by a gate), the next prompt is computed by the decode replica itself, with the limit
+    at 160 tokens; once the gate opens the first one's KV arrives as usual. Both answers equal
+    one server's, and the limit's gauge and counter say what happened."""
+    p, d, s, handle, client = servers
+    first, second = ids(200, 60), ids(150, 61)
+    want = complete(s, first), complete(s, second)
+    before = stats(d)
+    jobs = len(handle.jobs)
+    client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0, prefill_backlog_tokens=160)
+    handle.gate = threading.Event()
+    answers: dict[str, str] = {}
+    waiting = threading.Thread(target=lambda: answers.update(first=complete(d, first)))
+    try:
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while stats(d).get("kv_prefill_backlog_tokens", 0) != 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stats(d)["kv_prefill_backlog_tokens"] == 200  # the gauge: the first prompt waits there
+        assert complete(d, second) == want[1]
+        assert len(handle.jobs) == jobs + 1  # the second never went to the prefill role
+        handle.gate.set()
+        waiting.join(60)
+    finally:
+        handle.gate.set()
+        handle.gate = None
+        client.options = PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0)
+    assert answers["first"] == want[0]
+    now = stats(d)
+    assert now["kv_backlog_local_prefills"] - before.get("kv_backlog_local_prefills", 0) == 1
+    assert now["kv_received_blocks"] - before["kv_received_blocks"] == 12  # the first's full blocks came
+    assert now["kv_fallback_recomputes"] == before["kv_fallback_recomputes"]
+    assert now["kv_prefill_backlog_tokens"] == 0
+    assert "radixserve_kv_backlog_local_prefills_total" in httpx.get(d + "/metrics", timeout=30).text
+    check_integrity(p, d)
+
+
+def test_the_backlog_rule_weighs_the_target_replicas_queue_against_the_decode_sides_own():
+    client = PrefillClient(None, PDOptions(prefill_backlog_tokens=100))
+    client._backlog = {"prefill-0": 150, "prefill-1": 20}
+    assert client._backed_up("prefill-0", pending_here=0)
+    assert client._backed_up("prefill-0", pending_here=149)
+    assert not client._backed_up("prefill-0", pending_here=150)  # as much work here: send it
+    assert not client._backed_up("prefill-1", pending_here=0)  # the target itself is not backed up
+    assert client._backed_up(None, pending_here=0)  # no target named: every prefill replica's
+    client.options = PDOptions(prefill_backlog_tokens=0)
+    assert not client._backed_up("prefill-0", pending_here=0)  # 0: never
 
 
 def test_seeded_sampling_equals_one_server(servers):

@@ -39,6 +39,7 @@ NEEDS = {
     "--replica-cpus": ["--replicas", "2"],
     "--transfer-timeout": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--local-prefill-tokens": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--prefill-backlog-tokens": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--prefill-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--decode-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
 }
@@ -55,6 +56,7 @@ REFUSED_ALONE = {
     "--replica-cpus": "--replicas",
     "--transfer-timeout": "--replicas",
     "--local-prefill-tokens": "--replicas",
+    "--prefill-backlog-tokens": "--replicas",
     "--prefill-resource": "--replicas",
     "--decode-resource": "--replicas",
 }
@@ -102,7 +104,7 @@ def _settle(argv: list[str]) -> dict:
     return {"engine": dataclasses.asdict(EngineConfig(**engine_kwargs(args))), "server": options.reported(),
             "cluster": {name: getattr(args, name) for name in ("replicas", "router", "balance_threshold",
                                                                 "replica_cpus", "prefill_replicas", "decode_replicas",
-                                                                "transfer_timeout", "local_prefill_tokens",
+                                                                "transfer_timeout", "local_prefill_tokens", "prefill_backlog_tokens",
                                                                 "prefill_resource", "decode_resource")}}
 
 
