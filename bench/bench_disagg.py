@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.bench_disagg                       # 2 runs of each, 40 s each
     .venv/bin/python -m bench.bench_disagg --duration 60 --repeats 3 --rate 0.25
     .venv/bin/python -m bench.bench_disagg --chunk 128 --rate 0.12   # shorter, more frequent stalls
+    .venv/bin/python -m bench.bench_disagg --configs colocated,disagg,conditional --plot disagg.png
     .venv/bin/python -m bench.bench_disagg --transfer-only       # transfer vs recompute, no Ray
 
 Starts a local Ray and, for each configuration, deploys the cluster app afresh:
@@ -199,6 +200,30 @@ def report(runs: list[Run]) -> None:
             g = statistics.mean(pct(r.gaps, .95) for r in by[name]) / statistics.mean(pct(r.gaps, .95) for r in base)
             t = statistics.mean(pct(r.ttfts, .95) for r in by[name]) / statistics.mean(pct(r.ttfts, .95) for r in base)
             print(f"{name} / colocated: gap p95 {g:.2f}x (target <= 0.5), TTFT p95 {t:.2f}x (target <= 1.5)")
+            pairs = list(zip(base, by[name]))  # run k of each config: the same arrivals, back to back
+            print("  run by run: gap p95 " + ", ".join(f"{pct(r.gaps, .95) / pct(b.gaps, .95):.2f}x" for b, r in pairs)
+                  + "; TTFT p95 " + ", ".join(f"{pct(r.ttfts, .95) / pct(b.ttfts, .95):.2f}x" for b, r in pairs))
+
+
+def plot(path: str, runs: list[Run]) -> None:
+    """Each run's gap p95 and TTFT p95, one column of points per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.name for r in runs))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, title, value in ((axes[0], "streams' inter-token gap p95 (ms)", lambda r: pct(r.gaps, .95) * 1000),
+                             (axes[1], "long prompts' TTFT p95 (s)", lambda r: pct(r.ttfts, .95))):
+        for i, name in enumerate(names):
+            ys = [value(r) for r in runs if r.name == name]
+            ax.scatter([i] * len(ys), ys)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def transfer_only(args: argparse.Namespace) -> None:
@@ -270,11 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=0,
                         help="chunked_prefill_size of every engine, both configurations (0: the default)")
     parser.add_argument("--transfer-only", action="store_true")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw each run's gap and TTFT p95")
     args = parser.parse_args(argv)
     if args.transfer_only:
         transfer_only(args)
         return 0
-    report(cluster_runs(args))
+    runs = cluster_runs(args)
+    report(runs)
+    if args.plot:
+        plot(args.plot, runs)
     return 0
 
 
