@@ -10,7 +10,8 @@ Starts a local Ray and, for each configuration, deploys the cluster app afresh:
   colocated   --replicas 2 (one engine thread each, prefix-affinity router)
   disagg      --prefill-replicas 1 --decode-replicas 1 (one engine thread each)
   conditional the same, with --prefill-backlog-tokens (--configs colocated,disagg,conditional):
-              the decode replica computes a prompt itself while the prefill replica is backed up
+              the decode replica computes a prompt itself while the prefill replica is backed up;
+              conditional:N sets that limit to N tokens (a sweep: conditional:2048,conditional:4096)
 Workload, the same arrivals for both (seeded): two streams decode all along (a new one starts
 when one ends), while long prompts (--min-len..--max-len random token ids, distinct) arrive as
 a Poisson process of --rate per second, each streaming --prompt-tokens tokens.
@@ -131,13 +132,18 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
     from radixserve.server.options import ServerOptions
     from tests.subprocess_server import free_port
 
-    conditional = PDOptions(prefill_backlog_tokens=args.prefill_backlog_tokens)
-    configs = {
-        "colocated": ClusterOptions(replicas=2, app_name="bench-colocated"),
-        "disagg": ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-disagg"),
-        "conditional": ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-conditional",
-                                      pd=conditional),
-    }
+    def options(name: str) -> ClusterOptions:
+        if name == "colocated":
+            return ClusterOptions(replicas=2, app_name="bench-colocated")
+        if name == "disagg":
+            return ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-disagg")
+        kind, _, limit = name.partition(":")
+        if kind != "conditional":
+            raise SystemExit(f"unknown config {name!r}: colocated, disagg, conditional or conditional:N")
+        pd = PDOptions(prefill_backlog_tokens=int(limit) if limit else args.prefill_backlog_tokens)
+        return ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name="bench-conditional", pd=pd)
+
+    configs = {name: options(name) for name in args.configs.split(",")}
     runs = []
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
@@ -195,8 +201,8 @@ def report(runs: list[Run]) -> None:
         print(f"{name:10s} gap p95 ms {statistics.mean(g):.0f} (runs {', '.join(f'{x:.0f}' for x in g)})  "
               f"TTFT p95 s {statistics.mean(t):.2f} (runs {', '.join(f'{x:.2f}' for x in t)})")
     base = by.get("colocated")
-    for name in ("disagg", "conditional"):
-        if base and name in by:
+    for name in by:
+        if base and name != "colocated":
             g = statistics.mean(pct(r.gaps, .95) for r in by[name]) / statistics.mean(pct(r.gaps, .95) for r in base)
             t = statistics.mean(pct(r.ttfts, .95) for r in by[name]) / statistics.mean(pct(r.ttfts, .95) for r in base)
             print(f"{name} / colocated: gap p95 {g:.2f}x (target <= 0.5), TTFT p95 {t:.2f}x (target <= 1.5)")
