@@ -225,7 +225,7 @@ def plot(path: str, runs: list[Run]) -> None:
         for i, name in enumerate(names):
             ys = [value(r) for r in runs if r.name == name]
             ax.scatter([i] * len(ys), ys)
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
     fig.tight_layout()
