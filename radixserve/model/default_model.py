@@ -43,7 +43,10 @@ def ensure_default_model(cache_dir: str | None = None) -> Path:
 
 
 def ensure_converted_gguf(path: Path, cache_dir: str | None = None) -> Path:
-    """A converted copy of any GGUF file, keyed by its path, size and modification time."""
+    """A converted copy of any GGUF file, keyed by its path, size and modification time; the
+    packaged default model's file is the default model (one conversion, one copy on disk)."""
+    if _is_default_gguf(path):
+        return ensure_default_model(cache_dir)
     stat = path.stat()
     key = xxhash.xxh64(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root(cache_dir) / "models" / f"{path.stem}-{key}"
@@ -87,6 +90,13 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _is_default_gguf(path: Path) -> bool:
+    try:
+        return path.resolve() == default_gguf_path().resolve()
+    except FileNotFoundError:
+        return False
 
 
 def _is_converted(path: Path) -> bool:

@@ -47,14 +47,37 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_model_dir):
         load_model(str(tiny_model_dir("llama")), max_model_len=1000)
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
-def test_a_gguf_file_loads_through_its_converted_copy(tmp_path, real_engine):
-    from radixserve import Engine, SamplingParams
-    from radixserve.model.default_model import default_gguf_path
+def test_a_gguf_file_is_converted_once_per_path_size_and_mtime(tmp_path, monkeypatch):
+    from radixserve.model import default_model
 
-    engine = Engine(str(default_gguf_path()), model_cache_dir=str(tmp_path))
-    assert any(p.name.startswith("SmolLM2-135M-Instruct.Q4_1-") for p in (tmp_path / "models").iterdir())
+    converted = []
+
+    def convert(gguf, target):  # stands in for transformers' 30 s dequantization
+        converted.append(target)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(b"")
+        return target
+
+    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    gguf = tmp_path / "tiny.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF one")
+    first = default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache"))
+    assert default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache")) == first
+    assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("tiny.Q8_0-")
+    gguf.write_bytes(b"GGUF two, a new file at the same path")
+    second = default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache"))
+    assert converted == [first, second] and second != first
+
+
+@pytest.mark.real_model
+def test_the_packaged_gguf_loads_as_the_default_model(real_model_dir, real_engine, monkeypatch):
+    from radixserve import Engine, SamplingParams
+    from radixserve.model import default_model
+
+    monkeypatch.setattr(default_model, "convert_gguf", lambda *a: pytest.fail("converted the default model again"))
+    assert default_model.ensure_converted_gguf(default_model.default_gguf_path()) == real_model_dir
+    engine = Engine(str(default_model.default_gguf_path()))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompt = "Paris is the capital of"
     assert engine.generate(prompt, params)[0].token_ids == real_engine.generate(prompt, params)[0].token_ids
