@@ -46,12 +46,11 @@ def single() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(single) -> str:
+def cluster(single, local_ray) -> str:
     from radixserve.cluster.app import deploy
     from radixserve.cluster.options import ClusterOptions, PDOptions
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         options = ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name=APP,
                                  pd=PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0))
@@ -59,7 +58,6 @@ def cluster(single) -> str:
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 10) -> str:

@@ -46,19 +46,17 @@ def reference() -> list[agent_workload.Turn]:
 
 
 @pytest.fixture(scope="module")
-def cluster(reference) -> str:
+def cluster(reference, local_ray) -> str:
     from radixserve.cluster.app import deploy
     from radixserve.cluster.options import ClusterOptions
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         deploy(ENGINE, ServerOptions(enable_debug_endpoints=True), ClusterOptions(replicas=2, app_name=APP),
                "127.0.0.1", port)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def test_affinity_routing_keeps_one_replicas_reuse(cluster, reference):

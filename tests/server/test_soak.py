@@ -1,4 +1,4 @@
-"""The soak of bench/soak.py for one minute (issue 29, point 3; the ten-minute run is
+"""The soak of bench/soak.py for 36 seconds, a third of it warm-up (issue 29, point 3; the ten-minute run is
 `python -m bench.soak`): every route, two keys, drops, aborts, bad inputs and flushes; the
 server ends idle and intact, without leaks, and no key sees the other's text or ids."""
 
@@ -13,9 +13,9 @@ from bench import soak
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
-def test_a_one_minute_soak_holds(real_model_dir, tmp_path):
+def test_a_short_soak_holds(real_model_dir, tmp_path):
     out = tmp_path / "soak.json"
-    assert soak.main(["--minutes", "1", "--workers", "4", "--out", str(out)]) == 0
+    assert soak.main(["--minutes", "0.6", "--workers", "4", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["calls"] > 100 and not report["failures"] and not report["leaks"]
     kinds = {name.split(":")[0] for name in report["outcomes"]}
