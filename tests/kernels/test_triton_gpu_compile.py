@@ -86,6 +86,14 @@ def _compile_in_subprocess(cases: list[tuple[str, str, int]], cache_dir: Path) -
     return json.loads(lines[-1][len(_MARK):])
 
 
+def _compile_side_by_side(cases: list[tuple[str, str, int]], cache_dir: Path) -> dict:
+    """The cases split between two compile workers (LLVM and ptxas run on one core each), one report."""
+    halves = [cases[0::2], cases[1::2]]
+    with concurrent.futures.ThreadPoolExecutor(len(halves)) as pool:
+        reports = list(pool.map(lambda i: _compile_in_subprocess(halves[i], cache_dir / str(i)), range(len(halves))))
+    return dict(reports[0], cases={k: v for report in reports for k, v in report.get("cases", {}).items()})
+
+
 def _group_cases(geometry: str, arch: int) -> list[tuple[str, str, int]]:
     return [(geometry, kind, arch) for kind in _kinds_for(arch)]
 
@@ -138,12 +146,7 @@ def _problems(k: dict, kind: str, arch: int) -> list[str]:
 
 
 def test_default_geometry_compiles_for_sm90(tmp_path):
-    cases = _group_cases(DEFAULT_GEOMETRY, 90)
-    halves = [cases[0::2], cases[1::2]]
-    with concurrent.futures.ThreadPoolExecutor(len(halves)) as pool:
-        reports = list(pool.map(lambda i: _compile_in_subprocess(halves[i], tmp_path / str(i)), range(len(halves))))
-    cases_compiled = {k: v for report in reports for k, v in report.get("cases", {}).items()}
-    _check_report(DEFAULT_GEOMETRY, 90, dict(reports[0], cases=cases_compiled))
+    _check_report(DEFAULT_GEOMETRY, 90, _compile_side_by_side(_group_cases(DEFAULT_GEOMETRY, 90), tmp_path))
 
 
 OTHER_GROUPS = [(geometry, arch) for geometry in GEOMETRIES for arch in ARCHS if (geometry, arch) != (DEFAULT_GEOMETRY, 90)]
@@ -151,22 +154,14 @@ OTHER_GROUPS = [(geometry, arch) for geometry in GEOMETRIES for arch in ARCHS if
 
 @pytest.mark.slow
 def test_kernels_compile_for_the_other_geometries_and_targets(tmp_path):
-    """The other groups, two workers at a time (each compile is one process's work: LLVM and
-    ptxas run on one core), each group checked as the fast test checks its own."""
-    halves = [OTHER_GROUPS[0::2], OTHER_GROUPS[1::2]]
-    with concurrent.futures.ThreadPoolExecutor(len(halves)) as pool:
-        reports = list(pool.map(
-            lambda half: _compile_in_subprocess([c for g in half[1] for c in _group_cases(*g)], tmp_path / str(half[0])),
-            enumerate(halves)))
+    """The other groups, each checked as the fast test checks its own."""
+    report = _compile_side_by_side([c for group in OTHER_GROUPS for c in _group_cases(*group)], tmp_path)
     problems = []
-    for half, report in zip(halves, reports):
-        for geometry, arch in half:
-            group = dict(report, cases={k: v for k, v in report.get("cases", {}).items() if k.startswith(f"{geometry}/")
-                                        and k.endswith(f"/{arch}")})
-            try:
-                _check_report(geometry, arch, group)
-            except AssertionError as exc:
-                problems.append(f"{geometry} sm_{arch}: {exc}")
+    for geometry, arch in OTHER_GROUPS:
+        try:
+            _check_report(geometry, arch, report)  # reads only its own group's cases
+        except AssertionError as exc:
+            problems.append(f"{geometry} sm_{arch}: {exc}")
     assert not problems, "\n\n".join(problems)
 
 
