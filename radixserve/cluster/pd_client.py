@@ -53,6 +53,12 @@ class PrefillClient:
         self._engine: Any = None  # the AsyncEngine this client serves (set by prefill)
         self._backlog: dict[str | None, int] = {}  # prompt tokens sent, not yet answered, by target replica
 
+    def attach(self, engine: Any) -> None:
+        """Make the AsyncEngine `engine` a decode side: its prompts go through this client, and
+        its kv_* stats and metrics show from the start, not only after its first transfer."""
+        engine.remote_prefill = self
+        engine.engine.kv_transfer.enabled = True
+
     async def prefill(self, engine: Any, prepared: list[PreparedRequest]) -> list[Arrival]:
         self._engine = engine
         return list(await asyncio.gather(*(self._one(engine, p) for p in prepared)))

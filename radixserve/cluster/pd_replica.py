@@ -56,6 +56,4 @@ class DecodeReplica(RadixReplica):
 
     async def __init__(self, engine_kwargs: dict[str, Any], server_options: ServerOptions, prefill: Any, pd: PDOptions):
         await super().__init__(engine_kwargs, server_options)
-        engine = self.app.state.server.engine
-        engine.remote_prefill = PrefillClient(prefill, pd, REPLICA_GONE)
-        engine.engine.kv_transfer.enabled = True
+        PrefillClient(prefill, pd, REPLICA_GONE).attach(self.app.state.server.engine)

@@ -102,7 +102,7 @@ def apps(real_model_dir):
     decode_app = create_app(Engine(str(real_model_dir), **ENGINE), options)
     handle = FakePrefillHandle(prefill_apps)
     client = PrefillClient(handle, PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0), (ReplicaGone,))
-    decode_app.state.server.engine.remote_prefill = client
+    client.attach(decode_app.state.server.engine)
     single_app = create_app(Engine(str(real_model_dir), **ENGINE), options)
     with BackgroundServer(prefill_apps["prefill-0"]) as p0, BackgroundServer(prefill_apps["prefill-1"]) as p1, \
             BackgroundServer(decode_app) as d, BackgroundServer(single_app) as s:
@@ -151,6 +151,8 @@ def check_integrity(*urls: str) -> None:
 
 def test_greedy_equality_and_only_missing_blocks(servers):
     p, d, s, handle, _ = servers
+    fresh = stats(d)  # a decode side reports its kv_* stats before its first transfer
+    assert (fresh["kv_prefill_backlog_tokens"], fresh["kv_received_blocks"], fresh["kv_remote_prefills"]) == (0, 0, 0)
     system = ids(64, 1)  # 4 blocks
     first = system + ids(40, 2)  # 104 tokens: 6 full blocks
     assert complete(d, first) == complete(s, first)
