@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random checkpoints and the real default model."""
+"""Shared fixtures (tiny random checkpoints, the real default model) and the `serial` rule under xdist."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tiny_models import build_tiny_model
+from xdist_rules import pytest_runtest_protocol, pytest_xdist_make_scheduler  # noqa: F401
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -43,7 +43,7 @@ def test_readme_is_short() -> None:
 
 def test_readme_names_the_ci_test_command() -> None:
     command = _ci_test_command()
-    assert command == "./scripts/setup.sh && .venv/bin/pytest -q"
+    assert command == "./scripts/setup.sh && .venv/bin/pytest -q -n 2"
     assert command in README.read_text(), f"README.md should give the test command .ci/run runs: {command}"
 
 

@@ -102,6 +102,7 @@ def _nested(depth: int) -> dict:
     return schema
 
 
+@pytest.mark.serial  # each refusal within 2 s
 @pytest.mark.parametrize(
     "params, message",
     [
@@ -120,6 +121,7 @@ def test_too_large_constraints_are_refused_before_compiling(real_engine, prompt,
     real_engine.check_integrity()
 
 
+@pytest.mark.serial
 def test_a_slow_grammar_is_refused_at_the_compile_time_limit(real_engine):
     factory = GrammarFactory(real_engine.tokenizer, real_engine.loaded.spec.vocab_size, real_engine.eos_token_ids,
                              GrammarLimits(compile_timeout_s=0.05))
@@ -132,6 +134,7 @@ def test_a_slow_grammar_is_refused_at_the_compile_time_limit(real_engine):
     assert factory.matcher(SamplingParams(regex="(yes|no|maybe)")) is not None  # still works, after the orphan
 
 
+@pytest.mark.serial
 def test_the_compiled_grammar_cache_is_bounded(real_engine):
     limit = 1 << 20
     factory = GrammarFactory(real_engine.tokenizer, real_engine.loaded.spec.vocab_size, real_engine.eos_token_ids,

@@ -200,6 +200,7 @@ def test_page_calls_on_a_file_mapping(tmp_path):
         os.close(fd)
 
 
+@pytest.mark.serial
 def test_writing_the_tier_back_leaves_the_gil_to_other_threads(tmp_path):
     """The persistence thread's sync waits on the disk without the GIL (mmap.flush holds it:
     the engine thread would stop for the whole write-back)."""

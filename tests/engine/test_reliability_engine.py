@@ -89,6 +89,7 @@ def _hostile_requests(url: str) -> dict[str, httpx.Response]:
         }
 
 
+@pytest.mark.serial  # it measures a stream's gaps
 def test_huge_prompts_and_schemas_do_not_stall_a_stream(real_engine):
     real_engine.flush_cache()
     app = create_app(real_engine, ServerOptions())

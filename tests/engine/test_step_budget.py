@@ -226,6 +226,7 @@ def test_pending_prefills_lists_running_prefills_then_the_waiting_by_arrival():
     assert s.pending_prefills() == [(a.arrival_time, 12), (c.arrival_time, 6), (b.arrival_time, 5)]
 
 
+@pytest.mark.serial  # a 100 ms window between two clock reads
 def test_ttft_target_raises_the_prefill_budget_only_where_a_deadline_needs_it(tiny_model_dir):
     options = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=64, max_num_batched_tokens=128)
     engine = Engine(str(tiny_model_dir("llama")), max_step_ms=50, ttft_target_ms=10_000, **options)

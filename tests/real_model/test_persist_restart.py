@@ -13,7 +13,7 @@ import httpx
 import pytest
 from subprocess_server import free_port, wait_healthy
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.serial]  # it compares two TTFTs
 
 PROMPT = [(37 * i) % 30000 + 300 for i in range(2000)]
 BODY = {"input_ids": PROMPT, "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}

@@ -23,6 +23,7 @@ MODEL = "shutdown-test"
 MAX_TOKENS = 2000  # far more than 9 requests decode in the grace on 2 cores
 
 
+@pytest.mark.serial  # it times the shutdown
 def test_sigterm_ends_streams_and_answers_waiting_requests(real_model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -10,7 +10,7 @@ import pytest
 
 from bench import soak
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.serial]  # it counts calls in a fixed time
 
 
 def test_a_short_soak_holds(real_model_dir, tmp_path):

@@ -1,0 +1,82 @@
+"""How the suite runs in pytest-xdist workers (`pytest -n 2`), as hooks tests/conftest.py takes in:
+each test module on one worker (its module fixtures start once), and a test marked `serial` (it
+measures wall time) with no other test beside it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from contextlib import contextmanager
+
+import pytest
+
+
+class WorkerLock:
+    """A readers-writer lock shared by the pytest-xdist workers of one run (`pytest -n 2`).
+
+    Every test holds it shared from its setup to its teardown (fixtures of wider scope included,
+    since they are set up inside a test's protocol); a test marked `serial` holds it exclusively,
+    so it runs with no other worker's test beside it. The turnstile keeps a waiting `serial` test
+    from being starved: a worker takes it before either side, and a serial test keeps it until
+    it is done, so the other worker finishes its current test and then waits."""
+
+    def __init__(self, run_id: str, folder: str | None = None) -> None:
+        base = os.path.join(folder or tempfile.gettempdir(), f"radixserve-tests-{run_id}")
+        self._turnstile = open(base + ".turnstile", "a")
+        self._tests = open(base + ".lock", "a")
+
+    @contextmanager
+    def hold(self, alone: bool):
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._tests, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+
+
+_worker_lock = WorkerLock(os.environ["PYTEST_XDIST_TESTRUNUID"]) if "PYTEST_XDIST_WORKER" in os.environ else None
+
+
+# Modules that share one worker, by name: the Ray files share one local Ray (tests/cluster/conftest.py).
+SHARED_WORKER = {
+    "tests/cluster/test_cluster_ray.py": "local Ray",
+    "tests/cluster/test_cluster_pd_ray.py": "local Ray",
+}
+
+
+def module_scheduler(config, log, shared: dict[str, str]):
+    """xdist's scope scheduling with one scope per test file (or per name in `shared`), taken in
+    collection order. (`--dist loadgroup` would do the grouping, but with pytest 9 its marks no
+    longer reach the scheduler: it renames `Item._nodeid`, which `Item.nodeid` no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return shared.get(path, path)
+
+    config.option.loadscopereorder = False  # collection order: the long cluster modules start first
+    return ModuleScheduling(config, log)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n 2` (xdist's default `--dist load`): each module on one worker, so its module
+    fixtures start once; any other `--dist` asked for is left to xdist."""
+    if config.getvalue("dist") != "load":
+        return None
+    return module_scheduler(config, log, SHARED_WORKER)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, a test marked `serial` (it measures wall time) runs alone."""
+    if _worker_lock is None:
+        return (yield)
+    with _worker_lock.hold(alone=item.get_closest_marker("serial") is not None):
+        return (yield)
