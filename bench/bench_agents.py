@@ -253,7 +253,7 @@ def measure_prefetch(tokens: int = 1000, reps: int = 5) -> dict[str, float]:
             for mode in modes:
                 engine.cache.evict(engine.cache.num_evictable_blocks)
                 engine.step()  # an empty step runs the copies to the tier
-                if mode != modes[0] and engine.tiering.store.drop_cached_pages():
+                if mode != modes[0] and engine.tiering.drop_cached_pages():
                     raise RuntimeError("the tier file's pages stay in memory on this filesystem")
                 engine.tiering.prefetch = None if mode == modes[1] else prefetch
                 rid = engine.add_request(ids, params)

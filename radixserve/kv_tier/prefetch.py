@@ -36,7 +36,7 @@ log = logging.getLogger("radixserve.tier_prefetch")
 
 MAX_HOLD_S = 2.0  # a request is queued after this long even if its pages are not all in
 WARM_WINDOW_BYTES = 128 << 20  # the next slots the tier hands out, kept faulted in for writing
-_READ, _WARM, _STOP = 0, 1, -1  # job priorities: reads (a request waits) before warming
+_READ, _WARM, _IDLE, _STOP = 0, 1, 2, -1  # job priorities: reads (a request waits), warming, then wait_idle's mark
 
 
 @dataclass(eq=False)
@@ -133,6 +133,12 @@ class TierPrefetcher:
         if new:
             self._jobs.put((_WARM, next(self._seq), (new, None)))
 
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the thread has run every read and warm-up sent so far; False on timeout."""
+        done = threading.Event()
+        self._jobs.put((_IDLE, next(self._seq), ([], done)))
+        return done.wait(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread; from now on nothing is held (what is held is ready)."""
         self._closed = True
@@ -145,7 +151,7 @@ class TierPrefetcher:
         try:
             if kind == _READ:
                 self._read(slots)
-            else:
+            elif kind == _WARM:
                 self._warm(slots)
         except Exception as exc:  # a hint failed: the engine thread's copy will fault the pages in
             if not self._failed:

@@ -42,7 +42,7 @@ def demote_all_and_drop_pages(engine: Engine) -> None:
     engine.cache.evict(engine.cache.num_evictable_blocks)
     assert engine.step() == []
     assert engine.cache.num_cached_blocks == 0 and engine.cache.num_tier_blocks >= 9
-    if engine.tiering.store.drop_cached_pages() != 0:
+    if engine.tiering.drop_cached_pages() != 0:
         pytest.skip("this filesystem keeps the tier file's pages in memory (tmpfs?)")
 
 
@@ -146,15 +146,18 @@ def test_the_engine_loop_serves_a_held_request(tiny_model_dir, tmp_path):
         loop.shutdown(60)
 
 
-def test_the_next_slots_the_tier_hands_out_are_faulted_in_for_writing(tiny_model_dir, tmp_path):
+def test_the_next_slots_the_tier_hands_out_are_faulted_in_for_writing(tiny_model_dir, tmp_path, monkeypatch):
     engine = make_engine(tiny_model_dir("llama"), tmp_path)
-    engine.generate([PROMPT], GREEDY)
     prefetch = engine.tiering.prefetch
-    for _ in range(1000):  # the first step's copies sent the window to the thread
-        if prefetch.warmed_blocks >= prefetch.window_slots:
-            break
-        os.sched_yield()
-        prefetch._any_done.wait(0.01)
+    populate = prefetch.pages.populate
+
+    def slow_populate(*args, **kwargs):  # so wait_idle has a warm-up still running to wait for
+        time.sleep(0.002)
+        return populate(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch.pages, "populate", slow_populate)
+    engine.generate([PROMPT], GREEDY)  # the first step's copies send the window to the thread
+    assert prefetch.wait_idle()
     assert prefetch.warmed_blocks >= prefetch.window_slots > 0
     store, tier = engine.tiering.store, engine.tiering.slots
     window = tier.peek_free(prefetch.window_slots)
