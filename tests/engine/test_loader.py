@@ -1,6 +1,7 @@
 """Model loading: directories, dtypes and clear errors."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -68,6 +69,39 @@ def test_a_gguf_file_is_converted_once_per_path_size_and_mtime(tmp_path, monkeyp
     gguf.write_bytes(b"GGUF two, a new file at the same path")
     second = default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache"))
     assert converted == [first, second] and second != first
+
+
+def test_the_default_model_is_converted_again_only_when_its_file_changes(tmp_path, monkeypatch):
+    from radixserve.model import default_model
+
+    converted = []
+
+    def convert(gguf, target, source_key=None):  # stands in for the dequantization, not for the install
+        converted.append(gguf.read_bytes())
+        work = tmp_path / f"work{len(converted)}"
+        work.mkdir()
+        (work / "config.json").write_text(json.dumps({"from": gguf.read_text()}))
+        (work / "model.safetensors").write_bytes(b"")
+        (work / default_model.SOURCE_FILE).write_text(json.dumps({"content_key": source_key}))
+        default_model._install(work, target, source_key)
+        return target
+
+    packaged = tmp_path / "site-packages" / default_model.DEFAULT_MODEL_FILE
+    packaged.parent.mkdir()
+    packaged.write_bytes(b"GGUF version one")
+    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: packaged)
+    cache = str(tmp_path / "cache")
+    first = default_model.ensure_default_model(cache)
+    assert first == tmp_path / "cache" / "models" / default_model.DEFAULT_MODEL_NAME
+    os.utime(packaged, ns=(1, 1))  # a reinstall of the same file: a new mtime, the same bytes
+    assert default_model.ensure_default_model(cache) == first and len(converted) == 1
+    packaged.write_bytes(b"GGUF version two, an upgraded package")
+    assert default_model.ensure_default_model(cache) == first  # the same name, converted again in place
+    assert converted == [b"GGUF version one", b"GGUF version two, an upgraded package"]
+    assert json.loads((first / "config.json").read_text()) == {"from": "GGUF version two, an upgraded package"}
+    assert sorted(p.name for p in first.parent.iterdir()) == [default_model.DEFAULT_MODEL_NAME]  # no stale copy
+    assert default_model.ensure_default_model(cache) == first and len(converted) == 2
 
 
 @pytest.mark.real_model
