@@ -24,7 +24,8 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
     ingress = serve.deployment(
         ClusterIngress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
     )
-    options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys)
+    options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys,
+                             api_keys=server.all_api_keys)
     if not cluster.disaggregated:
         replica = _deployment(RadixReplica, "RadixReplica", cluster.replicas, server, cluster)
         return ingress.bind(replica.bind(engine_kwargs, server), options)

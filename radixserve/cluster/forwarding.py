@@ -32,6 +32,7 @@ class ForwardedRequest:
     body: bytes = b""
     routing: RoutingKey | None = None  # None: any replica will do
     prefill_replica: str | None = None  # disaggregated: the prefill replica the ingress chose for it
+    tenant: str | None = None  # the caller's key digest, as the ingress authenticated it (None without keys)
 
     @property
     def prompt(self) -> str:

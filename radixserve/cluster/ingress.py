@@ -32,9 +32,11 @@ from radixserve.cluster.forwarding import REPLICA_HEADER, ForwardedRequest, Resp
 from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.prefill_picker import PrefillPicker
 from radixserve.cluster.registry import register_picker, router_for
-from radixserve.cluster.routing_key import routing_key
+from radixserve.cluster.routing_key import response_session, routing_key
+from radixserve.server.anthropic_errors import error_response
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.middleware import KeyRing
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats")
@@ -48,6 +50,7 @@ class IngressOptions:
     app_name: str
     replicas: int  # the target count (/health says "degraded" below it)
     shared_cache_across_keys: bool = False
+    api_keys: tuple[str, ...] = ()  # every accepted key (admin keys included): checked here, before routing
     broadcast_timeout_s: float = 10.0
     prefill_affinity: AffinityConfig | None = None  # disaggregated: the ingress picks prefill replicas by it
 
@@ -57,6 +60,7 @@ class ClusterIngress:
         self.replicas = replicas  # the RadixReplica (or, disaggregated, DecodeReplica) deployment's handle
         self.prefill = prefill  # disaggregated: the PrefillReplica deployment's handle (broadcasts only)
         self.options = options
+        self.keyring = KeyRing(options.api_keys)
         self.prefill_picker: PrefillPicker | None = None
         if prefill is not None and options.prefill_affinity is not None:
             self.prefill_picker = PrefillPicker(options.prefill_affinity)
@@ -64,24 +68,34 @@ class ClusterIngress:
             _start_router(prefill)  # it tells the picker the live prefill replicas
 
     async def __call__(self, request: Request) -> Response:
+        """Every call but /health is authenticated here first (the replicas check again): a
+        refused call reaches no replica and changes no routing state."""
+        path = request.url.path
         try:
-            path = request.url.path
             if path == "/health" and request.method == "GET":
                 return await self._health()
+            tenant = self._tenant(request)
             if path == "/metrics" and request.method == "GET":
                 return await self._metrics(request)
             if path in BROADCAST_PATHS:
                 return await self._broadcast_endpoint(request)
             if path.startswith("/v1/sessions/") and path.endswith("/close"):
                 return await self._close_session(request)
-            return await self._forward(request)
+            return await self._forward(request, tenant)
         except APIError as exc:
-            return exc.response()
+            return error_response(path, exc)
+
+    def _tenant(self, request: Request) -> str | None:
+        """The caller's key digest (None without keys); an APIError 401 for no accepted key."""
+        if not self.keyring:
+            return None
+        digest, _ = self.keyring.check(request.scope["headers"])
+        return digest
 
     # ---- one replica ------------------------------------------------------------------------
 
-    async def _forward(self, request: Request) -> Response:
-        forwarded = await self._read(request)
+    async def _forward(self, request: Request, tenant: str | None) -> Response:
+        forwarded = await self._read(request, tenant)
         picker = self.prefill_picker
         forwarded.prefill_replica = picker.pick(forwarded.routing) if picker is not None else None
         stream = self.replicas.options(stream=True).forward.remote(forwarded)
@@ -117,7 +131,7 @@ class ClusterIngress:
         finally:
             stream.cancel()  # no-op once finished; else (client gone) the replica aborts the request
 
-    async def _read(self, request: Request) -> ForwardedRequest:
+    async def _read(self, request: Request, tenant: str | None) -> ForwardedRequest:
         body = await read_body(request, MAX_BODY_BYTES)
         parsed = None
         if body and request.method == "POST":
@@ -125,10 +139,10 @@ class ClusterIngress:
                 parsed = json.loads(body)
             except (ValueError, RecursionError):
                 parsed = None  # the replica answers with its own 400
-        key = routing_key(request.url.path, parsed, _credential(request), self.options.shared_cache_across_keys)
+        key = routing_key(request.url.path, parsed, tenant, self.options.shared_cache_across_keys)
         return ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
-            list(request.scope["headers"]), body, key,
+            list(request.scope["headers"]), body, key, tenant=tenant,
         )
 
     def _bind_response(self, forwarded: ForwardedRequest, head: ResponseHead, body: bytes) -> bool:
@@ -138,7 +152,7 @@ class ClusterIngress:
         found = _RESPONSE_ID.search(body)
         router = router_for(self.options.app_name)
         if found and router is not None:
-            router.bind_session("response:" + found.group(1).decode(), head.replica)
+            router.bind_session(response_session(forwarded.tenant, found.group(1).decode()), head.replica)
         return found is not None
 
     # ---- every replica ----------------------------------------------------------------------
@@ -244,14 +258,6 @@ def _start_router(handle: Any) -> None:
 
     if isinstance(handle, DeploymentHandle):
         handle.options()
-
-
-def _credential(request: Request) -> str | None:
-    """The caller's key as the replicas read it: a bearer token, or Anthropic's x-api-key."""
-    given = request.headers.get("authorization")
-    if not given and request.headers.get("x-api-key"):
-        given = "Bearer " + request.headers["x-api-key"]
-    return given
 
 
 def _headers(head: ResponseHead) -> dict[str, str]:

@@ -3,13 +3,13 @@
 The key approximates the prompt the replica will tokenize: a completion's prompt text (or
 token ids), a chat's tools and messages in order, a response's instructions and input. It
 only has to share a prefix wherever the real prompts do. The key is namespaced like the
-replica's cache (the API key's digest and cache_salt), since prefixes are never shared
-across namespaces. Plain Python, no Ray.
+replica's cache (the tenant, i.e. the API key's digest, and cache_salt), since prefixes are
+never shared across namespaces; a session (or a stored response) is led by its tenant as on
+the replica, so no key can move or probe another key's session. Plain Python, no Ray.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -32,22 +32,33 @@ class RoutingKey:
         return " ".join(str(t) for t in self.key)
 
 
-def routing_key(path: str, body: Any, authorization: str | None = None, shared_cache: bool = False) -> RoutingKey | None:
-    """The key of a request to `path` with the parsed JSON `body`; None when the body is not
-    one the router understands (the replica will answer it with its own error)."""
+def routing_key(path: str, body: Any, tenant: str | None = None, shared_cache: bool = False) -> RoutingKey | None:
+    """The key of a request to `path` with the parsed JSON `body` from `tenant` (the caller's
+    key digest; None without API keys); None when the body is not one the router understands
+    (the replica will answer it with its own error)."""
     if not isinstance(body, dict) or path not in ROUTED_PATHS:
         return None
     session = body.get("session_id")
-    session_id = session if isinstance(session, str) and session else None
+    session_id = tenant_session(tenant, session) if isinstance(session, str) and session else None
     if path == "/v1/responses" and isinstance(body.get("previous_response_id"), str):
-        session_id = session_id or "response:" + body["previous_response_id"]
+        session_id = session_id or response_session(tenant, body["previous_response_id"])
     prompt = _prompt(path, body)
     if prompt is None:
         return None
-    namespace = _namespace(None if shared_cache else authorization, body.get("cache_salt"))
+    namespace = _namespace(None if shared_cache else tenant, body.get("cache_salt"))
     if namespace:
         prompt = f"\x00{namespace}\x00" + prompt if isinstance(prompt, str) else (f"ns:{namespace}",) + prompt
     return RoutingKey(prompt, session_id)
+
+
+def tenant_session(tenant: str | None, session_id: str) -> str:
+    """The router's name for a client's session: led by its tenant (as the engine names it)."""
+    return session_id if tenant is None else f"{tenant}:{session_id}"
+
+
+def response_session(tenant: str | None, response_id: str) -> str:
+    """The router's session for requests continuing the stored response `response_id`."""
+    return tenant_session(tenant, "response:" + response_id)
 
 
 def _prompt(path: str, body: dict) -> str | tuple[int, ...] | None:
@@ -111,7 +122,6 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def _namespace(authorization: str | None, cache_salt: Any) -> str:
-    tenant = hashlib.sha256(authorization.encode("utf-8", "replace")).hexdigest()[:16] if authorization else ""
+def _namespace(tenant: str | None, cache_salt: Any) -> str:
     salt = cache_salt if isinstance(cache_salt, str) else ""
-    return f"{tenant}/{salt}" if (tenant or salt) else ""
+    return f"{tenant or ''}/{salt}" if (tenant or salt) else ""

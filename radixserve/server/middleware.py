@@ -22,44 +22,34 @@ TENANT_SCOPE_KEY = "radixserve.tenant"  # set on the ASGI scope: a digest of the
 ADMIN_SCOPE_KEY = "radixserve.admin"  # set (True) on the scope of a call made with an admin key
 
 
-class ApiKeyAuth:
-    """Answers 401 to HTTP requests without `Authorization: Bearer <key>` (or Anthropic's
-    `x-api-key: <key>`) for one of `api_keys`, except on `open_paths`; no keys: everyone may
-    call. The scheme is case-insensitive (RFC 9110); the key is compared in constant time against every key.
-    An accepted call carries its key's digest on the scope (see `tenant`); a key that is
-    also in `admin_keys` marks the call as an admin's (see `may_act_for_all`)."""
+class KeyRing:
+    """The accepted API keys, and which one a request's headers carry: `Authorization: Bearer
+    <key>` (the scheme case-insensitive, RFC 9110) or Anthropic's `x-api-key: <key>`; where a
+    header repeats, the last one counts. Keys are compared in constant time against every key."""
 
-    def __init__(
-        self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",),
-        admin_keys: Iterable[str] = (),
-    ):
-        self.app = app
+    def __init__(self, api_keys: Iterable[str] = (), admin_keys: Iterable[str] = ()):
         admins = frozenset(admin_keys)
         keys = dict.fromkeys([*api_keys, *admins])
         self.keys = [(key.encode(), key_digest(key), key in admins) for key in keys]
-        self.open_paths = frozenset(open_paths)
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if not self.keys or scope["type"] != "http" or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        if not given and headers.get(b"x-api-key"):
-            given = b"Bearer " + headers[b"x-api-key"]
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, bool]:
+        """(the key's digest, whether it is an admin key); an APIError 401 for no accepted key."""
+        named = {name.lower(): value for name, value in headers}
+        given = named.get(b"authorization", b"")
+        if not given and named.get(b"x-api-key"):
+            given = b"Bearer " + named[b"x-api-key"]
         found = self._match(given)
         if found is not None:
-            scope[TENANT_SCOPE_KEY], scope[ADMIN_SCOPE_KEY] = found
-            await self.app(scope, receive, send)
-            return
+            return found
         message = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'" if not given \
             else "invalid API key"
-        error = APIError(401, message, type="authentication_error", code="invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})
-        await error_response(scope["path"], error)(scope, receive, send)
+        raise APIError(401, message, type="authentication_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
     def _match(self, header: bytes) -> tuple[str, bool] | None:
-        """(the key's digest, whether it is an admin key), or None for no accepted key."""
         scheme, _, token = header.strip().partition(b" ")
         token = token.strip()
         if scheme.lower() != b"bearer" or not token:
@@ -69,6 +59,32 @@ class ApiKeyAuth:
             if hmac.compare_digest(token, key):
                 found = (digest, admin)
         return found
+
+
+class ApiKeyAuth:
+    """Answers 401 to HTTP requests without one of the KeyRing's keys, except on `open_paths`;
+    no keys: everyone may call. An accepted call carries its key's digest on the scope (see
+    `tenant`); a key that is also in `admin_keys` marks the call as an admin's (see
+    `may_act_for_all`)."""
+
+    def __init__(
+        self, app: ASGIApp, api_keys: Iterable[str] = (), open_paths: Iterable[str] = ("/health",),
+        admin_keys: Iterable[str] = (),
+    ):
+        self.app = app
+        self.keyring = KeyRing(api_keys, admin_keys)
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if not self.keyring or scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        try:
+            scope[TENANT_SCOPE_KEY], scope[ADMIN_SCOPE_KEY] = self.keyring.check(scope["headers"])
+        except APIError as error:
+            await error_response(scope["path"], error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def key_digest(key: str) -> str:

@@ -98,6 +98,7 @@ class _Handle:
         self.dead = dead
         self.fail_after = fail_after
         self.streams: list[_Stream] = []
+        self.requests: list[ForwardedRequest] = []
 
     def options(self, stream: bool) -> "_Handle":
         return self
@@ -108,6 +109,7 @@ class _Handle:
 
     def remote(self, request: ForwardedRequest) -> _Stream:
         name, app = next(iter(self.apps.items()))
+        self.requests.append(request)
         stream = _Stream(serve_forwarded(app, request, name), self.fail_after)
         self.streams.append(stream)
         return stream
@@ -132,8 +134,8 @@ class _Broadcast:
         return results
 
 
-def _call(handle: _Handle, method: str, path: str, **kwargs) -> httpx.Response:
-    ingress = ClusterIngress(handle, IngressOptions("test-app", replicas=2))
+def _call(handle: _Handle, method: str, path: str, api_keys: tuple[str, ...] = (), **kwargs) -> httpx.Response:
+    ingress = ClusterIngress(handle, IngressOptions("test-app", replicas=2, api_keys=api_keys))
 
     async def asgi(scope, receive, send):
         response = await ingress(Request(scope, receive))
@@ -241,14 +243,16 @@ def test_closing_a_session_closes_it_wherever_it_is_open():
     assert answer.status_code == 200 and answer.json() == {"closed": "s1"} and answer.headers[REPLICA_HEADER] == "b"
 
 
+class _RecordingRouter:
+    def __init__(self):
+        self.bound: list[tuple[str, str]] = []
+
+    def bind_session(self, session: str, replica: str) -> None:
+        self.bound.append((session, replica))
+
+
 def test_a_stored_response_id_is_bound_to_the_replica_that_stored_it():
-    class Router:
-        bound: list = []
-
-        def bind_session(self, session: str, replica: str) -> None:
-            self.bound.append((session, replica))
-
-    router = Router()
+    router = _RecordingRouter()
     registry.register("test-app", router)
     answer = _call(_Handle({"a": _replica_app("a")}), "POST", "/v1/responses", json={"model": "m", "input": "x"})
     assert answer.status_code == 200 and router.bound == [("response:resp_a1", "a")]
@@ -261,15 +265,47 @@ def test_a_body_over_the_cap_is_refused_before_any_replica_sees_it():
     assert handle.streams == []
 
 
-def test_an_anthropic_x_api_key_routes_in_its_keys_namespace_like_a_bearer_key():
-    from radixserve.cluster.ingress import _credential
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "session_id": "s-A"}),
+    ("/v1/responses", {"model": "m", "input": "x"}),
+    ("/metrics", None), ("/flush_cache", {}), ("/abort_request", {"rid": "r"}), ("/v1/sessions/s-A/close", {}),
+])
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}])
+def test_with_keys_a_call_without_an_accepted_key_reaches_no_replica(path, body, headers):
+    router = _RecordingRouter()
+    registry.register("test-app", router)
+    handle = _Handle({"a": _replica_app("a")})
+    method = "GET" if body is None else "POST"
+    answer = _call(handle, method, path, api_keys=("key-a", "key-b"), json=body, headers=headers)
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert REPLICA_HEADER not in answer.headers and answer.headers["www-authenticate"] == "Bearer"
+    assert handle.streams == [] and router.bound == []
 
-    def request(headers: list[tuple[bytes, bytes]]) -> Request:
-        return Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": headers})
 
-    assert _credential(request([(b"x-api-key", b"key-b")])) == "Bearer key-b"
-    assert _credential(request([(b"authorization", b"Bearer key-b")])) == "Bearer key-b"
-    assert _credential(request([])) is None
+def test_a_refused_anthropic_call_is_answered_in_anthropics_shape():
+    answer = _call(_Handle({"a": _replica_app("a")}), "POST", "/v1/messages", api_keys=("key-a",),
+                   json={"model": "m", "max_tokens": 4, "messages": []}, headers={"x-api-key": "wrong"})
+    assert answer.status_code == 401
+    assert answer.json() == {"type": "error", "error": {"type": "authentication_error", "message": "invalid API key"}}
+
+
+def test_sessions_and_stored_responses_are_routed_per_key():
+    from radixserve.server.middleware import key_digest
+
+    router = _RecordingRouter()
+    registry.register("test-app", router)
+    handle = _Handle({"a": _replica_app("a")})
+    keys = ("key-a", "key-b")
+    for headers in ({"authorization": "Bearer key-a"}, {"x-api-key": "key-b"}):
+        for path, body in (("/v1/completions", {"prompt": "same", "session_id": "s1"}),
+                           ("/v1/responses", {"model": "m", "input": "x", "previous_response_id": "resp_z"})):
+            assert _call(handle, "POST", path, api_keys=keys, json=body, headers=headers).status_code == 200
+    a, b = key_digest("key-a"), key_digest("key-b")
+    assert [r.tenant for r in handle.requests] == [a, a, b, b]
+    assert [r.routing.session_id for r in handle.requests] == [
+        f"{a}:s1", f"{a}:response:resp_z", f"{b}:s1", f"{b}:response:resp_z"]
+    assert router.bound == [(f"{a}:response:resp_a1", "a"), (f"{b}:response:resp_a1", "a")]
+    assert len({r.routing.key for r in handle.requests if r.path == "/v1/completions"}) == 2  # prefixes per key
 
 
 def test_disaggregated_broadcasts_reach_both_roles_and_forwarding_only_decode():

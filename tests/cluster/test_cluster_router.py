@@ -255,14 +255,22 @@ def test_routing_keys_share_prefixes_where_prompts_do():
 def test_routing_keys_are_namespaced_like_the_cache():
     body = {"prompt": "same"}
     plain = routing_key("/v1/completions", body)
-    alice = routing_key("/v1/completions", body, authorization="Bearer alice")
-    bob = routing_key("/v1/completions", body, authorization="Bearer bob")
-    shared = routing_key("/v1/completions", body, authorization="Bearer alice", shared_cache=True)
+    alice = routing_key("/v1/completions", body, tenant="a11ce")
+    bob = routing_key("/v1/completions", body, tenant="b0b")
+    shared = routing_key("/v1/completions", body, tenant="a11ce", shared_cache=True)
     salted = routing_key("/v1/completions", {"prompt": "same", "cache_salt": "s"})
     assert len({plain.key, alice.key, bob.key, salted.key}) == 4
     assert shared.key == plain.key
-    ids = routing_key("/v1/completions", {"prompt": [1, 2]}, authorization="Bearer alice")
+    ids = routing_key("/v1/completions", {"prompt": [1, 2]}, tenant="a11ce")
     assert ids.key[1:] == (1, 2) and isinstance(ids.key[0], str)
+
+
+def test_sessions_are_routed_per_tenant_even_with_a_shared_cache():
+    body = {"text": "t", "session_id": "s"}
+    assert routing_key("/generate", body, tenant="a11ce").session_id == "a11ce:s"
+    assert routing_key("/generate", body, tenant="b0b", shared_cache=True).session_id == "b0b:s"
+    follow_up = {"instructions": "I", "input": "x", "previous_response_id": "resp_1"}
+    assert routing_key("/v1/responses", follow_up, tenant="a11ce").session_id == "a11ce:response:resp_1"
 
 
 def test_bodies_the_router_does_not_understand_get_no_key():
