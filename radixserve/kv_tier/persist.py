@@ -162,7 +162,7 @@ class TierPersister:
                 b",".join(encoded for _, _, encoded in self._entries.values()), b"]}",
             ])
             tmp = self.index_path + ".tmp"
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # its salts and tokens
                 f.write(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
                 f.flush()
                 os.fsync(f.fileno())

@@ -25,7 +25,9 @@ from radixserve.server.anthropic_sse import AnthropicEventStream
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from radixserve.server.middleware import ApiKeyAuth, StatusCounter, cache_namespace, owned_session_id, tenant
+from radixserve.server.middleware import (
+    ApiKeyAuth, StatusCounter, cache_namespace, may_act_for_all, owned_session_id, tenant,
+)
 from radixserve.server.openai_chat import ChatResponder, chat_job
 from radixserve.server.openai_completions import CompletionResponder
 from radixserve.server.openapi import openapi_schema
@@ -187,7 +189,16 @@ async def openapi(request: Request) -> Response:
     return JSONResponse(openapi_schema(routes, auth=bool(_state(request).options.all_api_keys)))
 
 
+def _require_admin(request: Request) -> None:
+    """The debug endpoints report on (and lock) every tenant's state: with keys, admin keys only."""
+    if not may_act_for_all(request.scope):
+        raise APIError(403, "the debug endpoints span every tenant: call them with an admin key (--admin-api-key)",
+                       type="permission_error", code="admin_key_required")
+
+
 async def debug_check_integrity(request: Request) -> Response:
+    _require_admin(request)
+
     def check(engine: EngineProtocol) -> dict[str, Any]:
         engine.check_integrity()
         return engine.stats()
@@ -200,6 +211,7 @@ async def debug_check_integrity(request: Request) -> Response:
 
 
 async def debug_stats(request: Request) -> Response:
+    _require_admin(request)
     return JSONResponse(await _state(request).engine.call(lambda engine: engine.stats()))
 
 

@@ -66,7 +66,7 @@ class AsyncEngine:
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # event loop only
         self._groups: dict[str, RequestGroup] = {}  # event loop only
         self._accepting = True
-        self._group_ids = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+        self._group_ids = (uuid.uuid4().hex[:24] for _ in itertools.count())  # random: tells no count
         # The decode role: an object whose `await prefill(self, prepared)` gives one KV handoff
         # (or TransferFailed, or None: compute here) per member, and `release(handoffs)` acks them.
         self.remote_prefill: Any = None

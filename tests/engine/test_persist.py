@@ -34,6 +34,8 @@ def test_a_restarted_engine_serves_a_prefix_it_saw_before_from_disk(tiny_model_d
     model = tiny_model_dir("llama")
     cold = first_run(model, tmp_path)
     assert cold.cached_tokens == 0
+    for name in (INDEX_FILE, TIER_FILE):  # every tenant's salts and tokens: the owner's alone
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600
     again = engine(model, tmp_path)
     assert again.tiering.loaded_blocks >= 9
     again.check_integrity()

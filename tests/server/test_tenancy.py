@@ -117,6 +117,21 @@ def test_rids_are_per_key(engine):
     engine.flush_cache()
 
 
+def test_only_an_admin_key_reaches_the_debug_endpoints_and_ids_count_nothing(engine):
+    """The debug endpoints report every tenant's totals (and check_integrity holds the engine):
+    a tenant's key gets 403. Generated ids are random, so no key learns how many requests the
+    others sent between two of its own."""
+    with BackgroundServer(create_app(engine, KEYS)) as server:
+        for method, path in (("POST", "/debug/check_integrity"), ("GET", "/debug/stats")):
+            refused = httpx.request(method, server.url + path, headers=A, timeout=60)
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+            assert httpx.request(method, server.url + path, headers=ADMIN, timeout=60).status_code == 200
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
+        ids = [_post(server, "/generate", body, A).json()["meta_info"]["id"] for _ in range(2)]
+        assert ids[0] != ids[1] and ids[0][:20] != ids[1][:20]  # no shared prefix with a counter after it
+        _idle_and_intact(server)
+
+
 def test_a_flush_drops_only_the_callers_namespace(engine):
     """B's flush leaves A's cached prefixes (A's repeat still hits), A's own flush drops them,
     cache_salt namespaces within a key go with it, and only an admin flushes everyone."""
