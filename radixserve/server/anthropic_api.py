@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from radixserve.server.anthropic_output import MessagesResponder
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import template_error
 from radixserve.server.protocol.anthropic import Conversation, CountTokensRequest, MessagesRequest, parse
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
@@ -38,8 +38,10 @@ async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, eng
     if isinstance(prompt, ChatPrompt):
         try:
             prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages))
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
+        except Exception as exc:
+            if (refused := template_error(exc)) is not None:
+                raise refused from None
+            raise
     return {"input_tokens": len(prompt)}
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from radixserve.engine.loop import EngineBrokenError, EngineLoop, EngineStoppedError, Listener
 from radixserve.outputs import RequestOutput
 from radixserve.engine.inputs import PreparedRequest
-from radixserve.server.errors import APIError, bad_request, server_error, unavailable
+from radixserve.server.errors import APIError, bad_request, server_error, template_error, unavailable
 from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
 
 if TYPE_CHECKING:
@@ -302,8 +302,8 @@ def _client_error(exc: BaseException) -> APIError:
         return unavailable(str(exc), "engine_failed")
     if isinstance(exc, EngineStoppedError):
         return unavailable("the server is shutting down", "shutting_down")
-    if type(exc).__module__.startswith("jinja2"):
-        return bad_request(f"the chat template could not render these messages: {exc}", param="messages")
+    if type(exc).__module__.startswith("jinja2"):  # the template's own raise_exception
+        return template_error(exc)
     log.error("unexpected error while queueing a request", exc_info=exc)
     return server_error(f"{type(exc).__name__}: {exc}")
 

@@ -46,3 +46,11 @@ def server_error(message: str) -> APIError:
 def unavailable(message: str, code: str, retry_after_s: int | None = None) -> APIError:
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return APIError(503, message, type="server_overloaded", code=code, headers=headers)
+
+
+def template_error(exc: BaseException) -> APIError | None:
+    """A 400 for an exception raised while a chat template renders messages (its
+    raise_exception, or a value it cannot render); None for any other exception."""
+    if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("jinja2"):
+        return bad_request(f"the chat template could not render these messages: {exc}", param="messages")
+    return None

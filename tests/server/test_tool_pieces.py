@@ -280,6 +280,27 @@ def test_native_template_gets_tools_and_calls(tokenizer):
     assert renderer.render(conversation(2), tools(WEATHER, ADD)).startswith(text)
 
 
+def test_a_native_template_that_refuses_the_messages_is_a_400_naming_them(tokenizer):
+    """A template's own raise_exception (as Llama 3.1's "single tool-calls only") is the
+    client's error, not the server's: 400 on param messages."""
+    import asyncio
+
+    from radixserve.server.tools.serving import ToolCalling
+
+    native = copy.copy(tokenizer)
+    native.chat_template = ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 1 %}"
+                            "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+                            "{% endfor %}" + NATIVE_TEMPLATE)
+    calling = ToolCalling(native, "hermes")
+    assert calling.renderer.native
+    spec = tool_spec(tools(WEATHER, ADD), None, None)
+    assert asyncio.run(calling.prompt(conversation(0), spec))  # one call per turn renders
+    with pytest.raises(APIError) as refused:
+        asyncio.run(calling.prompt(conversation(1), spec))  # two calls in one assistant turn
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "only supports single tool-calls" in refused.value.message
+
+
 # ---- grammars ---------------------------------------------------------------------------------
 
 

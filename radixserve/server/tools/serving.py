@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.server.errors import template_error
 from radixserve.server.request_group import ChatPrompt
 from radixserve.server.tools.call_format import ToolCallFormat, detect_format, format_named
 from radixserve.server.tools.definitions import ToolSpec
@@ -34,7 +35,12 @@ class ToolCalling:
         check_history(history)
         if not self.renderer.native:
             return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)))
-        return await asyncio.to_thread(self._native_ids, history, spec)
+        try:
+            return await asyncio.to_thread(self._native_ids, history, spec)
+        except Exception as exc:
+            if (refused := template_error(exc)) is not None:
+                raise refused from None
+            raise
 
     def constraint(self, spec: ToolSpec) -> dict[str, Any]:
         """SamplingParams fields that make the calls parse (none for `none`)."""
