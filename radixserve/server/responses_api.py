@@ -9,7 +9,9 @@ typed events the official client parses.
 
 `store` (default true) keeps the conversation in memory (ResponseStore: bounded, with a
 TTL, one namespace per API key) so a later request of the same key can continue it with
-`previous_response_id`; an unknown, expired or another key's id is a 404. Other tool types, non-text inputs and `background` are refused.
+`previous_response_id`; an unknown, expired or another key's id is a 404. Other tool types,
+non-text inputs, `background`, `conversation`, `prompt`, output logprobs, `reasoning` and
+`truncation: "auto"` are refused, as is any field this server does not know.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.openai_common import now_s
-from radixserve.server.protocol.common import MAX_SEED, OpenAIModel, ServedModel, expects
+from radixserve.server.protocol.common import MAX_SEED, OpenAIBody, OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
+from radixserve.server.protocol.sampling import NO_EFFECT_FIELDS
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import OwnedResponses
 from radixserve.server.responses_output import ResponseOutputBuilder, response_usage
@@ -120,10 +123,22 @@ class TextFormat(OpenAIModel):
 
 class TextOptions(OpenAIModel):
     format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = Field(None, description="the default only: a model setting this one lacks")
 
 
-class ResponsesRequest(OpenAIModel):
+# `include` values that ask for what this server never produces (built-in tools' outputs,
+# encrypted reasoning): nothing to add, so nothing changes. Output logprobs are refused.
+NOTHING_TO_INCLUDE = frozenset({
+    "web_search_call.action.sources", "web_search_call.results", "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url",
+    "reasoning.encrypted_content",
+})
+
+
+class ResponsesRequest(OpenAIBody):
     """The body of POST /v1/responses."""
+
+    no_effect = NO_EFFECT_FIELDS | {"max_tool_calls", "stream_options"}  # built-in tools only; obfuscation only
 
     model: str
     input: Annotated[list[InputItem], WrapValidator(_string_or_items)]  # or a string (kept as it is)
@@ -145,6 +160,22 @@ class ResponsesRequest(OpenAIModel):
     background: bool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = Field(None, description="'auto' (dropping input to fit) is refused")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="0 only: output logprobs are not supported")
+    reasoning: dict[str, Any] | None = Field(None, description="empty only: this model does not reason")
+
+    def check_supported(self) -> None:
+        """A 400 for the fields that would change the answer in ways this server does not do."""
+        if self.background:
+            raise bad_request("'background' responses are not supported", param="background")
+        for index, value in enumerate(self.include or []):
+            if value not in NOTHING_TO_INCLUDE:
+                raise bad_request(f"'include[{index}]': {value!r} is not supported", param=f"include[{index}]")
+        if self.top_logprobs:
+            raise bad_request("'top_logprobs' is not supported by /v1/responses", param="top_logprobs")
+        if any(v is not None for v in (self.reasoning or {}).values()):
+            raise bad_request("'reasoning' options are not supported: this model does not reason", param="reasoning")
 
     def tool_spec(self) -> ToolSpec:
         choice = self.tool_choice
@@ -210,8 +241,7 @@ async def responses_job(
 ) -> tuple[GenerationJob, "ResponsesResponder"]:
     """The engine job of a Responses request and the responder that answers it."""
     model = served.check_model(body.model)
-    if body.background:
-        raise bad_request("'background' responses are not supported", param="background")
+    body.check_supported()
     spec = await asyncio.to_thread(body.tool_spec) if body.tools else body.tool_spec()  # compiles schemas
     head, conversation = body.history(store)
     prompt = await calling.prompt(head + conversation, spec)

@@ -248,6 +248,17 @@ def test_chat_response_format_json_schema_validates(served):
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
+def test_a_real_client_gets_vllm_guided_choice_and_a_400_for_a_misspelt_field(served):
+    client = served.client()
+    messages = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9, seed=1,
+                                         extra_body={"guided_choice": ["definitely", "never"]})
+    assert out.choices[0].message.content in ("definitely", "never")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"temprature": 0})
+    assert refused.value.body["param"] == "temprature" and "unknown field" in refused.value.body["message"]
+
+
 def test_generate_native_regex(served):
     import re
 

@@ -41,6 +41,49 @@ def test_openai_bodies_become_jobs():
                                                         {"role": "assistant", "content": ""})
 
 
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("model,extra", [
+    (ChatCompletionRequest, {"temprature": 0}),  # a misspelt sampling field would sample at 1.0
+    (ChatCompletionRequest, {"reasoning_effort": "low"}),
+    (ChatCompletionRequest, {"audio": {"voice": "alloy", "format": "wav"}}),
+    (ChatCompletionRequest, {"guided_grammar": "root ::= \"a\""}),
+    (ChatCompletionRequest, {"chat_template_kwargs": {"enable_thinking": False}}),
+    (CompletionRequest, {"prompt": "a", "use_beam_search": True}),
+])
+def test_a_field_the_server_does_not_know_is_refused_not_dropped(model, extra):
+    body = {**CHAT, **extra} if model is ChatCompletionRequest else {"model": "m", **extra}
+    error = error_of(model, body)
+    name = next(k for k in extra if k != "prompt")
+    assert error.status == 400 and error.param == name and f"unknown field(s): {name}" in error.message
+
+
+def test_fields_that_cannot_change_the_answer_are_accepted():
+    job = parse(ChatCompletionRequest, {
+        **CHAT, "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1", "store": False,
+        "prediction": {"type": "content", "content": "hello"}, "modalities": ["text"], "audio": None,
+        "messages": [{"role": "assistant", "content": "x", "refusal": None, "annotations": []},  # echoed back
+                     {"role": "user", "content": "y"}],
+    }).to_job(SERVED)
+    assert job.params[0] == parse(ChatCompletionRequest, CHAT).to_job(SERVED).params[0]
+    assert error_of(ChatCompletionRequest, {**CHAT, "modalities": ["text", "audio"]}).param == "modalities[1]"
+
+
+def test_vllm_guided_fields_are_the_constraints_they_name():
+    def params(**extra):
+        return parse(ChatCompletionRequest, {**CHAT, **extra}).to_job(SERVED).params[0]
+
+    assert params(guided_json={"type": "object"}).json_schema == {"type": "object"}
+    assert params(guided_regex="a+").regex == "a+"
+    assert params(guided_choice=["yes", "no"]).choices == ["yes", "no"]
+    assert params(stop_regex="[.!?]").stop_regex == ["[.!?]"]
+    for clash in ({"guided_regex": "a", "regex": "b"}, {"guided_json": {}, "guided_choice": ["a"]},
+                  {"guided_json": {}, "response_format": {"type": "json_object"}}):
+        error = error_of(ChatCompletionRequest, {**CHAT, **clash})
+        assert error.status == 400 and error.param.startswith("guided_") and "cannot be combined" in error.message
+
+
 @pytest.mark.parametrize("model,body,param,message", [
     (CompletionRequest, [1], None, "request body must be a JSON object, got array"),
     (CompletionRequest, {"prompt": "a"}, "model", "'model' is required"),
@@ -84,3 +127,26 @@ def test_openapi_covers_the_routes_given():
     assert "security" not in schema["paths"]["/health"]["get"]
     props = schema["components"]["schemas"]["GenerateSamplingParams"]["properties"]
     assert props["top_p"]["exclusiveMinimum"] == 0.0 and props["top_p"]["maximum"] == 1.0
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"conversation": "conv_1"}, "conversation"), ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"include": ["message.output_text.logprobs"]}, "include[0]"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"truncation": "auto"}, "truncation"), ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+])
+def test_responses_fields_that_would_change_the_answer_are_refused(extra, param):
+    from radixserve.server.responses_api import ResponsesRequest
+
+    with pytest.raises(APIError) as caught:
+        parse(ResponsesRequest, {"model": "m", "input": "x", **extra}).check_supported()
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_responses_fields_without_effect_here_are_accepted():
+    from radixserve.server.responses_api import ResponsesRequest
+
+    body = {"model": "m", "input": "x", "include": ["reasoning.encrypted_content"], "truncation": "disabled",
+            "top_logprobs": 0, "reasoning": {"effort": None}, "max_tool_calls": 4, "prompt_cache_key": "k",
+            "service_tier": "auto", "stream_options": {"include_obfuscation": False}, "text": {"verbosity": "medium"}}
+    parse(ResponsesRequest, body).check_supported()

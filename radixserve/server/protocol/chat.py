@@ -1,9 +1,9 @@
 """POST /v1/chat/completions: the request body and the job it becomes.
 
 Fields the OpenAI API has but this server does not implement are refused when they would
-change the answer (logit_bias, non-text content parts, the legacy functions/function_call)
-and ignored when they would not (store, metadata, user, service_tier...). Tools: see
-radixserve/server/tools/.
+change the answer (logit_bias, non-text content parts, audio, reasoning_effort, the legacy
+functions/function_call, any field it does not know) and ignored when they would not (store,
+metadata, user, service_tier...: sampling.NO_EFFECT_FIELDS). Tools: see radixserve/server/tools/.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tools: ToolList | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = Field(None, description="text only (audio output is refused)")
     functions: list[Any] | None = Field(None, description="legacy: refused; use tools")
     function_call: Any | None = Field(None, description="legacy: refused; use tool_choice")
 

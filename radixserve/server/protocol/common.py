@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from radixserve.server.body_models import NativeModel, OpenAIModel, expects  # noqa: F401 - their home for callers
+from radixserve.server.body_models import NativeModel, OpenAIBody, OpenAIModel, expects  # noqa: F401 - their home for callers
 from radixserve.server.errors import APIError, bad_request
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -82,7 +82,8 @@ def validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
     extra = [_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if extra:
-        return bad_request(f"unknown field(s): {', '.join(sorted(extra))}", param=sorted(extra)[0])
+        return bad_request(f"unknown field(s): {', '.join(sorted(extra))} (not supported by this server)",
+                           param=sorted(extra)[0])
     error = errors[0]
     path = _path(error["loc"])
     if not path:

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from radixserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from radixserve.server.errors import bad_request
-from radixserve.server.protocol.common import MAX_SEED, Integer, OpenAIModel, ServedModel, expects
+from radixserve.server.protocol.common import MAX_SEED, Integer, OpenAIBody, OpenAIModel, ServedModel, expects
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 64
@@ -30,8 +30,17 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class OpenAISamplingFields(OpenAIModel):
+# Fields of the OpenAI API that cannot change an answer here: accepted and dropped.
+NO_EFFECT_FIELDS = frozenset({
+    "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+    "prediction",  # predicted outputs only make a known answer faster; the answer is the same
+})
+
+
+class OpenAISamplingFields(OpenAIBody):
     """Fields of both OpenAI generation bodies (each body class adds its own)."""
+
+    no_effect = NO_EFFECT_FIELDS
 
     model: str
     n: Integer = Field(1, ge=1, description="samples per prompt (at most the server's --max-n)")
@@ -55,6 +64,12 @@ class OpenAISamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     regex: str | None = None
     choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    stop_regex: StopStrings | None = Field(None, description="stops like a stop string at a match of any pattern")
+    # vLLM's spellings of the same constraints:
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's name for a JSON-schema constraint")
+    guided_regex: str | None = Field(None, description="vLLM's name for regex")
+    guided_choice: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = Field(
+        None, description="vLLM's name for choices")
     cache_salt: str | None = Field(None, description="requests share cached prefixes only with the same salt")
     session_id: SessionId | None = Field(
         None, description="an agent conversation: its latest context is kept ahead of other cached prefixes"
@@ -94,8 +109,10 @@ class OpenAISamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             regex=self.regex,
             choices=self.choices,
+            stop_regex=[self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex or []),
             speculative=self.speculative,
         )
+        values.update(self._guided(constraint))
         values.update(constraint)
         try:
             return SamplingParams(**values)
@@ -103,6 +120,17 @@ class OpenAISamplingFields(OpenAIModel):
             message = str(exc)
             name = message.split(" ", 1)[0]
             raise bad_request(message, param=name if name in values else None) from None
+
+    def _guided(self, constraint: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's guided_* fields as the constraints they name. Beside another constraint (this
+        server's own spelling, a second guided field, response_format or tools), a 400."""
+        guided = {name: value for name, value in (("json_schema", self.guided_json), ("regex", self.guided_regex),
+                                                  ("choices", self.guided_choice)) if value is not None}
+        if guided and (len(guided) > 1 or constraint or self.regex is not None or self.choices is not None):
+            field = next(f"guided_{k}" for k in ("json", "regex", "choice") if getattr(self, f"guided_{k}") is not None)
+            raise bad_request(f"'{field}' cannot be combined with another constraint (regex, choices, guided_json, "
+                              "guided_regex, guided_choice, response_format, tool calls)", param=field)
+        return guided
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """One params per sample index: sample i has seed + i when seeded."""
