@@ -102,7 +102,7 @@ def test_values_that_were_500s_or_silently_accepted_are_400s(engine):
         (C, dict(OK_COMPLETION, seed=2**64 - 1, n=2), "seed"),  # sample 1 would use seed 2**64
         (GEN, {"text": "x", "sampling_params": {"seed": 2**64}}, "sampling_params.seed"),
     ]
-    options = ServerOptions(api_key="K", enable_debug_endpoints=True)
+    options = ServerOptions(api_key="K", admin_api_keys=("K-admin",), enable_debug_endpoints=True)
     auth = {"Authorization": "bearer K"}
     with BackgroundServer(create_app(engine, options)) as server:
         for path, body, param in cases:
@@ -124,7 +124,7 @@ def test_values_that_were_500s_or_silently_accepted_are_400s(engine):
         assert seeded.status_code == 200
         metrics = httpx.get(server.url + "/metrics", headers=auth).text
         assert 'status="500"' not in metrics
-        _check_integrity(server, auth)
+        _check_integrity(server, {"Authorization": "Bearer K-admin"})
 
 
 def test_each_api_key_has_its_own_cache_namespace(engine):
@@ -132,6 +132,7 @@ def test_each_api_key_has_its_own_cache_namespace(engine):
     one tenant what another sent); under the same key it is; cache_salt still separates
     within a key; --shared-cache-across-keys shares again."""
     keys = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
+    admin = {"Authorization": "Bearer key-admin"}
     body = {"model": MODEL, "prompt": SHARED_PROMPT, "max_tokens": 1, "temperature": 0}
 
     def cached(server, key, **extra) -> int:
@@ -140,7 +141,7 @@ def test_each_api_key_has_its_own_cache_namespace(engine):
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     engine.flush_cache()
-    options = ServerOptions(api_keys=("key-a", "key-b"), enable_debug_endpoints=True)
+    options = ServerOptions(api_keys=("key-a", "key-b"), admin_api_keys=("key-admin",), enable_debug_endpoints=True)
     with BackgroundServer(create_app(engine, options)) as server:
         assert cached(server, "a") == 0
         assert cached(server, "a") >= 32  # same key: hits
@@ -152,13 +153,14 @@ def test_each_api_key_has_its_own_cache_namespace(engine):
         native = httpx.post(server.url + GEN, json={"text": SHARED_PROMPT, "sampling_params": {"max_tokens": 1}},
                             headers=keys["b"], timeout=60).json()
         assert native["meta_info"]["cached_tokens"] >= 32  # /generate uses the key's namespace too
-        _check_integrity(server, keys["a"])
+        _check_integrity(server, admin)
     engine.flush_cache()
-    shared = ServerOptions(api_keys=("key-a", "key-b"), shared_cache_across_keys=True, enable_debug_endpoints=True)
+    shared = ServerOptions(api_keys=("key-a", "key-b"), admin_api_keys=("key-admin",), shared_cache_across_keys=True,
+                           enable_debug_endpoints=True)
     with BackgroundServer(create_app(engine, shared)) as server:
         assert cached(server, "a") == 0
         assert cached(server, "b") >= 32
-        _check_integrity(server, keys["b"])
+        _check_integrity(server, admin)
     engine.flush_cache()
 
 
