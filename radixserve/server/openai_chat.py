@@ -121,7 +121,10 @@ class ChatResponder:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self._object("chat.completion.chunk", choices, usage_)
+        chunk = self._object("chat.completion.chunk", choices, usage_)
+        if self.job.include_usage and usage_ is None:  # as OpenAI streams them: usage null until the last chunk
+            chunk["usage"] = None
+        return chunk
 
     def _object(self, kind: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.job.model, "choices": choices}

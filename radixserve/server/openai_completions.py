@@ -44,7 +44,8 @@ class CompletionResponder:
                 piece = logprobs[index].piece(delta.token_ids, delta.logprobs)
                 lp = merge_legacy(lp, piece) if lp is not None else piece
             if text or delta.token_ids or output.finished:
-                yield self._object([self._choice(index, text, lp, finish_reason(output), output)])
+                chunk = self._object([self._choice(index, text, lp, finish_reason(output), output)])
+                yield {**chunk, "usage": None} if self.job.include_usage else chunk  # as OpenAI streams them
         if self.job.include_usage:
             yield self._object([], usage(self.job, [m.latest for m in group.members]))
 

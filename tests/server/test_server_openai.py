@@ -93,6 +93,7 @@ def test_completion_stream_equals_engine_greedy(served):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [want.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
+    assert all(c.usage is None and "usage" in c.model_fields_set for c in chunks[:-1])  # null, as OpenAI sends
 
 
 def test_completion_prompt_forms(served):
@@ -196,6 +197,7 @@ def test_chat_stream_n2_equals_engine_greedy(served):
     assert texts == {0: want.text, 1: want.text}
     assert roles == {0, 1}
     assert chunks[-1].usage.completion_tokens == 2 * want.completion_tokens
+    assert all(c.usage is None and "usage" in c.model_fields_set for c in chunks[:-1])  # null, as OpenAI sends
 
 
 def test_chat_logprobs(served):

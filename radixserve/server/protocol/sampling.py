@@ -32,7 +32,7 @@ class StreamOptions(OpenAIModel):
 
 # Fields of the OpenAI API that cannot change an answer here: accepted and dropped.
 NO_EFFECT_FIELDS = frozenset({
-    "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+    "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
     "prediction",  # predicted outputs only make a known answer faster; the answer is the same
 })
 
