@@ -233,8 +233,9 @@ def bench_engine(args: argparse.Namespace) -> None:
 def bench_cpu(args: argparse.Namespace) -> None:
     """GFLOP/s of prompt-chunk attention at the default model's heads (float32, block size
     16, blocks shuffled through the pool): the tiled C kernel reading the pool in place, and
-    torch's SDPA over the gathered pages (the cpu backend's path with tiled_prefill off);
-    beside them the model's four matmuls at 512 rows on oneDNN, as a prefill chunk runs
+    torch's SDPA over the gathered pages (the cpu backend's path with tiled_prefill off), and
+    where the CPU has AVX512_BF16 the tiled kernel with bf16 dot products (prefill_attention_dtype
+    bfloat16); beside them the model's four matmuls at 512 rows on oneDNN, as a prefill chunk runs
     them. Each case's calls take turns; the best of --cpu-repeats is reported, in CPU time on
     one thread (OMP_NUM_THREADS=1: what another program's load hardly moves), else wall time."""
     from radixserve.attention.torch_backend import PrefillChunk, prefill_attention
@@ -245,7 +246,9 @@ def bench_cpu(args: argparse.Namespace) -> None:
     heads = HEAD_CONFIGS[0]
     scale = heads.head_dim**-0.5
     clock = "CPU time" if torch.get_num_threads() == 1 else "wall time"
-    print(f"CPU, float32, {torch.get_num_threads()} threads, {clock}; attention: {heads}, block size {BLOCK_SIZE}")
+    bf16 = kernels.has_bf16_prefill(heads.head_dim)
+    print(f"CPU, float32, {torch.get_num_threads()} threads, {clock}; attention: {heads}, block size {BLOCK_SIZE}; "
+          f"bf16 dot products (AVX512_BF16): {'measured too' if bf16 else 'not on this CPU'}")
     for prefix, new in [(0, 512), (0, 2048), (0, 4096), (8192 - 256, 256)]:
         data = paged_batch(1, prefix + new, heads, torch.device("cpu"))
         data.k_cache, data.v_cache = data.k_cache.float(), data.v_cache.float()
@@ -259,11 +262,15 @@ def bench_cpu(args: argparse.Namespace) -> None:
         chunk = PrefillChunk(0, new, data.block_tables[0].long(), context, mask) if prefix else \
             PrefillChunk(0, new, None, new, None)
         flops = 4 * heads.head_dim * heads.num_heads * (new * prefix + new * (new + 1) // 2)
-        results = _best_cpu_times({
+        calls = {
             "tiled C kernel, paged in place": lambda: kernels.prefill(
                 q, data.k_cache, data.v_cache, data.block_tables, starts, data.seq_lens, scale, out),
             "SDPA over gathered pages": lambda: prefill_attention(q, k, v, data.k_cache, data.v_cache, chunk, scale),
-        }, args.cpu_repeats)
+        }
+        if bf16:
+            calls["tiled, bf16 dot products"] = lambda: kernels.prefill(
+                q, data.k_cache, data.v_cache, data.block_tables, starts, data.seq_lens, scale, out, None, True)
+        results = _best_cpu_times(calls, args.cpu_repeats)
         label = f"{new} new over {prefix} cached" if prefix else f"{new}-token prompt"
         print(f"  attention, {label} ({flops / 1e9:.2f} GFLOP, causal):")
         for name, seconds in results.items():

@@ -12,6 +12,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 SPECULATIVE_METHODS = ("prompt-lookup",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+PREFILL_ATTENTION_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class EngineConfig:
     # CPU, float32: prompt chunks (whole prompts, extends over a cached prefix) attend through
     # the tiled C kernel over the paged pool; off: torch's SDPA over gathered pages, to compare.
     tiled_prefill_attention: bool = True
+    # CPU, tiled kernel: bfloat16 runs prompt attention's two products (q.k and P.V) on
+    # AVX512_BF16's bf16 dot products, inputs rounded to bf16 and sums, softmax and output
+    # in float32: about half the kernel's time, at about int8 KV's accuracy; refused where the
+    # CPU lacks AVX512_BF16. float32: exact, what greedy equality with transformers is tested on.
+    prefill_attention_dtype: str = "float32"
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)
     kv_offload_dir: str | None = None  # the tier is a file here (mmap; alone: a 2 GiB tier); None: anonymous memory
@@ -82,6 +88,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("prefill_attention_dtype", self.prefill_attention_dtype, PREFILL_ATTENTION_DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
@@ -117,6 +124,10 @@ class EngineConfig:
             if trace.is_dir() or not trace.parent.is_dir():
                 raise ValueError(f"step_trace must be a file in an existing directory, got {self.step_trace!r}")
         _check_takes_effect(self)
+        if self.prefill_attention_dtype == "bfloat16" and (
+                not self.tiled_prefill_attention or self.attention_backend not in ("auto", "cpu")):
+            raise ValueError("prefill_attention_dtype bfloat16 is the cpu attention backend's tiled prompt kernel: "
+                             "it needs attention_backend auto or cpu and tiled_prefill_attention on")
         if self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "cpu":
             raise ValueError("kv_cache_dtype fp8_e4m3 is not read by the cpu attention backend (its C kernels read "
                              "float32 and int8 pages): use --attention-backend torch, or --kv-cache-dtype int8")

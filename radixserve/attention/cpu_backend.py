@@ -7,7 +7,9 @@ once for all of them (the runner orders decodes by block table); all of a step's
 chunks, whole prompts and extends over a cached prefix alike, run one call of the tiled
 kernel (prefill_attention.c), which also reads the pool in place. With `tiled_prefill`
 off, chunks run torch's SDPA over gathered pages, one call each, as in the torch backend
-(the reference, to compare). The kernels take float32 pools and int8 pages
+(the reference, to compare). With `bf16_prefill` on (CPUs with AVX512_BF16) the tiled
+kernel takes its two products' inputs in bfloat16, about half its time; the softmax and the sums
+stay float32. The kernels take float32 pools and int8 pages
 (kernels/quantized_pages.py: the store quantizes, attention dequantizes as it reads); with a
 pool of another dtype the backend runs the torch backend's paths throughout (and says so once).
 """
@@ -51,7 +53,8 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None, tiled_prefill: bool = True):
+                 dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None, tiled_prefill: bool = True,
+                 bf16_prefill: bool = False):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels = load_native_attention()
         if self._kernels is None:
@@ -62,6 +65,26 @@ class CpuAttentionBackend(AttentionBackend):
         if dtype != torch.float32:
             logger.info("cpu attention backend: the C kernels are float32; %s runs the torch paths", dtype)
             self._torch = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
+        self.bf16_prefill = False
+        self.use_bf16_prefill(bf16_prefill)
+
+    def use_bf16_prefill(self, on: bool) -> None:
+        """Prompt attention's products in bfloat16 (on) or float32; refused, changing nothing,
+        where the tiled kernel cannot take them."""
+        missing = self._bf16_prefill_missing() if on else []
+        if missing:
+            raise ValueError(f"prefill_attention_dtype bfloat16 needs {'; '.join(missing)}: use float32")
+        self.bf16_prefill = on
+
+    def _bf16_prefill_missing(self) -> list[str]:
+        missing = []
+        if not self.runs_kernels:
+            missing.append("float32 activations (the C kernels)")
+        if not self.tiled_prefill:
+            missing.append("the tiled prompt kernel (tiled_prefill_attention)")
+        if not self._kernels.has_bf16_prefill(self.head_dim):
+            missing.append(f"a CPU with AVX512_BF16 and a head_dim that is a multiple of 32 (head_dim {self.head_dim})")
+        return missing
 
     @property
     def runs_kernels(self) -> bool:
@@ -96,7 +119,7 @@ class CpuAttentionBackend(AttentionBackend):
         if plan.tiled is not None:
             chunks = plan.tiled
             self._kernels.prefill(q, k_cache, v_cache, chunks.block_tables, chunks.query_start, chunks.seq_lens,
-                                  self.scale, out, pages)
+                                  self.scale, out, pages, self.bf16_prefill)
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, pages)
         return out

@@ -65,6 +65,7 @@ class ModelRunner:
         onednn_linear: bool = True,
         tiled_prefill_attention: bool = True,
         kv_cache_dtype: str = "auto",
+        prefill_attention_dtype: str = "float32",
     ):
         self.model = model
         self.spec = spec
@@ -77,6 +78,10 @@ class ModelRunner:
                                      self.pool.pages)
         if isinstance(self.backend, CpuAttentionBackend):
             self.backend.tiled_prefill = tiled_prefill_attention
+            self.backend.use_bf16_prefill(prefill_attention_dtype == "bfloat16")
+        elif prefill_attention_dtype != "float32":
+            raise ValueError(f"prefill_attention_dtype {prefill_attention_dtype} is read by the cpu attention "
+                             f"backend only; this engine runs {self.backend.name}")
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
         native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels

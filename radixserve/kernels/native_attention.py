@@ -21,17 +21,23 @@ from radixserve.kernels.native_build import load_kernel
 
 
 class NativePagedAttention:
-    def __init__(self, decode, store, decode_i8, store_i8, prefill=None, prefill_i8=None):
+    def __init__(self, decode, store, decode_i8, store_i8, prefill=None, prefill_i8=None, bf16_available=None):
         self._decode = decode
         self._store = store
         self._decode_i8 = decode_i8
         self._store_i8 = store_i8
         self._prefill = prefill
         self._prefill_i8 = prefill_i8
+        self._bf16_available = bf16_available
 
     @property
     def has_prefill(self) -> bool:
         return self._prefill is not None and self._prefill_i8 is not None
+
+    def has_bf16_prefill(self, head_dim: int) -> bool:
+        """Whether prefill can take bf16 dot products at this head_dim: a CPU with AVX512_BF16
+        and head_dim a multiple of 32."""
+        return self.has_prefill and self._bf16_available is not None and bool(self._bf16_available(head_dim))
 
     def decode(
         self,
@@ -81,11 +87,14 @@ class NativePagedAttention:
         scale: float,
         out: torch.Tensor,
         pages: QuantizedPages | None = None,
+        bf16: bool = False,
     ) -> None:
         """Causal attention of C prompt chunks, written into their rows of out (q's shape,
         [T, H, d] float32): chunk c's queries are q rows query_start[c]:query_start[c + 1]
         (int32 [C + 1]), the last of its context seq_lens[c] (int32 [C]) tokens, all already
-        in the caches (or int8 `pages`) through block_tables[c]. Other rows of out are left as they are."""
+        in the caches (or int8 `pages`) through block_tables[c]. Other rows of out are left as they are.
+        bf16: q.k and P.V take their inputs rounded to bfloat16 (float32 sums and softmax);
+        only where has_bf16_prefill(head_dim)."""
         if pages is None:
             _check(q, k_cache, v_cache, block_tables, seq_lens, per_query=False)
         else:
@@ -100,11 +109,14 @@ class NativePagedAttention:
                   seq_lens.data_ptr(), seq_lens.shape[0], q.shape[0], out.data_ptr(), q.shape[1])
         if pages is None:
             status = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], *tables,
-                                   k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale)
+                                   k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, int(bf16))
         else:
             status = self._prefill_i8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
                                       pages.page_bytes, pages.code_bytes, *tables, pages.num_kv_heads, pages.head_dim,
-                                      pages.block_size, scale)
+                                      pages.block_size, scale, int(bf16))
+        if status == -3:
+            raise ValueError(f"bf16 prompt attention needs a CPU with AVX512_BF16 and a head_dim that is a "
+                             f"multiple of 32 (head_dim {q.shape[2]})")
         if status == -2:
             raise ValueError("a chunk's rows are empty, outside q or longer than its context; or its context is "
                              "past its block table, or a block id is outside the pool")
@@ -159,7 +171,7 @@ def load_native_attention() -> NativePagedAttention | None:
     if None in kernels:
         return None
     return NativePagedAttention(*kernels, load_kernel("paged_prefill_attention_f32"),
-                                load_kernel("paged_prefill_attention_i8"))
+                                load_kernel("paged_prefill_attention_i8"), load_kernel("paged_prefill_bf16_available"))
 
 
 def _raise_for(status: int) -> None:

@@ -300,3 +300,30 @@ def test_cpu_backend_prompt_chunks_on_int8_pages_match_float64(block_size, heads
     out = backend.forward(q[skip:].contiguous(), k[skip:].contiguous(), v[skip:].contiguous(), k_pages, v_pages, plan)
     expected = expected_mixed(pages, q[skip:], k_pages, v_pages, tables[skip:], contexts[skip:], new[skip:], scale)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(native is None or not native.has_bf16_prefill(64), reason="no AVX512_BF16 on this CPU")
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_bf16_prompt_attention_on_int8_pages_is_that_of_their_dequantized_floats(block_size):
+    """The tiled kernel's bf16 path over int8 pages dequantizes each row to float32 as it packs a
+    tile, then rounds to bf16 as the float32 pool's path does: bit for bit the float32 pool
+    path's result on the pages' dequantized values, extends and a shared prefix included."""
+    from test_native_attention import build_chunks
+
+    heads, kv_heads, head_dim = 9, 3, 64
+    q, k_cache, v_cache, tables, starts, lens = build_chunks([(301, 300, 0), (700, 237, 0), (96, 40, 0)], heads=heads,
+                                                             kv_heads=kv_heads, head_dim=head_dim,
+                                                             block_size=block_size, seed=block_size)
+    pages = QuantizedPages(block_size, kv_heads, head_dim)
+    k_pages, v_pages = (torch.zeros(k_cache.shape[0], pages.page_bytes, dtype=torch.uint8) for _ in range(2))
+    pages.store(k_cache.flatten(0, 1), v_cache.flatten(0, 1), k_pages, v_pages,
+                torch.arange(k_cache.shape[0] * block_size))
+    k_float, v_float = (dequantize(pages.codes(p), pages.scales(p)) for p in (k_pages, v_pages))
+    scale = head_dim**-0.5
+    out_pages, out_floats = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    native.prefill(q, k_pages, v_pages, tables, starts, lens, scale, out_pages, pages, True)
+    native.prefill(q, k_float.contiguous(), v_float.contiguous(), tables, starts, lens, scale, out_floats, None, True)
+    assert torch.equal(out_pages, out_floats)
+    exact = torch.full_like(q, 7.0)
+    native.prefill(q, k_pages, v_pages, tables, starts, lens, scale, exact, pages)
+    torch.testing.assert_close(out_pages, exact, atol=3e-2, rtol=3e-2)

@@ -288,6 +288,76 @@ def test_native_prefill_follows_scores_that_jump_across_tiles(block_size):
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
 
 
+needs_bf16 = pytest.mark.skipif(native is None or not native.has_bf16_prefill(64),
+                                reason="no AVX512_BF16 on this CPU (or no C compiler)")
+LOG2E = 1.4426950408889634
+
+
+def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def bf16_inputs_reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale):
+    """What the bf16 path computes before its weights are rounded: float64 attention of q
+    (pre-scaled into log2 units, as the kernel scales it), k and v each rounded to bf16."""
+    q_rounded = (bf16_rounded(q * (scale * LOG2E)).double() / LOG2E).float()
+    return chunks_reference(q_rounded, bf16_rounded(k_cache), bf16_rounded(v_cache), block_tables, query_start,
+                            seq_lens, 1.0, torch.full_like(q, 7.0))
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (2, 1, 128), (4, 4, 32)])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_native_prefill_with_bf16_dots_matches_bf16_inputs(heads, kv_heads, head_dim, block_size, case):
+    """bf16 dot products: float64's attention of the bf16-rounded q, k and v, up to the kernel's
+    own rounding of each weight to bf16 (2^-9 of it); rows of other requests untouched. The
+    float32 path's result is ~1e-6 from exact, this one measurably farther: the flag reaches it."""
+    chunks = [(n, new, min(shared, (n - new) // block_size) if shared else 0) for n, new, shared in PREFILL_CASES[case]]
+    args = build_chunks(chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, seed=case)
+    scale = head_dim**-0.5
+    out, exact32 = torch.full_like(args[0], 7.0), torch.full_like(args[0], 7.0)
+    native.prefill(*args, scale, out, None, True)
+    native.prefill(*args, scale, exact32)
+    torch.testing.assert_close(out, bf16_inputs_reference(*args, scale), atol=6e-3, rtol=1e-2)
+    assert (out - exact32).abs().max() > 1e-3
+
+
+@needs_bf16
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_native_prefill_with_bf16_dots_follows_scores_that_jump_across_tiles(block_size):
+    """The running max's slack and rescales on the bf16 path: scores that rise, jump and fall
+    tile after tile give the bf16-input softmax, finite throughout."""
+    heads, kv_heads, head_dim, context = 9, 3, 64, 6 * 64 + 7
+    args = build_chunks([(context, context - 3, 0)], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        block_size=block_size, seed=3)
+    q, k_cache, _, block_tables = args[:4]
+    direction = torch.nn.functional.normalize(torch.randn(head_dim, generator=torch.Generator().manual_seed(4)), dim=0)
+    q.mul_(0.05).add_(4 * direction)
+    blocks = block_tables[0].long()
+    for t in range(context):
+        row = k_cache[blocks[t // block_size], t % block_size]
+        row.mul_(0.05).add_([0.0, 8.0, 40.0, 80.0, -60.0, 30.0, 250.0][t // 64] * direction)
+    out = torch.full_like(q, 7.0)
+    native.prefill(*args, head_dim**-0.5, out, None, True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, bf16_inputs_reference(*args, head_dim**-0.5), atol=6e-3, rtol=1e-2)
+
+
+@needs_native
+def test_native_prefill_refuses_bf16_dots_it_cannot_take_without_writing():
+    """head_dim 40 is no whole number of bf16 vector pairs (and a CPU without AVX512_BF16 takes
+    none): a clear error, out untouched; the float32 path still takes the same call."""
+    args = build_chunks([(37, 37, 0)], heads=4, kv_heads=2, head_dim=40, block_size=16)
+    assert not native.has_bf16_prefill(40)
+    out = torch.zeros_like(args[0])
+    with pytest.raises(ValueError, match="AVX512_BF16 and a head_dim that is a multiple of 32"):
+        native.prefill(*args, 40**-0.5, out, None, True)
+    assert not out.any()
+    native.prefill(*args, 40**-0.5, out)
+    assert out[1:38].abs().sum() > 0
+
+
 @needs_native
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]])
 def test_native_prefill_builds_for_each_vector_width(tmp_path, flags):
@@ -311,7 +381,7 @@ def test_native_prefill_builds_for_each_vector_width(tmp_path, flags):
         out = torch.full_like(q, 7.0)
         assert fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
                   tables.stride(0), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], q.shape[0],
-                  out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5) == 0
+                  out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5, 0) == 0
         want = chunks_reference(q, k_cache, v_cache, tables, starts, lens, head_dim**-0.5, torch.full_like(q, 7.0))
         torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
 
@@ -454,6 +524,49 @@ def test_cpu_backend_runs_prefill_chunks_tiled_or_on_sdpa_when_switched_off():
     assert CpuAttentionBackend(6, 2, 32, 0.2).prepare(decodes_only).tiled is None
 
 
+@needs_bf16
+def test_cpu_backend_with_bf16_prompt_attention_changes_only_the_prompt_rows():
+    """bf16_prefill: the step's decodes run the float32 decode kernel as before (bit for bit),
+    its prompt chunks the bf16 tiled kernel: close to float32's, not equal to it."""
+    meta, q, k, v, pool = mixed_step(STEPS[1], heads=6, kv_heads=2, head_dim=32, block_size=4, seed=5)
+    results = {}
+    for bf16 in (False, True):
+        backend = CpuAttentionBackend(6, 2, 32, 0.2, bf16_prefill=bf16)
+        caches = pool.clone()
+        results[bf16] = backend.forward(q, k, v, caches[0], caches[1], backend.prepare(meta))
+    d = meta.num_decodes
+    assert d > 0 and torch.equal(results[True][:d], results[False][:d])
+    torch.testing.assert_close(results[True], results[False], atol=3e-2, rtol=3e-2)
+    assert not torch.equal(results[True][d:], results[False][d:])
+
+
+@needs_native
+def test_cpu_backend_refuses_bf16_prompt_attention_where_the_kernel_cannot_take_it(monkeypatch):
+    for why, make in {
+        "tiled prompt kernel": lambda: CpuAttentionBackend(6, 2, 32, 0.2, tiled_prefill=False, bf16_prefill=True),
+        "head_dim 40": lambda: CpuAttentionBackend(4, 2, 40, 0.2, bf16_prefill=True),
+        "float32 activations": lambda: CpuAttentionBackend(6, 2, 32, 0.2, torch.bfloat16, bf16_prefill=True),
+    }.items():
+        with pytest.raises(ValueError, match=why):
+            make()
+    backend = CpuAttentionBackend(6, 2, 32, 0.2)
+    monkeypatch.setattr(backend._kernels, "has_bf16_prefill", lambda head_dim: False)  # a CPU without AVX512_BF16
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        backend.use_bf16_prefill(True)
+    assert backend.bf16_prefill is False
+
+
+def test_engine_config_refuses_bf16_prompt_attention_where_nothing_would_read_it():
+    from radixserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="prefill_attention_dtype must be one of float32, bfloat16"):
+        EngineConfig(prefill_attention_dtype="float16")
+    for options in ({"tiled_prefill_attention": False}, {"attention_backend": "torch"}):
+        with pytest.raises(ValueError, match="tiled prompt kernel"):
+            EngineConfig(prefill_attention_dtype="bfloat16", **options)
+    assert EngineConfig(prefill_attention_dtype="bfloat16").prefill_attention_dtype == "bfloat16"
+
+
 # ---- choosing a backend ----------------------------------------------------------------------
 
 
@@ -508,6 +621,33 @@ def test_cpu_backend_generates_what_the_torch_backend_does(tiny_model_dir, kind)
     assert results["cpu"] == results["torch"] == results["cpu+native decoder"]
     assert sum(cached for _, cached in results["cpu"]) >= 2 * 12, "the shared prefix should hit the cache"
     assert calls and max(calls) > 1, "the C decode kernel served batched decodes"
+
+
+@needs_bf16
+def test_engine_with_bf16_prompt_attention_generates_what_float32_does(tmp_path, tiny_model_dir):
+    """prefill_attention_dtype bfloat16 on a tiny model with head_dim 32 (decisive logits):
+    prompts, a shared cached prefix and chunked extends greedy-decode the float32 engine's
+    tokens, with the same cache hits and an intact pool; at head_dim 16 the engine refuses."""
+    from tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model("llama", tmp_path / "hd32", num_attention_heads=2, num_key_value_heads=1)
+    rng = random.Random(2)
+    common = [rng.randrange(97) for _ in range(70)]
+    prompts = [common + [rng.randrange(97) for _ in range(n)] for n in (3, 40, 90)]
+    options = dict(block_size=4, num_kv_blocks=400, chunked_prefill_size=64, max_num_batched_tokens=128,
+                   native_decoder=False)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(str(model_dir), prefill_attention_dtype=dtype, **options)
+        assert engine.runner.backend.bf16_prefill == (dtype == "bfloat16")
+        outs = engine.generate(prompts[:1], greedy) + engine.generate(prompts[1:], greedy)
+        results[dtype] = [(o.token_ids, o.cached_tokens) for o in outs]
+        engine.check_integrity()
+    assert results["bfloat16"] == results["float32"]
+    assert sum(cached for _, cached in results["bfloat16"]) >= 2 * 68
+    with pytest.raises(ValueError, match="head_dim 16"):
+        Engine(str(tiny_model_dir("llama")), prefill_attention_dtype="bfloat16", **options)
 
 
 def _count_native_decodes(engine: Engine) -> list[int]:

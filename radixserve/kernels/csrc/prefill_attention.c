@@ -103,28 +103,38 @@ static WorkItem *plan_items(const int32_t *starts, const int32_t *seq_lens, int6
     return items;
 }
 
-/* One thread's rows and tile, in one allocation; NULL without memory. */
-static float *thread_scratch(const TileShape *sh, int64_t max_rows, TileRows *rows, Tile *tile) {
+/* One thread's rows and tile (and the bf16 path's pairs), in one allocation; NULL without memory. */
+static float *thread_scratch(const TileShape *sh, int64_t max_rows, TileRows *rows, Tile *tile, PairTile *pairs) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
     const int64_t floats =
         max_rows * (d + dp + 1 + VW) + d * TILE_KEYS + TILE_KEYS * dp + TILE_ROWS * TILE_KEYS + TILE_ROWS + VW * d;
-    float *base = (float *)malloc(sizeof(float) * floats + sizeof(int64_t) * max_rows);
+    const int64_t words = max_rows * (d / 2) + (d / 2) * TILE_KEYS + (TILE_KEYS / 2) * dp + TILE_ROWS * (TILE_KEYS / 2);
+    float *base = (float *)malloc(sizeof(float) * floats + sizeof(int64_t) * max_rows + sizeof(uint32_t) * words);
     if (!base) return NULL;
     rows->q = base, rows->o = rows->q + max_rows * d, rows->m = rows->o + max_rows * dp, rows->l = rows->m + max_rows;
     tile->kt = rows->l + max_rows * VW, tile->v = tile->kt + d * TILE_KEYS, tile->p = tile->v + TILE_KEYS * dp;
     tile->alpha = tile->p + TILE_ROWS * TILE_KEYS, tile->tmp = tile->alpha + TILE_ROWS;
     rows->last = (int64_t *)(base + floats);
+    pairs->q = (uint32_t *)(rows->last + max_rows), pairs->kt = pairs->q + max_rows * (d / 2);
+    pairs->v = pairs->kt + (d / 2) * TILE_KEYS, pairs->p = pairs->v + (TILE_KEYS / 2) * dp;
     return base;
 }
 
+/* Whether this build can take bf16 dot products for a head_dim (AVX512_BF16, whole pairs of vectors). */
+static int bf16_dots_fit(int64_t head_dim) { return HAVE_BF16_DOTS && head_dim % (2 * VW) == 0; }
+
+int paged_prefill_bf16_available(int64_t head_dim) { return bf16_dots_fit(head_dim); }
+
 /* Returns 0, -1 when scratch memory cannot be had, -2 (nothing read or written) when a
- * chunk's rows, length or block ids are out of range. */
-static int prefill_pages(const TileShape *shape, int int8, const float *q, int64_t num_blocks,
+ * chunk's rows, length or block ids are out of range, -3 when bf16 dot products are asked
+ * for and this build cannot take them for this head_dim. */
+static int prefill_pages(const TileShape *shape, int int8, int bf16, const float *q, int64_t num_blocks,
                          const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                          const int32_t *query_start, const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows,
                          float *out) {
     const TileShape sh = *shape;
     const int64_t num_heads = sh.num_heads, num_kv_heads = sh.num_kv_heads;
+    if (bf16 && !bf16_dots_fit(sh.head_dim)) return -3;
     if (!chunks_valid(block_tables, table_stride, table_width, query_start, seq_lens, num_chunks, num_rows,
                       sh.block_size, num_blocks))
         return -2;
@@ -138,7 +148,9 @@ static int prefill_pages(const TileShape *shape, int int8, const float *q, int64
     {
         TileRows rows = {0};
         Tile tile = {0};
-        float *scratch = thread_scratch(&sh, max_rows, &rows, &tile);
+        PairTile pair_tile = {0};
+        float *scratch = thread_scratch(&sh, max_rows, &rows, &tile, &pair_tile);
+        PairTile *pairs = bf16 ? &pair_tile : NULL;
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -150,10 +162,10 @@ static int prefill_pages(const TileShape *shape, int int8, const float *q, int64
             const int64_t prefix = seq_lens[w->chunk] - (query_start[w->chunk + 1] - query_start[w->chunk]);
             if (int8)
                 tile_item_i8(&sh, q, out, block_tables + w->chunk * table_stride, query_start[w->chunk], prefix,
-                             w->r0, w->r1, w->head, &rows, &tile);
+                             w->r0, w->r1, w->head, &rows, &tile, pairs);
             else
                 tile_item_f32(&sh, q, out, block_tables + w->chunk * table_stride, query_start[w->chunk], prefix,
-                              w->r0, w->r1, w->head, &rows, &tile);
+                              w->r0, w->r1, w->head, &rows, &tile, pairs);
         }
         free(scratch);
     }
@@ -169,22 +181,23 @@ int paged_prefill_attention_f32(const float *q, const float *k_cache, const floa
                                 const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                 const int32_t *query_start, const int32_t *seq_lens, int64_t num_chunks,
                                 int64_t num_rows, float *out, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale) {
+                                int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots) {
     const TileShape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
                           scale * 1.4426950408889634f, 0, 0};
-    return prefill_pages(&sh, 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
+    return prefill_pages(&sh, 0, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }
 
-/* The same over int8 pages of page_bytes, scales from code_bytes on. */
+/* The same over int8 pages of page_bytes, scales from code_bytes on. bf16_dots (both): the
+ * two products in bfloat16 (see tiled_attention.h); -3 where paged_prefill_bf16_available is 0. */
 int paged_prefill_attention_i8(const float *q, const void *k_pages, const void *v_pages, int64_t num_blocks,
                                int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                                int64_t table_stride, int64_t table_width, const int32_t *query_start,
                                const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows, float *out,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale) {
+                               float scale, int64_t bf16_dots) {
     const TileShape sh = {k_pages, v_pages, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
                           scale * 1.4426950408889634f, page_bytes, code_bytes};
-    return prefill_pages(&sh, 1, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
+    return prefill_pages(&sh, 1, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }

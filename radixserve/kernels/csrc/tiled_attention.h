@@ -19,6 +19,11 @@
  *   S = Q K^T (TILE_ROWS x TILE_KEYS, in registers) -> mask past each row's last key ->
  *   online softmax (running max m, sum l; the row's O is rescaled once per tile) -> O += P V
  *
+ * With bf16 dot products (AVX512_BF16 builds, head_dim a multiple of 2 * VW) the tile is packed
+ * as bfloat16 pairs instead (PairTile) and both products run `vdpbf16ps`: q . k over pairs of
+ * dims, P V over pairs of keys, each product rounded to bf16 on the way in and summed in float32.
+ * The softmax, the masking and O stay float32; only the inputs of the two products lose bits.
+ *
  * Scores are in log2 units (q is pre-scaled by scale * log2(e)), so weights are exp2.
  * Query row position r of a chunk whose context is `context` after the step, and which
  * brings n new tokens, sees keys [0, context - n + r]; every row sees key 0, so after the
@@ -145,6 +150,95 @@ static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k
         tile_accumulate(rows->o + i * dp, tile, nk, dp);
     }
 }
+
+/* The bf16 path's operands: a uint32 holds two bfloat16, the lower-indexed one in its low half. */
+typedef struct {
+    uint32_t *q;  /* [rows][head_dim / 2] each row's pre-scaled q, dims (2x, 2x + 1) */
+    uint32_t *kt; /* [head_dim / 2][TILE_KEYS] dims (2x, 2x + 1) of each key */
+    uint32_t *v;  /* [TILE_KEYS / 2][padded_dim] keys (2t, 2t + 1) of each dim */
+    uint32_t *p;  /* [TILE_ROWS][TILE_KEYS / 2] weights of keys (2t, 2t + 1) */
+} PairTile;
+
+#if defined(__AVX512BF16__) && VW == 16
+#define HAVE_BF16_DOTS 1
+/* 32 floats (lo: the first 16) as 16 bf16 pairs, in order. */
+static inline __m512i to_pairs(vf lo, vf hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+/* Lane j of the result: (a[j], b[j]) as one bf16 pair. */
+static inline __m512i interleave_pairs(vf a, vf b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+static inline vf dot_pairs(vf acc, uint32_t a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)a), (__m512bh)b);
+}
+
+/* tile_scores over bf16 pairs: half the dot-product instructions. */
+static inline void tile_scores_pairs(const uint32_t *q, const uint32_t *kt, int64_t half_dim,
+                                     vf s[TILE_ROWS][TILE_VECS]) {
+    for (int i = 0; i < TILE_ROWS; ++i)
+        for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_set1(0.0f);
+    for (int64_t x = 0; x < half_dim; ++x) {
+        __m512i k[TILE_VECS];
+        for (int v = 0; v < TILE_VECS; ++v) k[v] = _mm512_loadu_si512(kt + x * TILE_KEYS + v * VW);
+        for (int i = 0; i < TILE_ROWS; ++i)
+            for (int v = 0; v < TILE_VECS; ++v) s[i][v] = dot_pairs(s[i][v], q[i * half_dim + x], k[v]);
+    }
+}
+
+/* tile_accumulate over bf16 pairs of keys; the tile's weights are rounded to bf16 first. */
+static inline void tile_accumulate_pairs(float *o, const Tile *tile, PairTile *pairs, int64_t nk,
+                                         int64_t padded_dim) {
+    for (int i = 0; i < TILE_ROWS; ++i)
+        for (int v = 0; v < TILE_VECS; v += 2) {
+            const float *w = tile->p + i * TILE_KEYS + v * VW;
+            _mm512_storeu_si512(pairs->p + i * (TILE_KEYS / 2) + v * (VW / 2), to_pairs(v_load(w), v_load(w + VW)));
+        }
+    for (int64_t d0 = 0; d0 < padded_dim; d0 += TILE_VECS * VW) {
+        vf acc[TILE_ROWS][TILE_VECS];
+        for (int i = 0; i < TILE_ROWS; ++i) {
+            const vf a = v_set1(tile->alpha[i]);
+            for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = v_mul(v_load(o + i * padded_dim + d0 + v * VW), a);
+        }
+        for (int64_t t = 0; t < (nk + 1) / 2; ++t) {
+            __m512i x[TILE_VECS];
+            for (int v = 0; v < TILE_VECS; ++v) x[v] = _mm512_loadu_si512(pairs->v + t * padded_dim + d0 + v * VW);
+            for (int i = 0; i < TILE_ROWS; ++i) {
+                const uint32_t w = pairs->p[i * (TILE_KEYS / 2) + t];
+                for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = dot_pairs(acc[i][v], w, x[v]);
+            }
+        }
+        for (int i = 0; i < TILE_ROWS; ++i)
+            for (int v = 0; v < TILE_VECS; ++v) v_store(o + i * padded_dim + d0 + v * VW, acc[i][v]);
+    }
+}
+
+/* tile_fold over the pair-packed tile. */
+static void tile_fold_pairs(const TileShape *sh, TileRows *rows, Tile *tile, PairTile *pairs, int64_t k0,
+                            int64_t nk) {
+    const int64_t half = sh->head_dim / 2, dp = sh->padded_dim;
+    for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
+        if (rows->last[i + TILE_ROWS - 1] < k0) continue;
+        vf s[TILE_ROWS][TILE_VECS];
+        tile_scores_pairs(pairs->q + i * half, pairs->kt, half, s);
+        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile);
+        tile_accumulate_pairs(rows->o + i * dp, tile, pairs, nk, dp);
+    }
+}
+
+/* Each row's pre-scaled q as bf16 pairs (head_dim a multiple of 2 * VW). */
+static void rows_to_pairs(const TileRows *rows, int64_t head_dim, PairTile *pairs) {
+    for (int64_t i = 0; i < rows->rows; ++i)
+        for (int64_t x0 = 0; x0 < head_dim; x0 += 2 * VW) {
+            const float *q = rows->q + i * head_dim + x0;
+            _mm512_storeu_si512(pairs->q + (i * head_dim + x0) / 2, to_pairs(v_load(q), v_load(q + VW)));
+        }
+}
+#else
+#define HAVE_BF16_DOTS 0
+#endif
 #endif
 
 #ifndef KV_SUFFIX
@@ -197,11 +291,47 @@ static void PASTE(tile_pack, KV_SUFFIX)(const TileShape *sh, const int32_t *tabl
     }
 }
 
+#if HAVE_BF16_DOTS
+/* Keys and values [k0, k0 + nk) of KV head `head` as bf16 pairs: pairs->kt (dims paired, keys
+ * transposed as in tile_pack_keys) and pairs->v (keys paired); the keys and values past nk are zeros. */
+static void PASTE(tile_pack_pairs, KV_SUFFIX)(const TileShape *sh, const int32_t *table, int64_t head, int64_t k0,
+                                               int64_t nk, Tile *tile, PairTile *pairs) {
+    const int64_t d = sh->head_dim, dp = sh->padded_dim, bs = sh->block_size;
+    const KV_T *k_cache = (const KV_T *)sh->k_cache, *v_cache = (const KV_T *)sh->v_cache;
+    if (nk < TILE_KEYS) memset(pairs->kt, 0, sizeof(uint32_t) * (d / 2) * TILE_KEYS);
+    for (int64_t t0 = 0; t0 < nk; t0 += VW) {
+        const float *k[VW];
+        const int64_t n = nk - t0 < VW ? nk - t0 : VW;
+        for (int64_t i = 0; i < n; ++i)
+            k[i] = KV_ROW(k_cache, table[(k0 + t0 + i) / bs], (k0 + t0 + i) % bs, head, sh, tile->tmp + i * d);
+        for (int64_t x0 = 0; x0 < d; x0 += 2 * VW) {
+            vf r[VW];
+            for (int64_t i = 0; i < VW; ++i)
+                r[i] = i < n ? _mm512_castsi512_ps(to_pairs(v_load(k[i] + x0), v_load(k[i] + x0 + VW))) : v_set1(0.0f);
+            v_transpose(r);
+            for (int64_t j = 0; j < VW; ++j)
+                _mm512_storeu_si512(pairs->kt + (x0 / 2 + j) * TILE_KEYS + t0, _mm512_castps_si512(r[j]));
+        }
+    }
+    for (int64_t t = 0; t < nk; t += 2) {
+        const float *a = KV_ROW(v_cache, table[(k0 + t) / bs], (k0 + t) % bs, head, sh, tile->tmp);
+        const float *b = t + 1 < nk ? KV_ROW(v_cache, table[(k0 + t + 1) / bs], (k0 + t + 1) % bs, head, sh,
+                                             tile->tmp + d)
+                                    : NULL;
+        for (int64_t x0 = 0; x0 < dp; x0 += VW) {
+            const vf lo = x0 < d ? v_load(a + x0) : v_set1(0.0f);
+            const vf hi = b && x0 < d ? v_load(b + x0) : v_set1(0.0f);
+            _mm512_storeu_si512(pairs->v + (t / 2) * dp + x0, interleave_pairs(lo, hi));
+        }
+    }
+}
+#endif
+
 /* Attention of one work item: rows [r0, r1) of a chunk (its first query row at q_row in
  * q and out) for KV head `head`, over the chunk's context through `table`. */
 static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, float *out, const int32_t *table,
                                          int64_t q_row, int64_t prefix, int64_t r0, int64_t r1, int64_t head,
-                                         TileRows *rows, Tile *tile) {
+                                         TileRows *rows, Tile *tile, PairTile *pairs) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim, group = sh->num_heads / sh->num_kv_heads;
     const int64_t real = (r1 - r0) * group;
     rows->rows = (real + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
@@ -215,6 +345,18 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
     }
     memset(rows->o, 0, sizeof(float) * rows->rows * dp);
     const int64_t end = prefix + r1; /* keys the last row sees */
+#if HAVE_BF16_DOTS
+    if (pairs) {
+        rows_to_pairs(rows, d, pairs);
+        for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
+            const int64_t nk = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
+            PASTE(tile_pack_pairs, KV_SUFFIX)(sh, table, head, k0, nk, tile, pairs);
+            tile_fold_pairs(sh, rows, tile, pairs, k0, nk);
+        }
+    } else
+#else
+    (void)pairs;
+#endif
     for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
         const int64_t nk = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
         PASTE(tile_pack, KV_SUFFIX)(sh, table, head, k0, nk, tile);
