@@ -305,16 +305,15 @@ def test_the_copy_runs_off_the_engine_thread_while_a_stream_steps(model):
     d.check_integrity()
     copier = threading.Thread(target=pending.copy)
     copier.start()
-    steps = 0
-    while copier.is_alive() or steps < 2:  # the stream steps while the bytes are copied
-        d.step()
+    steps, outs = 0, {}
+    while copier.is_alive() or steps < 2:  # the stream steps while the bytes are copied (it may finish)
+        outs.update({o.request_id: o.token_ids for o in d.step() if o.finished})
         steps += 1
     copier.join()
     assert pending.state == "copied" and pending.handoff.data is None
     d.check_integrity()
     rid, first = d.admit_handoff(d.prepare(prompt, SamplingParams(**GREEDY, max_tokens=8)), pending)
     assert pending.state == "committed" and d.kv_transfer.cached_blocks(prompt, None) == 6
-    outs = {}
     while d.has_unfinished_requests():
         outs.update({o.request_id: o.token_ids for o in d.step() if o.finished})
     assert outs[rid] == want and outs[stream] == want_other
