@@ -92,7 +92,7 @@ static inline void tile_scores(const float *q, const float *kt, int64_t head_dim
  * result is the same softmax: O and l carry the same shift. */
 #define RESCALE_SLACK 8.0f
 static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, float *m, float *l,
-                                Tile *tile) {
+                                Tile *tile, int for_bf16) {
     for (int i = 0; i < TILE_ROWS; ++i) {
         const int64_t visible = last[i] - k0 + 1;
         if (visible < TILE_KEYS)
@@ -110,7 +110,8 @@ static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last,
         tile->alpha[i] = alpha;
         const vf shift = v_set1(m[i]);
         for (int v = 0; v < TILE_VECS; ++v) {
-            const vf w = v_exp2(v_sub(s[i][v], shift));
+            const vf x = v_sub(s[i][v], shift);
+            const vf w = for_bf16 ? v_exp2_coarse(x) : v_exp2(x); /* bf16 keeps 8 bits of w anyway */
             sum = v_add(sum, w);
             v_store(tile->p + i * TILE_KEYS + v * VW, w);
         }
@@ -146,7 +147,7 @@ static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k
         if (rows->last[i + TILE_ROWS - 1] < k0) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores(rows->q + i * d, tile->kt, d, s);
-        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile);
+        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile, 0);
         tile_accumulate(rows->o + i * dp, tile, nk, dp);
     }
 }
@@ -223,7 +224,7 @@ static void tile_fold_pairs(const TileShape *sh, TileRows *rows, Tile *tile, Pai
         if (rows->last[i + TILE_ROWS - 1] < k0) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores_pairs(pairs->q + i * half, pairs->kt, half, s);
-        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile);
+        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile, 1);
         tile_accumulate_pairs(rows->o + i * dp, tile, pairs, nk, dp);
     }
 }

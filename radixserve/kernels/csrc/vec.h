@@ -185,4 +185,16 @@ static inline vf v_exp2(vf x) {
     return v_ldexp(p, n);
 }
 
+/* 2^x as v_exp2, to ~8e-5 relative: for weights rounded to bfloat16 next (2^-9), a degree-3
+ * fit of 2^r on |r| <= 1/2 (least squares in relative error at Chebyshev nodes). */
+static inline vf v_exp2_coarse(vf x) {
+    x = v_max(x, v_set1(-126.0f));
+    const vf n = v_round(x), r = v_sub(x, n);
+    vf p = v_set1(5.508868380751114e-2f);
+    p = v_fma(p, r, v_set1(2.4260405145947936e-1f));
+    p = v_fma(p, r, v_set1(6.932762416819607e-1f));
+    p = v_fma(p, r, v_set1(9.999289403695112e-1f));
+    return v_ldexp(p, n);
+}
+
 #endif
