@@ -645,9 +645,18 @@ def test_engine_with_bf16_prompt_attention_generates_what_float32_does(tmp_path,
         results[dtype] = [(o.token_ids, o.cached_tokens) for o in outs]
         engine.check_integrity()
     assert results["bfloat16"] == results["float32"]
-    assert sum(cached for _, cached in results["bfloat16"]) >= 2 * 68
+    assert [cached for _, cached in results["bfloat16"]] == [0, 68, 68]  # the shared 70 tokens' 17 whole blocks
     with pytest.raises(ValueError, match="head_dim 16"):
         Engine(str(tiny_model_dir("llama")), prefill_attention_dtype="bfloat16", **options)
+
+
+@needs_native
+def test_engine_refuses_bf16_prompt_attention_on_a_backend_that_would_not_read_it(tiny_model_dir, monkeypatch):
+    """attention_backend auto resolving to another backend than cpu (triton on a GPU machine):
+    the runner refuses the option rather than ignoring it."""
+    monkeypatch.setattr("radixserve.engine.engine.resolve_backend_name", lambda name, device: "torch")
+    with pytest.raises(ValueError, match="read by the cpu attention backend only; this engine runs torch"):
+        Engine(str(tiny_model_dir("llama")), prefill_attention_dtype="bfloat16", num_kv_blocks=64)
 
 
 def _count_native_decodes(engine: Engine) -> list[int]:

@@ -1,6 +1,6 @@
 /*
  * Causal attention of a step's prompt chunks (whole prompts, and extends over a cached
- * prefix) on CPU in float32, reading K and V straight out of the paged pool through each
+ * prefix) on CPU in float32 (or with bf16 dot products, bf16_dots below), reading K and V straight out of the paged pool through each
  * chunk's block table: the tiled kernel of tiled_attention.h, instantiated for float pools
  * and for int8 pages (a page's codes, then its float32 scales per token and KV head, from
  * code_bytes on: kernels/quantized_pages.py), whose rows are dequantized as a tile is packed.

@@ -5,7 +5,8 @@
  *
  * v_exp2 takes x <= 64 (softmax arguments after a running max is subtracted: <= 0, or a few
  * units above where the max is let trail, tiled_attention.h) and is accurate to ~2 ulp; below
- * -126 it returns ~2^-126, which no float32 sum of weights >= 1 can see.
+ * -126 it returns ~2^-126, which no float32 sum of weights >= 1 can see. v_exp2_coarse takes
+ * the same range to ~8e-5, for weights that are rounded to bfloat16 next.
  */
 #ifndef RADIXSERVE_VEC_H
 #define RADIXSERVE_VEC_H
@@ -171,30 +172,29 @@ static inline vf v_load_i8_n(const int8_t *p, int64_t count) {
     return v_load_i8(codes);
 }
 
-/* 2^x for x <= 64: 2^round(x) times a degree-6 Taylor polynomial of 2^r, |r| <= 1/2. */
-static inline vf v_exp2(vf x) {
+/* 2^x for x <= 64: 2^round(x) times the polynomial c[0] r^degree + ... + c[degree] of
+ * r = x - round(x), |r| <= 1/2 (c is a constant array: the loop unrolls into FMAs). */
+static inline vf v_exp2_poly(vf x, const float *c, int degree) {
     x = v_max(x, v_set1(-126.0f));
     const vf n = v_round(x), r = v_sub(x, n);
-    vf p = v_set1(1.5403530393381606e-4f);
-    p = v_fma(p, r, v_set1(1.3333558146428443e-3f));
-    p = v_fma(p, r, v_set1(9.6181291076284772e-3f));
-    p = v_fma(p, r, v_set1(5.5504108664821580e-2f));
-    p = v_fma(p, r, v_set1(2.4022650695910071e-1f));
-    p = v_fma(p, r, v_set1(6.9314718055994531e-1f));
-    p = v_fma(p, r, v_set1(1.0f));
+    vf p = v_set1(c[0]);
+    for (int i = 1; i <= degree; ++i) p = v_fma(p, r, v_set1(c[i]));
     return v_ldexp(p, n);
 }
 
-/* 2^x as v_exp2, to ~8e-5 relative: for weights rounded to bfloat16 next (2^-9), a degree-3
- * fit of 2^r on |r| <= 1/2 (least squares in relative error at Chebyshev nodes). */
+/* 2^x to ~2 ulp: a degree-6 Taylor polynomial of 2^r. */
+static inline vf v_exp2(vf x) {
+    static const float c[] = {1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                              5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+    return v_exp2_poly(x, c, 6);
+}
+
+/* 2^x to ~8e-5 relative, for weights rounded to bfloat16 next (2^-9): a degree-3 fit of 2^r
+ * (least squares in relative error at Chebyshev nodes). */
 static inline vf v_exp2_coarse(vf x) {
-    x = v_max(x, v_set1(-126.0f));
-    const vf n = v_round(x), r = v_sub(x, n);
-    vf p = v_set1(5.508868380751114e-2f);
-    p = v_fma(p, r, v_set1(2.4260405145947936e-1f));
-    p = v_fma(p, r, v_set1(6.932762416819607e-1f));
-    p = v_fma(p, r, v_set1(9.999289403695112e-1f));
-    return v_ldexp(p, n);
+    static const float c[] = {5.508868380751114e-2f, 2.4260405145947936e-1f, 6.932762416819607e-1f,
+                              9.999289403695112e-1f};
+    return v_exp2_poly(x, c, 3);
 }
 
 #endif
