@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.bench_prefill --lengths 512 4096 --extend 0 --plot prefill.png
     .venv/bin/python -m bench.bench_prefill --compare matmul      # oneDNN vs MKL, 128-1024 tokens
     .venv/bin/python -m bench.bench_prefill --compare precision   # float32 vs bf16 dot products in attention
+    .venv/bin/python -m bench.bench_prefill --compare bf16-all    # float32 vs bf16 attention and matmuls
     .venv/bin/python -m bench.bench_prefill --compare precision --accuracy --repeats 0 --extend 0  # agreement only
 
 Two engines on the default model take turns on the same prompts. `--compare attention`
@@ -12,7 +13,9 @@ pool, the default) and `sdpa` (`tiled_prefill_attention=False`: torch's SDPA ove
 gathered pages). `--compare matmul`: `onednn` (the default: float32 matmuls with more
 rows than the skinny kernel takes run on oneDNN) and `mkl` (`onednn_linear=False`).
 `--compare precision` (CPUs with AVX512_BF16): the tiled kernel in `float32` (the default)
-and with `bfloat16` dot products (`prefill_attention_dtype="bfloat16"`); "same first token"
+and with `bfloat16` dot products (`prefill_attention_dtype="bfloat16"`); `--compare bf16-all`:
+`float32` against bf16 attention and bf16 layer matmuls (`prefill_matmul_dtype="bfloat16"` too,
+oneDNN on a bf16 copy of the weights); "same first token"
 then also reports whether bf16's rounding moved a greedy choice. `--accuracy` adds, on real
 text (Python's own library sources, --lengths tokens each), the two engines' agreement: the
 share of prompt positions in the second half whose most likely next token is the same
@@ -44,9 +47,10 @@ OPTIONS = {
     "attention": {"tiled": {"tiled_prefill_attention": True}, "sdpa": {"tiled_prefill_attention": False}},
     "matmul": {"onednn": {"onednn_linear": True}, "mkl": {"onednn_linear": False}},
     "precision": {"float32": {}, "bfloat16": {"prefill_attention_dtype": "bfloat16"}},
+    "bf16-all": {"float32": {}, "bfloat16": {"prefill_attention_dtype": "bfloat16", "prefill_matmul_dtype": "bfloat16"}},
 }
 LENGTHS = {"attention": [512, 2048, 4096, 8191], "matmul": [128, 256, 512, 1024],
-           "precision": [512, 2048, 4096, 8191]}
+           "precision": [512, 2048, 4096, 8191], "bf16-all": [512, 2048, 4096, 8191]}
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 

@@ -13,6 +13,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
 SPECULATIVE_METHODS = ("prompt-lookup",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 PREFILL_ATTENTION_DTYPES = ("float32", "bfloat16")
+PREFILL_MATMUL_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class EngineConfig:
     # in float32: about half the kernel's time, at about int8 KV's accuracy; refused where the
     # CPU lacks AVX512_BF16. float32: exact, what greedy equality with transformers is tested on.
     prefill_attention_dtype: str = "float32"
+    # CPU, float32 model, oneDNN on: bfloat16 runs the layers' matmuls of steps too large for
+    # the skinny kernel (prompt chunks, and decode rows sharing their step) on bf16 inputs
+    # through a bf16 copy of the weights (+half their bytes), float32 sums and activations
+    # between: ~1.8x their rate, at a larger accuracy cost than bf16 attention; refused where
+    # the CPU lacks native bf16 (AVX512_BF16 or AMX). Decode steps stay float32.
+    prefill_matmul_dtype: str = "float32"
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)
     kv_offload_dir: str | None = None  # the tier is a file here (mmap; alone: a 2 GiB tier); None: anonymous memory
@@ -89,6 +96,7 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("prefill_attention_dtype", self.prefill_attention_dtype, PREFILL_ATTENTION_DTYPES)
+        _check_choice("prefill_matmul_dtype", self.prefill_matmul_dtype, PREFILL_MATMUL_DTYPES)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
@@ -128,6 +136,10 @@ class EngineConfig:
                 not self.tiled_prefill_attention or self.attention_backend not in ("auto", "cpu")):
             raise ValueError("prefill_attention_dtype bfloat16 is the cpu attention backend's tiled prompt kernel: "
                              "it needs attention_backend auto or cpu and tiled_prefill_attention on")
+        if self.prefill_matmul_dtype == "bfloat16" and (not self.onednn_linear or self.dtype not in ("auto", "float32")
+                                                         or self.device.startswith("cuda")):
+            raise ValueError("prefill_matmul_dtype bfloat16 is oneDNN's matmuls of a float32 model on CPU: "
+                             "it needs onednn_linear on, dtype auto or float32 and device auto or cpu")
         if self.kv_cache_dtype == "fp8_e4m3" and self.attention_backend == "cpu":
             raise ValueError("kv_cache_dtype fp8_e4m3 is not read by the cpu attention backend (its C kernels read "
                              "float32 and int8 pages): use --attention-backend torch, or --kv-cache-dtype int8")

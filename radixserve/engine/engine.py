@@ -115,7 +115,7 @@ class Engine:
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
-            cfg.tiled_prefill_attention, cfg.kv_cache_dtype, cfg.prefill_attention_dtype,
+            cfg.tiled_prefill_attention, cfg.kv_cache_dtype, cfg.prefill_attention_dtype, cfg.prefill_matmul_dtype,
         )
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self.preparer = RequestPreparer(

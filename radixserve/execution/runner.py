@@ -66,6 +66,7 @@ class ModelRunner:
         tiled_prefill_attention: bool = True,
         kv_cache_dtype: str = "auto",
         prefill_attention_dtype: str = "float32",
+        prefill_matmul_dtype: str = "float32",
     ):
         self.model = model
         self.spec = spec
@@ -87,6 +88,7 @@ class ModelRunner:
         native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
         model.native = NativeDecoder.for_model(spec, model.layers) if native else None
         model.use_onednn_linear(onednn_linear)
+        model.use_bf16_matmuls(prefill_matmul_dtype == "bfloat16")
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
         self.row_limit = max_rows() if model.native is not None else 0

@@ -14,6 +14,12 @@ one): no packed copy, so no second copy of the weights in memory; packing was on
 faster. From two rows up, a row's result does not depend on how many rows share the call
 (one row takes another kernel); that holds among calls that all run here, not across the
 skinny kernel's steps, whose sums are added in another order.
+
+onednn_linear_bf16 is the same product on bfloat16 inputs (rows rounded on the way in, a
+bfloat16 copy of the weight made once by the model), float32 sums inside oneDNN, its output
+rounded to bfloat16 and widened back, the bias added in float32: ~1.8x the float32 rate where
+the CPU multiplies bf16 natively (AVX512_BF16 or AMX), refused elsewhere (oneDNN would
+emulate it, slower than float32).
 """
 
 from __future__ import annotations
@@ -60,6 +66,40 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _call(x, weight, bias)
 
 
+@functools.cache
+def bf16_available() -> bool:
+    """oneDNN multiplies bfloat16 natively on this CPU and agrees with F.linear on the same
+    rounded inputs (decided once)."""
+    cpu = torch.cpu
+    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    if not (available() and native and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 64, generator=generator)
+    weight = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
+    try:
+        out = _call_bf16(x, weight, None)
+    except (RuntimeError, TypeError) as exc:
+        log.warning("oneDNN bf16 linear unavailable (%s)", exc)
+        return False
+    expected = F.linear(x.to(torch.bfloat16).float(), weight.float())
+    return torch.allclose(out, expected, rtol=2**-7, atol=1e-2)
+
+
+def onednn_linear_bf16(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight.T (+ bias) on bf16 inputs (see the module's docstring), float32 out; None
+    where it does not apply (as onednn_linear, for bf16 weights)."""
+    if not (
+        _f32_cpu(x) and x.dim() == 2 and x.shape[0] > 0
+        and weight_bf16.dtype == torch.bfloat16 and weight_bf16.device.type == "cpu" and weight_bf16.dim() == 2
+        and weight_bf16.shape[1] == x.shape[1] and weight_bf16.is_contiguous()
+        and (bias is None or (_f32_cpu(bias) and bias.shape == weight_bf16.shape[:1]))
+        and not torch.is_grad_enabled() and torch.backends.mkldnn.enabled and bf16_available()
+    ):
+        return None
+    return _call_bf16(x, weight_bf16, bias)
+
+
 def exact_float32() -> bool:
     """oneDNN is on and computes float32 matmuls in float32 (not bf16 / tf32); both are
     settings a program can change at any time, so they are read on every call."""
@@ -75,3 +115,8 @@ def _f32_cpu(t: torch.Tensor) -> bool:
 
 def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _call_bf16(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight_bf16, None, "none", [], "").float()
+    return out if bias is None else out.add_(bias)

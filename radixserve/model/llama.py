@@ -18,7 +18,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.model.native_decoder import NativeDecoder
 from radixserve.kernels.key_basis import rotate_heads
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
-from radixserve.kernels.onednn_linear import onednn_linear
+from radixserve.kernels.onednn_linear import bf16_available, onednn_linear, onednn_linear_bf16
 from radixserve.model.spec import ModelSpec
 
 
@@ -27,21 +27,32 @@ _SMALL_BATCH_ROWS = 256
 
 
 class Linear(nn.Linear):
-    """nn.Linear through `linear` below; `onednn` is set for the whole model by
-    LlamaForCausalLM.use_onednn_linear."""
+    """nn.Linear through `linear` below; `onednn` and `weight_bf16` are set for the whole
+    model by LlamaForCausalLM.use_onednn_linear and use_bf16_matmuls."""
 
     onednn = True
+    weight_bf16: torch.Tensor | None = None  # a bfloat16 copy of weight, for oneDNN's steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.onednn)
+        return linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    onednn: bool = True,
+    weight_bf16: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ weight.T (+ bias): the skinny C kernel for decode-sized float32 batches on CPU,
-    oneDNN past its rows (unless `onednn` is off), else torch's BLAS."""
+    oneDNN past its rows (unless `onednn` is off; on bf16 inputs where `weight_bf16` is
+    given), else torch's BLAS."""
     out = skinny_linear(x, weight, bias)
     if out is None and onednn and x.shape[0] > max_rows():
-        out = onednn_linear(x, weight, bias)
+        if weight_bf16 is not None:
+            out = onednn_linear_bf16(x, weight_bf16, bias)
+        if out is None:
+            out = onednn_linear(x, weight, bias)
     if out is not None:
         return out
     if x.dim() != 2 or x.shape[0] > _SMALL_BATCH_ROWS or x.device.type != "cpu":
@@ -176,6 +187,25 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.onednn = on
+
+    def use_bf16_matmuls(self, on: bool) -> None:
+        """Multiply the steps that take oneDNN (more rows than the skinny kernel's) on bfloat16
+        inputs through a bfloat16 copy of each layer's weights (on; +half the layers' weight
+        bytes), or in float32 (off: the copies are dropped). The logits' matmul stays float32.
+        Refused, changing nothing, where it cannot run: float32 CPU weights, oneDNN on, and a
+        CPU that multiplies bf16 natively."""
+        if on:
+            missing = [need for need, ok in (
+                ("float32 weights on CPU", self.embed_tokens.weight.dtype == torch.float32
+                 and self.embed_tokens.weight.device.type == "cpu"),
+                ("onednn_linear on", self.onednn_linear),
+                ("a CPU with native bf16 matmuls in oneDNN (AVX512_BF16 or AMX)", bf16_available()),
+            ) if not ok]
+            if missing:
+                raise ValueError(f"prefill_matmul_dtype bfloat16 needs {'; '.join(missing)}: use float32")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight_bf16 = module.weight.detach().to(torch.bfloat16).contiguous() if on else None
 
     @torch.inference_mode()
     def forward(

@@ -1,6 +1,7 @@
 """onednn_linear: float32 matmuls on oneDNN agree with F.linear, give each row the same bits
 however many rows share the call, refuse what they do not cover, and the model routes its
-large matmuls through them unless told not to."""
+large matmuls through them unless told not to. onednn_linear_bf16: the same on bf16 inputs
+(prefill_matmul_dtype="bfloat16"), within bf16's rounding of the exact product."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 
 import radixserve.model.llama as llama
 from radixserve import Engine, SamplingParams
-from radixserve.kernels.onednn_linear import available, onednn_linear
+from radixserve.config import EngineConfig
+from radixserve.kernels.onednn_linear import available, bf16_available, onednn_linear, onednn_linear_bf16
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="no native bf16 matmuls in oneDNN on this CPU")
 
 
 @needs_onednn
@@ -124,3 +127,111 @@ def test_the_model_runs_large_steps_on_onednn_unless_told_not_to(tiny_model_dir,
     assert len(ours) == len(prompt) - 1
     for a, b in zip(ours, theirs):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+# ---- bf16 inputs (prefill_matmul_dtype="bfloat16") --------------------------------------------
+
+
+@needs_bf16
+@torch.inference_mode()
+@pytest.mark.parametrize("rows,inputs,outputs", [(33, 64, 48), (300, 576, 960), (129, 1536, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_is_the_exact_product_of_the_rounded_inputs_rounded_to_bf16(rows, inputs, outputs, with_bias):
+    """Within one bf16 rounding (2^-8 relative) of the float64 product of the bf16-rounded
+    rows and weight, the bias added after in float32; and not the float32 product (which
+    a silent fallback would return)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(outputs, inputs, generator=generator) * inputs**-0.5
+    bias = torch.randn(outputs, generator=generator) if with_bias else None
+    weight_bf16 = weight.to(torch.bfloat16)
+    out = onednn_linear_bf16(x, weight_bf16, bias)
+    assert out.shape == (rows, outputs) and out.dtype == torch.float32
+    product = F.linear(x.to(torch.bfloat16).double(), weight_bf16.double())
+    error = (out.double() - (product if bias is None else product + bias.double())).abs()
+    assert bool((error <= product.abs() * 2**-8 + 1e-4).all()), float(error.max())
+    assert not torch.allclose(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+@torch.inference_mode()
+def test_bf16_takes_a_strided_input_and_each_row_alone():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 300, generator=generator).t()  # [300, 96], column-major
+    weight_bf16 = torch.randn(40, 96, generator=generator).to(torch.bfloat16)
+    whole = onednn_linear_bf16(x, weight_bf16, None)
+    assert torch.equal(whole, onednn_linear_bf16(x.contiguous(), weight_bf16, None))
+    for start, stop in [(0, 2), (2, 150), (150, 300)]:
+        assert torch.equal(onednn_linear_bf16(x[start:stop].contiguous(), weight_bf16, None), whole[start:stop])
+
+
+def test_bf16_refuses_what_it_does_not_cover():
+    x, weight_bf16 = torch.randn(4, 8), torch.randn(6, 8).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert onednn_linear_bf16(x, weight_bf16.float(), None) is None  # a float32 weight: onednn_linear's
+        assert onednn_linear_bf16(x.to(torch.bfloat16), weight_bf16, None) is None
+        assert onednn_linear_bf16(x, torch.randn(6, 16).to(torch.bfloat16), None) is None
+        assert onednn_linear_bf16(x, weight_bf16, torch.randn(5)) is None
+        assert onednn_linear_bf16(x[:0], weight_bf16, None) is None
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert onednn_linear_bf16(x, weight_bf16, None) is None
+    assert onednn_linear_bf16(x, weight_bf16, None) is None  # autograd on
+
+
+def _counting_bf16(monkeypatch) -> list[int]:
+    rows: list[int] = []
+
+    def counted(x, weight_bf16, bias):
+        out = onednn_linear_bf16(x, weight_bf16, bias)
+        if out is not None:
+            rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(llama, "onednn_linear_bf16", counted)
+    return rows
+
+
+@needs_bf16
+def test_the_model_runs_large_steps_on_bf16_weights_when_asked(tiny_model_dir, monkeypatch):
+    """The layers' four matmuls of a 200-token prompt step run on bf16 inputs; the decode
+    steps (skinny kernel) and the prompt-logprob head stay float32; the tokens, cache hits
+    and prompt logprobs stay those of float32 within bf16's rounding; off drops the copies."""
+    path = str(tiny_model_dir("llama"))
+    prompt = [3 + i % 90 for i in range(200)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(path, prefill_matmul_dtype=dtype)
+        bf16_rows, f32_rows = _counting_bf16(monkeypatch), _counting(monkeypatch)
+        extend = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)  # no prompt logprobs: it hits
+        results[dtype] = engine.generate([prompt], params)[0], engine.generate([prompt[:80] + [7] * 150], extend)[0]
+        layers = len(engine.runner.model.layers)
+        bf16 = dtype == "bfloat16"
+        assert bf16_rows.count(200) == (4 * layers if bf16 else 0)
+        assert f32_rows.count(200) == (1 if bf16 else 4 * layers + 1)  # the prompt-logprob head stays float32
+        assert bf16_rows.count(150) == (4 * layers if bf16 else 0)  # the extend past the 80 cached tokens
+        engine.check_integrity()
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, llama.Linear)]
+        assert len(linears) == 4 * layers and all((m.weight_bf16 is not None) == bf16 for m in linears)
+        engine.runner.model.use_bf16_matmuls(False)
+        assert all(m.weight_bf16 is None for m in linears)
+    for ours, theirs in zip(results["bfloat16"], results["float32"]):
+        assert ours.token_ids == theirs.token_ids and ours.cached_tokens == theirs.cached_tokens
+    ours, theirs = results["bfloat16"][0].prompt_logprobs[1:], results["float32"][0].prompt_logprobs[1:]
+    differences = [abs(a.logprob - b.logprob) for a, b in zip(ours, theirs)]
+    # bf16's rounding moves this random model's prompt logprobs by 0.116 nats on average (max
+    # ~0.8 on the least likely tokens); weights 10% off move them by 0.38. The products' own
+    # precision is tested above, against the exact product of the rounded inputs.
+    assert sum(differences) / len(differences) < 0.25 and all(a.token_id == b.token_id for a, b in zip(ours, theirs))
+    assert [o.cached_tokens for o in results["bfloat16"]] == [0, 80]  # the shared 80 tokens: 5 whole blocks
+
+
+def test_bf16_matmuls_are_refused_where_they_would_not_run(tiny_model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="prefill_matmul_dtype must be one of float32, bfloat16"):
+        EngineConfig(prefill_matmul_dtype="float16")
+    for options in ({"onednn_linear": False}, {"dtype": "bfloat16"}, {"device": "cuda"}):
+        with pytest.raises(ValueError, match="oneDNN's matmuls of a float32 model on CPU"):
+            EngineConfig(prefill_matmul_dtype="bfloat16", **options)
+    monkeypatch.setattr(llama, "bf16_available", lambda: False)  # a CPU without native bf16
+    with pytest.raises(ValueError, match="AVX512_BF16 or AMX"):
+        Engine(str(tiny_model_dir("llama")), prefill_matmul_dtype="bfloat16", num_kv_blocks=64)
