@@ -236,11 +236,12 @@ def bench_cpu(args: argparse.Namespace) -> None:
     torch's SDPA over the gathered pages (the cpu backend's path with tiled_prefill off), and
     where the CPU has AVX512_BF16 the tiled kernel with bf16 dot products (prefill_attention_dtype
     bfloat16); beside them the model's four matmuls at 512 rows on oneDNN, as a prefill chunk runs
-    them. Each case's calls take turns; the best of --cpu-repeats is reported, in CPU time on
+    them, in float32 and, where oneDNN multiplies bf16 natively, on bf16 inputs and a bf16 copy of
+    the weight (prefill_matmul_dtype bfloat16). Each case's calls take turns; the best of --cpu-repeats is reported, in CPU time on
     one thread (OMP_NUM_THREADS=1: what another program's load hardly moves), else wall time."""
     from radixserve.attention.torch_backend import PrefillChunk, prefill_attention
     from radixserve.kernels.native_attention import load_native_attention
-    from radixserve.kernels.onednn_linear import onednn_linear
+    from radixserve.kernels.onednn_linear import bf16_available, onednn_linear, onednn_linear_bf16
 
     kernels = load_native_attention()
     heads = HEAD_CONFIGS[0]
@@ -289,10 +290,19 @@ def bench_cpu(args: argparse.Namespace) -> None:
         inputs = x[matmuls[name][0]]
         return lambda: onednn_linear(inputs, weights[name], None) if onednn else F.linear(inputs, weights[name])
 
-    results = _best_cpu_times({name: matmul(name) for name in matmuls}, args.cpu_repeats)
-    print(f"  the model's matmuls, {rows} rows, on {'oneDNN' if onednn else 'F.linear (no oneDNN here)'}:")
+    def matmul_bf16(name):
+        inputs, weight = x[matmuls[name][0]], weights[name].to(torch.bfloat16)
+        return lambda: onednn_linear_bf16(inputs, weight, None)
+
+    calls = {name: matmul(name) for name in matmuls}
+    if onednn and bf16_available():
+        calls.update({f"{name}, bf16": matmul_bf16(name) for name in matmuls})
+    results = _best_cpu_times(calls, args.cpu_repeats)
+    print(f"  the model's matmuls, {rows} rows, on {'oneDNN' if onednn else 'F.linear (no oneDNN here)'}"
+          f"{' (float32, then bf16 inputs)' if len(calls) > len(matmuls) else ''}:")
     for name, seconds in results.items():
-        flops = 2 * rows * matmuls[name][0] * matmuls[name][1]
+        n_in, n_out = matmuls[name.removesuffix(", bf16")]
+        flops = 2 * rows * n_in * n_out
         print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
 
 
