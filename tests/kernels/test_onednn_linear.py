@@ -95,16 +95,18 @@ def test_steps_aside_when_onednn_is_off_or_lowers_float32_precision():
     assert onednn_linear(x, weight, None) is not None
 
 
-def _counting(monkeypatch) -> list[int]:
+def _counting(monkeypatch, name: str = "onednn_linear") -> list[int]:
+    """Record the rows of every call of the model's `name` (onednn_linear or _bf16) that ran."""
     rows: list[int] = []
+    product = getattr(llama, name)
 
     def counted(x, weight, bias):
-        out = onednn_linear(x, weight, bias)
+        out = product(x, weight, bias)
         if out is not None:
             rows.append(x.shape[0])
         return out
 
-    monkeypatch.setattr(llama, "onednn_linear", counted)
+    monkeypatch.setattr(llama, name, counted)
     return rows
 
 
@@ -178,19 +180,6 @@ def test_bf16_refuses_what_it_does_not_cover():
     assert onednn_linear_bf16(x, weight_bf16, None) is None  # autograd on
 
 
-def _counting_bf16(monkeypatch) -> list[int]:
-    rows: list[int] = []
-
-    def counted(x, weight_bf16, bias):
-        out = onednn_linear_bf16(x, weight_bf16, bias)
-        if out is not None:
-            rows.append(x.shape[0])
-        return out
-
-    monkeypatch.setattr(llama, "onednn_linear_bf16", counted)
-    return rows
-
-
 @needs_bf16
 def test_the_model_runs_large_steps_on_bf16_weights_when_asked(tiny_model_dir, monkeypatch):
     """The layers' four matmuls of a 200-token prompt step run on bf16 inputs; the decode
@@ -202,7 +191,7 @@ def test_the_model_runs_large_steps_on_bf16_weights_when_asked(tiny_model_dir, m
     results = {}
     for dtype in ("float32", "bfloat16"):
         engine = Engine(path, prefill_matmul_dtype=dtype)
-        bf16_rows, f32_rows = _counting_bf16(monkeypatch), _counting(monkeypatch)
+        bf16_rows, f32_rows = _counting(monkeypatch, "onednn_linear_bf16"), _counting(monkeypatch)
         extend = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)  # no prompt logprobs: it hits
         results[dtype] = engine.generate([prompt], params)[0], engine.generate([prompt[:80] + [7] * 150], extend)[0]
         layers = len(engine.runner.model.layers)
