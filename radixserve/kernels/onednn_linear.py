@@ -70,8 +70,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def bf16_available() -> bool:
     """oneDNN multiplies bfloat16 natively on this CPU and agrees with F.linear on the same
     rounded inputs (decided once)."""
-    cpu = torch.cpu
-    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    native = _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
     if not (available() and native and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False
     generator = torch.Generator().manual_seed(0)
@@ -107,6 +106,11 @@ def exact_float32() -> bool:
         return False
     matmul = getattr(torch.backends.mkldnn, "matmul", None)
     return getattr(matmul, "fp32_precision", "none") in ("none", "ieee")
+
+
+def _cpu_has(probe: str) -> bool:
+    """torch.cpu's probe of a CPU feature (private names: False where this torch lacks one)."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def _f32_cpu(t: torch.Tensor) -> bool:
