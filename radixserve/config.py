@@ -64,11 +64,11 @@ class EngineConfig:
     # in float32: about half the kernel's time, at about int8 KV's accuracy; refused where the
     # CPU lacks AVX512_BF16. float32: exact, what greedy equality with transformers is tested on.
     prefill_attention_dtype: str = "float32"
-    # CPU, float32 model, oneDNN on: bfloat16 runs the layers' matmuls of steps too large for
-    # the skinny kernel (prompt chunks, and decode rows sharing their step) on bf16 inputs
-    # through a bf16 copy of the weights (+half their bytes), float32 sums and activations
-    # between: ~1.8x their rate, at a larger accuracy cost than bf16 attention; refused where
-    # the CPU lacks native bf16 (AVX512_BF16 or AMX). Decode steps stay float32.
+    # CPU, float32 model, oneDNN on: bfloat16 runs the layers' matmuls of prompt rows in steps
+    # too large for the skinny kernel on bf16 inputs through a bf16 copy of the weights (+half
+    # their bytes), float32 sums and activations between: ~1.8x their rate, at a larger accuracy
+    # cost than bf16 attention; refused where the CPU lacks native bf16 (AVX512_BF16 or AMX).
+    # Decode rows (alone or sharing a step with prompts) and the logits stay float32.
     prefill_matmul_dtype: str = "float32"
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)

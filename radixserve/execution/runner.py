@@ -105,7 +105,8 @@ class ModelRunner:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
         attention = self.backend.prepare(batch.meta)  # once per step, read by every layer
-        logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices)
+        logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices,
+                            batch.meta.num_decodes)
         result = StepResult(sampling, [], [], [])
         if sampling:
             rows = [self._sampling_row(c) for c in sampling]

@@ -9,6 +9,8 @@ outputs match it token for token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,15 +28,30 @@ from radixserve.model.spec import ModelSpec
 _SMALL_BATCH_ROWS = 256
 
 
+@dataclass
+class StepRows:
+    """Shared by a model's Linear layers: how many rows at the head of this step's batch are
+    decodes (single-query rows), which bf16 matmuls leave in float32."""
+
+    decodes: int = 0
+
+
 class Linear(nn.Linear):
-    """nn.Linear through `linear` below; `onednn` and `weight_bf16` are set for the whole
-    model by LlamaForCausalLM.use_onednn_linear and use_bf16_matmuls."""
+    """nn.Linear through `linear` below; `onednn`, `weight_bf16` and `step` are set for the
+    whole model by LlamaForCausalLM.use_onednn_linear and use_bf16_matmuls."""
 
     onednn = True
-    weight_bf16: torch.Tensor | None = None  # a bfloat16 copy of weight, for oneDNN's steps
+    weight_bf16: torch.Tensor | None = None  # a bfloat16 copy of weight, for a step's prompt rows
+    step: StepRows | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
+        decodes = self.step.decodes if self.step is not None else 0
+        if self.weight_bf16 is None or decodes >= x.shape[0]:
+            return linear(x, self.weight, self.bias, self.onednn)
+        if decodes == 0:
+            return linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
+        return torch.cat([linear(x[:decodes], self.weight, self.bias, self.onednn),
+                          linear(x[decodes:], self.weight, self.bias, self.onednn, self.weight_bf16)])
 
 
 def linear(
@@ -179,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         # backend is the C one (NativeDecoder.for_model), after the weights are loaded.
         self.native: NativeDecoder | None = None
         self.onednn_linear = True
+        self.step_rows = StepRows()
 
     def use_onednn_linear(self, on: bool) -> None:
         """Route float32 CPU matmuls too large for the skinny kernel through oneDNN (on) or
@@ -189,9 +207,10 @@ class LlamaForCausalLM(nn.Module):
                 module.onednn = on
 
     def use_bf16_matmuls(self, on: bool) -> None:
-        """Multiply the steps that take oneDNN (more rows than the skinny kernel's) on bfloat16
-        inputs through a bfloat16 copy of each layer's weights (on; +half the layers' weight
-        bytes), or in float32 (off: the copies are dropped). The logits' matmul stays float32.
+        """Multiply a step's prompt rows, where they take oneDNN (more rows than the skinny
+        kernel's), on bfloat16 inputs through a bfloat16 copy of each layer's weights (on; +half
+        the layers' weight bytes), or in float32 (off: the copies are dropped). Its decode rows
+        (forward's `decodes`) and the logits' matmul stay float32.
         Refused, changing nothing, where it cannot run: float32 CPU weights, oneDNN on, and a
         CPU that multiplies bf16 natively."""
         if on:
@@ -206,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.weight_bf16 = module.weight.detach().to(torch.bfloat16).contiguous() if on else None
+                module.step = self.step_rows
 
     @torch.inference_mode()
     def forward(
@@ -216,9 +236,12 @@ class LlamaForCausalLM(nn.Module):
         pool: KVPool,
         plan: AttentionPlan,
         logits_indices: torch.Tensor,
+        decodes: int = 0,
     ) -> torch.Tensor:
         """Run the step's tokens; return logits [len(logits_indices), vocab] in float32.
-        `plan` is what `backend.prepare` made of the step's metadata."""
+        `plan` is what `backend.prepare` made of the step's metadata; the first `decodes`
+        tokens are single-query rows (decodes, drafts), kept float32 under bf16 matmuls."""
+        self.step_rows.decodes = decodes
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         if self.native is None or not self.native.run(x, *rope, pool, plan):

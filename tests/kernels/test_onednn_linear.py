@@ -224,3 +224,29 @@ def test_bf16_matmuls_are_refused_where_they_would_not_run(tiny_model_dir, monke
     monkeypatch.setattr(llama, "bf16_available", lambda: False)  # a CPU without native bf16
     with pytest.raises(ValueError, match="AVX512_BF16 or AMX"):
         Engine(str(tiny_model_dir("llama")), prefill_matmul_dtype="bfloat16", num_kv_blocks=64)
+
+
+@needs_bf16
+def test_decode_rows_sharing_a_step_with_a_prompt_stay_float32(tiny_model_dir, monkeypatch):
+    """A request decodes while a 200-token prompt arrives: in their shared steps only the
+    prompt's rows multiply in bf16, so the decode's logprobs are float32's (to float32's own
+    rounding: its rows go to the skinny kernel instead of oneDNN) and not bf16's."""
+    path = str(tiny_model_dir("llama"))
+    decoding = [5 + i % 80 for i in range(20)]
+    arriving = [3 + i % 90 for i in range(200)]
+    logprobs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine(path, prefill_matmul_dtype=dtype)
+        bf16_rows = _counting(monkeypatch, "onednn_linear_bf16")
+        first = engine.add_request(decoding, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                            logprobs=0))
+        outputs = engine.step() + engine.step()  # its prompt, then a decode of its own
+        engine.add_request(arriving, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        final = [o for o in outputs if o.request_id == first and o.finished][0]
+        logprobs[dtype] = [entry.logprob for entry in final.logprobs]
+        assert set(bf16_rows) == ({200} if dtype == "bfloat16" else set())  # never 201: the decode row
+        engine.check_integrity()
+    assert len(logprobs["bfloat16"]) == 12
+    assert max(abs(a - b) for a, b in zip(logprobs["bfloat16"], logprobs["float32"])) < 1e-4
