@@ -48,10 +48,10 @@ class Linear(nn.Linear):
         decodes = self.step.decodes if self.step is not None else 0
         if self.weight_bf16 is None or decodes >= x.shape[0]:
             return linear(x, self.weight, self.bias, self.onednn)
-        if decodes == 0:
-            return linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
-        return torch.cat([linear(x[:decodes], self.weight, self.bias, self.onednn),
-                          linear(x[decodes:], self.weight, self.bias, self.onednn, self.weight_bf16)])
+        out = linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
+        if decodes:  # the decode rows again in float32 (cheaper than splitting the product)
+            out[:decodes] = linear(x[:decodes], self.weight, self.bias, self.onednn)
+        return out
 
 
 def linear(

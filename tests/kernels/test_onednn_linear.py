@@ -228,9 +228,9 @@ def test_bf16_matmuls_are_refused_where_they_would_not_run(tiny_model_dir, monke
 
 @needs_bf16
 def test_decode_rows_sharing_a_step_with_a_prompt_stay_float32(tiny_model_dir, monkeypatch):
-    """A request decodes while a 200-token prompt arrives: in their shared steps only the
-    prompt's rows multiply in bf16, so the decode's logprobs are float32's (to float32's own
-    rounding: its rows go to the skinny kernel instead of oneDNN) and not bf16's."""
+    """A request decodes while a 200-token prompt arrives: in their shared steps the decode's
+    row is multiplied again in float32 over the bf16 product, so its logprobs are float32's
+    (to float32's own rounding: its row goes to the skinny kernel instead of oneDNN), not bf16's."""
     path = str(tiny_model_dir("llama"))
     decoding = [5 + i % 80 for i in range(20)]
     arriving = [3 + i % 90 for i in range(200)]
@@ -246,7 +246,7 @@ def test_decode_rows_sharing_a_step_with_a_prompt_stay_float32(tiny_model_dir, m
             outputs += engine.step()
         final = [o for o in outputs if o.request_id == first and o.finished][0]
         logprobs[dtype] = [entry.logprob for entry in final.logprobs]
-        assert set(bf16_rows) == ({200} if dtype == "bfloat16" else set())  # never 201: the decode row
+        assert set(bf16_rows) == ({201} if dtype == "bfloat16" else set())  # the prompt with the decode
         engine.check_integrity()
     assert len(logprobs["bfloat16"]) == 12
     assert max(abs(a - b) for a, b in zip(logprobs["bfloat16"], logprobs["float32"])) < 1e-4
