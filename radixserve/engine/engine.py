@@ -84,7 +84,15 @@ class Engine:
 
     def __init__(self, model: str | None = None, **options: Any):
         self.config = EngineConfig(model=model, **options)
-        cfg = self.config
+        self.step_trace: StepTrace | None = None
+        self.tiering = Tiering()
+        try:
+            self._build(self.config)
+        except BaseException:  # a refused option or a failed load: what was opened closes
+            self._release()
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         self.step_trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -356,7 +364,10 @@ class Engine:
 
     @_one_thread
     def close(self) -> None:
-        """Write the persisted tier's index a last time and stop its thread; close the step trace."""
+        """Write the persisted tier's index a last time, stop its threads and unmap it; close the step trace."""
+        self._release()
+
+    def _release(self) -> None:
         self.tiering.close()
         if self.step_trace is not None:
             self.step_trace.close()

@@ -172,6 +172,9 @@ class Tiering:
             self.persister = None
         if self.prefetch is not None:
             self.prefetch.close()
+        if self.store is not None:  # after the threads that read it
+            self.store.close()
+            self.store = None
 
 
 def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, layout: dict[str, Any]) -> str:

@@ -330,3 +330,40 @@ def test_stats_keep_their_flat_shape_and_agree_with_the_snapshot(tiny_model_dir)
     assert stats["tier_blocks_used"] == snap.tier.tier_blocks_used > 0
     assert stats["blocks_total"] - stats["blocks_free"] == snap.blocks_used
     tiered.check_integrity()
+
+
+def _open_files_under(directory) -> list[str]:
+    """This process's open file descriptors that point into `directory` (Linux /proc)."""
+    import os
+
+    fds = "/proc/self/fd"
+    return [target for target in (os.path.realpath(os.path.join(fds, fd)) for fd in os.listdir(fds))
+            if target.startswith(str(directory.resolve()))]
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
+def test_an_engine_refused_after_its_tier_opened_leaves_no_thread_or_file(tiny_model_dir, tmp_path, monkeypatch):
+    """An option refused late (here bf16 matmuls on a CPU without them, refused by the model
+    after the persisted tier started its threads and mapped its file) closes what the engine
+    had opened; so does close() on a working engine; the directory then serves a new engine."""
+    import threading
+
+    import radixserve.model.llama as llama
+
+    options = dict(kv_persist_dir=str(tmp_path), kv_offload_memory=1 << 24, num_kv_blocks=64)
+    path = str(tiny_model_dir("llama"))  # built first: building it may start tqdm's monitor thread
+    threads = threading.active_count()
+    monkeypatch.setattr(llama, "bf16_available", lambda: False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="prefill_matmul_dtype bfloat16 needs"):
+            Engine(path, prefill_matmul_dtype="bfloat16", **options)
+    assert threading.active_count() == threads
+    assert _open_files_under(tmp_path) == []
+    engine = Engine(path, **options)
+    assert _open_files_under(tmp_path) and threading.active_count() > threads  # the tier's file and threads
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
+    engine.check_integrity()
+    engine.close()
+    assert threading.active_count() == threads
+    assert _open_files_under(tmp_path) == []
