@@ -237,8 +237,9 @@ def bench_cpu(args: argparse.Namespace) -> None:
     where the CPU has AVX512_BF16 the tiled kernel with bf16 dot products (prefill_attention_dtype
     bfloat16); beside them the model's four matmuls at 512 rows on oneDNN, as a prefill chunk runs
     them, in float32 and, where oneDNN multiplies bf16 natively, on bf16 inputs and a bf16 copy of
-    the weight (prefill_matmul_dtype bfloat16). Each case's calls take turns; the best of --cpu-repeats is reported, in CPU time on
-    one thread (OMP_NUM_THREADS=1: what another program's load hardly moves), else wall time."""
+    the weight (prefill_matmul_dtype bfloat16). Each case's calls take turns; the best of
+    --cpu-repeats is reported, in CPU time on one thread (OMP_NUM_THREADS=1: what another
+    program's load hardly moves), else wall time."""
     from radixserve.attention.torch_backend import PrefillChunk, prefill_attention
     from radixserve.kernels.native_attention import load_native_attention
     from radixserve.kernels.onednn_linear import bf16_available, onednn_linear, onednn_linear_bf16

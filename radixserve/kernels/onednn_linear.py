@@ -71,7 +71,8 @@ def bf16_available() -> bool:
     """oneDNN multiplies bfloat16 natively on this CPU and agrees with F.linear on the same
     rounded inputs (decided once)."""
     native = _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")
-    if not (available() and native and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # an internal op
+    if not (available() and native and supported is not None and supported()):
         return False
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(300, 64, generator=generator)

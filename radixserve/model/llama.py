@@ -45,8 +45,10 @@ class Linear(nn.Linear):
     step: StepRows | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decodes = self.step.decodes if self.step is not None else 0
-        if self.weight_bf16 is None or decodes >= x.shape[0]:
+        if self.weight_bf16 is None or not self.onednn or x.shape[0] <= max_rows():  # float32 only
+            return linear(x, self.weight, self.bias, self.onednn)
+        decodes = self.step.decodes
+        if decodes >= x.shape[0]:
             return linear(x, self.weight, self.bias, self.onednn)
         out = linear(x, self.weight, self.bias, self.onednn, self.weight_bf16)
         if decodes:  # the decode rows again in float32 (cheaper than splitting the product)
