@@ -351,19 +351,24 @@ def test_an_engine_refused_after_its_tier_opened_leaves_no_thread_or_file(tiny_m
     import radixserve.model.llama as llama
 
     options = dict(kv_persist_dir=str(tmp_path), kv_offload_memory=1 << 24, num_kv_blocks=64)
-    path = str(tiny_model_dir("llama"))  # built first: building it may start tqdm's monitor thread
-    threads = threading.active_count()
+    path = str(tiny_model_dir("llama"))
+    before = set(threading.enumerate())  # others' threads may end or start meanwhile: count only ours
+
+    def started() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate()
+                if thread not in before and thread.name.startswith("radixserve-")]
+
     monkeypatch.setattr(llama, "bf16_available", lambda: False)
     for _ in range(2):
         with pytest.raises(ValueError, match="prefill_matmul_dtype bfloat16 needs"):
             Engine(path, prefill_matmul_dtype="bfloat16", **options)
-    assert threading.active_count() == threads
+    assert started() == []
     assert _open_files_under(tmp_path) == []
     engine = Engine(path, **options)
-    assert _open_files_under(tmp_path) and threading.active_count() > threads  # the tier's file and threads
+    assert _open_files_under(tmp_path) and started()  # the tier's file and threads
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
     engine.check_integrity()
     engine.close()
-    assert threading.active_count() == threads
+    assert started() == []
     assert _open_files_under(tmp_path) == []
