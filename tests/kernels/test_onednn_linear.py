@@ -167,6 +167,7 @@ def test_bf16_takes_a_strided_input_and_each_row_alone():
         assert torch.equal(onednn_linear_bf16(x[start:stop].contiguous(), weight_bf16, None), whole[start:stop])
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # flags() also sets tf32, for Intel GPUs
 def test_bf16_refuses_what_it_does_not_cover():
     x, weight_bf16 = torch.randn(4, 8), torch.randn(6, 8).to(torch.bfloat16)
     with torch.inference_mode():
