@@ -4,8 +4,9 @@ where it does not apply so that the caller keeps torch's F.linear (MKL).
 Why: torch sends float32 F.linear to MKL, which on the 2-core dev machine (an AMD EPYC
 with AVX-512) runs far below the AVX-512 peak (MKL is known to pick generic paths on
 non-Intel CPUs), while oneDNN dispatches on the ISA itself (ONEDNN_VERBOSE: AVX-512).
-The default model's prefill matmuls: MKL 190-210 GFLOPS, oneDNN 450-490; all 121 of
-them with cold weights (bench_matmul), 512 rows 694 -> 334 ms, 256 rows 380 -> 166 ms. At the
+The default model's prefill matmuls, all 121 of them with cold weights (bench_matmul): on one
+host MKL 190-210 GFLOPS, oneDNN 450-490 (512 rows 694 -> 334 ms); on a 2-core Zen 4 MKL ~152,
+oneDNN ~185 (512 rows 908 -> 744 ms): the gap depends on the host (docs/kernels.md). At the
 few rows of a decode step the skinny C kernel is as fast and runs inside the native
 decoder, so this is for the larger steps (prefill chunks, prompt logprobs).
 
