@@ -32,14 +32,13 @@ from radixserve.cluster.forwarding import REPLICA_HEADER, ForwardedRequest, Resp
 from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.prefill_picker import PrefillPicker
 from radixserve.cluster.registry import register_picker, router_for
-from radixserve.cluster.routing_key import response_session, routing_key
+from radixserve.cluster.routing_key import BROADCAST_PATHS, response_session, routing_key
 from radixserve.server.anthropic_errors import error_response
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.middleware import KeyRing
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
-BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats")
 _SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted"}  # answers added up over replicas
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)

@@ -38,7 +38,8 @@ from radixserve.server.protocol import (
 from radixserve.server.protocol.body import read_json
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import ResponseStore
-from radixserve.server.responses_api import ResponsesRequest, ResponsesResponder, responses_job
+from radixserve.server.protocol.responses import ResponsesRequest
+from radixserve.server.responses_api import ResponsesResponder, responses_job
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.serving import ToolCalling
@@ -81,7 +82,7 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
         yield
         await async_engine.shutdown(options.shutdown_grace_s)
 
-    routes = _routes(options)
+    routes = app_routes(options)
     middleware = [
         Middleware(StatusCounter, observe=metrics.observe_http, endpoints=[r.path for r in routes]),
         Middleware(ApiKeyAuth, api_keys=options.all_api_keys, admin_keys=options.admin_api_keys),
@@ -99,7 +100,8 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
 # ---- routes ------------------------------------------------------------------------------
 
 
-def _routes(options: ServerOptions) -> list[Route]:
+def app_routes(options: ServerOptions) -> list[Route]:
+    """Every route of the app (the cluster routes each: tests/cluster/test_cluster_router.py)."""
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -11,7 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
-from radixserve.server.responses_api import ResponsesRequest
+from radixserve.server.protocol.responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 

@@ -16,9 +16,7 @@ they never reserve memory.
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,21 +24,10 @@ from starlette.routing import Route
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.protocol.body import read_body, read_json
-from radixserve.server.protocol.common import Integer, NativeModel, parse
+from radixserve.server.protocol.common import parse
+from radixserve.server.protocol.sessions import CloseSessionRequest, PinPrefixRequest
 
 MAX_SESSION_ID_CHARS = 256
-MAX_PIN_TTL_S = 7 * 24 * 3600
-
-
-class CloseSessionRequest(NativeModel):
-    cache_salt: str | None = Field(None, description="the cache_salt the session's requests used")
-
-
-class PinPrefixRequest(NativeModel):
-    text: str | None = Field(None, min_length=1)
-    input_ids: Annotated[list[Integer], Field(min_length=1)] | None = None
-    ttl_s: float = Field(gt=0, le=MAX_PIN_TTL_S, description="seconds the prefix stays pinned")
-    cache_salt: str | None = None
 
 
 def routes() -> list[Route]:
@@ -72,9 +59,7 @@ async def close_session(request: Request) -> Response:
 
 async def pin_prefix(request: Request) -> Response:
     body = parse(PinPrefixRequest, await read_json(request))
-    if (body.text is None) == (body.input_ids is None):
-        raise bad_request("give exactly one of 'text' and 'input_ids'", param="text")
-    prompt = body.text if body.text is not None else list(body.input_ids)
+    prompt = body.prompt()
     salt = _salt(request, body.cache_salt)
     server = _server(request)
     try:

@@ -297,7 +297,7 @@ def test_sessions_and_stored_responses_are_routed_per_key():
     handle = _Handle({"a": _replica_app("a")})
     keys = ("key-a", "key-b")
     for headers in ({"authorization": "Bearer key-a"}, {"x-api-key": "key-b"}):
-        for path, body in (("/v1/completions", {"prompt": "same", "session_id": "s1"}),
+        for path, body in (("/v1/completions", {"model": "m", "prompt": "same", "session_id": "s1"}),
                            ("/v1/responses", {"model": "m", "input": "x", "previous_response_id": "resp_z"})):
             assert _call(handle, "POST", path, api_keys=keys, json=body, headers=headers).status_code == 200
     a, b = key_digest("key-a"), key_digest("key-b")

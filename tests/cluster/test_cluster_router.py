@@ -16,7 +16,11 @@ from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
 from radixserve.cluster.forwarding import ForwardedRequest, ResponseHead, collect, serve_forwarded
 from radixserve.cluster.metrics_merge import merge_metrics, sample_total
 from radixserve.cluster.prefix_tree import ApproxPrefixTree
-from radixserve.cluster.routing_key import RoutingKey, routing_key
+from radixserve.cluster.routing_key import (
+    BROADCAST_PATHS, ROUTED_PATHS, SESSION_CLOSE_PATH, UNKEYED_PATHS, RoutingKey, routing_key,
+)
+from radixserve.server.app import app_routes
+from radixserve.server.options import ServerOptions
 
 # ---- ApproxPrefixTree ------------------------------------------------------------------------
 
@@ -234,34 +238,77 @@ def test_affinity_config_refuses_bad_values():
 
 
 def test_routing_keys_share_prefixes_where_prompts_do():
-    chat = {"messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "hi"}], "session_id": "s9"}
-    longer = {"messages": chat["messages"] + [{"role": "assistant", "content": "hello"},
-                                               {"role": "user", "content": [{"type": "text", "text": "more"}]}]}
+    chat = {"model": "m", "messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "hi"}],
+            "session_id": "s9"}
+    longer = {"model": "m", "messages": chat["messages"] + [
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": [{"type": "text", "text": "more"}]}]}
     k1 = routing_key("/v1/chat/completions", chat)
     k2 = routing_key("/v1/chat/completions", longer)
     assert k1 is not None and k2 is not None and k1.session_id == "s9" and k2.session_id is None
     assert k2.key.startswith(k1.key) and SYS_A in k1.key
-    assert routing_key("/v1/completions", {"prompt": "abc"}) == RoutingKey("abc")
-    assert routing_key("/v1/completions", {"prompt": ["first", "second"]}).key == "first"
-    assert routing_key("/v1/completions", {"prompt": [5, 6, 7]}).key == (5, 6, 7)
+    assert routing_key("/v1/completions", {"model": "m", "prompt": "abc"}) == RoutingKey("abc")
+    assert routing_key("/v1/completions", {"model": "m", "prompt": ["first", "second"]}).key == "first"
+    assert routing_key("/v1/completions", {"model": "m", "prompt": [5, 6, 7]}).key == (5, 6, 7)
     assert routing_key("/generate", {"input_ids": [[1, 2], [3]]}).key == (1, 2)
     assert routing_key("/generate", {"text": "t"}).key == "t"
     assert routing_key("/generate", {"text": "t", "session_id": "s"}) == RoutingKey("t", "s")
     assert routing_key("/v1/sessions/pin", {"text": SYS_A, "ttl_s": 60}).key == SYS_A
-    responses = routing_key("/v1/responses", {"instructions": "I", "input": "x", "previous_response_id": "resp_1"})
-    assert responses.key == "I\x1fx" and responses.session_id == "response:resp_1"
+    responses = routing_key("/v1/responses", {"model": "m", "instructions": "I", "input": "x",
+                                              "previous_response_id": "resp_1"})
+    assert responses.key == "system\x1eI\x1fuser\x1ex\x1f" and responses.session_id == "response:resp_1"
+
+
+TOOL = {"name": "get_weather", "description": "the weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_one_conversation_has_one_key_whichever_api_sends_it():
+    """Chat, Responses and Anthropic's messages render one conversation alike, so they are keyed
+    alike: a client moving between APIs keeps its replica's cache."""
+    chat = routing_key("/v1/chat/completions", {"model": "m", "tools": [{"type": "function", "function": TOOL}],
+        "messages": [{"role": "system", "content": SYS_A}, {"role": "user", "content": "Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    messages = routing_key("/v1/messages", {"model": "m", "max_tokens": 8, "system": SYS_A, "session_id": "s1",
+        "tools": [{"name": "get_weather", "description": "the weather", "input_schema": TOOL["parameters"]}],
+        "messages": [{"role": "user", "content": "Paris?"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather",
+                                                        "input": {"city": "Paris"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]}]})
+    responses = routing_key("/v1/responses", {"model": "m", "instructions": SYS_A,
+        "tools": [{"type": "function", **TOOL}],
+        "input": [{"role": "user", "content": "Paris?"},
+                  {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                  {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+    assert chat.key == messages.key == responses.key and SYS_A in chat.key and "sunny" in chat.key
+    assert messages.session_id == "s1" and chat.session_id is None
+    assert routing_key("/v1/messages", {"model": "m", "max_tokens": 8, "session_id": "s1",
+                                         "messages": [{"role": "user", "content": "hi"}]}, tenant="a11ce").session_id \
+        == "a11ce:s1"
+
+
+def test_every_generating_route_of_the_server_is_routed():
+    """Every POST route the server registers is keyed by prompt and session, broadcast, or named
+    as needing no key: a new generating route that the cluster does not route fails here."""
+    routes = app_routes(ServerOptions(enable_debug_endpoints=True))
+    posts = {r.path for r in routes if "POST" in (r.methods or ())}
+    assert set(ROUTED_PATHS) <= posts
+    unrouted = posts - set(ROUTED_PATHS) - set(BROADCAST_PATHS) - set(UNKEYED_PATHS) - {SESSION_CLOSE_PATH}
+    assert not unrouted, f"routes the cluster does not route: {sorted(unrouted)}"
+    assert "/v1/messages" in ROUTED_PATHS
 
 
 def test_routing_keys_are_namespaced_like_the_cache():
-    body = {"prompt": "same"}
+    body = {"model": "m", "prompt": "same"}
     plain = routing_key("/v1/completions", body)
     alice = routing_key("/v1/completions", body, tenant="a11ce")
     bob = routing_key("/v1/completions", body, tenant="b0b")
     shared = routing_key("/v1/completions", body, tenant="a11ce", shared_cache=True)
-    salted = routing_key("/v1/completions", {"prompt": "same", "cache_salt": "s"})
+    salted = routing_key("/v1/completions", {"model": "m", "prompt": "same", "cache_salt": "s"})
     assert len({plain.key, alice.key, bob.key, salted.key}) == 4
     assert shared.key == plain.key
-    ids = routing_key("/v1/completions", {"prompt": [1, 2]}, tenant="a11ce")
+    ids = routing_key("/v1/completions", {"model": "m", "prompt": [1, 2]}, tenant="a11ce")
     assert ids.key[1:] == (1, 2) and isinstance(ids.key[0], str)
 
 
@@ -269,15 +316,19 @@ def test_sessions_are_routed_per_tenant_even_with_a_shared_cache():
     body = {"text": "t", "session_id": "s"}
     assert routing_key("/generate", body, tenant="a11ce").session_id == "a11ce:s"
     assert routing_key("/generate", body, tenant="b0b", shared_cache=True).session_id == "b0b:s"
-    follow_up = {"instructions": "I", "input": "x", "previous_response_id": "resp_1"}
+    follow_up = {"model": "m", "instructions": "I", "input": "x", "previous_response_id": "resp_1"}
     assert routing_key("/v1/responses", follow_up, tenant="a11ce").session_id == "a11ce:response:resp_1"
 
 
 def test_bodies_the_router_does_not_understand_get_no_key():
     assert routing_key("/v1/completions", None) is None
     assert routing_key("/v1/completions", ["prompt"]) is None
-    assert routing_key("/v1/completions", {"prompt": 5}) is None
-    assert routing_key("/v1/chat/completions", {"messages": "hi"}) is None
+    assert routing_key("/v1/completions", {"model": "m", "prompt": 5}) is None
+    assert routing_key("/v1/chat/completions", {"model": "m", "messages": "hi"}) is None
+    assert routing_key("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                "temprature": 0}) is None  # the replica refuses it: no key
+    assert routing_key("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}) is None
     assert routing_key("/v1/models", {"prompt": "x"}) is None
 
 

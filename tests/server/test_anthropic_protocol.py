@@ -89,6 +89,17 @@ def test_history_and_tool_spec():
     assert body.uses_tools
 
 
+def test_a_session_id_reaches_the_job_as_on_chat():
+    from radixserve.server.protocol.common import ServedModel
+
+    served = ServedModel(("m",), 4, 4, 16)
+    body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "q"}]}
+    assert parse(MessagesRequest, {**body, "session_id": "s1"}).to_job(served, "q", {}).session_id == "s1"
+    assert parse(MessagesRequest, body).to_job(served, "q", {}).session_id is None
+    with pytest.raises(APIError, match="session_id"):
+        parse(MessagesRequest, {**body, "session_id": ""})
+
+
 @pytest.mark.parametrize("choice, mode, named, parallel", [
     (None, "auto", None, True), ({"type": "auto"}, "auto", None, True),
     ({"type": "auto", "disable_parallel_tool_use": True}, "auto", None, False),

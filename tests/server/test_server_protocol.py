@@ -136,7 +136,7 @@ def test_openapi_covers_the_routes_given():
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
 ])
 def test_responses_fields_that_would_change_the_answer_are_refused(extra, param):
-    from radixserve.server.responses_api import ResponsesRequest
+    from radixserve.server.protocol.responses import ResponsesRequest
 
     with pytest.raises(APIError) as caught:
         parse(ResponsesRequest, {"model": "m", "input": "x", **extra}).check_supported()
@@ -144,7 +144,7 @@ def test_responses_fields_that_would_change_the_answer_are_refused(extra, param)
 
 
 def test_responses_fields_without_effect_here_are_accepted():
-    from radixserve.server.responses_api import ResponsesRequest
+    from radixserve.server.protocol.responses import ResponsesRequest
 
     body = {"model": "m", "input": "x", "include": ["reasoning.encrypted_content"], "truncation": "disabled",
             "top_logprobs": 0, "reasoning": {"effort": None}, "max_tool_calls": 4, "prompt_cache_key": "k",

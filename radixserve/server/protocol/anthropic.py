@@ -29,7 +29,7 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel, expects, validation_error
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
-from radixserve.server.protocol.sampling import MAX_STOP_STRINGS, NonEmptyString
+from radixserve.server.protocol.sampling import MAX_STOP_STRINGS, NonEmptyString, SessionId
 from radixserve.server.tools.definitions import (
     MAX_TOOLS, NAME_PATTERN, FunctionDefinition, ToolDefinition, ToolSpec, arguments_grammar,
 )
@@ -333,6 +333,10 @@ class MessagesRequest(Conversation):
     stream: bool = False
     metadata: AnthropicMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="accepted; one tier here")
+    session_id: SessionId | None = Field(
+        None, description="an extension, as on chat: an agent conversation whose latest context is kept ahead of "
+        "other cached prefixes (and, in a cluster, that stays on one replica)"
+    )
 
     def check_continuable(self) -> None:
         if self.messages[-1].role == "assistant":
@@ -350,7 +354,7 @@ class MessagesRequest(Conversation):
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        return GenerationJob(model, [prompt], [params], 1, self.stream, False)
+        return GenerationJob(model, [prompt], [params], 1, self.stream, False, session_id=self.session_id)
 
 
 def parse(model: type[Conversation], body: Any) -> Any:

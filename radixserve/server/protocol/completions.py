@@ -35,7 +35,7 @@ class CompletionRequest(OpenAISamplingFields):
 
     def to_job(self, served: ServedModel) -> GenerationJob:
         model = served.check_model(self.model)
-        prompts = self._prompts()
+        prompts = self.prompts()
         if self.suffix:
             raise bad_request("'suffix' is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -50,7 +50,7 @@ class CompletionRequest(OpenAISamplingFields):
             self.cache_salt, session_id=self.session_id,
         )
 
-    def _prompts(self) -> list[Prompt]:
+    def prompts(self) -> list[Prompt]:
         value = self.prompt
         if isinstance(value, str) or (value and isinstance(value[0], int)):
             prompts: list[Prompt] = [value]

@@ -115,7 +115,7 @@ class GenerateRequest(NativeModel):
     def to_job(self, served: ServedModel) -> NativeJob:
         if self.model is not None:
             served.check_model(self.model)
-        prompts, batched = self._prompts()
+        prompts, batched = self.prompts()
         served.check_group(len(prompts), 1, "text" if self.text is not None else "input_ids")
         sampling = self.sampling_params or GenerateSamplingParams()
         served.check_n(sampling.n)
@@ -158,7 +158,7 @@ class GenerateRequest(NativeModel):
             raise bad_request("'rid' holds the same id twice", param="rid")
         return rids
 
-    def _prompts(self) -> tuple[list[str | list[int]], bool]:
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
         if (self.text is None) == (self.input_ids is None):
             raise bad_request("give exactly one of 'text' or 'input_ids'", param="text")
         if isinstance(self.text, str):
