@@ -1,9 +1,9 @@
-"""RequestOutput: what a caller sees of a request after a step (cumulative, not a delta)."""
+"""RequestOutput: what a caller sees of a request after a step (cumulative), and OutputDelta:
+what that step added, as the engine loop hands it out (never more than the step's tokens)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 
 
 @dataclass(frozen=True)
@@ -13,6 +13,18 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """What one output adds to the request's previous one: the new tokens, their logprobs
+    (None when not asked for) and the new text (a running request's text only grows: a
+    possible stop string is held back)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    text: str
+    first: bool  # the request's first output
 
 
 @dataclass
@@ -32,6 +44,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_preemptions: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, e2e_s once known
+    delta: OutputDelta | None = None  # set by the EngineLoop that hands the output out; None from Engine.step
 
     @property
     def prompt_tokens(self) -> int:

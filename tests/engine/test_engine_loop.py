@@ -68,6 +68,22 @@ def test_submitted_requests_run_greedy_and_together(loop, engine, directory):
     idle_and_intact(loop)
 
 
+def test_each_output_carries_what_it_adds_and_the_deltas_assemble_to_the_final_output(loop, engine):
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    prepared = engine.prepare([5, 6, 7], SamplingParams(max_tokens=12, logprobs=2, **GREEDY))
+    loop.submit([prepared], outputs.put, ["d"]).result(TIMEOUT)
+    seen: list[RequestOutput] = []
+    while not (seen and seen[-1].finished):
+        seen.append(outputs.get(timeout=TIMEOUT))
+    final = seen[-1]
+    assert [o.delta.first for o in seen] == [True] + [False] * (len(seen) - 1)
+    assert [t for o in seen for t in o.delta.token_ids] == final.token_ids
+    assert [lp for o in seen for lp in o.delta.logprobs] == final.logprobs
+    assert "".join(o.delta.text for o in seen) == final.text
+    assert all(len(o.delta.token_ids) == len(o.token_ids) - len(p.token_ids) for p, o in zip(seen, seen[1:]))
+    idle_and_intact(loop)
+
+
 def test_submit_is_all_or_none(loop, engine):
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     keep = engine.prepare([1, 2, 3], SamplingParams(max_tokens=40, **GREEDY))
