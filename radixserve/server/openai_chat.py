@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from radixserve.outputs import RequestOutput
 from radixserve.server.logprob_format import chat_logprobs
-from radixserve.server.openai_common import DeltaTracker, finish_reason, now_s, response_id, usage
+from radixserve.server.openai_common import now_s
+from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
+from radixserve.server.output.ids import new_id
+from radixserve.server.output.usage import Usage
 from radixserve.server.protocol.chat import ChatCompletionRequest
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.tools.parser import (
-    ArgumentsDelta, CallStarted, ContentDelta, Event, ParsedOutput, ToolCallParser, parse_tool_calls,
-)
+from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling, ToolOutput
 
 
@@ -33,29 +33,20 @@ async def chat_job(body: ChatCompletionRequest, served: ServedModel, calling: To
     return job, ToolOutput(spec, calling.fmt) if spec.parses_calls else None
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_finish_reason(output: RequestOutput, num_calls: int) -> str | None:
-    reason = finish_reason(output)
-    return "tool_calls" if reason == "stop" and num_calls else reason
-
-
 class ChatResponder:
-    """Turns a job's outputs into "chat.completion" / "chat.completion.chunk" objects."""
+    """Encodes each choice's output events as a "chat.completion" or "chat.completion.chunk"s."""
 
     def __init__(self, job: GenerationJob, texts: TokenTexts, tools: ToolOutput | None = None):
         self.job = job
         self.texts = texts
         self.tools = tools
-        self.id = response_id("chatcmpl")
+        self.id = new_id("chatcmpl-")
         self.created = now_s()
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for index, output in enumerate(outputs):
-            message, reason = self._message(output)
+            message, reason = _message(self._events().whole(output))
             choices.append({
                 "index": index,
                 "message": message,
@@ -63,54 +54,37 @@ class ChatResponder:
                 "finish_reason": reason,
                 "stop_reason": output.stop_reason,
             })
-        return self._object("chat.completion", choices, usage(self.job, outputs))
+        return self._object("chat.completion", choices, Usage.of_group(len(self.job.prompts), self.job.n, outputs))
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
         """A role chunk per choice, content (and tool call) chunks as outputs arrive, then usage if asked."""
         for index in range(len(group.members)):
             yield self._chunk([self._delta_choice(index, {"role": "assistant", "content": ""}, None, None)])
-        trackers = [DeltaTracker() for _ in group.members]
-        streams = [_CallStream(self.tools) if self.tools is not None else None for _ in group.members]
+        streams = [self._events() for _ in group.members]
         async for index, output in group.outputs():
-            delta = trackers[index].advance(output)
+            delta = output.delta
             if not (delta.text or delta.token_ids or output.finished):
                 continue
-            logprobs = self._logprobs(delta.logprobs)
-            if streams[index] is None:
-                content = {"content": delta.text} if delta.text else {}
-                yield self._chunk([self._delta_choice(index, content, logprobs, finish_reason(output))])
-                continue
-            for chunk in self._tool_chunks(index, streams[index], delta.text, output, logprobs):
+            for chunk in self._step_chunks(index, streams[index].step(output), self._logprobs(delta.logprobs or [])):
                 yield chunk
         if self.job.include_usage:
-            yield self._chunk([], usage(self.job, [m.latest for m in group.members]))
+            yield self._chunk([], Usage.of_group(len(self.job.prompts), self.job.n, [m.latest for m in group.members]))
 
-    def _message(self, output: RequestOutput) -> tuple[dict[str, Any], str | None]:
-        if self.tools is None:
-            return {"role": "assistant", "content": output.text}, finish_reason(output)
-        parsed: ParsedOutput = parse_tool_calls(output.text, self.tools.fmt, self.tools.spec.names)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.calls:
-            message["tool_calls"] = [
-                {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in parsed.calls
-            ]
-        return message, tool_finish_reason(output, len(parsed.calls))
+    def _events(self) -> OutputEvents:
+        return OutputEvents(ToolCallParser(self.tools.fmt, self.tools.spec.names) if self.tools is not None else None)
 
-    def _tool_chunks(
-        self, index: int, stream: "_CallStream", text: str, output: RequestOutput, logprobs: dict | None
-    ) -> list[dict[str, Any]]:
-        deltas = stream.feed(text, output.finished)
-        reason = tool_finish_reason(output, stream.parser.num_calls) if output.finished else None
-        if not deltas:
-            deltas = [{}] if logprobs is not None or reason is not None else []
-        chunks = []
-        for i, delta in enumerate(deltas):
-            last = i == len(deltas) - 1
-            chunks.append(self._chunk([self._delta_choice(
-                index, delta, logprobs if i == 0 else None, reason if last else None
-            )]))
-        return chunks
+    def _step_chunks(self, index: int, events: list[Event], logprobs: dict | None) -> list[dict[str, Any]]:
+        """One chunk per delta of a step: its logprobs on the first, the finish reason on the last."""
+        finish = events[-1] if events and isinstance(events[-1], Finish) else None
+        reason = _finish_reason(finish) if finish is not None else None
+        deltas = [d for d in map(_delta, events) if d is not None]
+        if not deltas and (self.tools is None or logprobs is not None or reason is not None):
+            deltas = [{}]
+        return [
+            self._chunk([self._delta_choice(index, delta, logprobs if i == 0 else None,
+                                            reason if i == len(deltas) - 1 else None)])
+            for i, delta in enumerate(deltas)
+        ]
 
     def _logprobs(self, entries: list) -> dict[str, Any] | None:
         if self.job.logprobs is None:
@@ -120,39 +94,47 @@ class ChatResponder:
     def _delta_choice(self, index: int, delta: dict, logprobs: dict | None, reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
-    def _chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
-        chunk = self._object("chat.completion.chunk", choices, usage_)
-        if self.job.include_usage and usage_ is None:  # as OpenAI streams them: usage null until the last chunk
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        chunk = self._object("chat.completion.chunk", choices, usage)
+        if self.job.include_usage and usage is None:  # as OpenAI streams them: usage null until the last chunk
             chunk["usage"] = None
         return chunk
 
-    def _object(self, kind: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
+    def _object(self, kind: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.job.model, "choices": choices}
-        if usage_ is not None:
-            body["usage"] = usage_
+        if usage is not None:
+            body["usage"] = usage.openai()
         return body
 
 
-class _CallStream:
-    """One choice's parser, its events as chat deltas: a call's id and name first, then
-    its argument fragments."""
+def _message(events: list[Event]) -> tuple[dict[str, Any], str | None]:
+    """The whole answer's message: its content (None when it made calls and said nothing)
+    and calls, and its finish reason."""
+    content = "".join(e.text for e in events if isinstance(e, TextDelta))
+    starts = [e for e in events if isinstance(e, CallStart)]
+    ends = [e for e in events if isinstance(e, CallEnd)]
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not starts else None}
+    if starts:
+        message["tool_calls"] = [
+            {"id": "call_" + s.id_hex, "type": "function", "function": {"name": s.name, "arguments": e.arguments}}
+            for s, e in zip(starts, ends)
+        ]
+    finish = events[-1] if events and isinstance(events[-1], Finish) else None
+    return message, _finish_reason(finish) if finish is not None else None
 
-    def __init__(self, tools: ToolOutput):
-        self.parser = ToolCallParser(tools.fmt, tools.spec.names)
 
-    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        events = self.parser.feed(text) if text else []
-        if finished:
-            events += self.parser.finish()
-        return [_delta(e) for e in events]
+def _finish_reason(finish: Finish) -> str | None:
+    return "tool_calls" if finish.reason == "stop" and finish.num_calls else finish.reason
 
 
-def _delta(event: Event) -> dict[str, Any]:
-    if isinstance(event, ContentDelta):
+def _delta(event: Event) -> dict[str, Any] | None:
+    """A chat delta: content, a call's id and name, then its argument pieces."""
+    if isinstance(event, TextDelta):
         return {"content": event.text}
-    if isinstance(event, CallStarted):
-        call = {"index": event.index, "id": call_id(), "type": "function",
+    if isinstance(event, CallStart):
+        call = {"index": event.index, "id": "call_" + event.id_hex, "type": "function",
                 "function": {"name": event.name, "arguments": ""}}
         return {"tool_calls": [call]}
-    assert isinstance(event, ArgumentsDelta)
-    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    if isinstance(event, CallArguments):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return None  # CallEnd, Finish: nothing to send

@@ -7,7 +7,9 @@ from typing import Any
 
 from radixserve.outputs import RequestOutput
 from radixserve.server.logprob_format import LegacyLogprobs, merge_legacy
-from radixserve.server.openai_common import DeltaTracker, finish_reason, now_s, response_id, usage
+from radixserve.server.openai_common import finish_reason, now_s
+from radixserve.server.output.ids import new_id
+from radixserve.server.output.usage import Usage
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
@@ -19,7 +21,7 @@ class CompletionResponder:
     def __init__(self, job: GenerationJob, texts: TokenTexts):
         self.job = job
         self.texts = texts
-        self.id = response_id("cmpl")
+        self.id = new_id("cmpl-")
         self.created = now_s()
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -30,24 +32,26 @@ class CompletionResponder:
             if logprobs is not None:
                 lp = merge_legacy(lp, logprobs.piece(output.token_ids, output.logprobs or []))
             choices.append(self._choice(index, text + output.text, lp, finish_reason(output), output))
-        return self._object(choices, usage(self.job, outputs))
+        return self._object(choices, self._usage(outputs))
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
-        """Stream chunks as outputs arrive, then the usage chunk when asked for."""
-        trackers = [DeltaTracker() for _ in group.members]
+        """Stream chunks as outputs arrive (each the engine's delta), then the usage chunk when asked for."""
         logprobs = [LegacyLogprobs(self.texts) if self.job.logprobs is not None else None for _ in group.members]
         async for index, output in group.outputs():
-            delta = trackers[index].advance(output)
+            delta = output.delta
             text, lp = self._opening(output, logprobs[index]) if delta.first else ("", None)
             text += delta.text
             if logprobs[index] is not None:
-                piece = logprobs[index].piece(delta.token_ids, delta.logprobs)
+                piece = logprobs[index].piece(delta.token_ids, delta.logprobs or [])
                 lp = merge_legacy(lp, piece) if lp is not None else piece
             if text or delta.token_ids or output.finished:
                 chunk = self._object([self._choice(index, text, lp, finish_reason(output), output)])
                 yield {**chunk, "usage": None} if self.job.include_usage else chunk  # as OpenAI streams them
         if self.job.include_usage:
-            yield self._object([], usage(self.job, [m.latest for m in group.members]))
+            yield self._object([], self._usage([m.latest for m in group.members]))
+
+    def _usage(self, outputs: list[RequestOutput | None]) -> dict[str, Any]:
+        return Usage.of_group(len(self.job.prompts), self.job.n, outputs).openai()
 
     def _opening(self, output: RequestOutput, logprobs: LegacyLogprobs | None) -> tuple[str, dict | None]:
         """The echoed prompt (text and logprobs) that starts a choice, or nothing."""

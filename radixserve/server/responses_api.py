@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,12 +25,14 @@ from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import bad_request
 from radixserve.server.openai_common import now_s
+from radixserve.server.output.events import OutputEvents
+from radixserve.server.output.ids import new_id
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.responses import ResponsesRequest
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import OwnedResponses
-from radixserve.server.responses_output import ResponseOutputBuilder, response_usage
+from radixserve.server.responses_output import ResponseOutputBuilder
 from radixserve.server.tools.definitions import ToolSpec
 from radixserve.server.tools.history import HistoryMessage
 from radixserve.server.tools.parser import ToolCallParser
@@ -74,41 +75,36 @@ class ResponsesResponder:
         self.calling = calling
         self.store = store
         self.conversation = conversation
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = new_id("resp_")
         self.created = now_s()
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        output = outputs[0]
-        builder = ResponseOutputBuilder(self._parser())
-        builder.feed(output.text, final=True)
-        return self._response(output, builder)
+        builder = ResponseOutputBuilder()
+        builder.apply(OutputEvents(self._parser()).whole(outputs[0]))
+        return self._response(builder)
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
-        builder = ResponseOutputBuilder(self._parser())
+        builder, events = ResponseOutputBuilder(), OutputEvents(self._parser())
         sequence = itertools.count()
         for kind in ("response.created", "response.in_progress"):
-            yield {"type": kind, "sequence_number": next(sequence), "response": self._response(None, builder)}
-        sent = 0
+            yield {"type": kind, "sequence_number": next(sequence), "response": self._response(builder)}
         async for _, output in group.outputs():
-            events = builder.feed(output.text[sent:], final=output.finished)
-            sent = len(output.text)
-            for event in events:
+            for event in builder.apply(events.step(output)):
                 yield {**event, "sequence_number": next(sequence)}
-            if output.finished:
-                response = self._response(output, builder)
+            if builder.finish is not None:
+                response = self._response(builder)
                 kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
                 yield {"type": kind, "sequence_number": next(sequence), "response": response}
 
     def _parser(self) -> ToolCallParser | None:
         return ToolCallParser(self.calling.fmt, self.spec.names) if self.spec is not None else None
 
-    def _response(self, output: RequestOutput | None, builder: ResponseOutputBuilder) -> dict[str, Any]:
-        body = self.request
-        status = "in_progress" if output is None else (
-            "incomplete" if output.finish_reason == "length" else "completed"
-        )
+    def _response(self, builder: ResponseOutputBuilder) -> dict[str, Any]:
+        """The response object: in progress until the builder has seen the finish."""
+        body, finish = self.request, builder.finish
+        status = "in_progress" if finish is None else ("incomplete" if finish.reason == "length" else "completed")
         stored = False
-        if output is not None and body.store:
+        if finish is not None and body.store:
             stored = self.store.put(self.id, self.conversation + builder.history())
         return {
             "id": self.id,
@@ -116,7 +112,7 @@ class ResponsesResponder:
             "created_at": self.created,
             "status": status,
             "model": self.job.model,
-            "output": builder.items if output is not None else [],
+            "output": builder.items if finish is not None else [],
             "instructions": body.instructions,
             "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in body.tools or []],
             "tool_choice": _dump(body.tool_choice) if body.tool_choice is not None else "auto",
@@ -125,13 +121,13 @@ class ResponsesResponder:
             "top_p": body.top_p,
             "max_output_tokens": body.max_output_tokens,
             "previous_response_id": body.previous_response_id,
-            "store": stored if output is not None else body.store,
+            "store": stored if finish is not None else body.store,
             "text": {"format": _dump(body.text.format) if body.text and body.text.format else {"type": "text"}},
             "truncation": "disabled",
             "metadata": body.metadata or {},
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "usage": response_usage(output) if output is not None else None,
+            "usage": finish.usage.responses() if finish is not None else None,
         }
 
 

@@ -1,32 +1,29 @@
 """ResponseOutputBuilder: a Responses API answer's output items (message, function_call), built
-from the generated text as it grows, with the stream events that announce them."""
+from the answer's output events (server/output/events.py), with the stream events that announce them."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from radixserve.outputs import RequestOutput
+from radixserve.server.output.events import CallArguments, CallStart, Event, Finish, TextDelta
+from radixserve.server.output.ids import new_id
 from radixserve.server.tools.history import HistoryCall, HistoryMessage
-from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ToolCallParser, text_events
 
 
 class ResponseOutputBuilder:
-    """Feed the text as it grows (`parser` None: all of it is content). The same builder
-    makes the non-streamed body, so a stream always assembles to the body."""
+    """Apply the answer's events as they come. The same builder makes the non-streamed
+    body, so a stream always assembles to the body."""
 
-    def __init__(self, parser: ToolCallParser | None):
-        self.parser = parser
+    def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
+        self.finish: Finish | None = None
 
-    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        for event in text_events(self.parser, text, final):
-            events += self._apply(event)
-        if final:
-            events += self._close()
-        return events
+    def apply(self, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for event in events:
+            out += self._apply(event)
+        return out
 
     def history(self) -> list[HistoryMessage]:
         """The output as one assistant turn (text, then calls), for a later previous_response_id."""
@@ -36,23 +33,26 @@ class ResponseOutputBuilder:
         return [HistoryMessage("assistant", text, calls)]
 
     def _apply(self, event: Event) -> list[dict[str, Any]]:
-        if isinstance(event, ContentDelta):
+        if isinstance(event, TextDelta):
             events = [] if self._open is not None and self._open["type"] == "message" else self._close() + self._open_message()
             item = self._open
             item["content"][0]["text"] += event.text
             return events + [{"type": "response.output_text.delta", **self._where(), "content_index": 0,
                               "delta": event.text, "logprobs": []}]
-        if isinstance(event, CallStarted):
+        if isinstance(event, CallStart):
             events = self._close()
-            item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                    "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": event.name, "arguments": ""}
+            item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                    "call_id": "call_" + event.id_hex, "name": event.name, "arguments": ""}
             return events + self._add(item)
-        assert isinstance(event, ArgumentsDelta) and self._open is not None
-        self._open["arguments"] += event.text
-        return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
+        if isinstance(event, CallArguments):
+            self._open["arguments"] += event.text
+            return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
+        if isinstance(event, Finish):
+            self.finish = event
+        return self._close()  # CallEnd, Finish
 
     def _open_message(self) -> list[dict[str, Any]]:
-        item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress", "role": "assistant",
+        item = {"id": new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
                 "content": []}
         events = self._add(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -92,13 +92,3 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     if "content" in copied:
         copied["content"] = [dict(p) for p in copied["content"]]
     return copied
-
-
-def response_usage(output: RequestOutput) -> dict[str, Any]:
-    return {
-        "input_tokens": output.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": output.cached_tokens},
-        "output_tokens": output.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": output.prompt_tokens + output.completion_tokens,
-    }
