@@ -81,3 +81,11 @@ def test_usage_is_counted_once_and_spelt_per_api():
     a = RequestOutput("a", None, [1] * 10, [5, 6], "", True, "stop", cached_tokens=4)
     b = RequestOutput("b", None, [1] * 10, [7], "", True, "stop", cached_tokens=4)
     assert Usage.of_group(1, 2, [a, b]) == Usage(10, 4, 3)  # one prompt, two samples: counted once
+
+
+def test_the_output_path_bench_runs_every_encoder():
+    from bench.bench_output_path import measure
+
+    results = measure([40, 80], repeats=1)
+    assert set(results) == {"chat", "completions", "anthropic", "responses", "native", "engine"}
+    assert all(v > 0 for per_length in results.values() for v in per_length.values())
