@@ -1,0 +1,367 @@
+/*
+ * out = x @ w.T for a weight stored as small unsigned codes in groups (radixserve's one
+ * repacked layout for every GGUF block type and for int8/int4 quantized checkpoints,
+ * model/quant_weight.py):
+ *
+ *   w[n, k] = scale[n, k / G] * u[n, k] + offset[n, k / G]
+ *
+ *   u      4-bit or 8-bit unsigned codes, K a multiple of 64. 8-bit: one byte a code.
+ *          4-bit: per 64-element chunk, byte j (0..31) holds code j in its low nibble and
+ *          code 32 + j in its high nibble, so one chunk unpacks into two 32-byte halves.
+ *   G      16, 32, or a multiple of 64 dividing K (16: Q6_K's sub-blocks; K: per channel)
+ *   scale, offset  float32 [N, K / G]; offset NULL: offset = -zero * scale (a symmetric type
+ *          stored with its zero point `zero`: Q4_0's 8, Q8_0's 128, Q6_K's 32)
+ *
+ * The rows of x are quantized per 32-element block to two int8 codes an element, a high one
+ * and the residual it leaves (x^ = dx * (xq + xr / 256), dx = max|x| / 127: about 16 bits;
+ * one int8 code alone, as llama.cpp's Q8 activations, measured 98.2% top-1 agreement with the
+ * float product on the default model, two 99.5%+). Each row of the product is
+ * sum_g scale * dx * (256 u.xq + u.xr) / 256 + offset * sum(x^): exactly w . x^ up to float
+ * summation order, so the only error against the float product is the activations' rounding.
+ * On AVX512-VNNI the u8 x s8 products are vpdpbusd's, 64 an instruction; an AVX2 path widens
+ * to 16 bits (vpmaddwd, no saturation for 8-bit codes), and a scalar one is the plain loop. `path` chooses (0: the best this build has; 1: AVX2;
+ * 2: scalar) so the tests run each one here.
+ *
+ * Features are split over OpenMP threads (torch's own workers, see native_build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const uint8_t *codes;  /* [N, K * bits / 8] */
+    const float *scale;    /* [N, K / G] */
+    const float *offset;   /* [N, K / G], or NULL: -zero * scale */
+    int64_t N, K, bits, group, zero;
+} QWeight;
+
+/* The activations of one call: per row, int8 codes, each 32-block's dx, and per weight group
+ * the sum of the dequantized activations. */
+typedef struct {
+    int8_t *xq;      /* [M, K] high codes */
+    int8_t *xr;      /* [M, K] residual codes, in 1/256ths of dx */
+    float *dx;       /* [M, K / 32] */
+    float *xsum;     /* [M, K / G] */
+    int64_t M, K, groups;
+} QActs;
+
+static int weight_valid(const QWeight *w) {
+    if (w->K <= 0 || w->N <= 0 || w->K % 64 || (w->bits != 4 && w->bits != 8)) return 0;
+    if (w->group == 16 || w->group == 32) return 1;
+    return w->group > 0 && w->group % 64 == 0 && w->K % w->group == 0;
+}
+
+static inline int64_t row_bytes(const QWeight *w) { return w->K * w->bits / 8; }
+
+/* Code k of feature row `codes` (any layout). */
+static inline int code_at(const uint8_t *codes, int64_t k, int64_t bits) {
+    if (bits == 8) return codes[k];
+    const int64_t chunk = k / 64, j = k % 64;
+    const uint8_t byte = codes[chunk * 32 + (j & 31)];
+    return j < 32 ? (byte & 15) : (byte >> 4);
+}
+
+static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) {
+    const int64_t K = a->K, blocks = K / 32;
+    for (int64_t r = 0; r < a->M; ++r) {
+        const float *xr = x + r * ldx;
+        int8_t *q = a->xq + r * K, *res = a->xr + r * K;
+        float *dx = a->dx + r * blocks, *xs = a->xsum + r * a->groups;
+        memset(xs, 0, sizeof(float) * a->groups);
+        for (int64_t b = 0; b < blocks; ++b) {
+            float amax = 0.0f;
+            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xr[32 * b + i]));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dx[b] = d;
+            for (int i = 0; i < 32; ++i) {
+                const float v = xr[32 * b + i] * inv;
+                const int hi = (int)lrintf(v), clamped = hi > 127 ? 127 : hi < -127 ? -127 : hi;
+                const int lo = (int)lrintf((v - (float)clamped) * 256.0f);
+                q[32 * b + i] = (int8_t)clamped;
+                res[32 * b + i] = (int8_t)(lo > 127 ? 127 : lo < -127 ? -127 : lo);
+                xs[(32 * b + i) / group] += d * ((float)clamped + (float)res[32 * b + i] * (1.0f / 256.0f));
+            }
+        }
+    }
+}
+
+/* sum_g offset[g] * xsum[g] of feature n */
+static inline float offset_term(const QWeight *w, int64_t n, const float *xsum, int64_t groups) {
+    float s = 0.0f;
+    if (w->offset) {
+        const float *offset = w->offset + n * groups;
+        for (int64_t g = 0; g < groups; ++g) s += offset[g] * xsum[g];
+        return s;
+    }
+    const float *scale = w->scale + n * groups;
+    for (int64_t g = 0; g < groups; ++g) s += scale[g] * xsum[g];
+    return -(float)w->zero * s;
+}
+
+/* ---- scalar ------------------------------------------------------------------------ */
+
+static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+    const uint8_t *codes = w->codes + n * row_bytes(w);
+    const float *scale = w->scale + n * a->groups;
+    for (int64_t r = 0; r < a->M; ++r) {
+        const int8_t *q = a->xq + r * a->K, *res = a->xr + r * a->K;
+        const float *dx = a->dx + r * (a->K / 32);
+        const int64_t span = w->group == 16 ? 16 : 32; /* elements one integer dot covers */
+        float sum = 0.0f;
+        for (int64_t g = 0; g < a->K / span; ++g) {
+            int32_t dot = 0;
+            for (int64_t i = span * g; i < span * (g + 1); ++i) {
+                const int u = code_at(codes, i, w->bits);
+                dot += 256 * u * q[i] + u * res[i];
+            }
+            sum += scale[span * g / w->group] * (dx[span * g / 32] * (1.0f / 256.0f)) * (float)dot;
+        }
+        out[r * ldo + n] = sum + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* ---- AVX2: codes and activations widened to 16 bits, vpmaddwd ------------------------- */
+
+#if defined(__AVX2__)
+static inline float qhsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(t, t));
+}
+
+/* 32 codes of block b (elements 32b..32b+31) as bytes. */
+static inline __m256i block_codes_avx2(const uint8_t *codes, int64_t b, int64_t bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(codes + 32 * b));
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * (b / 2)));
+    const __m256i nib = b % 2 ? _mm256_srli_epi16(packed, 4) : packed;
+    return _mm256_and_si256(nib, _mm256_set1_epi8(15));
+}
+
+/* Per 16-element half of a block: the int32 dot products as 8 lanes (4 per half: lanes
+ * 0-3 elements 0-15, lanes 4-7 elements 16-31 after the permute below). */
+static inline __m256i block_dot_avx2(__m256i u, const int8_t *q) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)q);  /* no saturation: s16 products, s32 sums */
+    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)),
+                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq)));
+    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)),
+                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1)));
+    /* lo: 8 pair sums of elements 0-15, hi: of 16-31; fold each to 4 lanes: [lo0..3 | hi0..3] */
+    const __m256i folded = _mm256_hadd_epi32(lo, hi);  /* [lo01 lo23 hi01 hi23 | lo45 lo67 hi45 hi67] */
+    return _mm256_permutevar8x32_epi32(folded, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+    const uint8_t *codes = w->codes + n * row_bytes(w);
+    const float *scale = w->scale + n * a->groups;
+    const int64_t blocks = a->K / 32;
+    for (int64_t r = 0; r < a->M; ++r) {
+        const int8_t *q = a->xq + r * a->K, *res = a->xr + r * a->K;
+        const float *dx = a->dx + r * blocks;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const __m256i u = block_codes_avx2(codes, b, w->bits);
+            const __m256i hi = _mm256_slli_epi32(block_dot_avx2(u, q + 32 * b), 8);
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(hi, block_dot_avx2(u, res + 32 * b)));
+            __m256 s;
+            if (w->group == 16)
+                s = _mm256_setr_m128(_mm_set1_ps(scale[2 * b]), _mm_set1_ps(scale[2 * b + 1]));
+            else
+                s = _mm256_set1_ps(scale[32 * b / w->group]);
+            acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[b] * (1.0f / 256.0f))), acc);
+        }
+        out[r * ldo + n] = qhsum8(acc) + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
+    }
+}
+#endif
+
+/* ---- AVX512-VNNI: a 64-element chunk a vpdpbusd, 4 features x up to 4 rows a tile ------ */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1
+
+/* The 64 codes of chunk c as bytes in element order. */
+static inline __m512i chunk_codes(const uint8_t *codes, int64_t c, int64_t bits) {
+    if (bits == 8) return _mm512_loadu_si512(codes + 64 * c);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(15));
+}
+
+/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
+static inline __m128 qsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+typedef struct {
+    __m512i index;     /* lane l (elements 4l..4l+3 of a chunk) -> its group among those loaded */
+    __mmask16 load;    /* how many group scales one chunk spans */
+    int64_t per_chunk; /* groups advanced per chunk, 0 when a group spans several chunks */
+} ScaleLanes;
+
+static ScaleLanes scale_lanes(int64_t group) {
+    ScaleLanes s;
+    if (group == 16) {
+        s.index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), s.load = 0xF, s.per_chunk = 4;
+    } else if (group == 32) {
+        s.index = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), s.load = 0x3, s.per_chunk = 2;
+    } else {
+        s.index = _mm512_setzero_si512(), s.load = 0x1, s.per_chunk = 0;
+    }
+    return s;
+}
+
+/* Every row's activation scales per chunk as 16 lanes, [dx(2c) x8, dx(2c+1) x8] / 256, into
+ * lanes [M, K / 64, 16]: made once a call instead of once a feature quad. */
+static void expand_dx(const QActs *a, float *lanes) {
+    const __m512i index = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 unit = _mm512_set1_ps(1.0f / 256.0f);
+    for (int64_t i = 0; i < a->M * (a->K / 64); ++i)
+        _mm512_storeu_ps(lanes + 16 * i, _mm512_mul_ps(unit, _mm512_permutexvar_ps(
+                                                                 index, _mm512_maskz_loadu_ps(0x3, a->dx + 2 * i))));
+}
+
+#define DEFINE_QTILE(R)                                                                                          \
+    static void qtile4x##R(const QWeight *w, const QActs *a, const float *dx_lanes, int64_t n, int64_t m,      \
+                           float *out, int64_t ldo, const float *bias, ScaleLanes lanes) {                      \
+        const int64_t rb = row_bytes(w), groups = a->groups, chunks = a->K / 64;                                \
+        __m512 acc[R][4];                                                                                       \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_setzero_ps();                                        \
+        for (int64_t c = 0; c < chunks; ++c) {                                                                  \
+            __m512i u[4];                                                                                       \
+            __m512 s[4];                                                                                        \
+            const int64_t g = lanes.per_chunk ? c * lanes.per_chunk : 64 * c / w->group;                        \
+            _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                               \
+                const uint8_t *row = w->codes + (n + f) * rb;                                                   \
+                u[f] = chunk_codes(row, c, w->bits);                                                            \
+                _mm_prefetch((const char *)(row + 4 * rb + c * w->bits * 8), _MM_HINT_T0);                      \
+                s[f] = _mm512_permutexvar_ps(lanes.index,                                                        \
+                                             _mm512_maskz_loadu_ps(lanes.load, w->scale + (n + f) * groups + g)); \
+            }                                                                                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                               \
+                const __m512i xq = _mm512_loadu_si512(a->xq + (m + r) * a->K + 64 * c);                         \
+                const __m512i xr = _mm512_loadu_si512(a->xr + (m + r) * a->K + 64 * c);                         \
+                const __m512 dx = _mm512_loadu_ps(dx_lanes + 16 * ((m + r) * chunks + c));                      \
+                _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                           \
+                    const __m512i hi = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[f], xq), 8); \
+                    const __m512i dot = _mm512_dpbusd_epi32(hi, u[f], xr);                                      \
+                    acc[r][f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[f], dx), acc[r][f]);   \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; ++r) {                                                                           \
+            float sums[4];                                                                                      \
+            _mm_storeu_ps(sums, qsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                              \
+            const float *xs = a->xsum + (m + r) * groups;                                                       \
+            for (int f = 0; f < 4; ++f)                                                                         \
+                out[(m + r) * ldo + n + f] = sums[f] + offset_term(w, n + f, xs, groups)                        \
+                                             + (bias ? bias[n + f] : 0.0f);                                     \
+        }                                                                                                       \
+    }
+DEFINE_QTILE(1)
+DEFINE_QTILE(2)
+DEFINE_QTILE(3)
+DEFINE_QTILE(4)
+
+static void quad_vnni(const QWeight *w, const QActs *a, const float *dx_lanes, int64_t n, float *out, int64_t ldo,
+                      const float *bias) {
+    const ScaleLanes lanes = scale_lanes(w->group);
+    int64_t m = 0;
+    for (; m + 4 <= a->M; m += 4) qtile4x4(w, a, dx_lanes, n, m, out, ldo, bias, lanes);
+    switch (a->M - m) {
+        case 3: qtile4x3(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
+        case 2: qtile4x2(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
+        case 1: qtile4x1(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
+        default: break;
+    }
+}
+#endif
+
+/* ---- entry points --------------------------------------------------------------------- */
+
+int quant_linear_best_path(void) {
+#if defined(HAVE_VNNI)
+    return 0;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 2;
+#endif
+}
+
+/* x [M, K] rows `ldx` floats apart -> out [M, N] rows `ldo` floats apart (+ bias [N] or NULL).
+ * Returns 0; -1 for shapes the layout refuses, -2 when scratch memory cannot be had, -3 for a
+ * path this build lacks. */
+int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *codes, const float *scale,
+                     const float *offset, int64_t N, int64_t K, int64_t bits, int64_t group, int64_t zero,
+                     const float *bias, float *out, int64_t ldo, int64_t path) {
+    const QWeight w = {codes, scale, offset, N, K, bits, group, zero};
+    if (!weight_valid(&w) || M <= 0) return -1;
+    if (path == 0) path = quant_linear_best_path();
+#if !defined(__AVX2__)
+    if (path == 1) return -3;
+#endif
+    QActs a = {NULL, NULL, NULL, NULL, M, K, K / group};
+    /* xq, xr, then dx, xsum and the VNNI path's dx lanes (M * K / 4 floats) */
+    void *scratch = malloc((size_t)(2 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group + K / 4)) + 64);
+    if (!scratch) return -2;
+    a.xq = (int8_t *)scratch;
+    a.xr = a.xq + M * K;
+    a.dx = (float *)(((uintptr_t)(a.xr + M * K) + 63) & ~(uintptr_t)63);
+    a.xsum = a.dx + M * (K / 32);
+    quantize_rows(x, ldx, &a, group);
+    int64_t done = 0;
+#if defined(HAVE_VNNI)
+    if (path == 0) {
+        float *dx_lanes = a.xsum + M * (K / group);
+        expand_dx(&a, dx_lanes);
+        const int64_t quads = N / 4;
+#pragma omp parallel for schedule(static)
+        for (int64_t q = 0; q < quads; ++q) quad_vnni(&w, &a, dx_lanes, 4 * q, out, ldo, bias);
+        done = 4 * quads;
+    }
+#endif
+#if defined(__AVX2__)
+    if (path <= 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t n = done; n < N; ++n) feature_avx2(&w, &a, n, out, ldo, bias);
+        done = N;
+    }
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t n = done; n < N; ++n) feature_scalar(&w, &a, n, out, ldo, bias);
+    free(scratch);
+    return 0;
+}
+
+/* The float32 weight rows `rows` [count] (or 0..count-1 when NULL) into out [count, K]: the
+ * embedding's lookup, and a whole weight for the BLAS at prompt sizes. */
+int quant_dequantize_f32(const uint8_t *codes, const float *scale, const float *offset, int64_t N, int64_t K,
+                         int64_t bits, int64_t group, int64_t zero, const int64_t *rows, int64_t count, float *out) {
+    const QWeight w = {codes, scale, offset, N, K, bits, group, zero};
+    if (!weight_valid(&w)) return -1;
+    for (int64_t i = 0; i < count; ++i)
+        if (rows ? rows[i] < 0 || rows[i] >= N : i >= N) return -2;
+    const int64_t groups = K / group, rb = row_bytes(&w);
+#pragma omp parallel for schedule(static) if (count * K >= 65536)
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t n = rows ? rows[i] : i;
+        const uint8_t *c = codes + n * rb;
+        const float *s = scale + n * groups, *o = offset ? offset + n * groups : NULL;
+        float *dst = out + i * K;
+        for (int64_t k = 0; k < K; ++k) {
+            const float u = (float)code_at(c, k, bits), sg = s[k / group];
+            dst[k] = o ? sg * u + o[k / group] : sg * (u - (float)zero);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,214 @@
+"""QuantWeight and its two kernels (csrc/quant_linear.c): a Linear's weight kept as small
+codes in groups, multiplied without ever widening the whole weight to float32.
+
+One layout holds every quantized type radixserve serves (the GGUF block types, repacked once
+by model/gguf_repack.py, and int8/int4 quantized at load by `quantize`):
+
+    w[n, k] = scale[n, k // group] * u[n, k] + offset[n, k // group]
+    (offset None: offset = -zero * scale, a symmetric type's zero point)
+
+`u` are 4-bit codes (two per byte: per 64-element chunk, byte j holds code j low and code
+32 + j high) or 8-bit ones (a byte each). The decode-sized product quantizes the rows of x to
+int8 per 32-element block and multiplies with integer dot products (AVX512-VNNI; AVX2 and
+scalar paths too), so against the float product of the same weights only the activations'
+rounding differs. Prompt-sized products dequantize the weight into a reused float32 buffer
+and take the float path (oneDNN), whose rate the integer kernel does not reach there.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kernels.native_build import load_kernel
+from radixserve.kernels.native_ops import model_ops_enabled
+
+PATHS = {"best": 0, "avx2": 1, "scalar": 2}
+_GROUPS_SMALL = (16, 32)
+
+
+@dataclass
+class QuantWeight:
+    """A [N, K] weight as codes, per-group scales and offsets (module docstring)."""
+
+    codes: torch.Tensor  # uint8 [N, K * bits // 8]
+    scale: torch.Tensor  # float32 [N, K // group]
+    offset: torch.Tensor | None  # float32 [N, K // group]; None: -zero * scale
+    bits: int
+    group: int
+    zero: int = 0
+    kind: str = ""  # where it came from: a GGUF type name (Q4_1, ...), int8 or int4
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.bits not in (4, 8) or k % 64 or not _group_ok(self.group, k):
+            raise ValueError(f"a quantized weight needs 4 or 8 bits, K % 64 == 0 and a group of 16, 32 or "
+                             f"a multiple of 64 dividing K; got bits={self.bits} K={k} group={self.group}")
+        groups = (n, k // self.group)
+        for name, t in (("scale", self.scale), ("offset", self.offset)):
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != groups or not t.is_contiguous()):
+                raise ValueError(f"{name} must be contiguous float32 {groups}, got {t.dtype} {tuple(t.shape)}")
+        if self.codes.dtype != torch.uint8 or not self.codes.is_contiguous():
+            raise ValueError("codes must be contiguous uint8")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name, for saving (meta() holds the rest)."""
+        out = {"codes": self.codes, "scale": self.scale}
+        if self.offset is not None:
+            out["offset"] = self.offset
+        return out
+
+    def meta(self) -> dict[str, str]:
+        return {"bits": str(self.bits), "group": str(self.group), "zero": str(self.zero), "kind": self.kind}
+
+    @classmethod
+    def from_saved(cls, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> QuantWeight:
+        return cls(tensors["codes"], tensors["scale"], tensors.get("offset"), int(meta["bits"]),
+                   int(meta["group"]), int(meta["zero"]), meta["kind"])
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or its rows `rows`, an int64 index tensor), exactly as stored."""
+        n, k = self.shape
+        fn = _kernel("quant_dequantize_f32")
+        index = None if rows is None else rows.to(torch.int64).contiguous()
+        count = n if index is None else index.numel()
+        out = torch.empty(count, k, dtype=torch.float32)
+        if fn is None:
+            return self._dequantize_torch(index).reshape(count, k)
+        status = fn(self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.offset), n, k, self.bits, self.group,
+                    self.zero, None if index is None else index.data_ptr(), count, out.data_ptr())
+        if status == -2:
+            raise IndexError(f"a row index is outside the weight's {n} rows")
+        if status:
+            raise ValueError(f"the dequantize kernel refused a {self.kind} weight {n}x{k}")
+        return out
+
+    def _dequantize_torch(self, index: torch.Tensor | None) -> torch.Tensor:
+        codes, scale, offset = self.codes, self.scale, self.offset
+        if index is not None:
+            codes, scale = codes[index], scale[index]
+            offset = None if offset is None else offset[index]
+        u = unpack_codes(codes, self.bits).float()
+        s = scale.repeat_interleave(self.group, dim=1)
+        if offset is None:
+            return s * (u - self.zero)
+        return s * u + offset.repeat_interleave(self.group, dim=1)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
+                 path: str = "best") -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) by the integer kernel, or None where it does not apply
+    (not float32 CPU rows, kernels off or not buildable)."""
+    n, k = weight.shape
+    if not (x.dim() == 2 and x.shape[1] == k and x.shape[0] > 0 and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.stride(1) == 1):
+        return None
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)):
+        return None
+    fn = _kernel("quant_linear_f32")
+    if fn is None:
+        return None
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = fn(x.data_ptr(), x.shape[0], x.stride(0), weight.codes.data_ptr(), weight.scale.data_ptr(),
+                _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, _ptr(bias), out.data_ptr(),
+                out.stride(0), PATHS[path])
+    if status == -3:
+        raise ValueError(f"this build of the kernel has no {path} path")
+    if status:
+        raise RuntimeError(f"quant_linear_f32 failed ({status}) on a {weight.kind} weight {n}x{k}")
+    return out
+
+
+def best_path() -> str | None:
+    """The kernel's path on this CPU (vnni, avx2, scalar), or None without the kernel."""
+    fn = _kernel("quant_linear_best_path")
+    return None if fn is None else ("vnni", "avx2", "scalar")[fn()]
+
+
+def quantize(weight: torch.Tensor, bits: int, group: int | None = None) -> QuantWeight:
+    """A float weight [N, K] quantized at load: int8 symmetric per output channel (group K,
+    zero point 128), or int4 asymmetric per `group` (default 32) elements."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if bits == 8:
+        group = k if group is None else group
+        g = w.reshape(n, k // group, group)
+        scale = g.abs().amax(dim=2) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(g / safe[..., None]).clamp(-127, 127) + 128
+        return QuantWeight(q.reshape(n, k).to(torch.uint8), scale.contiguous(), None, 8, group, 128, "int8")
+    if bits == 4:
+        group = 32 if group is None else group
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scale = (hi - lo) / 15.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((g - lo[..., None]) / safe[..., None]).clamp(0, 15).reshape(n, k).to(torch.uint8)
+        return QuantWeight(pack_nibbles(q), scale.contiguous(), lo.contiguous(), 4, group, 0, "int4")
+    raise ValueError(f"quantize takes 8 or 4 bits, got {bits}")
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """The parts' rows in one weight (fused q/k/v, gate/up), their storage made common where
+    it differs: codes widened to 8 bits, groups split to the smallest, zero points turned into
+    offsets (-zero * scale: exact, the zero points being powers of two). Values are unchanged."""
+    if len(parts) == 1:
+        return parts[0]
+    bits = max(p.bits for p in parts)
+    group = min(p.group for p in parts)
+    same_zero = len({(p.zero, p.offset is None) for p in parts}) == 1
+    codes, scales, offsets = [], [], []
+    for p in parts:
+        if p.group % group:
+            raise ValueError(f"cannot fuse weights grouped by {p.group} and {group}")
+        codes.append(p.codes if p.bits == bits else unpack_codes(p.codes, p.bits))
+        scales.append(p.scale.repeat_interleave(p.group // group, dim=1))
+        if not same_zero:
+            offset = -p.zero * p.scale if p.offset is None else p.offset
+            offsets.append(offset.repeat_interleave(p.group // group, dim=1))
+        elif p.offset is not None:
+            offsets.append(p.offset.repeat_interleave(p.group // group, dim=1))
+    kinds = "+".join(dict.fromkeys(p.kind for p in parts))
+    return QuantWeight(torch.cat(codes).contiguous(), torch.cat(scales).contiguous(),
+                       torch.cat(offsets).contiguous() if offsets else None, bits, group,
+                       parts[0].zero if same_zero else 0, kinds)
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (values 0..15) into the layout's bytes [N, K // 2]."""
+    n, k = u.shape
+    chunks = u.reshape(n, k // 64, 2, 32).to(torch.uint8)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes [N, K] as uint8 values (the inverse of pack_nibbles for 4 bits)."""
+    if bits == 8:
+        return codes
+    n = codes.shape[0]
+    chunks = codes.reshape(n, -1, 1, 32)
+    both = torch.cat((chunks & 15, chunks >> 4), dim=2)
+    return both.reshape(n, -1)
+
+
+def _group_ok(group: int, k: int) -> bool:
+    return group in _GROUPS_SMALL or (group > 0 and group % 64 == 0 and k % group == 0)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@functools.cache
+def _kernel(name: str):
+    return load_kernel(name) if model_ops_enabled() else None

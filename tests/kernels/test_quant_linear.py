@@ -1,0 +1,108 @@
+"""The quantized-weight kernels (csrc/quant_linear.c) on every path against a float64
+reference of the dequantized weight and the kernel's own activation rounding; the layout's
+packing, fusing and load-time quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels.quant_linear import (
+    PATHS, QuantWeight, best_path, concat_rows, pack_nibbles, quant_linear, quantize, unpack_codes,
+)
+
+needs_kernel = pytest.mark.skipif(best_path() is None, reason="no C compiler here")
+FORMATS = [(8, None), (8, 32), (8, 16), (4, 32), (4, 16), (4, 64), (4, 128), (8, 256)]
+
+
+def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32-element block dx = max|x| / 127, a high int8 code and
+    a residual one in 1/256ths of dx."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).double()
+    dx = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()
+    v = torch.where(dx > 0, blocks / dx, torch.zeros_like(blocks))
+    hi = torch.round(v).clamp(-127, 127)
+    lo = torch.round((v - hi) * 256).clamp(-127, 127)
+    return ((hi + lo / 256) * dx).reshape(m, k)
+
+
+def _weight(bits, group, n=67, k=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(n, k, generator=gen), bits, group)
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("bits, group", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13])
+def test_every_path_is_the_float64_product_of_the_rounded_activations(path, bits, group, rows):
+    weight = _weight(bits, group, seed=rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    wide = torch.randn(rows, 2 * 256, generator=gen) * torch.rand(rows, 2 * 256, generator=gen) * 4
+    x = wide[:, :256]  # rows 512 floats apart: the kernel follows the stride
+    bias = torch.randn(67, generator=gen)
+    got = quant_linear(x, weight, bias, path)
+    want = _rounded_activations(x) @ weight.dequantize().double().T + bias.double()
+    assert got.shape == (rows, 67)
+    assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
+    exact = x.double() @ weight.dequantize().double().T + bias.double()
+    assert (got.double() - exact).abs().max() <= 2e-3 * exact.abs().max()  # ~16-bit activations
+
+
+@needs_kernel
+def test_paths_agree_and_zero_rows_give_zero():
+    weight = _weight(4, 32)
+    x = torch.zeros(3, 256)
+    x[1] = torch.linspace(-2, 2, 256)
+    outs = {p: quant_linear(x, weight, None, p) for p in PATHS}
+    assert torch.equal(outs["best"][0], torch.zeros(67))
+    for out in outs.values():
+        torch.testing.assert_close(out, outs["scalar"], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_dequantize_rows_and_a_bad_row_index():
+    weight = _weight(8, 16)
+    full = weight.dequantize()
+    torch.testing.assert_close(full, weight._dequantize_torch(None), rtol=0, atol=1e-6)
+    rows = torch.tensor([5, 0, 66, 5])
+    assert torch.equal(weight.dequantize(rows), full[rows])
+    with pytest.raises(IndexError, match="outside"):
+        weight.dequantize(torch.tensor([67]))
+
+
+def test_the_layout_refuses_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="K % 64"):
+        QuantWeight(torch.zeros(2, 48, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 32)
+    with pytest.raises(ValueError, match="group"):
+        QuantWeight(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 24)
+    with pytest.raises(ValueError, match="scale must be"):
+        QuantWeight(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 32)
+
+
+def test_nibble_packing_round_trips():
+    u = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = pack_nibbles(u)
+    assert packed.shape == (3, 64)
+    assert torch.equal(unpack_codes(packed, 4), u)
+    assert torch.equal(packed[0, 5], u[0, 5] | (u[0, 37] << 4))  # byte j: code j low, code 32 + j high
+
+
+def test_fusing_mixed_storage_keeps_every_value():
+    parts = [_weight(4, 32, n=8, seed=1), _weight(8, None, n=4, seed=2), _weight(8, 16, n=6, seed=3)]
+    fused = concat_rows(parts)
+    assert (fused.bits, fused.group, fused.shape) == (8, 16, (18, 256))
+    want = torch.cat([p.dequantize() for p in parts])
+    torch.testing.assert_close(fused.dequantize(), want, rtol=0, atol=1e-6)
+
+
+def test_quantize_at_load_stays_within_half_a_step():
+    w = torch.randn(16, 128)
+    for bits, group in ((8, None), (4, None), (4, 64)):
+        q = quantize(w, bits, group)
+        step = q.scale.repeat_interleave(q.group, dim=1)
+        assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert quantize(w, 8).group == 128 and quantize(w, 4).group == 32
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        quantize(w, 3)
