@@ -14,6 +14,7 @@ SPECULATIVE_METHODS = ("prompt-lookup",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 PREFILL_ATTENTION_DTYPES = ("float32", "bfloat16")
 PREFILL_MATMUL_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,12 @@ class EngineConfig:
 
     model: str | None = None  # None: the default SmolLM2-135M-Instruct; or a HF dir / .gguf file
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # How the weights are held. auto: a GGUF's quantized tensors as stored (CPU: Q4_0, Q4_1,
+    # Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K repacked once, multiplied on int8 dot products), other
+    # checkpoints as they are; float32 / bfloat16: dequantized to that dtype (the model's
+    # dtype too); int8 (per output channel) / int4 (groups of 32): a float checkpoint quantized
+    # at load. Quantized weights run on CPU with float32 activations.
+    weight_dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C kernels), else torch
     block_size: int = 16  # tokens per KV block
@@ -93,6 +100,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("prefill_attention_dtype", self.prefill_attention_dtype, PREFILL_ATTENTION_DTYPES)

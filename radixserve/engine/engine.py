@@ -97,9 +97,10 @@ class Engine:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         check_kv_cache_dtype(cfg.kv_cache_dtype, resolve_device(cfg.device), cfg.attention_backend)  # before the model loads
-        self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir)
+        self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir,
+                                              cfg.weight_dtype)
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype = self.loaded.model.norm.weight.dtype  # the model's dtype (weight_dtype bfloat16 sets it too)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         self.max_model_len = self.loaded.max_model_len
@@ -324,6 +325,8 @@ class Engine:
             cache_nodes=cache.num_nodes if cache is not None else 0,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.runner.pool.bytes_per_token,
+            weight_dtype=self.loaded.weight_dtype,
+            weight_bytes=self.loaded.weight_bytes,
             spec_drafts=spec.drafts,
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,

@@ -45,6 +45,8 @@ class EngineStats:
     cache_nodes: int
     kv_cache_dtype: str  # the KV pool's element type: float32, bfloat16, int8 (codes with per-token scales)
     kv_bytes_per_token: int  # bytes one cached token takes in the pool, all layers, scales included
+    weight_dtype: str  # how the weights are held: float32, bfloat16, int8, int4, gguf:Q4_1+Q8_0, ...
+    weight_bytes: int  # bytes the model's weights take in memory (quantized codes and scales included)
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int

@@ -71,17 +71,44 @@ def _source_key(converted: Path) -> str | None:
         return None
 
 
-def ensure_converted_gguf(path: Path, cache_dir: str | None = None) -> Path:
+def ensure_converted_gguf(path: Path, cache_dir: str | None = None, float_weights: bool = True) -> Path:
     """A converted copy of any GGUF file, keyed by its path, size and modification time; the
-    packaged default model's file is the default model (one conversion, one copy on disk)."""
+    packaged default model's file is the default model (one conversion, one copy on disk).
+    Without `float_weights` only the config and tokenizer are written (seconds, whatever the
+    model's size): the weights are then read from the GGUF itself (gguf_file.py)."""
     if _is_default_gguf(path):
         return ensure_default_model(cache_dir)
     stat = path.stat()
     key = xxhash.xxh64(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root(cache_dir) / "models" / f"{path.stem}-{key}"
-    if _is_converted(target):
+    if _is_converted(target) or (not float_weights and (target / "config.json").is_file()):
         return target
-    return convert_gguf(path, target)
+    from radixserve.model.gguf_file import open_gguf
+
+    open_gguf(path)  # a corrupt file is refused before anything is converted or cached
+    return convert_gguf(path, target) if float_weights else convert_gguf_metadata(path, target)
+
+
+def convert_gguf_metadata(gguf: Path, target: Path) -> Path:
+    """Write `target` with the GGUF's config, tokenizer and generation config only."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        values = config.to_dict()
+        for key in ("quantization_config", "_name_or_path"):
+            values.pop(key, None)
+        values["dtype"] = "float32"
+        (work / "config.json").write_text(json.dumps(values, indent=2))
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
+        GenerationConfig.from_model_config(config).save_pretrained(work)
+        (work / SOURCE_FILE).write_text(json.dumps({"gguf": gguf.name, "content_key": None}))
+        _install(work, target, None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 def convert_gguf(gguf: Path, target: Path, source_key: str | None = None) -> Path:

@@ -21,11 +21,14 @@ from radixserve.model.native_decoder import NativeDecoder
 from radixserve.kernels.key_basis import rotate_heads
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, silu_mul, skinny_linear
 from radixserve.kernels.onednn_linear import bf16_available, onednn_linear, onednn_linear_bf16
+from radixserve.kernels.quant_linear import QuantWeight, concat_rows, quant_linear
 from radixserve.model.spec import ModelSpec
 
 
 # Below this many rows, MKL multiplies faster as weight @ x.T (measured 1.2-1.7x at 8-64 rows).
 _SMALL_BATCH_ROWS = 256
+# A quantized weight past the integer kernel's rows is dequantized this many features at a time.
+_DEQUANT_FEATURES = 4096
 
 
 @dataclass
@@ -38,13 +41,17 @@ class StepRows:
 
 class Linear(nn.Linear):
     """nn.Linear through `linear` below; `onednn`, `weight_bf16` and `step` are set for the
-    whole model by LlamaForCausalLM.use_onednn_linear and use_bf16_matmuls."""
+    whole model by LlamaForCausalLM.use_onednn_linear and use_bf16_matmuls. A quantized
+    layer has `quant` instead of `weight` (None) and multiplies through `quantized_linear`."""
 
     onednn = True
     weight_bf16: torch.Tensor | None = None  # a bfloat16 copy of weight, for a step's prompt rows
     step: StepRows | None = None
+    quant: QuantWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quantized_linear(x, self.quant, self.bias, self.onednn)
         if self.weight_bf16 is None or not self.onednn or x.shape[0] <= max_rows():  # float32 only
             return linear(x, self.weight, self.bias, self.onednn)
         decodes = self.step.decodes
@@ -78,6 +85,38 @@ def linear(
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t()
     return out if bias is None else out + bias
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
+                     onednn: bool = True) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
+    native decoder takes (so both paths give the same bits), else the weight dequantized a
+    slice of features at a time into float32 and multiplied by the float path."""
+    if x.dim() == 2 and x.shape[0] <= max(max_rows(), 1):
+        out = quant_linear(x, weight, bias)
+        if out is not None:
+            return out
+    n = weight.shape[0]
+    if n <= _DEQUANT_FEATURES:
+        return linear(x, weight.dequantize(), bias, onednn)
+    parts = []
+    for start in range(0, n, _DEQUANT_FEATURES):
+        rows = torch.arange(start, min(n, start + _DEQUANT_FEATURES))
+        part_bias = None if bias is None else bias[start:start + _DEQUANT_FEATURES]
+        parts.append(linear(x, weight.dequantize(rows), part_bias, onednn))
+    return torch.cat(parts, dim=-1)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be quantized (`quant`, `weight` then None): the rows
+    looked up are dequantized."""
+
+    quant: QuantWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return super().forward(ids)
+        return self.quant.dequantize(ids.reshape(-1)).reshape(*ids.shape, -1)
 
 
 class RMSNorm(nn.Module):
@@ -189,11 +228,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec, max_positions)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # Runs a decode step's layers in one C call; set by the runner where its attention
         # backend is the C one (NativeDecoder.for_model), after the weights are loaded.
         self.native: NativeDecoder | None = None
@@ -216,16 +255,16 @@ class LlamaForCausalLM(nn.Module):
         Refused, changing nothing, where it cannot run: float32 CPU weights, oneDNN on, and a
         CPU that multiplies bf16 natively."""
         if on:
+            norm = self.norm.weight
             missing = [need for need, ok in (
-                ("float32 weights on CPU", self.embed_tokens.weight.dtype == torch.float32
-                 and self.embed_tokens.weight.device.type == "cpu"),
+                ("float32 weights on CPU", norm.dtype == torch.float32 and norm.device.type == "cpu"),
                 ("onednn_linear on", self.onednn_linear),
                 ("a CPU with native bf16 matmuls in oneDNN (AVX512_BF16 or AMX)", bf16_available()),
             ) if not ok]
             if missing:
                 raise ValueError(f"prefill_matmul_dtype bfloat16 needs {'; '.join(missing)}: use float32")
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quant is None:  # quantized: dequantized to float32
                 module.weight_bf16 = module.weight.detach().to(torch.bfloat16).contiguous() if on else None
                 module.step = self.step_rows
 
@@ -250,8 +289,54 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x = layer(x, rope, backend, pool, plan)
         x = self.norm(x[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, weight, onednn=self.onednn_linear).float().contiguous()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if head.quant is not None:
+            return quantized_linear(x, head.quant, onednn=self.onednn_linear).float().contiguous()
+        return linear(x, head.weight, onednn=self.onednn_linear).float().contiguous()
+
+    def quantized_layers(self) -> dict[str, Linear | Embedding]:
+        """The modules whose weights a checkpoint may hold quantized, by their weight's name."""
+        return {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, (Linear, Embedding))}
+
+    def drop_float_weights(self, names: set[str]) -> None:
+        """Before the model is materialized: the modules of `names` (as quantized_layers names
+        them) will hold quantized weights, so their float weight is never allocated."""
+        layers = self.quantized_layers()
+        for name in names:
+            layers[name].weight = None
+
+    def load_quantized(self, weights: dict[str, QuantWeight]) -> None:
+        """Quantized weights named as in transformers' checkpoints, q/k/v and gate/up fused
+        (their storage made common: kernels/quant_linear.concat_rows)."""
+        layers = self.quantized_layers()
+        fused: dict[str, dict[str, QuantWeight]] = {}
+        for name, weight in weights.items():
+            target, part = _map_weight_name(name)
+            if target not in layers or layers[target].weight is not None:
+                raise ValueError(f"quantized weight {name!r} has no quantized place in the model")
+            fused.setdefault(target, {})[part] = weight
+        for target, parts in fused.items():
+            order = _PART_ORDER.get(target.rsplit(".", 2)[-2], ("all",))
+            if set(parts) != set(order):
+                raise ValueError(f"{target} needs the parts {order}, the checkpoint has {sorted(parts)}")
+            joined = concat_rows([parts[p] for p in order])
+            module = layers[target]
+            expected = (module.num_embeddings, module.embedding_dim) if isinstance(module, Embedding) else (
+                module.out_features, module.in_features)
+            if joined.shape != expected:
+                raise ValueError(f"quantized weight {target} is {joined.shape}, the model needs {expected}")
+            module.quant = joined
+        missing = [name for name, m in layers.items() if m.weight is None and m.quant is None]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} quantized weights, e.g. {missing[:3]}")
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold: parameters and buffers of the model, and quantized weights."""
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        quant = sum(m.quant.nbytes for m in self.quantized_layers().values() if m.quant is not None)
+        bf16 = sum(m.weight_bf16.numel() * 2 for m in self.modules()
+                   if isinstance(m, Linear) and m.weight_bf16 is not None)
+        return params + quant + bf16
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load weights named as in transformers' checkpoints, fusing q/k/v and gate/up."""
@@ -271,6 +356,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 # ---- weight-name mapping ------------------------------------------------------------
+
+_PART_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 _FUSED = {
     "q_proj": ("qkv_proj", "q"),

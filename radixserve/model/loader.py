@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from radixserve.model.default_model import DEFAULT_MODEL_NAME, ensure_converted_gguf, ensure_default_model
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.kernels.quant_linear import QuantWeight, quantize
+from radixserve.model.default_model import (
+    DEFAULT_MODEL_NAME, default_gguf_path, ensure_converted_gguf, ensure_default_model,
+)
+from radixserve.model.llama import LlamaForCausalLM, _map_weight_name
 from radixserve.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+REPACKED_FILE = "quantized.safetensors"  # a GGUF's weights in QuantWeight's layout, beside the conversion
+_REPACK_FORMAT = "radixserve-repacked-1"
+# Weights quantized by --weight-dtype int8/int4: the projections, the embedding, the lm head.
+_QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HINT = (
@@ -29,6 +43,8 @@ class LoadedModel:
     path: Path
     name: str
     max_model_len: int
+    weight_dtype: str = "float32"  # how the weights are held: float32, bfloat16, int8, int4, or gguf:TYPES
+    weight_bytes: int = 0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -46,7 +62,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_model_path(model: str | None, cache_dir: str | None = None) -> Path:
+def resolve_model_path(model: str | None, cache_dir: str | None = None, float_weights: bool = True) -> Path:
+    """The model's directory (a GGUF's conversion; without `float_weights` only its config
+    and tokenizer are converted, the weights being read from the file itself)."""
     if model is None:
         return ensure_default_model(cache_dir)
     path = Path(model).expanduser()
@@ -55,10 +73,32 @@ def resolve_model_path(model: str | None, cache_dir: str | None = None) -> Path:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {model!r} is not a .gguf file: {_HINT}")
-        return ensure_converted_gguf(path, cache_dir)
+        return ensure_converted_gguf(path, cache_dir, float_weights)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json: {_HINT}")
     return path
+
+
+def resolve_weight_dtype(weight_dtype: str, model: str | None, device: torch.device, dtype: str) -> str:
+    """How the weights will be held: 'gguf' (a GGUF's quantized tensors as stored: `auto` on
+    CPU), 'int8' / 'int4' (quantized at load), or 'float' (the model's dtype). Refuses
+    combinations that cannot run, before anything is loaded."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if weight_dtype in ("float32", "bfloat16"):
+        if dtype not in ("auto", weight_dtype):
+            raise ValueError(f"weight_dtype {weight_dtype} with dtype {dtype}: the weights are the model's "
+                             f"dtype; set one of them")
+        return "float"
+    quantizes = weight_dtype in ("int8", "int4") or (weight_dtype == "auto" and _gguf_source(model) is not None)
+    if not quantizes:
+        return "float"
+    if device.type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
+        if weight_dtype == "auto":
+            return "float"  # quantized kernels are CPU float32 ones; elsewhere auto keeps floats
+        raise ValueError(f"weight_dtype {weight_dtype} runs on CPU with float32 activations "
+                         f"(device {device.type}, dtype {dtype}); use weight_dtype float32 or bfloat16")
+    return "gguf" if weight_dtype == "auto" else weight_dtype
 
 
 def load_model(
@@ -67,10 +107,14 @@ def load_model(
     device: str = "auto",
     max_model_len: int | None = None,
     cache_dir: str | None = None,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     """Load weights into radixserve's own model; raises ValueError with what to do on failure."""
-    path = resolve_model_path(model, cache_dir)
     torch_device = resolve_device(device)
+    if weight_dtype == "bfloat16" and dtype == "auto":
+        dtype = "bfloat16"
+    storage = resolve_weight_dtype(weight_dtype, model, torch_device, dtype)
+    path = resolve_model_path(model, cache_dir, float_weights=storage != "gguf")
     torch_dtype = resolve_dtype(dtype, torch_device)
     spec = ModelSpec.from_hf_config(_load_hf_config(path))
     context = spec.max_position_embeddings if max_model_len is None else max_model_len
@@ -78,15 +122,107 @@ def load_model(
         raise ValueError(
             f"max_model_len {context} exceeds the model's context ({spec.max_position_embeddings} tokens)"
         )
+    tensors = _weights_for(storage, model, path)
+    quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantWeight)}
     with torch.device("meta"):
         net = LlamaForCausalLM(spec, context)
+    net.drop_float_weights({_map_weight_name(name)[0] for name in quantized})
     net = net.to(torch_dtype).to_empty(device=torch_device)
     net.rotary.build(context, torch_device)
-    net.load_hf_state_dict(_read_weights(path))
+    net.load_hf_state_dict({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)})
+    net.load_quantized(quantized)
+    del tensors, quantized
     net.eval()
     tokenizer = _load_tokenizer(path)
     name = DEFAULT_MODEL_NAME if model is None else path.name
-    return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer), path, name, context)
+    described = _describe_weights(net, storage, torch_dtype)
+    logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
+    return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer), path, name, context,
+                       described, net.weight_bytes())
+
+
+def _gguf_source(model: str | None) -> Path | None:
+    """The GGUF file a model comes from (the default model's packaged file), or None."""
+    if model is None:
+        try:
+            return default_gguf_path()
+        except FileNotFoundError:
+            return None
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _weights_for(storage: str, model: str | None, path: Path) -> dict[str, torch.Tensor | QuantWeight]:
+    if storage == "gguf":
+        return repacked_weights(_gguf_source(model), path)
+    tensors = _read_weights(path)
+    if storage in ("int8", "int4"):
+        bits = 8 if storage == "int8" else 4
+        tensors = {name: quantize(t, bits) if _quantizable(name, t) else t for name, t in tensors.items()}
+    return _fuse_consistently(tensors)
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    return name.endswith(_QUANTIZABLE) and t.dim() == 2 and t.shape[1] % 64 == 0
+
+
+def _fuse_consistently(tensors: dict[str, torch.Tensor | QuantWeight]) -> dict[str, torch.Tensor | QuantWeight]:
+    """Parts fused into one layer (q/k/v, gate/up) are all quantized or all float: where a
+    file mixes them (a part of a type that is not repacked), the quantized parts are widened."""
+    kinds: dict[str, set[bool]] = {}
+    for name, t in tensors.items():
+        kinds.setdefault(_map_weight_name(name)[0], set()).add(isinstance(t, QuantWeight))
+    mixed = {target for target, seen in kinds.items() if len(seen) > 1}
+    return {name: t.dequantize() if isinstance(t, QuantWeight) and _map_weight_name(name)[0] in mixed else t
+            for name, t in tensors.items()}
+
+
+def repacked_weights(gguf: Path, directory: Path) -> dict[str, torch.Tensor | QuantWeight]:
+    """The GGUF's weights, quantized ones in QuantWeight's layout: from REPACKED_FILE in the
+    model's converted directory, or repacked from the file once and written there."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from radixserve.model.gguf_file import read_weights
+
+    cached = directory / REPACKED_FILE
+    if cached.is_file():
+        with safe_open(str(cached), "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") == _REPACK_FORMAT:
+                return _unflatten({key: f.get_tensor(key) for key in f.keys()}, json.loads(meta["quantized"]))
+    weights = _fuse_consistently(read_weights(gguf, quantized=True))
+    flat: dict[str, torch.Tensor] = {}
+    layout: dict[str, dict[str, str]] = {}
+    for name, t in weights.items():
+        if isinstance(t, QuantWeight):
+            layout[name] = t.meta()
+            flat.update({f"{name}::{part}": tensor for part, tensor in t.tensors().items()})
+        else:
+            flat[name] = t
+    fd, tmp = tempfile.mkstemp(prefix=".repack-", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    try:
+        save_file(flat, tmp, metadata={"format": _REPACK_FORMAT, "quantized": json.dumps(layout)})
+        os.replace(tmp, cached)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return weights
+
+
+def _unflatten(flat: dict[str, torch.Tensor], layout: dict[str, dict[str, str]]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: t for name, t in flat.items() if "::" not in name}
+    for name, meta in layout.items():
+        parts = {part: flat[f"{name}::{part}"] for part in ("codes", "scale", "offset") if f"{name}::{part}" in flat}
+        out[name] = QuantWeight.from_saved(parts, meta)
+    return out
+
+
+def _describe_weights(net: LlamaForCausalLM, storage: str, dtype: torch.dtype) -> str:
+    kinds = sorted({m.quant.kind for m in net.quantized_layers().values() if m.quant is not None})
+    if storage == "gguf":
+        return "gguf:" + "+".join(dict.fromkeys(k for kind in kinds for k in kind.split("+")))
+    return storage if storage in ("int8", "int4") else str(dtype).removeprefix("torch.")
 
 
 def _load_hf_config(path: Path) -> Any:
@@ -101,7 +237,7 @@ def _load_hf_config(path: Path) -> Any:
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != REPACKED_FILE)
     if files:
         tensors: dict[str, torch.Tensor] = {}
         for f in files:

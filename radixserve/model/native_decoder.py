@@ -26,11 +26,20 @@ from radixserve.kernels.native_ops import max_rows, model_ops_enabled
 from radixserve.model.spec import ModelSpec
 
 
-_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down", "down_bias")
+class _Weight(ctypes.Structure):
+    """A projection's weight: float32 (w) or quantized codes (kernels/quant_linear.py)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("w", "codes", "scale", "offset")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("bits", "group", "zero")]
+
+
+_WEIGHTS = (("input_norm", ctypes.c_void_p), ("qkv", _Weight), ("qkv_bias", ctypes.c_void_p), ("o", _Weight),
+            ("o_bias", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("gate_up", _Weight),
+            ("gate_up_bias", ctypes.c_void_p), ("down", _Weight), ("down_bias", ctypes.c_void_p))
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (*_WEIGHTS, "k_cache", "v_cache")]
+    _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
@@ -64,6 +73,8 @@ class NativeDecoder:
         if not (
             model_ops_enabled() and max_rows() > 0 and not spec.qk_norm
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
+            and all(m.quant is None or m.quant.codes.device.type == "cpu" for m in layers.modules()
+                    if hasattr(m, "quant"))
             and spec.hidden_size % 8 == 0 and q_size % 8 == 0 and spec.intermediate_size % 8 == 0
         ):
             return None
@@ -124,11 +135,23 @@ def _kernel():
     return load_kernel("decoder_layers_f32")
 
 
-def _layer_weights(layer: nn.Module) -> tuple[int | None, ...]:
+def _layer_weights(layer: nn.Module) -> tuple[int | _Weight | None, ...]:
     attn, mlp = layer.self_attn, layer.mlp
-    tensors = (
-        layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-        attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-        mlp.down_proj.weight, mlp.down_proj.bias,
+    parts = (
+        layer.input_layernorm.weight, attn.qkv_proj, attn.qkv_proj.bias, attn.o_proj, attn.o_proj.bias,
+        layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.gate_up_proj.bias, mlp.down_proj,
+        mlp.down_proj.bias,
     )
-    return tuple(None if t is None else t.data_ptr() for t in tensors)
+    return tuple(_projection(p) if isinstance(p, nn.Linear) else _ptr(p) for p in parts)
+
+
+def _projection(linear: nn.Linear) -> _Weight:
+    quant = getattr(linear, "quant", None)
+    if quant is None:
+        return _Weight(linear.weight.data_ptr(), None, None, None, 0, 0, 0)
+    return _Weight(None, quant.codes.data_ptr(), quant.scale.data_ptr(), _ptr(quant.offset), quant.bits,
+                   quant.group, quant.zero)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -97,6 +97,8 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_kv_blocks_cached": ("KV blocks held by the prefix cache", lambda s: s.blocks_cached),
     "radixserve_kv_blocks_evictable": ("Cached KV blocks no request uses", lambda s: s.blocks_evictable),
     "radixserve_cache_nodes": ("Nodes of the radix prefix cache", lambda s: s.cache_nodes),
+    "radixserve_weight_bytes": ("Bytes the model's weights take in memory (codes and scales when quantized)",
+                                lambda s: s.weight_bytes),
     "radixserve_kv_bytes_per_token": (
         "Bytes one cached token takes in the KV pool, all layers (codes and scales for int8)",
         lambda s: s.kv_bytes_per_token),
@@ -179,6 +181,10 @@ class _EngineCollector(Collector):
         family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
                                    labels=["dtype"])
         family.add_metric([stats.kv_cache_dtype], 1)
+        yield family
+        family = GaugeMetricFamily("radixserve_weight_dtype", "1, labelled with how the weights are held",
+                                   labels=["dtype"])
+        family.add_metric([stats.weight_dtype], 1)
         yield family
         for name, value in self.server_gauges().items():
             yield GaugeMetricFamily(name, "server-side request gauge", value=value)

@@ -69,6 +69,8 @@ async def get_server_info(request: Request) -> Response:
         "num_kv_blocks": engine.pool.num_blocks,
         "max_total_num_tokens": engine.pool.num_blocks * engine.config.block_size,
         "attention_backend": engine.attention_backend,
+        "weight_dtype": engine.loaded.weight_dtype,
+        "weight_bytes": engine.loaded.weight_bytes,
         "stats": state.engine.latest_stats,
     })
 

@@ -47,10 +47,12 @@ def _twin_engines(path, **config) -> tuple[Engine, Engine]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind, kv_cache_dtype", [("llama", "auto"), ("mistral", "auto"), ("qwen2", "auto"),
-                                                  ("llama", "int8")])
-def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind, kv_cache_dtype):
-    fused, layers = _twin_engines(tiny_model_dir(kind), kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("kind, kv_cache_dtype, weight_dtype", [
+    ("llama", "auto", "auto"), ("mistral", "auto", "auto"), ("qwen2", "auto", "auto"), ("llama", "int8", "auto"),
+    ("llama", "auto", "int4"), ("qwen2", "int8", "int8"),  # quantized weights: the same kernel on both paths
+])
+def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind, kv_cache_dtype, weight_dtype):
+    fused, layers = _twin_engines(tiny_model_dir(kind), kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
     # 1-10 blocks, decodes cross block ends; the first step (172 tokens) is too big for the
     # native decoder, the second prompt's later steps are not
     prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19]

@@ -4,7 +4,7 @@
  * token), on CPU in float32, in one call.
  *
  * The per-layer work is the same kernels the model otherwise calls one by one from Python
- * (rms_norm_f32, skinny_linear_f32, rope_f32, hadamard_heads_f32 for quantized pages, the paged store, paged_decode_attention_f32,
+ * (rms_norm_f32, skinny_linear_f32 or quant_linear_f32 by each weight's storage, rope_f32, hadamard_heads_f32 for quantized pages, the paged store, paged_decode_attention_f32,
  * silu_mul_f32) in the same order on the same data, so the result is bit for bit the
  * model's. What goes is the Python between them: at decode sizes each of the ~15 calls of a
  * layer costs 10-25 us of interpreter and dispatch (more once the weight stream has pushed
@@ -25,13 +25,38 @@
  */
 #include "layer_ops.c"
 #include "paged_attention.c"
+#include "quant_linear.c"
 #include "skinny_linear.c"
 
+/* A projection's weight: float32 [N, K] (w), or quantized codes (quant_linear.c's layout). */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *o, *o_bias;
-    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *w;
+    const uint8_t *codes;
+    const float *scale, *offset;
+    int64_t bits, group, zero;
+} LayerWeight;
+
+typedef struct {
+    const float *input_norm;
+    LayerWeight qkv;
+    const float *qkv_bias;
+    LayerWeight o;
+    const float *o_bias, *post_norm;
+    LayerWeight gate_up;
+    const float *gate_up_bias;
+    LayerWeight down;
+    const float *down_bias;
     char *k_cache, *v_cache; /* float [num_blocks, block_size, num_kv_heads, head_dim], or int8 pages */
 } DecoderLayer;
+
+/* out [rows, N] = x [rows, K] @ w.T + bias, by the kernel the weight's storage calls for. */
+static int project(const float *x, int64_t rows, const LayerWeight *w, int64_t N, int64_t K, const float *bias,
+                   float *out) {
+    if (w->codes)
+        return quant_linear_f32(x, rows, K, w->codes, w->scale, w->offset, N, K, w->bits, w->group, w->zero, bias,
+                                out, N, 0);
+    return skinny_linear_f32(x, rows, K, w->w, N, K, bias, out, N);
+}
 
 typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size;
@@ -74,8 +99,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
         rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
-        if (skinny_linear_f32(normed, rows, s.hidden, w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv, qkv_size))
-            return -1;
+        if (project(normed, rows, &w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv)) return -1;
         rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, cos, sin, rows, s.head_dim);
         if (s.rotate_keys) {
             hadamard_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim);
@@ -89,14 +113,12 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         pages.k_pages = w->k_cache, pages.v_pages = w->v_cache;
         if (decode_pages(&pages, q, s.num_blocks, tables, table_stride, table_width, seq_lens, attn, rows))
             return -1;
-        if (skinny_linear_f32(attn, rows, q_size, w->o, s.hidden, q_size, w->o_bias, proj, s.hidden)) return -1;
+        if (project(attn, rows, &w->o, s.hidden, q_size, w->o_bias, proj)) return -1;
         add_rows(x, proj, rows * s.hidden);
         rms_norm_f32(x, s.hidden, w->post_norm, normed, s.hidden, rows, s.hidden, s.eps);
-        if (skinny_linear_f32(normed, rows, s.hidden, w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up,
-                              2 * inter))
-            return -1;
+        if (project(normed, rows, &w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up)) return -1;
         silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
-        if (skinny_linear_f32(act, rows, inter, w->down, s.hidden, inter, w->down_bias, proj, s.hidden)) return -1;
+        if (project(act, rows, &w->down, s.hidden, inter, w->down_bias, proj)) return -1;
         add_rows(x, proj, rows * s.hidden);
     }
     return 0;

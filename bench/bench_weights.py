@@ -1,0 +1,222 @@
+"""Quantized weights (--weight-dtype auto on a GGUF, int8, int4) against the same weights in float32.
+
+    .venv/bin/python -m bench.bench_weights                      # accuracy and speed, the default model
+    .venv/bin/python -m bench.bench_weights --quick              # fewer positions and repetitions
+    .venv/bin/python -m bench.bench_weights --parts speed --plot weights.png
+    .venv/bin/python -m bench.bench_weights --llama-server PATH  # plus llama.cpp's server on the same GGUF
+    .venv/bin/python -m bench.bench_weights --json out.json
+
+  accuracy  teacher-forced next-token distributions over real text (bench/kv_quant_prompts.py's
+            prompts and their float32 greedy continuations, >= --positions positions), fed in
+            chunks of --chunk tokens so that every matmul takes the integer kernel (steps that
+            large run it, as decodes and small prompt chunks do): top-1 agreement and mean
+            KL(float32 || quantized) in nats, for the default model's own Q4_1 file and for
+            GGUF files of other types made from its float32 weights by the `gguf` package's
+            quantizer (Q4_0, Q5_0, Q5_1, Q8_0), and int8 / int4 quantized at load. The reference
+            is each file's own weights dequantized to float32: only activation rounding differs.
+  speed     the default model served from its Q4_1 file (auto) and in float32, in turns, one
+            engine each: decode tokens/s at batch 1 and 8 (--new-tokens, EOS ignored), prompt
+            tokens/s at 512 and 2,048 tokens, and each engine's weight bytes; with --llama-server,
+            llama.cpp's server on the same GGUF file takes the same requests (its /completion with
+            token ids), and the resident memory of each serving process at the same KV budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_kv_quant import BLOCK, _metadata, _prompts
+from radixserve import Engine, SamplingParams
+from radixserve.attention.cpu_backend import CpuAttentionBackend
+from radixserve.attention.kv_pool import KVPool
+from radixserve.model.default_model import default_gguf_path
+
+TARGETS = {"top1": 0.995, "kl": 0.005, "decode_b1": 1.0, "decode_b8": 1.5, "prompt": 1.0, "memory": 1.25}
+MADE_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0")
+
+
+def main() -> None:
+    args = _args()
+    torch.manual_seed(0)
+    report: dict = {}
+    if "accuracy" in args.parts:
+        report["accuracy"] = accuracy(args)
+    if "speed" in args.parts:
+        from bench.weights_speed import speed
+
+        report["speed"] = speed(args)
+    _print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plot:
+        _plot(args.plot, report)
+
+
+# ---- accuracy -----------------------------------------------------------------------------------
+
+
+def accuracy(args) -> list[dict]:
+    reference = Engine(weight_dtype="float32", num_kv_blocks=64)
+    sequences = _sequences(reference, args)
+    rows = []
+    variants = [("Q4_1 (the default model's file)", {}, None)]
+    variants += [(f"{t} (made from its float32 weights)", None, t) for t in MADE_TYPES]
+    variants += [("int8 at load (per channel)", {"weight_dtype": "int8"}, None),
+                 ("int4 at load (groups of 32)", {"weight_dtype": "int4"}, None)]
+    with tempfile.TemporaryDirectory() as work:
+        for label, options, made in variants:
+            if made is not None:
+                options = {"model": str(_made_gguf(made, Path(work)))}
+            if made is not None:
+                options["model_cache_dir"] = work
+            quant = Engine(num_kv_blocks=64, **options)
+            base = reference if made is None else Engine(weight_dtype="float32", num_kv_blocks=64, **{
+                k: v for k, v in options.items() if k != "weight_dtype"})
+            rows.append(_compare(label, quant, base, sequences, args))
+            del quant, base
+    return rows
+
+
+def _sequences(engine: Engine, args) -> list[list[int]]:
+    """Prompts and their float32 greedy continuations until --positions tokens in all."""
+    prompts = _prompts(engine, args.prompts)
+    greedy = SamplingParams(max_tokens=args.tf_tokens, temperature=0.0, ignore_eos=True)
+    out, total = [], 0
+    for prompt, o in zip(prompts, engine.generate(prompts, greedy, use_tqdm=False)):
+        out.append(prompt + o.token_ids)
+        total += len(out[-1])
+        if total >= args.positions:
+            break
+    return out
+
+
+def _compare(label: str, quant: Engine, base: Engine, sequences: list[list[int]], args) -> dict:
+    agree = kl = positions = 0
+    for seq in sequences:
+        q = forced_logits(quant, seq, args.chunk)
+        f = forced_logits(base, seq, args.chunk)
+        p, r = torch.log_softmax(f.double(), -1), torch.log_softmax(q.double(), -1)
+        agree += int((f.argmax(-1) == q.argmax(-1)).sum())
+        kl += float((p.exp() * (p - r)).sum())
+        positions += len(seq)
+        print(f"  accuracy {label}: {positions} positions, top-1 {agree / positions:.2%}", end="\r", flush=True)
+    print()
+    return {"label": label, "weights": quant.loaded.weight_dtype, "weight_mib": quant.loaded.weight_bytes / 2**20,
+            "float_mib": base.loaded.weight_bytes / 2**20, "positions": positions, "top1": agree / positions,
+            "kl": kl / positions}
+
+
+def forced_logits(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Next-token logits at every position of `tokens`, computed `chunk` tokens a call over a
+    fresh float32 pool (each chunk extends the KV the earlier chunks wrote)."""
+    model, spec = engine.runner.model, engine.loaded.spec
+    n, blocks = len(tokens), -(-len(tokens) // BLOCK)
+    pool = KVPool(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, torch.float32,
+                  torch.device("cpu"))
+    backend = CpuAttentionBackend(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
+                                  torch.float32, pool.pages)
+    out = []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        meta = _metadata(0, [0, end - start], [end], [list(range(blocks))], list(range(start, end)))
+        ids, positions = torch.tensor(tokens[start:end]), torch.arange(start, end)
+        out.append(model(ids, positions, backend, pool, backend.prepare(meta), torch.arange(end - start)))
+    return torch.cat(out)
+
+
+def _made_gguf(kind: str, work: Path) -> Path:
+    """The default GGUF with every Q4_1 tensor requantized to `kind` by the gguf package from
+    its float32 values (Q8_0 and float tensors kept), written under `work`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+    source = GGUFReader(default_gguf_path())
+    path = work / f"smollm2-{kind}.gguf"
+    writer = GGUFWriter(str(path), arch="llama")
+    for field in source.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1]
+                             if field.types[0].name == "ARRAY" else None)
+    target = GGMLQuantizationType[kind]
+    for t in source.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        if t.tensor_type.name == "Q4_1":
+            values = quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            data = quants.quantize(np.ascontiguousarray(values, dtype=np.float32), target)
+            writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=target)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def _verdict(ok: bool) -> str:
+    return "[meets target]" if ok else "[BELOW target]"
+
+
+def _print(report: dict) -> None:
+    print("\n" + "=" * 100)
+    print(f"Quantized weights against the same weights in float32 (torch threads {torch.get_num_threads()})")
+    print("=" * 100)
+    for row in report.get("accuracy", []):
+        ok = row["top1"] >= TARGETS["top1"] and row["kl"] <= TARGETS["kl"]
+        print(f"  {row['label']:<36} {row['weights']:<18} {row['weight_mib']:7.1f} MiB (float32 {row['float_mib']:.1f})"
+              f"  {row['positions']} positions: top-1 {row['top1']:.2%} (>= {TARGETS['top1']:.1%}), KL "
+              f"{row['kl']:.5f} nats (<= {TARGETS['kl']}) {_verdict(ok)}")
+    if "speed" in report:
+        from bench.weights_speed import print_speed
+
+        print_speed(report["speed"], TARGETS)
+
+
+def _plot(path: str, report: dict) -> None:
+    from bench.report import plot_bars
+
+    if "speed" in report:
+        rows = report["speed"]["rows"]
+        systems = list(rows[0]["rate"])
+        plot_bars(path, "tokens/s by workload (default model)", [r["workload"] for r in rows],
+                  {s: [r["rate"][s] for r in rows] for s in systems}, "tokens/s")
+    elif "accuracy" in report:
+        rows = report["accuracy"]
+        plot_bars(path, "top-1 agreement with float32 weights", [r["label"].split(" ")[0] for r in rows],
+                  {"top-1 %": [100 * r["top1"] for r in rows]}, "%")
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
+    p.add_argument("--quick", action="store_true", help="fewer positions, tokens and repetitions")
+    p.add_argument("--positions", type=int, default=10_000, help="teacher-forced positions per variant")
+    p.add_argument("--prompts", type=int, default=52)
+    p.add_argument("--tf-tokens", type=int, default=256, help="float32 greedy tokens after each prompt")
+    p.add_argument("--chunk", type=int, default=64, help="tokens per forced call (<= 128: the integer kernel)")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kv-memory-mb", type=int, default=256, help="the KV budget every server gets")
+    p.add_argument("--llama-server", help="a llama.cpp llama-server binary: served side by side")
+    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args()
+    if args.quick:
+        args.positions, args.tf_tokens, args.new_tokens, args.reps = 2_000, 128, 64, 1
+    return args
+
+
+if __name__ == "__main__":
+    main()
