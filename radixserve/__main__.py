@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_server_args(serve)
     add_engine_args(serve)
 
-    prep = sub.add_parser("prepare", help="convert the default model once into the model cache, build the CPU kernels")
+    prep = sub.add_parser("prepare", help="convert the default model once into the model cache (float32 and its "
+                                          "quantized layout), build the CPU kernels")
     prep.add_argument("--model-cache-dir", default=None)
 
     conv = sub.add_parser("convert", help="convert a GGUF file into a safetensors model directory")
@@ -99,10 +100,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from radixserve.model.default_model import ensure_default_model
+    from radixserve.model.default_model import default_gguf_path, ensure_default_model
+    from radixserve.model.loader import repacked_weights
     from radixserve.kernels.native_build import build_all
 
-    print(ensure_default_model(args.model_cache_dir))
+    directory = ensure_default_model(args.model_cache_dir)
+    repacked_weights(default_gguf_path(), directory)  # the quantized layout `auto` serves, once
+    print(directory)
     build_all()
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import os
 import sys
@@ -22,7 +23,7 @@ from radixserve.kernels.quantized_pages import check_kv_cache_dtype, page_code
 from radixserve.core.block_pool import BlockPool
 from radixserve.config import EngineConfig
 from radixserve.execution.constrained import GrammarFactory
-from radixserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from radixserve.model.loader import LoadedModel, load_model, resolve_device
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats
@@ -41,6 +42,7 @@ from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.radix_cache import RadixCache
 
+logger = logging.getLogger(__name__)
 _CPU_KV_BYTES_CAP = 2 << 30
 _GPU_MEMORY_SHARE = 0.85
 _HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier pages
@@ -139,6 +141,11 @@ class Engine:
         self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
+        logger.info("engine: %s; weights %s (%.1f MiB); attention %s, KV %s (%d blocks of %d tokens); prompt "
+                    "attention %s, prompt matmuls %s; native decoder %s", self.model_name, self.loaded.weight_dtype,
+                    self.loaded.weight_bytes / 2**20, self.attention_backend, self.kv_cache_dtype, num_blocks,
+                    cfg.block_size, cfg.prefill_attention_dtype, cfg.prefill_matmul_dtype,
+                    "on" if self.loaded.model.native is not None else "off")
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
         self.kv_transfer = KVTransfer(self)  # prefill/decode handoffs (engine/kv_transfer.py)
         release_thread_pool()  # the loading thread's OpenMP workers: it may not be the one that steps

@@ -49,6 +49,10 @@ class Linear(nn.Linear):
     step: StepRows | None = None
     quant: QuantWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight is loaded (initializing meta tensors imported torch's compiler
+        stack, Triton's 66 MB library with it)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quantized_linear(x, self.quant, self.bias, self.onednn)
@@ -113,6 +117,9 @@ class Embedding(nn.Embedding):
 
     quant: QuantWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight is loaded (as Linear.reset_parameters)."""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
             return super().forward(ids)
@@ -144,7 +151,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int):
         super().__init__()
         self.spec = spec
-        self.build(max_positions, None)
+        if torch.empty(0).device.type == "meta":  # built for real once the model is placed (loader)
+            self.register_buffer("cos", torch.empty(max_positions, spec.head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, spec.head_dim), persistent=False)
+        else:
+            self.build(max_positions, None)
 
     def build(self, max_positions: int, device: torch.device | None) -> None:
         inv_freq, scaling = _rope_inv_freq(self.spec)

@@ -132,6 +132,7 @@ def load_model(
     net.load_hf_state_dict({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)})
     net.load_quantized(quantized)
     del tensors, quantized
+    _return_freed_memory()
     net.eval()
     tokenizer = _load_tokenizer(path)
     name = DEFAULT_MODEL_NAME if model is None else path.name
@@ -139,6 +140,20 @@ def load_model(
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
     return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer), path, name, context,
                        described, net.weight_bytes())
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading freed (unfused parts, copies) back to the system (glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def _gguf_source(model: str | None) -> Path | None:
@@ -190,7 +205,9 @@ def repacked_weights(gguf: Path, directory: Path) -> dict[str, torch.Tensor | Qu
         with safe_open(str(cached), "pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") == _REPACK_FORMAT:
-                return _unflatten({key: f.get_tensor(key) for key in f.keys()}, json.loads(meta["quantized"]))
+                # copied out of the file's mapping, which is then released: pages of the mapping that
+                # a fused layer read would otherwise stay resident beside the fused copy
+                return _unflatten({key: f.get_tensor(key).clone() for key in f.keys()}, json.loads(meta["quantized"]))
     weights = _fuse_consistently(read_weights(gguf, quantized=True))
     flat: dict[str, torch.Tensor] = {}
     layout: dict[str, dict[str, str]] = {}

@@ -62,13 +62,26 @@ def test_a_gguf_file_is_converted_once_per_path_size_and_mtime(tmp_path, monkeyp
 
     monkeypatch.setattr(default_model, "convert_gguf", convert)
     gguf = tmp_path / "tiny.Q8_0.gguf"
-    gguf.write_bytes(b"GGUF one")
+    _write_gguf(gguf, 1.0)
     first = default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache"))
     assert default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache")) == first
     assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("tiny.Q8_0-")
-    gguf.write_bytes(b"GGUF two, a new file at the same path")
+    _write_gguf(gguf, 2.0, rows=2)  # a new file at the same path
     second = default_model.ensure_converted_gguf(gguf, str(tmp_path / "cache"))
     assert converted == [first, second] and second != first
+
+
+def _write_gguf(path, value: float, rows: int = 1) -> None:
+    """A valid GGUF file holding one small float tensor (its header is checked before conversion)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("output_norm.weight", np.full((rows, 8), value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def test_the_default_model_is_converted_again_only_when_its_file_changes(tmp_path, monkeypatch):
@@ -115,3 +128,36 @@ def test_the_packaged_gguf_loads_as_the_default_model(real_model_dir, real_engin
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompt = "Paris is the capital of"
     assert engine.generate(prompt, params)[0].token_ids == real_engine.generate(prompt, params)[0].token_ids
+
+
+def test_weight_dtypes_on_a_float_checkpoint(tiny_model_dir):
+    from radixserve.kernels.quant_linear import QuantWeight
+
+    path = str(tiny_model_dir("qwen2"))  # tied embeddings, q/k/v biases
+    full = load_model(path, device="cpu")
+    assert full.weight_dtype == "float32" and full.model.embed_tokens.quant is None
+    for weight_dtype, bits in (("int8", 8), ("int4", 4)):
+        loaded = load_model(path, device="cpu", weight_dtype=weight_dtype)
+        model = loaded.model
+        assert loaded.weight_dtype == weight_dtype
+        assert isinstance(model.embed_tokens.quant, QuantWeight) and model.embed_tokens.weight is None
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert qkv.weight is None and qkv.quant.bits == bits and qkv.bias is not None
+        assert loaded.weight_bytes < full.weight_bytes * (0.5 if bits == 8 else 0.35)
+        want = full.model.layers[0].self_attn.qkv_proj.weight
+        step = qkv.quant.scale.repeat_interleave(qkv.quant.group, dim=1)
+        assert ((qkv.quant.dequantize() - want).abs() <= step / 2 + 1e-6).all()
+    bf16 = load_model(path, device="cpu", weight_dtype="bfloat16")
+    assert bf16.weight_dtype == "bfloat16" and bf16.model.norm.weight.dtype == torch.bfloat16
+
+
+def test_weight_dtypes_that_cannot_run_are_refused_before_loading(tiny_model_dir, tmp_path):
+    from radixserve import Engine
+
+    path = str(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match="float32 activations"):
+        load_model(path, device="cpu", dtype="bfloat16", weight_dtype="int8")
+    with pytest.raises(ValueError, match="weights are the model's dtype"):
+        load_model(path, device="cpu", dtype="float32", weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        Engine(path, weight_dtype="int3")

@@ -1,0 +1,147 @@
+"""bench_weights' speed part: the default model served from its Q4_1 file (radixserve auto),
+in float32 (radixserve --weight-dtype float32), and by llama.cpp's server on the same file,
+one server at a time, the same requests to each, the same KV bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from bench.bench_server import _complete, _free_port, _wait_healthy
+from radixserve.model.default_model import default_gguf_path
+
+SLOTS = 8  # llama.cpp's parallel slots; each must hold the longest prompt
+SLOT_TOKENS = 2304
+KV_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # the default model's float32 K and V, all layers
+WORKLOADS = ("decode b1", "decode b8", "prompt 512", "prompt 2048")
+
+
+def speed(args) -> dict:
+    tokens = SLOTS * SLOT_TOKENS
+    kv_bytes = tokens * KV_BYTES_PER_TOKEN_F32
+    systems = [("radixserve Q4_1", _radixserve(["--kv-cache-memory", str(kv_bytes)])),
+               ("radixserve float32", _radixserve(["--kv-cache-memory", str(kv_bytes), "--weight-dtype", "float32"]))]
+    if args.llama_server:
+        systems.append(("llama.cpp Q4_1", [args.llama_server, "-m", str(default_gguf_path()), "--host", "127.0.0.1",
+                                           "-c", str(tokens), "-np", str(SLOTS), "-ctk", "f32", "-ctv", "f32",
+                                           "-t", str(args.llama_threads), "-tb", str(args.llama_threads),
+                                           "-cram", "0", "--alias", "m"]))
+    rates: dict[str, dict[str, float]] = {w: {} for w in WORKLOADS}
+    memory: dict[str, dict[str, float]] = {}
+    for label, command in systems:
+        with _serving(command) as (url, process):
+            print(f"  speed: {label} serving", flush=True)
+            for workload in WORKLOADS:
+                rates[workload][label] = asyncio.run(_measure(url, workload, args))
+                print(f"  speed: {label} {workload}: {rates[workload][label]:.1f} tokens/s", flush=True)
+            memory[label] = _memory(process.pid)
+    return {"kv_tokens": tokens, "kv_bytes": kv_bytes, "new_tokens": args.new_tokens, "reps": args.reps,
+            "rows": [{"workload": w, "rate": rates[w]} for w in WORKLOADS], "memory": memory}
+
+
+def _radixserve(extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning", "--served-model-name", "m",
+            *extra]
+
+
+@contextlib.contextmanager
+def _serving(command: list[str]):
+    """The server on a free port until it answers /health: (url, process); SIGINT at the end."""
+    port = _free_port()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                   env={k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"})
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, process)
+            yield url, process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def _measure(url: str, workload: str, args) -> float:
+    """The workload's median tokens/s over --reps runs (one warm-up run first)."""
+    results = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for rep in range(args.reps + 1):
+            rate = await _once(client, url, workload, args, random.Random(rep * 7919 + len(workload)))
+            if rep:
+                results.append(rate)
+    return statistics.median(results)
+
+
+async def _once(client, url: str, workload: str, args, rng: random.Random) -> float:
+    """Decode: generated tokens per second of the streams, after each one's first token.
+    Prompt: prompt tokens per second to the first token. Random token ids: no prefix is reused."""
+    kind, size = workload.split()
+    if kind == "prompt":
+        prompt = [rng.randrange(100, 40000) for _ in range(int(size))]
+        start = time.monotonic()
+        record = await _complete(client, "m", prompt, 1, workload, url)
+        _check(record)
+        return int(size) / (record.first - start)
+    batch = int(size[1:])
+    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(batch)]
+    records = await asyncio.gather(*(_complete(client, "m", p, args.new_tokens, workload, url) for p in prompts))
+    for r in records:
+        _check(r)
+    generated = sum(r.completion_tokens or len(r.chunks) for r in records) - batch
+    return generated / (max(r.end for r in records) - max(r.first for r in records))
+
+
+def _check(record) -> None:
+    if record.error or record.first is None:
+        raise SystemExit(f"a request failed: {record.error}")
+
+
+def _memory(pid: int) -> dict[str, float]:
+    """Resident MiB of the serving process now and at its peak."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mib": fields.get("VmRSS", 0.0), "peak_mib": fields.get("VmHWM", 0.0)}
+
+
+def print_speed(report: dict, targets: dict) -> None:
+    rows, memory = report["rows"], report["memory"]
+    systems = list(rows[0]["rate"])
+    print(f"speed: default model, the same requests to each server in turn (median of {report['reps']} runs, "
+          f"{report['new_tokens']} new tokens, EOS ignored), KV for {report['kv_tokens']} float32 tokens "
+          f"({report['kv_bytes'] >> 20} MiB) each")
+    print("  " + f"{'workload':<14}" + "".join(f"{s:>22}" for s in systems))
+    for r in rows:
+        print("  " + f"{r['workload']:<14}" + "".join(f"{r['rate'][s]:>16.1f} tok/s" for s in systems))
+    print("  " + f"{'RSS MiB':<14}" + "".join(f"{memory[s]['rss_mib']:>22.0f}" for s in systems))
+    print("  " + f"{'peak RSS MiB':<14}" + "".join(f"{memory[s]['peak_mib']:>22.0f}" for s in systems))
+    base = "radixserve Q4_1"
+    for other in systems[1:]:
+        ratios = ", ".join(f"{r['workload']} {r['rate'][base] / r['rate'][other]:.2f}x" for r in rows)
+        mem = memory[base]["rss_mib"] / memory[other]["rss_mib"]
+        print(f"  {base} / {other}: {ratios}; resident memory {mem:.2f}x")
+    llama = next((s for s in systems if s.startswith("llama.cpp")), None)
+    if llama:
+        by = {r["workload"]: r["rate"][base] / r["rate"][llama] for r in rows}
+        checks = [("decode b1", by["decode b1"] >= targets["decode_b1"], f">= {targets['decode_b1']}x"),
+                  ("decode b8", by["decode b8"] >= targets["decode_b8"], f">= {targets['decode_b8']}x"),
+                  ("prompt", min(by["prompt 512"], by["prompt 2048"]) >= targets["prompt"], f">= {targets['prompt']}x"),
+                  ("memory", memory[base]["rss_mib"] / memory[llama]["rss_mib"] <= targets["memory"],
+                   f"<= {targets['memory']}x")]
+        print("  targets against llama.cpp: " + "; ".join(
+            f"{name} {want} {'[meets target]' if ok else '[BELOW target]'}" for name, ok, want in checks))
