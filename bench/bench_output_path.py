@@ -27,15 +27,9 @@ from radixserve.core.request import Request
 from radixserve.engine.output import OutputProcessor
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.anthropic_output import MessagesResponder
-from radixserve.server.anthropic_sse import AnthropicEventStream
-from radixserve.server.native_api import Answer
-from radixserve.server.openai_chat import ChatResponder
-from radixserve.server.openai_completions import CompletionResponder
 from radixserve.server.protocol.jobs import GenerationJob, NativeJob
 from radixserve.server.request_group import GenerationInput, RequestGroup
 from radixserve.server.response_store import ResponseStore
-from radixserve.server.responses_api import ResponsesResponder
 from radixserve.server.sglang_api import RidTable
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
@@ -44,10 +38,20 @@ from radixserve.server.tools.definitions import FunctionDefinition, ToolDefiniti
 from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling, ToolOutput
 
-try:  # where the Responses body lives (it moved into protocol/)
+try:  # each API's module in server/api/
+    from radixserve.server.api.anthropic import AnthropicEventStream, MessagesResponder
+    from radixserve.server.api.chat import ChatResponder
+    from radixserve.server.api.completions import CompletionResponder
+    from radixserve.server.api.native import Answer
+    from radixserve.server.api.responses import ResponsesResponder
     from radixserve.server.protocol.responses import ResponsesRequest
-except ImportError:  # an older tree, measured for comparison
-    from radixserve.server.responses_api import ResponsesRequest
+except ImportError:  # an older tree (flat server/ modules), measured for comparison
+    from radixserve.server.anthropic_output import MessagesResponder
+    from radixserve.server.anthropic_sse import AnthropicEventStream
+    from radixserve.server.native_api import Answer
+    from radixserve.server.openai_chat import ChatResponder
+    from radixserve.server.openai_completions import CompletionResponder
+    from radixserve.server.responses_api import ResponsesRequest, ResponsesResponder
 
 CHARS_PER_TOKEN = 4
 PROMPT = list(range(1, 65))

@@ -33,8 +33,7 @@ from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.prefill_picker import PrefillPicker
 from radixserve.cluster.registry import register_picker, router_for
 from radixserve.cluster.routing_key import BROADCAST_PATHS, response_session, routing_key
-from radixserve.server.anthropic_errors import error_response
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, error_response
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.middleware import KeyRing
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body

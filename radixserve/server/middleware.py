@@ -12,8 +12,7 @@ import hmac
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from radixserve.server.anthropic_errors import error_response
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, error_response
 
 ASGIApp = Callable[..., Any]
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from radixserve.server import ServerOptions, create_app
-from radixserve.server.anthropic_api import messages_job
-from radixserve.server.openai_chat import chat_job
+from radixserve.server.api.anthropic import messages_job
+from radixserve.server.api.chat import chat_job
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.request_group import ChatPrompt
 from radixserve.server.testing import BackgroundServer

@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from radixserve.server.anthropic_errors import error_response
-from radixserve.server.anthropic_sse import AnthropicEventStream
-from radixserve.server.errors import APIError, bad_request, unavailable
+from radixserve.server.api.anthropic import AnthropicEventStream
+from radixserve.server.errors import APIError, bad_request, error_response, unavailable
 from radixserve.server.protocol.anthropic import MessagesRequest, parse
 
 

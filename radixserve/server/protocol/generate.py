@@ -8,7 +8,7 @@ its defaults (e.g. max_tokens 16). Unknown fields, top-level or in sampling_para
 SGLang's spelling is accepted beside it (what `sgl.RuntimeEndpoint` sends): in
 sampling_params `max_new_tokens` (0: prefill only), `min_new_tokens`, `n`, `stop_regex`,
 `spaces_between_special_tokens`; top level `rid`, `return_logprob`, `logprob_start_len`,
-`top_logprobs_num`, `return_text_in_logprobs`. The answer is native_api.py's.
+`top_logprobs_num`, `return_text_in_logprobs`. The answer is api/native.py's.
 """
 
 from __future__ import annotations

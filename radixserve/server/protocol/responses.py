@@ -1,6 +1,6 @@
 """POST /v1/responses: the request body (input items, function tools, text format) and the
 conversation it spells, in the chat path's terms (HistoryMessage, ToolSpec). What is
-supported and refused: radixserve/server/responses_api.py."""
+supported and refused: radixserve/server/api/responses.py."""
 
 from __future__ import annotations
 

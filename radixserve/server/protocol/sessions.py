@@ -1,5 +1,5 @@
 """POST /v1/sessions/{session_id}/close and /v1/sessions/pin: their request bodies (the
-routes: radixserve/server/sessions_api.py)."""
+routes: radixserve/server/api/sessions.py)."""
 
 from __future__ import annotations
 

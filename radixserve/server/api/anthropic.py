@@ -1,7 +1,14 @@
-"""The answer of POST /v1/messages: a "message" object, or its stream of events.
+"""Anthropic's Messages API, a third spelling of the chat path: POST /v1/messages and
+POST /v1/messages/count_tokens (see radixserve/server/protocol/anthropic.py for the
+fields). The conversation renders through the same ToolCalling as chat completions, tool
+calls are constrained by the same grammar and read back by the same parser, so a
+conversation renders to the same tokens whichever API sent it (and hits the same cache).
 
-One MessageBuilder turns the answer's output events (server/output/events.py) into content
-blocks (text, tool_use) for both, so a stream always assembles to the body. The stream follows Anthropic's sequence:
+The answer, a "message" object or its stream of events: one MessageBuilder turns the answer's
+output events (server/output/events.py) into content blocks (text, tool_use) for both, so a
+stream always assembles to the body. The stream follows Anthropic's sequence, framed as
+Anthropic's API frames it (`event: <type>` then `data: <json>`, an error as `event: error`, no
+closing [DONE]):
 
     message_start, content_block_start, ping, content_block_delta..., content_block_stop,
     (more blocks), message_delta (stop_reason, usage), message_stop
@@ -14,19 +21,90 @@ prompt, what count_tokens reports); the cache is written as a side effect, so
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
 from radixserve.outputs import RequestOutput
+from radixserve.server.api.serving import in_namespace, serve_job, server_state
+from radixserve.server.errors import APIError, anthropic_error_body, template_error
 from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
 from radixserve.server.output.ids import new_id
 from radixserve.server.output.usage import Usage
-from radixserve.server.protocol.jobs import GenerationJob
-from radixserve.server.request_group import RequestGroup
+from radixserve.server.protocol.anthropic import Conversation, CountTokensRequest, MessagesRequest, parse
+from radixserve.server.protocol.body import read_json
+from radixserve.server.protocol.common import ServedModel
+from radixserve.server.protocol.jobs import GenerationJob, Prompt
+from radixserve.server.request_group import ChatPrompt, RequestGroup
+from radixserve.server.sse import EventStream
+from radixserve.server.tools.definitions import ToolSpec
 from radixserve.server.tools.parser import ToolCallParser
+from radixserve.server.tools.serving import ToolCalling
 
 PING = {"type": "ping"}
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
+    ]
+
+
+async def messages(request: Request) -> Response:
+    state = server_state(request)
+    job, responder = await messages_job(await read_json(request), state.served, state.tools)
+    return await serve_job(request, in_namespace(request, job), responder, AnthropicEventStream)
+
+
+async def count_tokens_route(request: Request) -> Response:
+    state = server_state(request)
+    counted = await count_tokens(await read_json(request), state.served, state.tools, state.engine.engine)
+    return JSONResponse(counted)
+
+
+async def messages_job(body: Any, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, MessagesResponder]:
+    """The engine job of a /v1/messages body and the responder that answers it."""
+    request: MessagesRequest = parse(MessagesRequest, body)
+    request.check_continuable()
+    spec, prompt = await _prompt(request, calling)
+    job = request.to_job(served, prompt, calling.constraint(spec))
+    parser = ToolCallParser(calling.fmt, spec.names) if spec.parses_calls else None
+    return job, MessagesResponder(job, parser, list(request.stop_sequences or []))
+
+
+async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, engine: Any) -> dict[str, Any]:
+    """{"input_tokens": n}: the prompt a /v1/messages request with this conversation would have."""
+    request: CountTokensRequest = parse(CountTokensRequest, body)
+    served.check_model(request.model)
+    _, prompt = await _prompt(request, calling)
+    if isinstance(prompt, ChatPrompt):
+        try:
+            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages))
+        except Exception as exc:
+            if (refused := template_error(exc)) is not None:
+                raise refused from None
+            raise
+    return {"input_tokens": len(prompt)}
+
+
+async def _prompt(request: Conversation, calling: ToolCalling) -> tuple[ToolSpec, Prompt]:
+    """As chat completions builds it: plain role/content turns without tools, else the
+    tool-aware rendering (which checks that every result answers an earlier call)."""
+    request.check_supported()
+    spec = await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()  # compiles schemas
+    history = request.history()
+    if not request.uses_tools:
+        return spec, ChatPrompt(tuple({"role": m.role, "content": m.content or ""} for m in history))
+    return spec, await calling.prompt(history, spec)
+
+
+# ---- the answer --------------------------------------------------------------------------
 
 
 class MessageBuilder:
@@ -126,6 +204,18 @@ class MessagesResponder:
         if finish is not None and isinstance(finish.stop_reason, str) and finish.stop_reason in self.stop_sequences:
             return {"stop_reason": "stop_sequence", "stop_sequence": finish.stop_reason}
         return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+
+class AnthropicEventStream(EventStream):
+    end = b""
+
+    def frame(self, payload: dict[str, Any]) -> bytes:
+        data = json.dumps(payload, ensure_ascii=False)
+        return f"event: {payload['type']}\ndata: {data}\n\n".encode("utf-8")
+
+    def error_frame(self, error: APIError) -> bytes:
+        return self.frame(anthropic_error_body(error))
 
 
 def _arguments_object(text: str) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Bodies and stream chunks of POST /v1/chat/completions (tool calls included)."""
+"""POST /v1/chat/completions: the route, the job a request becomes (tools rendered and
+constrained, see radixserve/server/tools/), and the encoder of each choice's output events as
+a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 
 from __future__ import annotations
 
@@ -6,19 +8,35 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from radixserve.outputs import RequestOutput
+from radixserve.server.api.serving import in_namespace, serve_job, server_state
 from radixserve.server.logprob_format import chat_logprobs
-from radixserve.server.openai_common import now_s
 from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
-from radixserve.server.output.ids import new_id
+from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.output.usage import Usage
-from radixserve.server.protocol.chat import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, parse
+from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling, ToolOutput
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+
+
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    job, tools = await chat_job(parse(ChatCompletionRequest, await read_json(request)), state.served, state.tools)
+    job = in_namespace(request, job)
+    return await serve_job(request, job, ChatResponder(job, state.texts, tools))
 
 
 async def chat_job(body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, ToolOutput | None]:

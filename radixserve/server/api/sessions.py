@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from radixserve.server.api.serving import server_state
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.protocol.body import read_body, read_json
@@ -50,7 +51,7 @@ async def close_session(request: Request) -> Response:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
     salt = _salt(request, body.cache_salt)
     owned = owned_session_id(request.scope, session_id)
-    closed = await _server(request).engine.call(lambda engine: engine.close_session(owned, salt))
+    closed = await server_state(request).engine.call(lambda engine: engine.close_session(owned, salt))
     if not closed:
         raise APIError(404, f"no open session {session_id!r}", type="not_found_error", param="session_id",
                        code="session_not_found")
@@ -61,7 +62,7 @@ async def pin_prefix(request: Request) -> Response:
     body = parse(PinPrefixRequest, await read_json(request))
     prompt = body.prompt()
     salt = _salt(request, body.cache_salt)
-    server = _server(request)
+    server = server_state(request)
     try:
         pinned = await server.engine.call(lambda engine: engine.pin_prefix(prompt, body.ttl_s, salt))
     except ValueError as exc:
@@ -71,10 +72,6 @@ async def pin_prefix(request: Request) -> Response:
 
 def _salt(request: Request, cache_salt: str | None) -> str | None:
     """The engine's cache salt for the caller, as the generation routes compute it."""
-    if _server(request).options.shared_cache_across_keys:
+    if server_state(request).options.shared_cache_across_keys:
         return cache_salt
     return cache_namespace(request.scope, cache_salt)
-
-
-def _server(request: Request):
-    return request.app.state.server

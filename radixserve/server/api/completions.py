@@ -1,18 +1,35 @@
-"""Bodies and stream chunks of POST /v1/completions."""
+"""POST /v1/completions (OpenAI's legacy completions): the route, and the encoder of its
+answers, whole or streamed (the body: protocol/completions.py)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from radixserve.outputs import RequestOutput
+from radixserve.server.api.serving import in_namespace, serve_job, server_state
 from radixserve.server.logprob_format import LegacyLogprobs, merge_legacy
-from radixserve.server.openai_common import finish_reason, now_s
-from radixserve.server.output.ids import new_id
+from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.output.usage import Usage
+from radixserve.server.protocol import CompletionRequest, parse
+from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/completions", completions, methods=["POST"])]
+
+
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    job = in_namespace(request, parse(CompletionRequest, await read_json(request)).to_job(state.served))
+    return await serve_job(request, job, CompletionResponder(job, state.texts))
 
 
 class CompletionResponder:
@@ -86,3 +103,7 @@ class CompletionResponder:
         if usage_ is not None:
             body["usage"] = usage_
         return body
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    return output.finish_reason if output.finished else None

@@ -1,5 +1,5 @@
-"""POST /generate, the native endpoint: its answers, in SGLang's spelling (the body is
-protocol/generate.py).
+"""POST /generate, the native endpoint: the route and its answers, in SGLang's spelling (the
+body is protocol/generate.py).
 
 An answer is {"text", "output_ids", "meta_info"} per engine request (a list for a batch of
 prompts or for n > 1). meta_info:
@@ -19,29 +19,39 @@ Streaming sends the cumulative answer as `data: {...}` events, then `data: [DONE
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput, TokenLogprob
+from radixserve.server.api.serving import CLIENT_CLOSED, in_namespace, results_unless_disconnected, server_state
 from radixserve.server.errors import APIError
 from radixserve.server.logprob_format import finite
 from radixserve.server.middleware import tenant
+from radixserve.server.protocol import GenerateRequest, parse
+from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.jobs import NativeJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.sglang_api import RidTable, rid_table
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
 
-CLIENT_CLOSED = 499
-Wait = Callable[[Request, RequestGroup], Awaitable["list[RequestOutput] | None"]]
+
+def routes() -> list[Route]:
+    return [Route("/generate", generate, methods=["POST"])]
 
 
-async def respond(request: Request, job: NativeJob, engine: Any, texts: TokenTexts, wait: Wait) -> Response:
-    """Submit the job, then answer: JSON, or an event stream. `wait(request, group)` gives
-    the final outputs, or None when the client went away."""
+async def generate(request: Request) -> Response:
+    state = server_state(request)
+    job = in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
+    return await respond(request, job, state.engine, state.texts)
+
+
+async def respond(request: Request, job: NativeJob, engine: Any, texts: TokenTexts) -> Response:
+    """Submit the job, then answer: JSON, or an event stream."""
     rids, owner = rid_table(request.app), tenant(request.scope)
     rids.check_free(owner, job.rids)
     group = await engine.submit(job.inputs())
@@ -50,7 +60,7 @@ async def respond(request: Request, job: NativeJob, engine: Any, texts: TokenTex
     if job.stream:
         return EventStream(answer.stream(rids), on_close=lambda: _release(rids, owner, job, group))
     try:
-        outputs = await wait(request, group)
+        outputs = await results_unless_disconnected(request, group)
     except APIError:
         if not rids.aborted(group):
             raise
