@@ -33,6 +33,7 @@ from starlette.routing import Route
 from radixserve.outputs import RequestOutput
 from radixserve.server.api.serving import in_namespace, serve_job, server_state
 from radixserve.server.errors import APIError, anthropic_error_body, template_error
+from radixserve.server.output.encoder import BlockEncoder
 from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
 from radixserve.server.output.ids import new_id
 from radixserve.server.output.usage import Usage
@@ -107,20 +108,13 @@ async def _prompt(request: Conversation, calling: ToolCalling) -> tuple[ToolSpec
 # ---- the answer --------------------------------------------------------------------------
 
 
-class MessageBuilder:
+class MessageBuilder(BlockEncoder):
     """Content blocks (text, tool_use) from one answer's events, and the content_block_*
     events that announce them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.blocks: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        self.finish: Finish | None = None
-
-    def apply(self, events: list[Event]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            out += self._apply(event)
-        return out
 
     def _apply(self, event: Event) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
@@ -137,7 +131,6 @@ class MessageBuilder:
             self._open["input"] = _arguments_object(event.arguments)
             return self._close()
         assert isinstance(event, Finish)
-        self.finish = event
         return self._close()
 
     def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:

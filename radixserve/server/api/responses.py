@@ -30,7 +30,8 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.api.serving import in_namespace, serve_job, server_state
 from radixserve.server.errors import bad_request
 from radixserve.server.middleware import tenant
-from radixserve.server.output.events import CallArguments, CallStart, Event, Finish, OutputEvents, TextDelta
+from radixserve.server.output.encoder import BlockEncoder
+from radixserve.server.output.events import CallArguments, CallStart, Event, OutputEvents, TextDelta
 from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel, parse
@@ -154,20 +155,13 @@ def _dump(value: Any) -> Any:
 # ---- output items ------------------------------------------------------------------------
 
 
-class ResponseOutputBuilder:
-    """Apply the answer's events as they come. The same builder makes the non-streamed
-    body, so a stream always assembles to the body."""
+class ResponseOutputBuilder(BlockEncoder):
+    """Output items (message, function_call) from one answer's events, and the response.*
+    events that announce them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None
-        self.finish: Finish | None = None
-
-    def apply(self, events: list[Event]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            out += self._apply(event)
-        return out
 
     def history(self) -> list[HistoryMessage]:
         """The output as one assistant turn (text, then calls), for a later previous_response_id."""
@@ -191,8 +185,6 @@ class ResponseOutputBuilder:
         if isinstance(event, CallArguments):
             self._open["arguments"] += event.text
             return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
-        if isinstance(event, Finish):
-            self.finish = event
         return self._close()  # CallEnd, Finish
 
     def _open_message(self) -> list[dict[str, Any]]:
