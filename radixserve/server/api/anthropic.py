@@ -98,7 +98,7 @@ async def _prompt(request: Conversation, calling: ToolCalling) -> tuple[ToolSpec
     """As chat completions builds it: plain role/content turns without tools, else the
     tool-aware rendering (which checks that every result answers an earlier call)."""
     request.check_supported()
-    spec = await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()  # compiles schemas
+    spec = await calling.spec(request)
     history = request.history()
     if not request.uses_tools:
         return spec, ChatPrompt(tuple({"role": m.role, "content": m.content or ""} for m in history))

@@ -4,7 +4,6 @@ a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,8 +41,7 @@ async def chat_completions(request: Request) -> Response:
 async def chat_job(body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, ToolOutput | None]:
     """The job of a chat request, and how to read tool calls out of its outputs (None:
     the request has no tools, its text is all content)."""
-    # Checking the tools compiles their schemas: off the event loop when there are any.
-    spec = await asyncio.to_thread(body.tool_spec) if body.tools else body.tool_spec()
+    spec = await calling.spec(body)
     if not body.uses_tools:
         return body.to_job(served), None
     prompt = await calling.prompt(body.history(), spec)

@@ -16,7 +16,6 @@ non-text inputs, `background`, `conversation`, `prompt`, output logprobs, `reaso
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -62,7 +61,7 @@ async def responses_job(
     """The engine job of a Responses request and the responder that answers it."""
     model = served.check_model(body.model)
     body.check_supported()
-    spec = await asyncio.to_thread(body.tool_spec) if body.tools else body.tool_spec()  # compiles schemas
+    spec = await calling.spec(body)
     head, conversation = body.history(store)
     prompt = await calling.prompt(head + conversation, spec)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.server.errors import template_error
 from radixserve.server.request_group import ChatPrompt
@@ -18,6 +18,14 @@ from radixserve.server.tools.grammar import tool_call_structural_tag
 Prompt = ChatPrompt | list[int]
 
 
+class ToolRequest(Protocol):
+    """A request body that declares tools (chat, Responses, Anthropic's messages)."""
+
+    tools: Any
+
+    def tool_spec(self) -> ToolSpec: ...
+
+
 class ToolCalling:
     """One per server. `parser`: a --tool-call-parser value (`auto` detects from the template)."""
 
@@ -27,6 +35,11 @@ class ToolCalling:
             if parser == "auto" else format_named(parser)
         self.renderer = ChatRenderer(tokenizer, self.fmt)
         self.tokenizer = tokenizer
+
+    async def spec(self, request: ToolRequest) -> ToolSpec:
+        """The request's checked tools. Checking compiles each tool's schema: with tools it
+        runs on a worker thread, off the event loop."""
+        return await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()
 
     async def prompt(self, history: list[HistoryMessage], spec: ToolSpec) -> Prompt:
         """The prompt of a conversation with tools. The fallback rendering is plain messages,
