@@ -1,5 +1,5 @@
-"""Agent sessions over HTTP: an optional `session_id` on /generate, /v1/completions and
-/v1/chat/completions names an agent's conversation (its latest context is kept ahead of
+"""Agent sessions over HTTP: an optional `session_id` on /generate, /v1/completions,
+/v1/chat/completions and /v1/messages names an agent's conversation (its latest context is kept ahead of
 unreferenced prefixes); these routes end a session and pin a shared prefix.
 
 - POST /v1/sessions/{session_id}/close [{"cache_salt"}]: release the session's hold on the
