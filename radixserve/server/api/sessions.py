@@ -1,6 +1,6 @@
 """Agent sessions over HTTP: an optional `session_id` on /generate, /v1/completions,
-/v1/chat/completions and /v1/messages names an agent's conversation (its latest context is kept ahead of
-unreferenced prefixes); these routes end a session and pin a shared prefix.
+/v1/chat/completions and /v1/messages names an agent's conversation (its latest context is
+kept ahead of unreferenced prefixes); these routes end a session and pin a shared prefix.
 
 - POST /v1/sessions/{session_id}/close [{"cache_salt"}]: release the session's hold on the
   cache (its context stays cached as an ordinary entry). 404 if no such session is open.
