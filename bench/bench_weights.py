@@ -52,6 +52,7 @@ def main() -> None:
         from bench.weights_speed import speed
 
         report["speed"] = speed(args)
+    report["layout_7b"] = layout_7b()
     _print(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -161,6 +162,30 @@ def _made_gguf(kind: str, work: Path) -> Path:
     return path
 
 
+# ---- a 7B model's layout ------------------------------------------------------------------------
+
+# GGUF bytes per weight, and radixserve's (kernels/quant_linear.py: codes, float32 scale and offset
+# per group; gguf_repack.py says which layout each type takes)
+GGUF_BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256}
+OUR_BYTES = {"Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16}
+
+
+def layout_7b() -> dict:
+    """A Llama-2-7B-shaped model (32 layers, hidden 4096, MLP 11008, vocab 32000) quantized as
+    llama.cpp's Q4_K_M mixes types (Q6_K for attn_v and ffn_down in the layers its
+    use_more_bits rule picks, and for the output; Q4_K elsewhere): bytes as the GGUF holds
+    them, as radixserve holds them, and as float32."""
+    layers, hidden, inter, vocab = 32, 4096, 11008, 32000
+    tensors = [("Q4_K", vocab * hidden), ("Q6_K", vocab * hidden)]  # token_embd, output
+    for i in range(layers):
+        more = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        tensors += [("Q4_K", 3 * hidden * hidden), ("Q6_K" if more else "Q4_K", hidden * hidden)]  # q, k, o; v
+        tensors += [("Q4_K", 2 * hidden * inter), ("Q6_K" if more else "Q4_K", inter * hidden)]  # gate, up; down
+    weights = sum(n for _, n in tensors)
+    return {"weights": weights, "gguf_gib": sum(GGUF_BYTES[t] * n for t, n in tensors) / 2**30,
+            "radixserve_gib": sum(OUR_BYTES[t] * n for t, n in tensors) / 2**30, "float32_gib": 4 * weights / 2**30}
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -181,6 +206,10 @@ def _print(report: dict) -> None:
         from bench.weights_speed import print_speed
 
         print_speed(report["speed"], TARGETS)
+    lay = report["layout_7b"]
+    print(f"a 7B Llama-shaped model as Q4_K_M ({lay['weights'] / 1e9:.2f}B weights), computed from the layouts: "
+          f"GGUF {lay['gguf_gib']:.2f} GiB, radixserve {lay['radixserve_gib']:.2f} GiB "
+          f"({lay['radixserve_gib'] / lay['gguf_gib']:.2f}x), float32 {lay['float32_gib']:.1f} GiB")
 
 
 def _plot(path: str, report: dict) -> None:

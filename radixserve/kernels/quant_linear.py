@@ -76,15 +76,19 @@ class QuantWeight:
         return cls(tensors["codes"], tensors["scale"], tensors.get("offset"), int(meta["bits"]),
                    int(meta["group"]), int(meta["zero"]), meta["kind"])
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 weight (or its rows `rows`, an int64 index tensor), exactly as stored."""
+    def dequantize(self, rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or its rows `rows`, an int64 index tensor), exactly as stored;
+        into `out` (contiguous float32 of that shape) where given."""
         n, k = self.shape
         fn = _kernel("quant_dequantize_f32")
         index = None if rows is None else rows.to(torch.int64).contiguous()
         count = n if index is None else index.numel()
-        out = torch.empty(count, k, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(count, k, dtype=torch.float32)
+        elif out.shape != (count, k) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 {(count, k)}")
         if fn is None:
-            return self._dequantize_torch(index).reshape(count, k)
+            return out.copy_(self._dequantize_torch(index).reshape(count, k))
         status = fn(self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.offset), n, k, self.bits, self.group,
                     self.zero, None if index is None else index.data_ptr(), count, out.data_ptr())
         if status == -2:

@@ -34,10 +34,15 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def open_gguf(path: Path):
-    """The file's GGUFReader after every tensor's header was checked; ValueError otherwise."""
+    """The file's GGUFReader after its architecture and every tensor's header were checked;
+    ValueError otherwise (in well under a second: the header is all that is read)."""
     from gguf import GGUFReader
 
-    for info in scan_tensors(path):
+    header = scan_header(path)
+    if header.architecture not in ARCHITECTURES:
+        raise ValueError(f"{path.name} is a {header.architecture!r} model; radixserve serves the Llama family "
+                         f"(GGUF architectures {', '.join(ARCHITECTURES)})")
+    for info in header.tensors:
         _check_tensor(info, path.stat().st_size, path.name)
     try:
         return GGUFReader(path)
@@ -55,9 +60,15 @@ class TensorInfo:
     data_offset: int  # absolute, in the file
 
 
-def scan_tensors(path: Path) -> list[TensorInfo]:
-    """The tensor entries of a GGUF header, read field by field (never the data) so that a
-    corrupt or truncated header is refused with where it broke."""
+@dataclass
+class GGUFHeader:
+    architecture: str  # general.architecture ('' when the file names none)
+    tensors: list[TensorInfo]
+
+
+def scan_header(path: Path) -> GGUFHeader:
+    """The architecture and tensor entries of a GGUF header, read field by field (never the
+    data) so that a corrupt or truncated header is refused with where it broke."""
     with open(path, "rb") as f:
         header = _Header(f, path.stat().st_size, path.name)
         if header.raw(4) != b"GGUF":
@@ -66,13 +77,15 @@ def scan_tensors(path: Path) -> list[TensorInfo]:
         if version not in (2, 3):
             raise ValueError(f"{path.name} is GGUF version {version}; versions 2 and 3 are read")
         count, kv_count = header.u64(), header.u64()
-        alignment = 32
+        alignment, arch = 32, ""
         for _ in range(kv_count):
             key = header.string()
             kind = header.u32()
             value = header.value(kind)
             if key == "general.alignment" and isinstance(value, int) and value > 0:
                 alignment = value
+            elif key == "general.architecture" and isinstance(value, str):
+                arch = value
         entries = []
         for _ in range(count):
             name = header.string()
@@ -82,7 +95,7 @@ def scan_tensors(path: Path) -> list[TensorInfo]:
             dims = [header.u64() for _ in range(n_dims)]
             entries.append((name, dims, header.u32(), header.u64()))
         start = -(-header.position // alignment) * alignment
-    return [TensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in entries]
+    return GGUFHeader(arch, [TensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in entries])
 
 
 class _Header:
@@ -141,8 +154,6 @@ def read_weights(path: Path, quantized: bool) -> dict[str, torch.Tensor | QuantW
 
     reader = open_gguf(path)
     arch = architecture(reader)
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     heads = _field_int(reader, f"{arch}.attention.head_count")
     kv_heads = _field_int(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, torch.Tensor | QuantWeight] = {}

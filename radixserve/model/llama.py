@@ -9,6 +9,7 @@ outputs match it token for token.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -95,20 +96,32 @@ def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
                      onednn: bool = True) -> torch.Tensor:
     """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
     native decoder takes (so both paths give the same bits), else the weight dequantized a
-    slice of features at a time into float32 and multiplied by the float path."""
+    slice of features at a time into a reused float32 buffer and multiplied by the float path."""
     if x.dim() == 2 and x.shape[0] <= max(max_rows(), 1):
         out = quant_linear(x, weight, bias)
         if out is not None:
             return out
-    n = weight.shape[0]
+    n, k = weight.shape
     if n <= _DEQUANT_FEATURES:
-        return linear(x, weight.dequantize(), bias, onednn)
+        return linear(x, weight.dequantize(out=_dequant_buffer(n, k)), bias, onednn)
     parts = []
     for start in range(0, n, _DEQUANT_FEATURES):
         rows = torch.arange(start, min(n, start + _DEQUANT_FEATURES))
         part_bias = None if bias is None else bias[start:start + _DEQUANT_FEATURES]
-        parts.append(linear(x, weight.dequantize(rows), part_bias, onednn))
+        parts.append(linear(x, weight.dequantize(rows, _dequant_buffer(len(rows), k)), part_bias, onednn))
     return torch.cat(parts, dim=-1)
+
+
+_scratch = threading.local()
+
+
+def _dequant_buffer(n: int, k: int) -> torch.Tensor:
+    """A float32 [n, k] view of this thread's dequantization buffer (grown, never shrunk: a
+    fresh allocation of that size page-faults in, which cost as much as the dequantization)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < n * k:
+        buffer = _scratch.buffer = torch.empty(n * k, dtype=torch.float32)
+    return buffer[: n * k].view(n, k)
 
 
 class Embedding(nn.Embedding):

@@ -142,3 +142,20 @@ def test_an_absurd_dimension_and_an_unknown_type_are_refused(tmp_path):
     data[at:at + 4] = (250).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     _load_refused(path, tmp_path / "cache", "output_norm.weight")
+
+
+def test_an_architecture_radixserve_does_not_serve_is_refused_from_the_header(tmp_path):
+    import time
+
+    from gguf import GGUFWriter
+
+    path = tmp_path / "gemma.gguf"
+    writer = GGUFWriter(str(path), arch="gemma3")
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    start = time.monotonic()
+    _load_refused(path, tmp_path / "cache", "a 'gemma3' model; radixserve serves the Llama family")
+    assert time.monotonic() - start < 1.0

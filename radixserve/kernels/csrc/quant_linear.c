@@ -343,6 +343,32 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
     return 0;
 }
 
+/* One weight row into dst [K]: 16 values a step, each 16 sharing a group (G >= 16). */
+static void dequantize_row(const QWeight *w, const uint8_t *c, const float *s, const float *o, float *dst) {
+    const int64_t K = w->K, G = w->group;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t k = 0; k < K; k += 16) {
+        __m128i bytes;
+        if (w->bits == 8) {
+            bytes = _mm_loadu_si128((const __m128i *)(c + k));
+        } else {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(c + (k / 64) * 32 + (k % 32)));
+            bytes = _mm_and_si128(k % 64 < 32 ? packed : _mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+        }
+        const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+        const float sg = s[k / G];
+        const float og = o ? o[k / G] : -(float)w->zero * sg;
+        _mm512_storeu_ps(dst + k, o ? _mm512_fmadd_ps(u, _mm512_set1_ps(sg), _mm512_set1_ps(og))
+                                    : _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps((float)w->zero)), _mm512_set1_ps(sg)));
+    }
+#else
+    for (int64_t k = 0; k < K; ++k) {
+        const float u = (float)code_at(c, k, w->bits), sg = s[k / G];
+        dst[k] = o ? sg * u + o[k / G] : sg * (u - (float)w->zero);
+    }
+#endif
+}
+
 /* The float32 weight rows `rows` [count] (or 0..count-1 when NULL) into out [count, K]: the
  * embedding's lookup, and a whole weight for the BLAS at prompt sizes. */
 int quant_dequantize_f32(const uint8_t *codes, const float *scale, const float *offset, int64_t N, int64_t K,
@@ -356,12 +382,7 @@ int quant_dequantize_f32(const uint8_t *codes, const float *scale, const float *
     for (int64_t i = 0; i < count; ++i) {
         const int64_t n = rows ? rows[i] : i;
         const uint8_t *c = codes + n * rb;
-        const float *s = scale + n * groups, *o = offset ? offset + n * groups : NULL;
-        float *dst = out + i * K;
-        for (int64_t k = 0; k < K; ++k) {
-            const float u = (float)code_at(c, k, bits), sg = s[k / group];
-            dst[k] = o ? sg * u + o[k / group] : sg * (u - (float)zero);
-        }
+        dequantize_row(&w, c, scale + n * groups, offset ? offset + n * groups : NULL, out + i * K);
     }
     return 0;
 }
