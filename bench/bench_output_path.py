@@ -30,7 +30,6 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server.protocol.jobs import GenerationJob, NativeJob
 from radixserve.server.request_group import GenerationInput, RequestGroup
 from radixserve.server.response_store import ResponseStore
-from radixserve.server.sglang_api import RidTable
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.call_format import HERMES
@@ -44,6 +43,7 @@ try:  # each API's module in server/api/
     from radixserve.server.api.completions import CompletionResponder
     from radixserve.server.api.native import Answer
     from radixserve.server.api.responses import ResponsesResponder
+    from radixserve.server.api.sglang import RidTable
     from radixserve.server.protocol.responses import ResponsesRequest
 except ImportError:  # an older tree (flat server/ modules), measured for comparison
     from radixserve.server.anthropic_output import MessagesResponder
@@ -52,6 +52,7 @@ except ImportError:  # an older tree (flat server/ modules), measured for compar
     from radixserve.server.openai_chat import ChatResponder
     from radixserve.server.openai_completions import CompletionResponder
     from radixserve.server.responses_api import ResponsesRequest, ResponsesResponder
+    from radixserve.server.sglang_api import RidTable
 
 CHARS_PER_TOKEN = 4
 PROMPT = list(range(1, 65))

@@ -18,8 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from radixserve.engine.protocol import EngineProtocol
-from radixserve.server import sglang_api
-from radixserve.server.api import anthropic, chat, completions, native, responses, sessions
+from radixserve.server.api import anthropic, chat, completions, native, responses, sessions, sglang
 from radixserve.server.api.serving import ServerState, server_state
 from radixserve.server.async_engine import AsyncEngine
 from radixserve.server.errors import APIError, error_response, server_error
@@ -82,7 +81,7 @@ def app_routes(options: ServerOptions) -> list[Route]:
         *anthropic.routes(),  # Anthropic's Messages API: /v1/messages, /v1/messages/count_tokens
         *native.routes(),  # /generate
         Route("/metrics", metrics_endpoint, methods=["GET"]),
-        *sglang_api.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
+        *sglang.routes(),  # /get_model_info, /get_server_info, /abort_request, /flush_cache
         *sessions.routes(),  # /v1/sessions/{id}/close, /v1/sessions/pin
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

@@ -35,7 +35,7 @@ from radixserve.server.protocol import GenerateRequest, parse
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.jobs import NativeJob
 from radixserve.server.request_group import RequestGroup
-from radixserve.server.sglang_api import RidTable, rid_table
+from radixserve.server.api.sglang import RidTable, rid_table
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
 

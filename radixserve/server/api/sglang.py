@@ -20,17 +20,18 @@ import dataclasses
 import json
 from typing import Any
 
-from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import radixserve
 from radixserve.engine.protocol import EngineProtocol
+from radixserve.server.api.serving import server_state
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.middleware import may_act_for_all, tenant, tenant_namespace
 from radixserve.server.protocol.body import read_body, read_json
-from radixserve.server.protocol.common import NativeModel, parse
+from radixserve.server.protocol.common import parse
+from radixserve.server.protocol.sglang import AbortRequest, FlushCacheRequest
 from radixserve.server.request_group import RequestGroup
 
 
@@ -51,14 +52,14 @@ async def get_model_info(request: Request) -> Response:
         "model_path": path,
         "tokenizer_path": path,
         "is_generation": True,
-        "served_model_name": _state(request).served.names[0],
+        "served_model_name": server_state(request).served.names[0],
         "max_model_len": engine.max_model_len,
     })
 
 
 async def get_server_info(request: Request) -> Response:
     engine = _engine(request)
-    state = _state(request)
+    state = server_state(request)
     return JSONResponse({
         "version": radixserve.__version__,
         "model_path": _model_path(engine),
@@ -75,11 +76,6 @@ async def get_server_info(request: Request) -> Response:
     })
 
 
-class AbortRequest(NativeModel):
-    rid: str | None = Field(None, min_length=1)
-    abort_all: bool = False
-
-
 async def abort_request(request: Request) -> Response:
     body = parse(AbortRequest, await read_json(request))
     table = rid_table(request.app)
@@ -91,10 +87,6 @@ async def abort_request(request: Request) -> Response:
     return JSONResponse({"aborted": int(table.abort(owner, body.rid))})
 
 
-class FlushCacheRequest(NativeModel):
-    """SGLang's /flush_cache takes no options; an empty object (or no body) is accepted."""
-
-
 async def flush_cache(request: Request) -> Response:
     raw = await read_body(request, 1 << 16)
     if raw.strip():
@@ -104,7 +96,7 @@ async def flush_cache(request: Request) -> Response:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         parse(FlushCacheRequest, body)
     namespace = _flushed_namespace(request)
-    freed = await _state(request).engine.call(lambda engine: engine.flush_cache(namespace))
+    freed = await server_state(request).engine.call(lambda engine: engine.flush_cache(namespace))
     return JSONResponse({"freed_blocks": freed, "flushed": "all" if namespace is None else "own"})
 
 
@@ -113,7 +105,7 @@ def _flushed_namespace(request: Request) -> str | None:
     else its own key's; refused where every key shares one namespace."""
     if may_act_for_all(request.scope):
         return None
-    if _state(request).options.shared_cache_across_keys:
+    if server_state(request).options.shared_cache_across_keys:
         raise APIError(403, "the API keys share one prefix cache (--shared-cache-across-keys): flushing it takes "
                        "an admin key (--admin-api-key)", type="permission_error", code="admin_key_required")
     return tenant_namespace(request.scope)
@@ -181,8 +173,4 @@ def _model_path(engine: EngineProtocol) -> str:
 
 
 def _engine(request: Request) -> EngineProtocol:
-    return _state(request).engine.engine
-
-
-def _state(request: Request) -> Any:
-    return request.app.state.server
+    return server_state(request).engine.engine
