@@ -39,7 +39,8 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.model.default_model import default_gguf_path
 
 TARGETS = {"top1": 0.995, "kl": 0.005, "decode_b1": 1.0, "decode_b8": 1.5, "prompt": 1.0, "memory": 1.25}
-MADE_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0")
+MADE_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+VARIANTS = ("Q4_1", *MADE_TYPES, "int8", "int4")
 
 
 def main() -> None:
@@ -67,10 +68,12 @@ def accuracy(args) -> list[dict]:
     reference = Engine(weight_dtype="float32", num_kv_blocks=64)
     sequences = _sequences(reference, args)
     rows = []
-    variants = [("Q4_1 (the default model's file)", {}, None)]
-    variants += [(f"{t} (made from its float32 weights)", None, t) for t in MADE_TYPES]
-    variants += [("int8 at load (per channel)", {"weight_dtype": "int8"}, None),
-                 ("int4 at load (groups of 32)", {"weight_dtype": "int4"}, None)]
+    variants = [("Q4_1", "Q4_1 (the default model's file)", {}, None)]
+    variants += [(t, f"{t} (made from its float32 weights{_K_NOTE if t.endswith('_K') else ''})", None, t)
+                 for t in MADE_TYPES]
+    variants += [("int8", "int8 at load (per channel)", {"weight_dtype": "int8"}, None),
+                 ("int4", "int4 at load (groups of 32)", {"weight_dtype": "int4"}, None)]
+    variants = [v[1:] for v in variants if v[0] in args.types]
     with tempfile.TemporaryDirectory() as work:
         for label, options, made in variants:
             if made is not None:
@@ -132,11 +135,17 @@ def forced_logits(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor
     return torch.cat(out)
 
 
+_K_NOTE = "; ffn_down only: the model's other matrices have 576 columns, not whole 256-value blocks"
+
+
 def _made_gguf(kind: str, work: Path) -> Path:
-    """The default GGUF with every Q4_1 tensor requantized to `kind` by the gguf package from
-    its float32 values (Q8_0 and float tensors kept), written under `work`."""
+    """The default GGUF with its Q4_1 tensors requantized to `kind` from their float32 values
+    (the gguf package's quantizer; bench/gguf_kquants.py for K types, which take only rows of
+    whole 256-value blocks), the Q8_0 embedding and float tensors kept; written under `work`."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+    from bench.gguf_kquants import quantize_k
 
     source = GGUFReader(default_gguf_path())
     path = work / f"smollm2-{kind}.gguf"
@@ -149,9 +158,10 @@ def _made_gguf(kind: str, work: Path) -> Path:
     target = GGMLQuantizationType[kind]
     for t in source.tensors:
         shape = [int(d) for d in reversed(t.shape)]
-        if t.tensor_type.name == "Q4_1":
-            values = quants.dequantize(t.data, t.tensor_type).reshape(shape)
-            data = quants.quantize(np.ascontiguousarray(values, dtype=np.float32), target)
+        k_type = kind.endswith("_K")
+        if t.tensor_type.name == "Q4_1" and (not k_type or shape[-1] % 256 == 0):
+            values = np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type).reshape(shape), dtype=np.float32)
+            data = quantize_k(values, kind) if k_type else quants.quantize(values, target)
             writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=target)
         else:
             writer.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape, raw_dtype=t.tensor_type)
@@ -229,6 +239,7 @@ def _plot(path: str, report: dict) -> None:
 def _args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
+    p.add_argument("--types", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="accuracy variants")
     p.add_argument("--quick", action="store_true", help="fewer positions, tokens and repetitions")
     p.add_argument("--positions", type=int, default=10_000, help="teacher-forced positions per variant")
     p.add_argument("--prompts", type=int, default=52)
