@@ -10,6 +10,7 @@ model, not detokenizing).
     .venv/bin/python -m bench.bench_output_path            # lengths 500 1000 2000, best of 5
     .venv/bin/python -m bench.bench_output_path --quick    # best of 2
     .venv/bin/python -m bench.bench_output_path --json     # one JSON object on stdout
+    .venv/bin/python -m bench.bench_output_path --plot output_path.png
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.report import plot_bars
 from radixserve import outputs as engine_outputs
 from radixserve.core.request import Request
 from radixserve.engine.output import OutputProcessor
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs per point; the best is kept")
     parser.add_argument("--quick", action="store_true", help="two runs per point")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--plot", default=None, help="write a bar chart (us per token by API and length) here")
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     results = measure(args.lengths, repeats)
@@ -166,11 +169,18 @@ def main(argv: list[str] | None = None) -> None:
                    "results": {api: {str(k): round(v, 2) for k, v in r.items()} for api, r in results.items()}},
                   sys.stdout)
         print()
-        return
+    else:
+        _print_table(results, args.lengths, repeats)
+    if args.plot:
+        plot_bars(args.plot, "output path: microseconds per token", [f"{n} tokens" for n in args.lengths],
+                  {api: [r[n] for n in args.lengths] for api, r in results.items()}, "us per token")
+
+
+def _print_table(results: dict[str, dict[int, float]], lengths: list[int], repeats: int) -> None:
     print(f"output path, microseconds per token (best of {repeats}); last column: longest / shortest")
-    print(f"{'api':<12}" + "".join(f"{n:>10}" for n in args.lengths) + f"{'ratio':>8}")
+    print(f"{'api':<12}" + "".join(f"{n:>10}" for n in lengths) + f"{'ratio':>8}")
     for api, per_length in results.items():
-        row = [per_length[n] for n in args.lengths]
+        row = [per_length[n] for n in lengths]
         print(f"{api:<12}" + "".join(f"{v:>10.1f}" for v in row) + f"{row[-1] / row[0]:>8.2f}")
 
 
