@@ -11,7 +11,8 @@ from radixserve.server.errors import bad_request
 
 @dataclass(frozen=True)
 class HistoryCall:
-    """A call the assistant made earlier; `arguments` is JSON text (checked)."""
+    """A call the assistant made earlier; `arguments` as written: JSON text, or not whole JSON
+    where the reply was cut by max_tokens inside the call (rendered back as it was generated)."""
 
     id: str
     name: str
@@ -30,25 +31,25 @@ class HistoryMessage:
 
 
 def check_history(messages: list[HistoryMessage]) -> dict[str, HistoryCall]:
-    """Every call's arguments are JSON; every tool result answers a call made before it.
-    Returns the calls by id. Raises a 400 naming the field."""
+    """Every tool result answers a call made before it. Returns the calls by id. Raises a 400
+    naming the field. A call's arguments are not checked: an agent re-sends the reply it got,
+    and a reply cut by max_tokens inside a call holds arguments that are not whole JSON."""
     calls: dict[str, HistoryCall] = {}
     for message in messages:
         for call in message.tool_calls:
-            _check_arguments(call)
             calls[call.id] = call
         if message.role == "tool":
             _check_result(message, calls)
     return calls
 
 
-def _check_arguments(call: HistoryCall) -> None:
-    param = call.arguments_param
+def parsed_arguments(call: HistoryCall) -> object:
+    """The call's arguments as a value for a chat template: parsed where they are JSON, else
+    the text as written (a template's `tojson` then writes it as a string)."""
     try:
-        json.loads(call.arguments)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"'{param}' must be a JSON text (the call's arguments), got {call.arguments[:40]!r}: {exc}",
-                          param=param) from None
+        return json.loads(call.arguments)
+    except (ValueError, RecursionError):
+        return call.arguments
 
 
 def _check_result(message: HistoryMessage, calls: dict[str, HistoryCall]) -> None:

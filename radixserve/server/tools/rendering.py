@@ -24,7 +24,7 @@ from typing import Any
 
 from radixserve.server.tools.call_format import ToolCallFormat
 from radixserve.server.tools.definitions import ToolDefinition
-from radixserve.server.tools.history import HistoryMessage
+from radixserve.server.tools.history import HistoryMessage, parsed_arguments
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to help with the user's request. "
@@ -116,7 +116,7 @@ def _native(message: HistoryMessage, names: dict[str, str]) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": message.role, "content": message.content or ""}
     if message.tool_calls:
         entry["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": parsed_arguments(c)}}
             for c in message.tool_calls
         ]
     if message.role == "tool":
