@@ -6,6 +6,7 @@ with --cpu, the tiled C prefill kernel on CPU beside SDPA and the model's matmul
     python -m bench.bench_kernels --cpu      # float32 on CPU: GFLOP/s of attention and matmuls
     python -m bench.bench_kernels --cpu --cpu-rows  # the decode kernel on several rows of a request
     python -m bench.bench_kernels --cpu --cpu-routing  # step times behind the runner's ROWS_ATTENTION_WORK
+    python -m bench.bench_kernels --cpu --cpu-quantized  # quantized weights: ours, torch's weight-only ops, float32
 
 Kernels are timed two ways: replayed from a CUDA graph (the GPU's own time, no host
 launch overhead) and called eagerly (what an engine without CUDA graphs pays). The
@@ -402,6 +403,53 @@ def _best_cpu_times(calls: dict, repeats: int) -> dict[str, float]:
     return best
 
 
+def bench_cpu_quantized(args: argparse.Namespace) -> None:
+    """The default model's layer matmul shapes with quantized weights, side by side: radixserve's
+    integer kernel (kernels/quant_linear.py) on int8 per-channel and int4 groups-of-32 weights,
+    torch's weight-only ops on the same values (_weight_int8pack_mm; _weight_int4pack_mm_for_cpu),
+    and the float32 skinny kernel / oneDNN on the dequantized weight. Best of --cpu-repeats."""
+    from radixserve.kernels.native_ops import skinny_linear
+    from radixserve.kernels.onednn_linear import onednn_linear
+    from radixserve.kernels.quant_linear import quant_linear, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    print(f"quantized weights, the default model's four layer shapes summed, torch threads {torch.get_num_threads()}, "
+          f"best of {args.cpu_repeats} (microseconds)")
+    print(f"  {'rows':>5} {'ours int8':>10} {'torch int8':>11} {'ours int4':>10} {'torch int4':>11} {'float32':>9}")
+    layers = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        q8, q4 = quantize(w, 8), quantize(w, 4, 32)
+        i8 = (q8.codes.to(torch.int16) - 128).to(torch.int8)
+        u4 = torch.cat([(q4.codes & 15).reshape(n, -1, 1, 32), (q4.codes >> 4).reshape(n, -1, 1, 32)], 2).reshape(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u4.to(torch.int32), 8)
+        # torch's int4: w = (q - 8) * scale + zero; ours: w = scale * q + offset
+        zeros = torch.stack([q4.scale.T, (q4.offset + 8 * q4.scale).T], dim=2).contiguous()
+        layers.append((w, q8, q4, i8, packed, zeros))
+    for rows in (1, 2, 4, 8, 16, 32, 128):
+        xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
+
+        def run(fn):
+            return lambda: [fn(xs[w.shape[1]], w, q8, q4, i8, packed, zeros) for w, q8, q4, i8, packed, zeros in layers]
+
+        def dense(x, w):
+            out = skinny_linear(x, w, None)
+            return out if out is not None else onednn_linear(x, w, None)
+
+        best = _best_cpu_times({
+            "ours int8": run(lambda x, w, q8, *_: quant_linear(x, q8)),
+            "torch int8": run(lambda x, w, q8, q4, i8, *_: torch._weight_int8pack_mm(x, i8, q8.scale.reshape(-1))),
+            "ours int4": run(lambda x, w, q8, q4, *_: quant_linear(x, q4)),
+            "torch int4": run(lambda x, w, q8, q4, i8, packed, zeros: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, packed, 32, zeros)),
+            "float32": run(lambda x, w, *_: dense(x, w)),
+        }, args.cpu_repeats)
+        us = {name: t * 1e6 for name, t in best.items()}
+        print(f"  {rows:>5} {us['ours int8']:>10.0f} {us['torch int8']:>11.0f} {us['ours int4']:>10.0f} "
+              f"{us['torch int4']:>11.0f} {us['float32']:>9.0f}")
+
+
 # ---- main --------------------------------------------------------------------------------
 
 
@@ -417,6 +465,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the CPU kernels instead (no GPU needed)")
     parser.add_argument("--cpu-repeats", type=int, default=5)
     parser.add_argument("--cpu-rows", action="store_true", help="with --cpu: only the decode kernel on several rows")
+    parser.add_argument("--cpu-quantized", action="store_true",
+                        help="with --cpu: only the quantized-weight matmuls against torch's weight-only ops")
     parser.add_argument("--cpu-routing", action="store_true",
                         help="with --cpu: only the step-time measurement behind the runner's ROWS_ATTENTION_WORK")
     parser.add_argument("--routing-chunks", type=int, nargs="+", default=[16, 40, 100])
@@ -426,6 +476,9 @@ def main() -> None:
         with torch.inference_mode():
             if args.cpu_routing:
                 bench_cpu_routing(args)
+                return
+            if args.cpu_quantized:
+                bench_cpu_quantized(args)
                 return
             if not args.cpu_rows:
                 bench_cpu(args)
