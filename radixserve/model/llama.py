@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             ) if not ok]
             if missing:
                 raise ValueError(f"prefill_matmul_dtype bfloat16 needs {'; '.join(missing)}: use float32")
-        for module in self.modules():
+        for module in self.layers.modules():  # not the lm head: the logits stay float32
             if isinstance(module, Linear) and module.quant is None:  # quantized: dequantized to float32
                 module.weight_bf16 = module.weight.detach().to(torch.bfloat16).contiguous() if on else None
                 module.step = self.step_rows

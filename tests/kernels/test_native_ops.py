@@ -187,7 +187,7 @@ def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.kernels.native_build import build_all
 
     assert build_all() == ["decoder_layers.c", "layer_ops.c", "paged_attention.c", "prefill_attention.c",
-                           "skinny_linear.c"]
+                           "quant_linear.c", "skinny_linear.c"]
 
 
 @needs_kernel

@@ -201,7 +201,8 @@ def test_the_model_runs_large_steps_on_bf16_weights_when_asked(tiny_model_dir, m
         assert f32_rows.count(200) == (1 if bf16 else 4 * layers + 1)  # the prompt-logprob head stays float32
         assert bf16_rows.count(150) == (4 * layers if bf16 else 0)  # the extend past the 80 cached tokens
         engine.check_integrity()
-        linears = [m for m in engine.runner.model.modules() if isinstance(m, llama.Linear)]
+        linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, llama.Linear)]
+        assert engine.runner.model.lm_head.weight_bf16 is None  # the logits stay float32
         assert len(linears) == 4 * layers and all((m.weight_bf16 is not None) == bf16 for m in linears)
         engine.runner.model.use_bf16_matmuls(False)
         assert all(m.weight_bf16 is None for m in linears)

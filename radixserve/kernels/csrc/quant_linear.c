@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "reduce.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -127,11 +129,6 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
 /* ---- AVX2: codes and activations widened to 16 bits, vpmaddwd ------------------------- */
 
 #if defined(__AVX2__)
-static inline float qhsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(t, t));
-}
 
 /* 32 codes of block b (elements 32b..32b+31) as bytes. */
 static inline __m256i block_codes_avx2(const uint8_t *codes, int64_t b, int64_t bits) {
@@ -173,7 +170,7 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
                 s = _mm256_set1_ps(scale[32 * b / w->group]);
             acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[b] * (1.0f / 256.0f))), acc);
         }
-        out[r * ldo + n] = qhsum8(acc) + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
+        out[r * ldo + n] = hsum8(acc) + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
     }
 }
 #endif
@@ -189,16 +186,6 @@ static inline __m512i chunk_codes(const uint8_t *codes, int64_t c, int64_t bits)
     const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
     return _mm512_and_si512(both, _mm512_set1_epi8(15));
-}
-
-/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
-static inline __m128 qsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
 typedef struct {
@@ -260,7 +247,7 @@ static void expand_dx(const QActs *a, float *lanes) {
         }                                                                                                       \
         for (int r = 0; r < R; ++r) {                                                                           \
             float sums[4];                                                                                      \
-            _mm_storeu_ps(sums, qsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                              \
+            _mm_storeu_ps(sums, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                              \
             const float *xs = a->xsum + (m + r) * groups;                                                       \
             for (int f = 0; f < 4; ++f)                                                                         \
                 out[(m + r) * ldo + n + f] = sums[f] + offset_term(w, n + f, xs, groups)                        \

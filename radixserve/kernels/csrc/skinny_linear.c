@@ -31,14 +31,10 @@
  *   out [M, N] rows `ldo` floats apart      bias [N] or NULL
  */
 #include <stdint.h>
+
+#include "reduce.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-
-static inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(t, t));
-}
 
 /* One feature for R <= 3 rows: its weight row read once, two FMA chains per row (one chain
  * waits on the FMA latency: at 2-3 rows that, not the weight stream, set the pace). */
@@ -98,16 +94,6 @@ int skinny_linear_max_rows(void) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-
-/* [sum a, sum b, sum c, sum d] of four 16-lane vectors. */
-static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
 
 /* One K step of a tile: the quad's 16 lanes times R rows (R <= 6: 24 accumulators, 4 weight
  * vectors and the row's vector fit AVX-512's 32 registers). */
