@@ -31,6 +31,7 @@ from sortedcontainers import SortedSet
 
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.hashing import chain_hashes, root_hash
+from radixserve.core.kv_events import POOL, TIER, KVEventLog
 from radixserve.kv_tier.index import KVCopy, KVTier, TierEntry
 
 RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
@@ -92,9 +93,11 @@ class RadixCache:
 
     def __init__(
         self, pool: BlockPool, block_size: int, tier: KVTier | None = None,
-        write_through: bool = False, record_entries: bool = False,
+        write_through: bool = False, record_entries: bool = False, events: KVEventLog | None = None,
     ):
         self.pool = pool
+        self.events = events  # every block stored and removed, medium by medium (KV events)
+        self._digests = tier is not None or events is not None  # nodes name their blocks by chained hash
         self.block_size = block_size
         self.tier = tier
         self.write_through = write_through and tier is not None  # every new block gets a tier copy
@@ -203,6 +206,7 @@ class RadixCache:
         for node in reversed(path):
             node.blocks = self.pool.allocate(len(node.slots))
             self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
+            self._stored(node, POOL)
             self.num_cached_blocks += len(node.blocks)
             blocks.extend(node.blocks)
             self._refresh(node)
@@ -414,7 +418,7 @@ class RadixCache:
         if root is None:
             root = self._roots[salt] = RadixNode(next(self._ids), None, [], [])
             root.salt = salt
-            if self.tier is not None:
+            if self._digests:
                 root.digests = [root_hash(salt)]
         return root
 
@@ -452,7 +456,7 @@ class RadixCache:
         node = RadixNode(next(self._ids), parent, list(tokens), list(blocks))
         node.last_access = now
         node.salt = parent.salt
-        if self.tier is not None:
+        if self._digests:
             node.digests = chain_hashes(parent.digests[-1], node.tokens, self.block_size)
         parent.children[tuple(tokens[:self.block_size])] = node
         self.num_nodes += 1
@@ -461,6 +465,7 @@ class RadixCache:
     def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
         leaf = self._new_node(parent, tokens, blocks, now)
         self.pool.share(blocks)
+        self._stored(leaf, POOL)
         self.num_cached_blocks += len(blocks)
         self._refresh(leaf)
         self._refresh(parent)
@@ -471,6 +476,7 @@ class RadixCache:
     def _add_tier_leaf(self, parent: RadixNode, entry: TierEntry) -> RadixNode:
         node = self._new_node(parent, list(entry.tokens), [], next(self._clock))
         node.slots = [entry.slot]
+        self._stored(node, TIER)
         self.num_tier_blocks += 1
         self._refresh(node)
         self._refresh(parent)
@@ -480,6 +486,7 @@ class RadixCache:
         """A tier-only node gets pool blocks computed by a request (the same tokens)."""
         self.pool.share(blocks)
         node.blocks = list(blocks)
+        self._stored(node, POOL)
         self.num_cached_blocks += len(blocks)
         self._refresh(node)
         self._refresh(node.parent)
@@ -493,6 +500,7 @@ class RadixCache:
         if not leaf.slots:
             self._save(leaf)
         freed = self.pool.free(reversed(leaf.blocks))
+        self._removed(leaf, POOL)
         self.num_cached_blocks -= n
         self.evicted_blocks += n
         self.evictions["demoted"] += n
@@ -503,6 +511,7 @@ class RadixCache:
 
     def _save(self, node: RadixNode) -> None:
         node.slots = self.tier.allocate(len(node.blocks))
+        self._stored(node, TIER)
         self.num_tier_blocks += len(node.slots)
         self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
         if self.record_entries:
@@ -530,6 +539,7 @@ class RadixCache:
 
     def _free_slots(self, node: RadixNode) -> None:
         self.tier.free(node.slots)
+        self._removed(node, TIER)
         if self.record_entries:
             self.tier_events.extend(("free", s) for s in node.slots)
         self.num_tier_blocks -= len(node.slots)
@@ -549,6 +559,7 @@ class RadixCache:
         if node.blocks:
             n = len(node.blocks)
             freed += self.pool.free(reversed(node.blocks))
+            self._removed(node, POOL)
             self.num_cached_blocks -= n
             self.evicted_blocks += n
             self.evictions[reason] += n
@@ -560,6 +571,15 @@ class RadixCache:
         self._refresh(node)
         self._refresh(parent)
         return freed
+
+    def _stored(self, node: RadixNode, medium: str) -> None:
+        if self.events is not None:
+            parent = None if node.parent.is_root else node.parent.digests[-1]
+            self.events.stored(node.digests, parent, node.tokens, medium)
+
+    def _removed(self, node: RadixNode, medium: str) -> None:
+        if self.events is not None:
+            self.events.removed(node.digests, medium)
 
     def _touch(self, node: RadixNode, now: int) -> None:
         node.last_access = now
@@ -602,7 +622,7 @@ class RadixCache:
             raise AssertionError(f"{node} is in the pool but its parent is not")
         if node.lock_ref > parent_lock:
             raise AssertionError(f"{node} locked more than its parent")
-        if self.tier is not None and len(node.digests) != size:
+        if self._digests and len(node.digests) != size:
             raise AssertionError(f"{node}: {len(node.digests)} digests for {size} blocks")
         if not node.alive or node.parent.children.get(tuple(node.tokens[:self.block_size])) is not node:
             raise AssertionError(f"{node} is not its parent's child")

@@ -1,0 +1,59 @@
+"""KVEventLog: what the radix cache stored and removed, block by block, since it was last
+read (plain Python). The engine hands each step's events to the publisher
+(engine/kv_events.py), which sends them in vLLM's published format.
+
+A block is named by its chained hash (core/hashing.py) and lives in a medium: "pool" (the
+KV pool the model reads) or "tier" (the second tier). A node that moves from the pool to
+the tier is a BlockStored in the tier then a BlockRemoved from the pool; a subscriber that
+applies every event in order holds exactly the blocks the cache holds, medium by medium.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POOL, TIER = "pool", "tier"
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None  # None: the first block of its namespace
+    token_ids: list[int]
+    medium: str
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventLog:
+    """Events in the order the cache made them, taken in one batch per step."""
+
+    def __init__(self) -> None:
+        self._events: list[KVEvent] = []
+
+    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str) -> None:
+        if hashes:
+            self._events.append(BlockStored(list(hashes), parent, list(tokens), medium))
+
+    def removed(self, hashes: list[int], medium: str) -> None:
+        if hashes:
+            self._events.append(BlockRemoved(list(hashes), medium))
+
+    def cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
