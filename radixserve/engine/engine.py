@@ -88,6 +88,7 @@ class Engine:
         self.config = EngineConfig(model=model, **options)
         self.step_trace: StepTrace | None = None
         self.tiering = Tiering()
+        self.kv_events = None  # the KV event publisher (kv_events_endpoint)
         try:
             self._build(self.config)
         except BaseException:  # a refused option or a failed load: what was opened closes
@@ -123,6 +124,8 @@ class Engine:
         self.kv = self.scheduler.kv
         if self.cache is not None:
             self.tiering.load(self.cache.load_tier_entries)
+            if self.kv_events is not None:  # a restarted engine announces the tier it adopted
+                self.kv_events.publish(self.cache.events.take())
         self.runner = ModelRunner(
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
@@ -223,7 +226,7 @@ class Engine:
         that got a token or finished in this step."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self._prefill_token_budget())
-        self._run_tier_copies()
+        self._after_cache_changes()
         t1 = time.perf_counter()
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
@@ -239,7 +242,7 @@ class Engine:
         ]
         outputs += [self._append_verified(chunk, tokens) for chunk, tokens in result.speculative]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
-        self._run_tier_copies()  # what finished requests moved to the tier
+        self._after_cache_changes()  # what finished requests moved to the tier
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         self._observe_step(decode_tokens, plan.num_tokens - decode_tokens, (t3 - t0) * 1000.0)
@@ -255,7 +258,7 @@ class Engine:
             return False
         self.scheduler.finish(request, "abort")
         self._forget(request)
-        self._run_tier_copies()
+        self._after_cache_changes()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -379,6 +382,8 @@ class Engine:
 
     def _release(self) -> None:
         self.tiering.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.step_trace is not None:
             self.step_trace.close()
 
@@ -391,7 +396,9 @@ class Engine:
     def flush_cache(self, namespace: str | None = None) -> int:
         """Drop every unlocked prefix-cache entry (only those under cache salt `namespace`
         and its sub-salts `namespace/...`, when given); returns the number of blocks freed."""
-        return self.scheduler.flush_cache(namespace)
+        freed = self.scheduler.flush_cache(namespace)
+        self._after_cache_changes()
+        return freed
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -477,12 +484,16 @@ class Engine:
             layout.update(kv_layout="layer,kv,block,page", kv_scheme=code.scheme, kv_key_basis=KEY_BASIS)
         return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
-    def _run_tier_copies(self) -> None:
+    def _after_cache_changes(self) -> None:
         """Run the tier copies decided since the last call (the scheduler's, finishing
-        requests') before anything reuses the blocks they read."""
-        if self.cache is None or self.tiering.store is None:
+        requests') before anything reuses the blocks they read; hand the cache's block events
+        to the publisher (a queue put: encoding and sending happen on its thread)."""
+        if self.cache is None:
             return
-        self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
+        if self.tiering.store is not None:
+            self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
+        if self.kv_events is not None:
+            self.kv_events.publish(self.cache.events.take())
 
     def _cache_stats(self) -> CacheStats | None:
         if self.cache is None:
@@ -499,9 +510,21 @@ class Engine:
         )
 
     def _build_cache(self) -> RadixCache:
-        persisted = self.tiering.persisted
-        return RadixCache(self.pool, self.config.block_size, self.tiering.slots, write_through=persisted,
-                          record_entries=persisted)
+        persisted, cfg = self.tiering.persisted, self.config
+        events = None
+        if cfg.kv_events_endpoint:
+            from radixserve.core.kv_events import KVEventLog
+            from radixserve.engine.kv_events import KVEventPublisher, media_names
+
+            self.kv_events = KVEventPublisher(
+                cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, block_size=cfg.block_size,
+                media=media_names(self.device.type, bool(cfg.kv_offload_dir or cfg.kv_persist_dir)),
+                hash_scheme=cfg.kv_events_hash,
+            )
+            events = KVEventLog()
+            events.cleared()  # a (re)started engine holds nothing, whatever a subscriber knew of it
+        return RadixCache(self.pool, cfg.block_size, self.tiering.slots, write_through=persisted,
+                          record_entries=persisted, events=events)
 
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec

@@ -42,9 +42,14 @@ NEEDS = {
     "--prefill-backlog-tokens": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--prefill-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--decode-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "--kv-events-replay-endpoint": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
+    "--kv-events-hash": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
 }
-VALUES = {"--device": "cpu", "--speculative": "prompt-lookup"}
+VALUES = {"--device": "cpu", "--speculative": "prompt-lookup", "--kv-events-endpoint": "tcp://127.0.0.1:5557",
+          "--kv-events-replay-endpoint": "tcp://127.0.0.1:5558"}
 REFUSED_ALONE = {
+    "--kv-events-replay-endpoint": "set it too",
+    "--kv-events-hash": "set it too",
     "--ttft-target-ms": "max_step_ms",
     "--num-speculative-tokens": "speculative",
     "--prompt-lookup-max": "speculative",
