@@ -301,7 +301,8 @@ def test_stop_string_search_covers_the_whole_new_text_and_the_seam():
 _STATS_KEYS = [
     "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "computed_tokens", "preemptions",
     "deferred_for_sharing", "steps", "running", "waiting", "blocks_total", "blocks_free", "blocks_cached",
-    "blocks_evictable", "evicted_blocks", "cache_nodes", "kv_cache_dtype", "kv_bytes_per_token", "spec_drafts",
+    "blocks_evictable", "evicted_blocks", "cache_nodes", "kv_cache_dtype", "kv_bytes_per_token", "weight_dtype",
+    "weight_bytes", "spec_drafts",
     "spec_draft_tokens",
     "spec_accepted_tokens", "spec_acceptance_rate", "spec_pauses",
 ]
