@@ -64,6 +64,11 @@ def _serving(command: list[str]):
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, process)
             yield url, process
+        except BaseException:
+            log.seek(0)
+            print(f"{command[0]} exited {process.poll()}; its log ends:\n"
+                  + log.read()[-3000:].decode(errors="replace"), file=sys.stderr)
+            raise
         finally:
             process.terminate()
             try:
@@ -76,7 +81,8 @@ def _serving(command: list[str]):
 async def _measure(url: str, workload: str, args) -> float:
     """The workload's median tokens/s over --reps runs (one warm-up run first)."""
     results = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    # no kept-alive connections: llama.cpp's server closed them under the client after a few requests
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for rep in range(args.reps + 1):
             rate = await _once(client, url, workload, args, random.Random(rep * 7919 + len(workload)))
             if rep:
@@ -131,7 +137,7 @@ def print_speed(report: dict, targets: dict) -> None:
     print("  " + f"{'RSS MiB':<14}" + "".join(f"{memory[s]['rss_mib']:>22.0f}" for s in systems))
     print("  " + f"{'peak RSS MiB':<14}" + "".join(f"{memory[s]['peak_mib']:>22.0f}" for s in systems))
     base = "radixserve Q4_1"
-    for other in systems[1:]:
+    for other in [s for s in systems if s != base]:
         ratios = ", ".join(f"{r['workload']} {r['rate'][base] / r['rate'][other]:.2f}x" for r in rows)
         mem = memory[base]["rss_mib"] / memory[other]["rss_mib"]
         print(f"  {base} / {other}: {ratios}; resident memory {mem:.2f}x")
