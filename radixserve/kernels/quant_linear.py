@@ -8,11 +8,13 @@ by model/gguf_repack.py, and int8/int4 quantized at load by `quantize`):
     (offset None: offset = -zero * scale, a symmetric type's zero point)
 
 `u` are 4-bit codes (two per byte: per 64-element chunk, byte j holds code j low and code
-32 + j high) or 8-bit ones (a byte each). The decode-sized product quantizes the rows of x to
-int8 per 32-element block and multiplies with integer dot products (AVX512-VNNI; AVX2 and
-scalar paths too), so against the float product of the same weights only the activations'
-rounding differs. Prompt-sized products dequantize the weight into a reused float32 buffer
-and take the float path (oneDNN), whose rate the integer kernel does not reach there.
+32 + j high) or 8-bit ones (a byte each). The decode-sized product quantizes the rows of x per
+32-element block into two int8 codes an element (a high code and its residual: about 16 bits;
+one code measured 98.2% top-1 agreement on the default model) and multiplies with integer dot
+products (AVX512-VNNI; AVX2 and scalar paths too), so against the float product of the same
+weights only the activations' rounding differs. Past the native decoder's rows the model
+dequantizes the weight into a reused float32 buffer and takes the float path (oneDNN:
+model/llama.py's quantized_linear), whose rate the integer kernel does not reach there.
 """
 
 from __future__ import annotations
