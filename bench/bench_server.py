@@ -271,6 +271,13 @@ def _server(args: argparse.Namespace):
 def served(command: list[str], env: dict[str, str] | None = None, port_flag: str = "--port", **popen):
     """Run a server `command` (given `port_flag` and a free port) until it answers /health;
     yield its URL; stop it with SIGINT at the end (killed after 60 s)."""
+    with served_process(command, env, port_flag, **popen) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def served_process(command: list[str], env: dict[str, str] | None = None, port_flag: str = "--port", **popen):
+    """As `served`, yielding (url, the server's process)."""
     port = _free_port()
     command = command + [port_flag, str(port)]
     print("starting:", " ".join(command), file=sys.stderr)
@@ -278,7 +285,7 @@ def served(command: list[str], env: dict[str, str] | None = None, port_flag: str
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, process)
-        yield url
+        yield url, process
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from bench.bench_server import _complete, _free_port, _wait_healthy
+from bench.bench_server import _complete, served_process
 from radixserve.model.default_model import default_gguf_path
 
 SLOTS = 8  # llama.cpp's parallel slots; each must hold the longest prompt
@@ -55,27 +55,16 @@ def _radixserve(extra: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _serving(command: list[str]):
-    """The server on a free port until it answers /health: (url, process); SIGINT at the end."""
-    port = _free_port()
-    with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                   env={k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"})
+    """The server until it answers /health: (url, process); its log printed if a run fails."""
+    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
+    with tempfile.TemporaryFile() as log, served_process(command, env, stdout=log, stderr=subprocess.STDOUT) as running:
         try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, process)
-            yield url, process
+            yield running
         except BaseException:
             log.seek(0)
-            print(f"{command[0]} exited {process.poll()}; its log ends:\n"
+            print(f"{command[0]} exited {running[1].poll()}; its log ends:\n"
                   + log.read()[-3000:].decode(errors="replace"), file=sys.stderr)
             raise
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 async def _measure(url: str, workload: str, args) -> float:
