@@ -29,6 +29,12 @@ class AttentionBackend(abc.ABC):
     `dtype`, or with `pages` (quantized KV) its [num_blocks, page_bytes] uint8 pages, of
     a code in `page_codes`. q is
     [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim]; the result has q's shape.
+
+    A layer with a sliding window W > 0 (Gemma 2/3, Mistral) has the query at context
+    position p attend keys j with p - W < j <= p; W = 0 is full causal attention. A step's
+    plan serves every layer whatever its window. Block-table entries of blocks that lie wholly
+    before every one of a request's query windows are never read (a hybrid KV layout frees
+    those pages and leaves any value there).
     """
 
     name = "abstract"
@@ -61,6 +67,8 @@ class AttentionBackend(abc.ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: AttentionPlan,
+        window: int = 0,
     ) -> torch.Tensor:
         """Store k/v at plan.slot_mapping, return attention output [T, num_heads, head_dim].
-        `plan` is what this backend's prepare returned for the step."""
+        `plan` is what this backend's prepare returned for the step; `window` this layer's
+        sliding window (0: full causal attention)."""

@@ -17,7 +17,7 @@ pool of another dtype the backend runs the torch backend's paths throughout (and
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,8 @@ class CpuPlan(AttentionPlan):
     decode_seq_lens: torch.Tensor  # [D] int32
     prefills: list[PrefillChunk]  # for SDPA; empty where `tiled` holds the chunks
     tiled: TiledChunks | None = None
+    meta: AttentionMetadata | None = None
+    windows: dict = field(default_factory=dict, compare=False)  # window -> the torch plan of its layers
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -62,6 +64,7 @@ class CpuAttentionBackend(AttentionBackend):
                                "warning above); use attention_backend='torch'")
         self.tiled_prefill = tiled_prefill
         self._torch: TorchAttentionBackend | None = None
+        self._reference: TorchAttentionBackend | None = None
         if dtype != torch.float32:
             logger.info("cpu attention backend: the C kernels are float32; %s runs the torch paths", dtype)
             self._torch = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
@@ -97,13 +100,19 @@ class CpuAttentionBackend(AttentionBackend):
         d = meta.num_decodes
         decodes = (d, meta.slot_mapping, meta.block_tables[:d], meta.seq_lens[:d])
         if d == meta.num_requests or not (self.tiled_prefill and self._kernels.has_prefill):
-            return CpuPlan(*decodes, plan_prefills(meta))
+            return CpuPlan(*decodes, plan_prefills(meta), meta=meta)
         chunks = TiledChunks(meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:])
-        return CpuPlan(*decodes, [], chunks)
+        return CpuPlan(*decodes, [], chunks, meta=meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0) -> torch.Tensor:
         if self._torch is not None:
-            return self._torch.forward(q, k, v, k_cache, v_cache, plan)
+            return self._torch.forward(q, k, v, k_cache, v_cache, plan, window)
+        if window > 0:  # until the C kernels take a window: the torch paths
+            if self._reference is None:
+                self._reference = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                                        self.dtype, self.pages)
+            reference_plan = plan.windows.get(0) or plan.windows.setdefault(0, self._reference.prepare(plan.meta))
+            return self._reference.forward(q, k, v, k_cache, v_cache, reference_plan, window)
         pages = self.pages
         if self._kernels.store(k, v, k_cache, v_cache, plan.slot_mapping, pages):
             if pages is not None and plan.prefills:  # SDPA's chunks: their fresh K/V as the pages hold them

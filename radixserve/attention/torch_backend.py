@@ -8,6 +8,11 @@ few per step and each is a large op, so they run one SDPA call each; a chunk wit
 cached prefix attends to its own fresh K/V without touching the pool. The cpu backend
 shares the prefill path (plan_prefills, prefill_attention) and the fallback store.
 
+A sliding-window layer (window W > 0) gathers only the blocks that hold some query's last
+W keys, from each request's first such block on, and masks the keys outside each query's
+window; its indices and masks are made on the first layer of that window and kept in the
+step's plan for the others. A window no shorter than any of the step's contexts is full attention.
+
 With quantized pages (int8 or fp8_e4m3) the store quantizes, gathered pages are dequantized
 before SDPA, and a chunk with no cached prefix attends to its fresh K/V as the pages hold
 them (dequantized).
@@ -15,7 +20,7 @@ them (dequantized).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +34,32 @@ from radixserve.attention.metadata import AttentionMetadata
 class PrefillChunk:
     start: int  # first query row
     end: int
-    block_index: torch.Tensor | None  # blocks covering the context; None: no cached prefix
+    block_index: torch.Tensor | None  # blocks covering the keys from first_key on; None: no cached prefix
     context_len: int
-    mask: torch.Tensor | None  # [q_len, context_len], True where attention is allowed
+    mask: torch.Tensor | None  # [q_len, context_len - first_key], True where attention is allowed
+    first_key: int = 0  # context position of the first gathered key (a block's first), > 0 only with a window
 
 
 @dataclass(frozen=True)
 class TorchPlan(AttentionPlan):
     decode_index: torch.Tensor | None  # [D * blocks] the decodes' blocks, row by row; None: no decodes
     decode_len: int  # padded context length of the gathered decodes (whole blocks)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, decode_len], True inside each context
+    decode_mask: torch.Tensor | None  # [D, 1, 1, decode_len], True inside each context (or window)
     prefills: list[PrefillChunk]
+    meta: AttentionMetadata | None = None  # for the windowed plans, made on first use
+    windows: dict[int, TorchPlan] = field(default_factory=dict, compare=False)
+
+    def for_window(self, window: int) -> TorchPlan:
+        """This step's plan for layers of sliding window `window` (0: itself)."""
+        meta = self.meta
+        if window <= 0 or meta is None or window >= max(meta.seq_lens_list, default=0):
+            return self
+        plan = self.windows.get(window)
+        if plan is None:
+            index, length, mask = _plan_decodes(meta, window) if meta.num_decodes else (None, 0, None)
+            plan = self.windows[window] = TorchPlan(self.num_decodes, self.slot_mapping, index, length, mask,
+                                                    plan_prefills(meta, window), meta)
+        return plan
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -54,10 +74,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         index, length, mask = _plan_decodes(meta) if meta.num_decodes else (None, 0, None)
-        return TorchPlan(meta.num_decodes, meta.slot_mapping, index, length, mask, plan_prefills(meta))
+        return TorchPlan(meta.num_decodes, meta.slot_mapping, index, length, mask, plan_prefills(meta), meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan):
+    def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan, window: int = 0):
         k, v = store_kv(k, v, k_cache, v_cache, plan.slot_mapping, self.pages)
+        plan = plan.for_window(window)
         out = torch.empty_like(q)
         d = plan.num_decodes
         if d:
@@ -100,22 +121,31 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, pages: QuantizedPages | None 
     return k, v
 
 
-def plan_prefills(meta: AttentionMetadata) -> list[PrefillChunk]:
+def plan_prefills(meta: AttentionMetadata, window: int = 0) -> list[PrefillChunk]:
     """The prefill chunks of a step (requests num_decodes on), with the blocks and the
-    causal mask of those that attend over a cached prefix."""
+    causal mask of those that attend over a cached prefix; with a sliding window, the masks
+    of all, and the blocks from the first one that some query's window reaches."""
     block_size, starts = meta.block_size, meta.query_start_loc_list
     device = meta.seq_lens.device
     chunks = []
     for i in range(meta.num_decodes, meta.num_requests):
         start, end, context = starts[i], starts[i + 1], meta.seq_lens_list[i]
         prefix = context - (end - start)
-        if prefix == 0:
-            chunks.append(PrefillChunk(start, end, None, context, None))
-            continue
-        index = meta.block_tables[i, : -(-context // block_size)].long()
         rows = torch.arange(end - start, device=device)[:, None] + prefix
-        mask = torch.arange(context, device=device)[None, :] <= rows
-        chunks.append(PrefillChunk(start, end, index, context, mask))
+        if prefix == 0:
+            mask = None
+            if window:
+                keys = torch.arange(context, device=device)[None, :]
+                mask = (keys <= rows) & (keys > rows - window)
+            chunks.append(PrefillChunk(start, end, None, context, mask))
+            continue
+        first_block = max(0, prefix - window + 1) // block_size if window else 0
+        index = meta.block_tables[i, first_block : -(-context // block_size)].long()
+        keys = torch.arange(first_block * block_size, context, device=device)[None, :]
+        mask = keys <= rows
+        if window:
+            mask &= keys > rows - window
+        chunks.append(PrefillChunk(start, end, index, context, mask, first_block * block_size))
     return chunks
 
 
@@ -128,7 +158,11 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
     if chunk.block_index is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        if chunk.mask is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, scale=scale,
+                                                 enable_gqa=gqa)
     else:
         keys = _gather(k_cache, chunk, pages, q.dtype).transpose(0, 1).unsqueeze(0)
         values = _gather(v_cache, chunk, pages, q.dtype).transpose(0, 1).unsqueeze(0)
@@ -136,8 +170,10 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
     return out[0].transpose(0, 1)
 
 
-def _plan_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Tensor]:
+def _plan_decodes(meta: AttentionMetadata, window: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
     d, block_size = meta.num_decodes, meta.block_size
+    if window:
+        return _plan_window_decodes(meta, window)
     num_blocks = -(-max(meta.seq_lens_list[:d]) // block_size)
     index = meta.block_tables[:d, :num_blocks].reshape(-1).long()
     length = num_blocks * block_size
@@ -145,8 +181,27 @@ def _plan_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Ten
     return index, length, (positions[None, :] < meta.seq_lens[:d, None]).view(d, 1, 1, -1)
 
 
+def _plan_window_decodes(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Each decode's blocks from the first that holds one of its last `window` keys to its
+    last; a row with fewer repeats its last block (masked), so no other entry is read."""
+    d, block_size, device = meta.num_decodes, meta.block_size, meta.seq_lens.device
+    lens = meta.seq_lens_list[:d]
+    first = [max(0, n - window) // block_size for n in lens]
+    last = [(n - 1) // block_size for n in lens]
+    num_blocks = max(b - a + 1 for a, b in zip(first, last))
+    first_t = torch.tensor(first, dtype=torch.int64, device=device)[:, None]
+    columns = torch.minimum(first_t + torch.arange(num_blocks, device=device),
+                            torch.tensor(last, dtype=torch.int64, device=device)[:, None])
+    index = meta.block_tables[:d].gather(1, columns).reshape(-1).long()
+    length = num_blocks * block_size
+    positions = first_t * block_size + torch.arange(length, device=device)
+    seq_lens = meta.seq_lens[:d, None].long()
+    mask = (positions < seq_lens) & (positions >= seq_lens - window)
+    return index, length, mask.view(d, 1, 1, -1)
+
+
 def _gather(cache: torch.Tensor, chunk: PrefillChunk, pages: QuantizedPages | None, dtype: torch.dtype) -> torch.Tensor:
     blocks = cache.index_select(0, chunk.block_index)
     if pages is not None:
         blocks = pages.read(blocks, dtype)
-    return blocks.view(-1, blocks.shape[2], blocks.shape[3])[: chunk.context_len]
+    return blocks.view(-1, blocks.shape[2], blocks.shape[3])[: chunk.context_len - chunk.first_key]

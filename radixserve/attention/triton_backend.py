@@ -13,7 +13,7 @@ forward, once the tensors' device is known.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -32,6 +32,8 @@ class TritonPlan(AttentionPlan):
     extend_query_start: torch.Tensor
     extend_seq_lens: torch.Tensor
     max_extend_len: int
+    meta: AttentionMetadata | None = None
+    windows: dict = field(default_factory=dict, compare=False)
 
 
 def load_kernels(device: torch.device) -> SimpleNamespace:
@@ -54,6 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
                  dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels: SimpleNamespace | None = None
+        self._reference = None
 
     def prepare(self, meta: AttentionMetadata) -> TritonPlan:
         d = meta.num_decodes
@@ -69,9 +72,18 @@ class TritonAttentionBackend(AttentionBackend):
             extend_query_start=meta.query_start_loc[d:],
             extend_seq_lens=meta.seq_lens[d:],
             max_extend_len=max(extend_lens, default=0),
+            meta=meta,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan):
+    def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window: int = 0):
+        if window > 0:  # until the kernels take a window: the torch paths
+            from radixserve.attention.torch_backend import TorchAttentionBackend
+
+            if self._reference is None:
+                self._reference = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                                        self.dtype, self.pages)
+            reference_plan = plan.windows.get(0) or plan.windows.setdefault(0, self._reference.prepare(plan.meta))
+            return self._reference.forward(q, k, v, k_cache, v_cache, reference_plan, window)
         kernels = self._kernels or self._load(q.device)
         scales = {}
         if self.pages is not None:

@@ -1,0 +1,209 @@
+"""Sliding-window attention (a layer's `window` W > 0: the query at context position p sees
+keys p - W < j <= p) in every attention backend, float32 caches and int8 pages: the torch
+backend (the reference) against a dense masked softmax in float64, and every other backend
+and kernel against both.
+
+Each step is built twice: once with a full block table, once with the entries of blocks
+that lie wholly before every query's window replaced by an id outside the pool (as a hybrid
+KV layout leaves them once those pages are freed). A backend must give exactly the same
+output from both (it reads no such entry), and the right one.
+
+On CPU the Triton kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from radixserve.kernels.triton import configure_triton  # imports no triton
+
+configure_triton(torch.device("cpu"))  # before triton's first import
+
+from radixserve.attention.cpu_backend import CpuAttentionBackend  # noqa: E402
+from radixserve.attention.metadata import AttentionMetadata  # noqa: E402
+from radixserve.attention.torch_backend import TorchAttentionBackend, store_kv  # noqa: E402
+from radixserve.kernels.native_attention import load_native_attention  # noqa: E402
+from radixserve.kernels.quantized_pages import QuantizedPages, dequantize, quantize  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover
+    triton = None
+
+native = load_native_attention()
+needs_native = pytest.mark.skipif(native is None, reason="no C compiler here")
+needs_triton = pytest.mark.skipif(triton is None, reason="no triton")
+PLACEHOLDER = 7  # entries before the window: num_blocks + PLACEHOLDER, outside the pool
+
+
+def _triton_backend(*args, **kwargs):
+    from radixserve.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(*args, **kwargs)
+
+
+class Step:
+    """One step of `requests` (context after the step, new tokens), decodes first, for a
+    layer of sliding window `window`: its metadata with full tables (full) and with
+    placeholders before the windows (windowed), q, the new k and v, a pool that already
+    holds every earlier token, and the float64 dense answer."""
+
+    def __init__(self, requests, window, *, heads, kv_heads, head_dim, block_size, int8=False, seed=0):
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        requests = sorted(requests, key=lambda r: r[1] != 1)
+        num_blocks = sum(-(-n // block_size) for n, _ in requests) + 3
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        self.pages = QuantizedPages(block_size, kv_heads, head_dim) if int8 else None
+        if int8:
+            self.pool = torch.zeros(2, num_blocks, self.pages.page_bytes, dtype=torch.uint8)
+        else:
+            self.pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+        tables, windowed, starts, slots, new_k, new_v, contexts = [], [], [0], [], [], [], []
+        for context, new in requests:
+            table = [free.pop() for _ in range(-(-context // block_size))]
+            first_query = context - new
+            first_block = max(0, first_query - window + 1) // block_size if window else 0
+            tables.append(table)
+            windowed.append([num_blocks + PLACEHOLDER] * first_block + table[first_block:])
+            keys = torch.randn(context, kv_heads, head_dim, generator=gen)
+            values = torch.randn(context, kv_heads, head_dim, generator=gen)
+            ctx_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(context)])
+            old = slice(first_block * block_size, first_query)  # what earlier steps left in the window's blocks
+            store_kv(keys[old], values[old], self.pool[0], self.pool[1], ctx_slots[old], self.pages)
+            new_k.append(keys[first_query:])
+            new_v.append(values[first_query:])
+            slots.append(ctx_slots[first_query:])
+            starts.append(starts[-1] + new)
+            if int8:
+                keys, values = (dequantize(*quantize(x)) for x in (keys, values))
+            contexts.append((keys, values))
+        self.k, self.v = torch.cat(new_k), torch.cat(new_v)
+        self.q = torch.randn(starts[-1], heads, head_dim, generator=gen)
+        self.window, self.scale = window, head_dim**-0.5
+        self.full = self._meta(requests, tables, starts, torch.cat(slots), block_size)
+        self.windowed = self._meta(requests, windowed, starts, torch.cat(slots), block_size)
+        self.want = self._dense(requests, starts, contexts)
+
+    @staticmethod
+    def _meta(requests, tables, starts, slots, block_size):
+        width = max(len(t) for t in tables)
+        seq_lens = [context for context, _ in requests]
+        return AttentionMetadata(
+            num_decodes=sum(1 for _, new in requests if new == 1), block_size=block_size,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            slot_mapping=slots, query_start_loc_list=starts, seq_lens_list=seq_lens,
+        )
+
+    def _dense(self, requests, starts, contexts):
+        """Every query row against the keys of its window, by a masked softmax in float64."""
+        out = torch.empty_like(self.q)
+        group = self.q.shape[1] // self.k.shape[1]
+        for (context, new), start, (keys, values) in zip(requests, starts, contexts):
+            keys = keys.double().repeat_interleave(group, 1)
+            values = values.double().repeat_interleave(group, 1)
+            positions = torch.arange(context - new, context)[:, None]
+            j = torch.arange(context)[None, :]
+            visible = (j <= positions) & ((j > positions - self.window) if self.window else True)
+            scores = torch.einsum("rhd,thd->hrt", self.q[start : start + new].double(), keys) * self.scale
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[start : start + new] = torch.einsum("hrt,thd->rhd", weights, values).float()
+        return out
+
+    def run(self, backend_class, meta, window=None, **options):
+        """The backend's output for this step's layer, on a copy of the pool (returned too)."""
+        heads, head_dim = self.q.shape[1], self.q.shape[2]
+        backend = backend_class(heads, self.k.shape[1], head_dim, self.scale, pages=self.pages, **options)
+        pool = self.pool.clone()
+        out = backend.forward(self.q, self.k, self.v, pool[0], pool[1], backend.prepare(meta),
+                              self.window if window is None else window)
+        return out, pool
+
+
+STEPS = {
+    "decodes": [(1, 1), (5, 1), (17, 1), (40, 1), (64, 1), (23, 1)],
+    "chunks": [(40, 7), (23, 23), (50, 12), (9, 9)],  # extends over a cached prefix, whole prompts
+    "mixed": [(33, 1), (3, 1), (61, 1), (45, 11), (12, 12), (70, 30)],
+}
+WINDOWS = {"1": 1, "under_block": 3, "block": 8, "blocks": 21, "past_context": 1000}
+GEOMETRIES = {"mha": (2, 2, 16), "gqa": (6, 2, 32), "gqa_d256": (4, 1, 256)}
+
+
+def _backends():
+    return [
+        pytest.param(TorchAttentionBackend, {}, id="torch"),
+        pytest.param(CpuAttentionBackend, {}, id="cpu", marks=needs_native),
+        pytest.param(CpuAttentionBackend, {"tiled_prefill": False}, id="cpu_sdpa", marks=needs_native),
+        pytest.param(_triton_backend, {}, id="triton", marks=needs_triton),
+    ]
+
+
+def _tolerance(int8):
+    return dict(atol=2e-5, rtol=2e-5) if not int8 else dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("steps", STEPS)
+def test_torch_reference_matches_dense_masked_softmax(steps, window, geometry, int8):
+    heads, kv_heads, head_dim = GEOMETRIES[geometry]
+    step = Step(STEPS[steps], WINDOWS[window], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=8,
+                int8=int8, seed=len(steps) + WINDOWS[window])
+    out, pool = step.run(TorchAttentionBackend, step.windowed)
+    torch.testing.assert_close(out, step.want, **_tolerance(int8))
+    full, full_pool = step.run(TorchAttentionBackend, step.full)
+    assert torch.equal(out, full) and torch.equal(pool, full_pool)
+
+
+@pytest.mark.parametrize("backend_class, options", _backends())
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [8, 5])
+@pytest.mark.parametrize("steps", STEPS)
+def test_backend_matches_reference_and_reads_nothing_before_the_window(backend_class, options, steps, block_size,
+                                                                       window, geometry, int8):
+    heads, kv_heads, head_dim = GEOMETRIES[geometry]
+    step = Step(STEPS[steps], WINDOWS[window], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, int8=int8, seed=block_size + WINDOWS[window])
+    out, pool = step.run(backend_class, step.windowed, **options)
+    reference, reference_pool = step.run(TorchAttentionBackend, step.windowed)
+    assert torch.equal(pool, reference_pool), "the step's K/V went exactly into its slots"
+    torch.testing.assert_close(out, reference, **_tolerance(int8))
+    torch.testing.assert_close(out, step.want, **_tolerance(int8))
+    full, _ = step.run(backend_class, step.full, **options)
+    assert torch.equal(out, full), "the entries before the window changed the output"
+
+
+@pytest.mark.parametrize("backend_class, options", _backends())
+def test_one_plan_serves_full_and_window_layers(backend_class, options):
+    """Layers of a step alternate windows on one plan; window 0 is full causal attention, as
+    before, and a window past every context is the same attention."""
+    heads, kv_heads, head_dim = GEOMETRIES["gqa"]
+    steps = {w: Step(STEPS["mixed"], w, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=8, seed=3)
+             for w in (0, 5, 16)}
+    plain = steps[0]
+    backend = backend_class(heads, kv_heads, head_dim, plain.scale, **options)
+    plan = backend.prepare(plain.full)
+    outputs = {}
+    for window in (0, 5, 16, 0, 5, 1000):
+        pool = plain.pool.clone()
+        outputs.setdefault(window, []).append(
+            backend.forward(plain.q, plain.k, plain.v, pool[0], pool[1], plan, window))
+    for window in (5, 16):
+        torch.testing.assert_close(outputs[window][0], steps[window].want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(outputs[0][0], plain.want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(outputs[0][0], outputs[0][1]) and torch.equal(outputs[5][0], outputs[5][1])
+    before = backend_class(heads, kv_heads, head_dim, plain.scale, **options)
+    pool = plain.pool.clone()
+    assert torch.equal(before.forward(plain.q, plain.k, plain.v, pool[0], pool[1], before.prepare(plain.full)),
+                       outputs[0][0]), "window 0 is the default"
+    torch.testing.assert_close(outputs[1000][0], outputs[0][0], atol=1e-6, rtol=1e-6)
