@@ -25,7 +25,7 @@ TINY_COMMON = dict(
 
 
 def tiny_config(kind: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     values = dict(TINY_COMMON)
     if kind == "llama":
@@ -40,6 +40,13 @@ def tiny_config(kind: str, **overrides):
     elif kind == "qwen3":
         cls = Qwen3Config
         values.update(head_dim=16, tie_word_embeddings=True, use_sliding_window=False)
+    elif kind == "mistral_window":  # every layer attends to the last 6 tokens
+        cls = MistralConfig
+        values.update(sliding_window=6, tie_word_embeddings=False)
+    elif kind == "gemma3":  # two window layers (6 tokens: under a block of 8, across blocks of 4), then a full one
+        cls = Gemma3TextConfig
+        values.update(head_dim=16, tie_word_embeddings=False, sliding_window=6, query_pre_attn_scalar=24,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_hidden_layers=3)
     else:
         raise ValueError(kind)
     values.update(overrides)
@@ -58,6 +65,11 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if kind == "gemma3":  # norms multiply by (1 + weight): make weight nonzero so the offset is tested
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     model.save_pretrained(directory)
     return directory
 

@@ -11,7 +11,7 @@ from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.registry import get_backend_class
-from radixserve.model.llama import LlamaForCausalLM
+from radixserve.model.causal_lm import CausalLM
 from radixserve.model.spec import ModelSpec
 from radixserve.model.native_decoder import NativeDecoder
 from radixserve.kernels.native_ops import max_rows
@@ -52,7 +52,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         spec: ModelSpec,
         num_blocks: int,
         block_size: int,
@@ -75,7 +75,7 @@ class ModelRunner:
         self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device,
                            kv_cache_dtype)
         backend_class = get_backend_class(backend_name)
-        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, dtype,
+        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
                                      self.pool.pages)
         if isinstance(self.backend, CpuAttentionBackend):
             self.backend.tiled_prefill = tiled_prefill_attention
@@ -85,7 +85,8 @@ class ModelRunner:
                              f"backend only; this engine runs {self.backend.name}")
         self.sampler = Sampler(seed, device)
         self.eos_token_ids = stop_token_ids
-        native = native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
+        native = (native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
+                  and not spec.windowed)
         model.native = NativeDecoder.for_model(spec, model.layers) if native else None
         model.use_onednn_linear(onednn_linear)
         model.use_bf16_matmuls(prefill_matmul_dtype == "bfloat16")

@@ -18,9 +18,8 @@ import torch
 
 from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.gguf_repack import REPACKED, repack
+from radixserve.model.registry import family_for_gguf
 
-# The GGUF architectures whose tensors are named and laid out as below (the Llama family).
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _MAX_DIM = 1 << 24  # no real weight has a side this long; a corrupt header often does
 
@@ -30,6 +29,14 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms differently (its ffn_norm comes before the MLP, not after attention).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp stores these architectures' RMSNorm weights as 1 + w; transformers' (and ours) hold w.
+_NORM_PLUS_ONE = ("gemma3",)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -39,9 +46,10 @@ def open_gguf(path: Path):
     from gguf import GGUFReader
 
     header = scan_header(path)
-    if header.architecture not in ARCHITECTURES:
-        raise ValueError(f"{path.name} is a {header.architecture!r} model; radixserve serves the Llama family "
-                         f"(GGUF architectures {', '.join(ARCHITECTURES)})")
+    try:
+        family_for_gguf(header.architecture)
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: {exc}") from None
     for info in header.tensors:
         _check_tensor(info, path.stat().st_size, path.name)
     try:
@@ -158,7 +166,7 @@ def read_weights(path: Path, quantized: bool) -> dict[str, torch.Tensor | QuantW
     kv_heads = _field_int(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         permute = _permutation(arch, name, heads, kv_heads, shape[0])
@@ -168,19 +176,22 @@ def read_weights(path: Path, quantized: bool) -> dict[str, torch.Tensor | QuantW
             continue
         values = np.asarray(tensor.data) if kind in _FLOAT_TYPES else quants.dequantize(tensor.data, tensor.tensor_type)
         t = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            t = t - 1.0
         out[name] = t if permute is None else t[permute].contiguous()
     return out
 
 
-def hf_name(gguf_name: str) -> str:
-    """transformers' name of a Llama-family GGUF tensor (blk.3.attn_q.weight -> model.layers.3...)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """transformers' name of a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
 
 
 def _check_tensor(info: TensorInfo, file_size: int, file_name: str) -> None:

@@ -16,7 +16,8 @@ from radixserve.kernels.quant_linear import QuantWeight, quantize
 from radixserve.model.default_model import (
     DEFAULT_MODEL_NAME, default_gguf_path, ensure_converted_gguf, ensure_default_model,
 )
-from radixserve.model.llama import LlamaForCausalLM, _map_weight_name
+from radixserve.model.causal_lm import CausalLM, _map_weight_name
+from radixserve.model.registry import family_for_config, model_class
 from radixserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ _HINT = (
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     spec: ModelSpec
     tokenizer: Any | None
     eos_token_ids: list[int]
@@ -116,7 +117,8 @@ def load_model(
     storage = resolve_weight_dtype(weight_dtype, model, torch_device, dtype)
     path = resolve_model_path(model, cache_dir, float_weights=storage != "gguf")
     torch_dtype = resolve_dtype(dtype, torch_device)
-    spec = ModelSpec.from_hf_config(_load_hf_config(path))
+    config = _load_hf_config(path)
+    spec = ModelSpec.from_hf_config(config)
     context = spec.max_position_embeddings if max_model_len is None else max_model_len
     if context > spec.max_position_embeddings:
         raise ValueError(
@@ -125,10 +127,10 @@ def load_model(
     tensors = _weights_for(storage, model, path)
     quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantWeight)}
     with torch.device("meta"):
-        net = LlamaForCausalLM(spec, context)
+        net = model_class(family_for_config(config))(spec, context)
     net.drop_float_weights({_map_weight_name(name)[0] for name in quantized})
     net = net.to(torch_dtype).to_empty(device=torch_device)
-    net.rotary.build(context, torch_device)
+    net.build_rotary(context, torch_device)
     net.load_hf_state_dict({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)})
     net.load_quantized(quantized)
     del tensors, quantized
@@ -235,7 +237,7 @@ def _unflatten(flat: dict[str, torch.Tensor], layout: dict[str, dict[str, str]])
     return out
 
 
-def _describe_weights(net: LlamaForCausalLM, storage: str, dtype: torch.dtype) -> str:
+def _describe_weights(net: CausalLM, storage: str, dtype: torch.dtype) -> str:
     kinds = sorted({m.quant.kind for m in net.quantized_layers().values() if m.quant is not None})
     if storage == "gguf":
         return "gguf:" + "+".join(dict.fromkeys(k for kind in kinds for k in kind.split("+")))

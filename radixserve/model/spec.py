@@ -1,17 +1,12 @@
-"""ModelSpec: the shape of a Llama-family model, read from a transformers config."""
+"""ModelSpec: the shape of a model, read from a transformers config, that the runner, the
+KV pool and the scheduler size themselves by."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-SUPPORTED_MODEL_TYPES = set(SUPPORTED_ARCHITECTURES.values())
+from radixserve.model.registry import family_for_config
 
 
 @dataclass(frozen=True)
@@ -33,26 +28,33 @@ class ModelSpec:
     qk_norm: bool
     hidden_act: str
     hf_config: Any  # the transformers config, for RoPE variants
+    family: str = "llama"
+    # Per layer: 0 attends to the whole context, W > 0 to the last W tokens (sliding window).
+    layer_windows: tuple[int, ...] = field(default=())
+    attention_scale: float = 0.0  # multiplies q.k; 0: head_dim ** -0.5
+
+    def __post_init__(self):
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if not self.attention_scale:
+            object.__setattr__(self, "attention_scale", self.head_dim**-0.5)
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelSpec":
+        family = family_for_config(config)
         model_type = getattr(config, "model_type", None)
-        archs = getattr(config, "architectures", None) or []
-        if model_type not in SUPPORTED_MODEL_TYPES and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"unsupported model type {model_type!r} (architectures {archs}); radixserve runs the "
-                f"Llama family: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
-            )
         hidden = config.hidden_size
         heads = config.num_attention_heads
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported activation {act!r}; radixserve's Llama MLP runs silu")
-        window = getattr(config, "sliding_window", None)
-        max_pos = config.max_position_embeddings
-        use_window = getattr(config, "use_sliding_window", model_type == "mistral")
-        if window and use_window:
-            max_pos = min(max_pos, window)  # no sliding-window attention: cap the context instead
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in family.activations:
+            raise ValueError(f"unsupported activation {act!r}; radixserve's {family.name} MLP runs "
+                             f"{' or '.join(family.activations)}")
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        scalar = getattr(config, "query_pre_attn_scalar", None)
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -61,14 +63,37 @@ class ModelSpec:
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
             o_bias=bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             hidden_act=act,
             hf_config=config,
+            family=family.name,
+            layer_windows=_layer_windows(config, model_type),
+            attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         )
+
+
+def _layer_windows(config: Any, model_type: str | None) -> tuple[int, ...]:
+    """Each layer's window as transformers runs it: by `layer_types` where the config has
+    them (Gemma 3, Qwen 2 with use_sliding_window), else Mistral's one window for all layers."""
+    window = getattr(config, "sliding_window", None) or 0
+    layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        if len(layer_types) != layers:
+            raise ValueError(f"config has {len(layer_types)} layer_types for {layers} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}")
+        if "sliding_attention" in layer_types and window <= 0:
+            raise ValueError("config has sliding_attention layers but no sliding_window")
+        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    if model_type == "mistral" and window and getattr(config, "use_sliding_window", True):
+        return (int(window),) * layers
+    return (0,) * layers

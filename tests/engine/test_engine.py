@@ -32,7 +32,7 @@ def small_engine(directory, **options):
     return Engine(str(directory), **{**defaults, **options})
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "gemma3"])
 def test_greedy_equals_transformers(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     prompts = prompts_of([1, 5, 17, 40, 64])
@@ -310,6 +310,9 @@ _CACHE_KEYS = ["restored_prompt_tokens", "tier_hits", "restored_blocks"]
 _SESSION_KEYS = ["sessions_open", "pool_cached_bytes", "pins"]
 _TIER_KEYS = ["tier_blocks_total", "tier_blocks_used", "tier_bytes", "tier_persist_failed",
               "tier_prefetched_blocks", "tier_prefetch_holds", "tier_warmed_blocks"]
+_HINT_KEYS = [f"hint_requests_{kind}" for kind in ("priority", "latency_sensitivity", "osl", "ttl",
+                                                    "speculative_prefill", "release")] + [
+    "hint_ttl_held_blocks", "hint_ttl_holds", "speculative_prefills", "speculative_prefill_tokens"]
 _TIMING_KEYS = ["schedule_s", "model_s", "postprocess_s"]
 
 
@@ -319,14 +322,14 @@ def test_stats_keep_their_flat_shape_and_agree_with_the_snapshot(tiny_model_dir)
     model = str(tiny_model_dir("llama"))
     plain = Engine(model, num_kv_blocks=16, enable_prefix_cache=False)
     plain.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **GREEDY))
-    assert list(plain.stats()) == _STATS_KEYS + _TIMING_KEYS
+    assert list(plain.stats()) == _STATS_KEYS + _HINT_KEYS + _TIMING_KEYS
     assert plain.snapshot().cache is None and plain.stats()["generated_tokens"] == 2
     tiered = Engine(model, num_kv_blocks=8, kv_offload_memory=4 << 20)
     for i in range(4):  # more than the pool holds: blocks move to the tier
         tiered.generate([[i + 1] * 40], SamplingParams(max_tokens=2, **GREEDY))
     stats, snap = tiered.stats(), tiered.snapshot()
     evicted = [f"evicted_blocks_{reason}" for reason in snap.cache.evictions]
-    assert evicted and list(stats) == _STATS_KEYS + _CACHE_KEYS + evicted + _SESSION_KEYS + _TIER_KEYS + _TIMING_KEYS
+    assert evicted and list(stats) == _STATS_KEYS + _CACHE_KEYS + evicted + _SESSION_KEYS + _TIER_KEYS + _HINT_KEYS + _TIMING_KEYS
     assert stats == snap.as_dict()
     assert stats["tier_blocks_used"] == snap.tier.tier_blocks_used > 0
     assert stats["blocks_total"] - stats["blocks_free"] == snap.blocks_used
@@ -349,7 +352,7 @@ def test_an_engine_refused_after_its_tier_opened_leaves_no_thread_or_file(tiny_m
     had opened; so does close() on a working engine; the directory then serves a new engine."""
     import threading
 
-    import radixserve.model.llama as llama
+    import radixserve.model.causal_lm as causal_lm
 
     options = dict(kv_persist_dir=str(tmp_path), kv_offload_memory=1 << 24, num_kv_blocks=64)
     path = str(tiny_model_dir("llama"))
@@ -359,7 +362,7 @@ def test_an_engine_refused_after_its_tier_opened_leaves_no_thread_or_file(tiny_m
         return [thread for thread in threading.enumerate()
                 if thread not in before and thread.name.startswith("radixserve-")]
 
-    monkeypatch.setattr(llama, "bf16_available", lambda: False)
+    monkeypatch.setattr(causal_lm, "bf16_available", lambda: False)
     for _ in range(2):
         with pytest.raises(ValueError, match="prefill_matmul_dtype bfloat16 needs"):
             Engine(path, prefill_matmul_dtype="bfloat16", **options)

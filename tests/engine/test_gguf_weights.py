@@ -149,13 +149,14 @@ def test_an_architecture_radixserve_does_not_serve_is_refused_from_the_header(tm
 
     from gguf import GGUFWriter
 
-    path = tmp_path / "gemma.gguf"
-    writer = GGUFWriter(str(path), arch="gemma3")
+    path = tmp_path / "phi3.gguf"
+    writer = GGUFWriter(str(path), arch="phi3")
     writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     start = time.monotonic()
-    _load_refused(path, tmp_path / "cache", "a 'gemma3' model; radixserve serves the Llama family")
+    _load_refused(path, tmp_path / "cache", "a 'phi3' GGUF model is not supported; radixserve runs the GGUF "
+                  "architectures llama, mistral, qwen2, qwen3, gemma3")
     assert time.monotonic() - start < 1.0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.kernels import native_ops
-from radixserve.model.llama import RMSNorm, _rotate_half, apply_rotary, linear
+from radixserve.model.layers import RMSNorm, _rotate_half, apply_rotary, linear
 from radixserve.kernels.native_ops import MAX_ROWS, max_rows, rms_norm, rope_, silu_mul, skinny_linear
 
 needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
@@ -104,7 +104,7 @@ def test_model_linear_uses_the_kernel_for_decode_batches(monkeypatch):
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr("radixserve.model.llama.skinny_linear", spy)
+    monkeypatch.setattr("radixserve.model.layers.skinny_linear", spy)
     x, weight, bias = torch.randn(4, 64), torch.randn(12, 64), torch.randn(12)
     torch.testing.assert_close(linear(x, weight, bias), _reference(x, weight, bias), atol=1e-4, rtol=1e-5)
     assert calls == [True]

@@ -1,0 +1,130 @@
+"""Gemma3ForCausalLM: Gemma 3's text model (gemma3_text).
+
+Where it departs from Llama: the embeddings are scaled by sqrt(hidden); every RMSNorm
+multiplies by (1 + weight) (held here as 1 + weight, added once at load); each layer has
+four norms (before and after attention, before and after the MLP) and q/k norms; the MLP
+is GELU-tanh gated; attention scales by query_pre_attn_scalar ** -0.5; and five of every
+six layers attend to a sliding window with their own RoPE base (`layer_types`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.attention.backend import AttentionBackend, AttentionPlan
+from radixserve.attention.kv_pool import KVPool
+from radixserve.kernels.key_basis import rotate_heads
+from radixserve.model.causal_lm import CausalLM
+from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from radixserve.model.spec import ModelSpec
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.window = spec.layer_windows[layer_index]
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(self, x, rope: Rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        if pool.rotate_keys:
+            q, k = rotate_heads(q), rotate_heads(k)
+        k_cache, v_cache = pool.layer(self.layer_index)
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, plan,
+                              window=self.window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_index: int):
+        super().__init__()
+        size, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
+        self.self_attn = Gemma3Attention(spec, layer_index)
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps)
+        self.mlp = Gemma3MLP(spec)
+        self.post_feedforward_layernorm = RMSNorm(size, eps)
+
+    def forward(self, x, rope: Rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, backend, pool, plan))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__(spec)
+        config = spec.hf_config
+        _refuse_unsupported(config)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        per_kind = isinstance(getattr(config, "rope_parameters", None), dict) and "full_attention" in config.rope_parameters
+        self.rotary = RotaryEmbedding(spec, max_positions, "full_attention" if per_kind else None)
+        self.rotary_local = RotaryEmbedding(spec, max_positions, "sliding_attention" if per_kind else None)
+        self.embed_scale = float(np.float32(spec.hidden_size**0.5))  # transformers' scale is a float32 tensor
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
+                   plan: AttentionPlan) -> torch.Tensor:
+        full = self.rotary.lookup(positions, x.dtype)
+        local = self.rotary_local.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, local if layer.self_attn.window else full, backend, pool, plan)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().logits(x)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def build_rotary(self, max_positions: int, device: torch.device) -> None:
+        self.rotary.build(max_positions, device)
+        self.rotary_local.build(max_positions, device)
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """As transformers names them: every norm's weight w is held as 1 + w (float32)."""
+        super().load_hf_state_dict({name: t.float() + 1.0 if name.endswith("norm.weight") else t
+                                    for name, t in tensors.items()})
+
+
+def _refuse_unsupported(config) -> None:
+    """What this forward does not run, refused rather than computed wrong."""
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")

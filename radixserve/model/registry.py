@@ -1,0 +1,60 @@
+"""ModelFamily: the model families radixserve runs, and how a checkpoint names each one.
+
+Plain data, importing nothing heavy, so a model is refused from its config.json or GGUF
+header before any weight is read. A new family is one module (its CausalLM subclass) and
+one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]  # config.json's model_type
+    architectures: tuple[str, ...]  # config.json's architectures
+    gguf_architectures: tuple[str, ...]  # a GGUF header's general.architecture
+    activations: tuple[str, ...]  # the MLP activations its forward runs
+    module: str  # where its CausalLM subclass lives (imported only when a model is built)
+    class_name: str
+
+
+FAMILIES = (
+    ModelFamily("llama", ("llama", "mistral", "qwen2", "qwen3"),
+                ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+                ("llama", "mistral", "qwen2", "qwen3"), ("silu", "swish"),
+                "radixserve.model.llama", "LlamaForCausalLM"),
+    ModelFamily("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",),
+                ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM"),
+)
+
+
+def supported() -> str:
+    """What is supported, for error messages."""
+    return "; ".join(f"{f.name} (model types {', '.join(f.model_types)})" for f in FAMILIES)
+
+
+def family_for_config(config: Any) -> ModelFamily:
+    """The family of a transformers config (its model_type, else its architectures)."""
+    model_type = getattr(config, "model_type", None)
+    archs = getattr(config, "architectures", None) or []
+    for family in FAMILIES:
+        if model_type in family.model_types or any(a in family.architectures for a in archs):
+            return family
+    raise ValueError(f"unsupported model type {model_type!r} (architectures {archs}); radixserve runs {supported()}")
+
+
+def family_for_gguf(architecture: str) -> ModelFamily:
+    for family in FAMILIES:
+        if architecture in family.gguf_architectures:
+            return family
+    names = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
+    raise ValueError(f"a {architecture!r} GGUF model is not supported; radixserve runs the GGUF architectures {names}")
+
+
+def model_class(family: ModelFamily) -> type:
+    return getattr(importlib.import_module(family.module), family.class_name)
