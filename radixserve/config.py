@@ -83,6 +83,8 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # the tier is a file here (mmap; alone: a 2 GiB tier); None: anonymous memory
     kv_persist_dir: str | None = None  # keep the tier and its index here across restarts
     session_ttl_s: int = 600  # an agent session idle this long releases its hold on the cache
+    hint_max_ttl_s: int = 3600  # agent hints' ttl_s is capped at this (a hold, never reserved memory)
+    hint_priority_ttl_s: int = 60  # a finished request with priority > 0 (and no ttl_s) holds its prefix this long
     # Step-time target while requests decode: each step's prefill tokens are sized by a cost
     # model fitted to measured step times so that the step stays under it; 0: no target.
     max_step_ms: int = 0
@@ -144,6 +146,9 @@ class EngineConfig:
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
         _check_positive("session_ttl_s", self.session_ttl_s)
+        _check_positive("hint_max_ttl_s", self.hint_max_ttl_s)
+        if self.hint_priority_ttl_s < 0:
+            raise ValueError(f"hint_priority_ttl_s must be >= 0, got {self.hint_priority_ttl_s}")
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "num_threads", "kv_offload_memory"):
             value = getattr(self, name)
             if value is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from radixserve.core.block_pool import BlockPool
-from radixserve.core.radix_cache import MatchResult, RadixCache
+from radixserve.core.radix_cache import MatchResult, RadixCache, RadixNode
 from radixserve.core.request import Request
 from radixserve.core.sessions import SessionTable
 from radixserve.kv_tier.index import KVCopy
@@ -111,13 +111,14 @@ class KVManager:
         if match is not None:
             self.cache.unlock(match.node)
 
-    def fits(self, request: Request, match: MatchResult | None) -> bool:
-        """Whether the rest of the request plus one generated token fits in what is free or
-        evictable (admission control: an admitted request is not preempted at once)."""
+    def fits(self, request: Request, match: MatchResult | None, output_tokens: int = 1, reserved: int = 0) -> bool:
+        """Whether the rest of the request plus `output_tokens` generated tokens fits in what
+        is free or evictable beside `reserved` blocks (admission control: an admitted
+        request is not preempted at once)."""
         matched = len(match.blocks) if match is not None else 0
-        need = -(-(request.num_tokens + 1) // self.block_size) - matched
+        need = -(-(request.num_tokens + max(output_tokens, 1)) // self.block_size) - matched
         evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
-        return need <= self.pool.num_free + evictable
+        return need + reserved <= self.pool.num_free + evictable
 
     def adopt_match(self, request: Request, match: MatchResult | None) -> None:
         """Give the request the match's blocks (restoring its tier-only part into the pool
@@ -175,9 +176,11 @@ class KVManager:
                 self.cache.unlock(request.cache_node)
             request.cache_node = node
 
-    def release(self, request: Request) -> None:
+    def release(self, request: Request) -> RadixNode | None:
         """Hand the request's computed full blocks to the cache (its session advances to
-        where they end), then drop its references (tail first) and its lock."""
+        where they end), then drop its references (tail first) and its lock. Returns the
+        node where its cached prefix ends (None: no cache)."""
+        node = None
         if self.cache is not None:
             full = request.num_computed_tokens // self.block_size
             node = request.cache_node
@@ -190,6 +193,7 @@ class KVManager:
         request.cache_node = None
         self.pool.free(reversed(request.block_table))
         request.block_table = []
+        return node
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unlocked cache entry (only under salt `namespace` and its sub-salts,

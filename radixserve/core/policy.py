@@ -9,6 +9,10 @@
 Two guards apply to every policy: a request passed over for `starvation_steps` steps goes
 first (longest-prefix-first otherwise starves cache misses), and a queue longer than
 `fcfs_threshold` is taken in arrival order (sorting would cost more than it saves).
+
+Agent hints' priority comes before all of that except starvation: where any waiting request
+has one, the order is higher priority first, the policy's order within a priority (fcfs:
+arrival, moved earlier by latency_sensitivity).
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ class SchedulePolicy:
         starving = [r for r in waiting if r.waited_steps >= self.starvation_steps]
         rest = [r for r in waiting if r.waited_steps < self.starvation_steps] if starving else waiting
         if self.cache is None or self.name == "fcfs" or len(waiting) > self.fcfs_threshold or len(rest) < 2:
-            return starving + rest
+            return starving + _by_hints(rest, arrival=True)
         if self.name == "lpm":
-            return starving + self._longest_prefix_first(rest)
-        return starving + self._dfs_weight(rest)
+            return starving + _by_hints(self._longest_prefix_first(rest), arrival=False)
+        return starving + _by_hints(self._dfs_weight(rest), arrival=False)
 
     def _longest_prefix_first(self, requests: list[Request]) -> list[Request]:
         cached = {id(r): self.cache.peek_prefix(r.token_ids, r.cache_salt)[0] for r in requests}
@@ -65,3 +69,13 @@ class SchedulePolicy:
             children = [c for c in node.children.values() if weight.get(c.node_id)]
             stack.extend(sorted(children, key=lambda c: weight[c.node_id]))
         return ordered + unmatched  # cache misses last, in arrival order
+
+
+def _by_hints(ordered: list[Request], arrival: bool) -> list[Request]:
+    """Higher priority first (stable: the given order within a priority); with `arrival`,
+    by arrival time moved earlier by latency_sensitivity within a priority."""
+    if all(r.hints.priority == 0 and r.hints.latency_sensitivity_s == 0 for r in ordered):
+        return ordered
+    if arrival:
+        return sorted(ordered, key=lambda r: r.hints.queue_key(r.arrival_time))
+    return sorted(ordered, key=lambda r: -r.hints.priority)

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from radixserve.core.agent_hints import NO_HINTS, AgentHints
 from radixserve.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.restored_tokens = 0  # of those, restored from the second KV tier
         self.session_id: str | None = None  # the agent conversation this request continues
+        self.hints: AgentHints = NO_HINTS
         self.cache_node: Any = None
         self.grammar: Any = None  # an xgrammar matcher when the request is constrained
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily

@@ -13,6 +13,9 @@ One step:
      A waiting request whose next uncached block is being computed by another request
      right now waits a step and then hits it in the cache (in-batch sharing). A request
      whose restore would read tier pages from disk waits (PREFETCHING) until they are in.
+     Agent hints: priority orders the queue (policy.py); an osl counts the blocks the
+     request's expected output will take, and keeps that many for admitted ones.
+  3. A finished request's hints act on the prefix it leaves (SessionTable.apply_hints).
 
 Blocks, the prefix cache, the tier and the sessions are reached through one KVManager.
 """
@@ -143,7 +146,10 @@ class Scheduler:
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.kv.release(request)
+            node = self.kv.release(request)
+            if self.kv.sessions is not None and node is not None and reason != "abort":
+                self.kv.sessions.apply_hints(request.cache_salt, request.session_id, node, request.hints,
+                                             self.config.hint_priority_ttl_s)
         elif request.status is RequestStatus.PREFETCHING:
             self.waiting.remove(request)
             self.kv.unhold(request)
@@ -195,15 +201,17 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         admitted: list[Request] = []
         inflight = self._inflight_block_hashes()
+        reserved = sum(self._expected_growth(r) for r in self.running)
         for request in self.policy.order(self._runnable_waiting()):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._should_wait_for_sharing(request, inflight):
                 self.stats.deferred_for_sharing += 1
                 continue
-            chunk = self._try_admit(request, budget)
+            chunk = self._try_admit(request, budget, reserved)
             if chunk is None:
                 break  # the pool is full: later requests would not fit either
+            reserved += self._expected_growth(request)
             admitted.append(request)
             plan.chunks.append(chunk)
             budget -= chunk.num_tokens
@@ -213,15 +221,17 @@ class Scheduler:
             chosen = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in chosen]
 
-    def _try_admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+    def _try_admit(self, request: Request, budget: int, reserved: int = 0) -> ScheduledChunk | None:
         bs = self.block_size
         match = self.kv.match_and_lock(request)
         tier_blocks = match.num_tier_blocks if match is not None else 0
         cached = (len(match.blocks) + tier_blocks) * bs if match is not None else 0
         n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
-        if not self.kv.fits(request, match):
+        if not self.kv.fits(request, match, self._expected_output(request), reserved):
             self.kv.unlock(match)
             return None
+        if match is not None and self.kv.sessions is not None:
+            self.kv.sessions.holds.refresh(match.node)  # a hit on a held prefix starts its TTL again
         self.kv.adopt_match(request, match)
         request.num_computed_tokens = cached
         if not self.kv.grow(request, cached + n):
@@ -249,6 +259,20 @@ class Scheduler:
         if not self.kv.grow_from_free(request, request.num_tokens + len(draft), keep_free=len(self.running)):
             return []
         return draft
+
+    def _expected_output(self, request: Request) -> int:
+        """Tokens the request is expected to generate from now (its osl hint; else 1)."""
+        osl = request.hints.osl
+        if osl is None:
+            return 1
+        return max(1, min(osl - request.num_output_tokens, request.max_total_tokens - request.num_tokens))
+
+    def _expected_growth(self, request: Request) -> int:
+        """Blocks a request with an osl hint is still expected to add to its table."""
+        if request.hints.osl is None:
+            return 0
+        end = request.num_tokens + self._expected_output(request)
+        return max(0, -(-end // self.block_size) - len(request.block_table))
 
     def _preempt(self, request: Request) -> None:
         self.kv.release(request)

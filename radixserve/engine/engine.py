@@ -26,10 +26,11 @@ from radixserve.execution.constrained import GrammarFactory
 from radixserve.model.loader import LoadedModel, load_model, resolve_device
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
-from radixserve.engine.stats import CacheStats, EngineStats
+from radixserve.engine.stats import CacheStats, EngineStats, HintCounters
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.engine.kv_import import PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
+from radixserve.core.agent_hints import AgentHints
 from radixserve.core.request import Request
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.step_trace import StepTrace
@@ -115,7 +116,7 @@ class Engine:
         self.pool = BlockPool(num_blocks)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         self.cache = self._build_cache() if cfg.enable_prefix_cache else None
-        sessions = SessionTable(self.cache, cfg.session_ttl_s) if self.cache is not None else None
+        sessions = SessionTable(self.cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if self.cache is not None else None
         self.drafter = PromptLookupDrafter(
             cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
             default_on=cfg.speculative == "prompt-lookup",
@@ -144,6 +145,7 @@ class Engine:
         self.timings = {"schedule_s": 0.0, "model_s": 0.0, "postprocess_s": 0.0}
         self.last_step_timings = dict(self.timings)
         self.step_cost = StepCostModel()  # fitted from every step's measured time
+        self.hint_stats = HintCounters()
         logger.info("engine: %s; weights %s (%.1f MiB); attention %s, KV %s (%d blocks of %d tokens); prompt "
                     "attention %s, prompt matmuls %s; native decoder %s", self.model_name, self.loaded.weight_dtype,
                     self.loaded.weight_bytes / 2**20, self.attention_backend, self.kv_cache_dtype, num_blocks,
@@ -163,23 +165,28 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         session_id: str | None = None,
+        hints: AgentHints | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and changes nothing) if it can never run.
-        `session_id` names the agent conversation it continues (an eviction hint)."""
-        return self.admit(self.prepare(prompt, params, cache_salt, session_id), request_id)
+        `session_id` names the agent conversation it continues (an eviction hint); `hints`
+        are its agent hints (core/agent_hints.py)."""
+        return self.admit(self.prepare(prompt, params, cache_salt, session_id, hints), request_id)
 
     def prepare(
         self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
-        session_id: str | None = None,
+        session_id: str | None = None, hints: AgentHints | None = None,
     ) -> PreparedRequest:
         """Tokenize and check a request and compile its constraint; thread-safe, touches no
         engine state. Raises ValueError (naming the limit) if the request can never run."""
+        if hints is not None and not isinstance(hints, AgentHints):
+            raise ValueError(f"hints must be an AgentHints, got {type(hints).__name__}")
         if session_id is not None and (
             not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_CHARS
         ):
             raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID_CHARS} characters")
         prepared = self.preparer.prepare(prompt, params, cache_salt)
         prepared.session_id = session_id
+        prepared.hints = hints
         return prepared
 
     @_one_thread
@@ -199,6 +206,9 @@ class Engine:
         request = Request(request_id, p.token_ids, p.params, p.max_total_tokens, p.cache_salt, prompt=p.prompt)
         request.grammar = p.grammar
         request.session_id = p.session_id
+        if p.hints is not None:
+            request.hints = p.hints
+            self.hint_stats.admitted(p.hints)
         self._register(request)
         return request_id
 
@@ -345,6 +355,7 @@ class Engine:
             cache=self._cache_stats(),
             tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
             transfer=self.kv_transfer.snapshot(),
+            hints=self.hint_stats.snapshot(self.kv.sessions),
             **self.timings,
         )
 
@@ -374,6 +385,19 @@ class Engine:
     def flush_tier(self, timeout_s: float = 30.0) -> bool:
         """Wait until the persisted tier and its index are on disk; False on timeout."""
         return self.tiering.flush(timeout_s)
+
+    @_one_thread
+    def release_hints(self, cache_salt: str | None = None, session_id: str | None = None,
+                      prompt: Prompt | None = None) -> int:
+        """Drop now what holds a prefix (agent hints' release): the session's hold, and the
+        TTL holds and pins on its context and on `prompt`'s cached path; returns how many."""
+        if self.cache is None:
+            return 0
+        node = None
+        if prompt is not None:
+            token_ids = self.prepare(prompt, SamplingParams(max_tokens=0), cache_salt).token_ids
+            node = self.cache.peek_prefix(token_ids, cache_salt)[1]
+        return self.kv.sessions.release(cache_salt, session_id, node)
 
     @_one_thread
     def close(self) -> None:
@@ -463,6 +487,8 @@ class Engine:
         """A max_tokens=0 request whose prompt is computed: it finishes without a token, its
         blocks going to the prefix cache like any finished request's."""
         self.scheduler.finish(request, "length")
+        if request.hints.warmup:
+            self.hint_stats.warmed(request.num_prompt_tokens - request.cached_tokens)
         output = self.outputs.output(request)
         self._forget(request)
         return output

@@ -37,6 +37,7 @@ class PreparedRequest:
     cache_salt: str | None = None
     grammar: GrammarMatcher | None = None
     session_id: str | None = None  # the agent conversation it continues (a cache hint)
+    hints: Any = None  # its AgentHints (core/agent_hints.py), or None
     admitted: bool = field(default=False, repr=False)
 
 

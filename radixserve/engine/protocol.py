@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from radixserve.config import EngineConfig
+    from radixserve.core.agent_hints import AgentHints
     from radixserve.core.block_pool import BlockPool
     from radixserve.engine.inputs import PreparedRequest, Prompt
     from radixserve.engine.kv_import import PendingImport
@@ -31,7 +32,7 @@ class EngineProtocol(Protocol):
     # ---- any thread ---------------------------------------------------------------
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
-                session_id: str | None = None) -> PreparedRequest: ...
+                session_id: str | None = None, hints: AgentHints | None = None) -> PreparedRequest: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
 
@@ -61,5 +62,8 @@ class EngineProtocol(Protocol):
     def close_session(self, session_id: str, cache_salt: str | None = None) -> bool: ...
 
     def pin_prefix(self, prompt: Prompt, ttl_s: float, cache_salt: str | None = None) -> int: ...
+
+    def release_hints(self, cache_salt: str | None = None, session_id: str | None = None,
+                      prompt: Prompt | None = None) -> int: ...
 
     def close(self) -> None: ...

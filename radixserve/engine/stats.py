@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.core.agent_hints import KINDS, AgentHints
 from radixserve.engine.kv_transfer import TransferStats
 from radixserve.kv_tier.tiering import TierStats
 
@@ -24,6 +25,42 @@ class CacheStats:
     sessions_open: int
     pool_cached_bytes: int
     pins: int
+
+
+@dataclass(frozen=True)
+class HintStats:
+    """Agent hints (core/agent_hints.py): requests that gave each kind, what they hold."""
+
+    requests: dict[str, int]  # kind -> requests that gave it (speculative prefills themselves not counted)
+    ttl_held_blocks: int  # pool blocks on prefixes held by ttl_s / priority holds now
+    ttl_holds: int  # such holds now
+    speculative_prefills: int  # prefill-only warm-ups the server ran after a reply
+    speculative_prefill_tokens: int  # prompt tokens they computed (the rest was cached already)
+
+
+class HintCounters:
+    """The engine's running counts behind HintStats."""
+
+    def __init__(self) -> None:
+        self.requests = {kind: 0 for kind in KINDS}
+        self.speculative_prefills = 0
+        self.speculative_prefill_tokens = 0
+
+    def admitted(self, hints: AgentHints) -> None:
+        if hints.warmup:
+            self.speculative_prefills += 1
+            return
+        for kind in hints.kinds():
+            self.requests[kind] += 1
+
+    def warmed(self, tokens: int) -> None:
+        self.speculative_prefill_tokens += tokens
+
+    def snapshot(self, sessions: Any) -> HintStats:
+        holds = sessions.holds if sessions is not None else None
+        return HintStats(dict(self.requests), holds.held_blocks() if holds is not None else 0,
+                         len(holds) if holds is not None else 0, self.speculative_prefills,
+                         self.speculative_prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -58,6 +95,7 @@ class EngineStats:
     cache: CacheStats | None = None
     tier: TierStats | None = None
     transfer: TransferStats | None = None  # an engine with a prefill or decode role (kv_transfer.py)
+    hints: HintStats | None = None
 
     @property
     def blocks_used(self) -> int:
@@ -68,7 +106,7 @@ class EngineStats:
         """The flat dictionary of `Engine.stats()`, keys in their documented order."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer"):
+            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer", "hints"):
                 continue
             out[f.name] = getattr(self, f.name)
         if self.cache is not None:
@@ -81,5 +119,11 @@ class EngineStats:
                 out.update(dataclasses.asdict(self.tier))
         if self.transfer is not None:
             out.update(self.transfer.as_dict())
+        if self.hints is not None:
+            h = self.hints
+            out.update({f"hint_requests_{kind}": n for kind, n in h.requests.items()})
+            out.update(hint_ttl_held_blocks=h.ttl_held_blocks, hint_ttl_holds=h.ttl_holds,
+                       speculative_prefills=h.speculative_prefills,
+                       speculative_prefill_tokens=h.speculative_prefill_tokens)
         out.update(schedule_s=self.schedule_s, model_s=self.model_s, postprocess_s=self.postprocess_s)
         return out
