@@ -12,6 +12,8 @@ kernel takes its two products' inputs in bfloat16, about half its time; the soft
 stay float32. The kernels take float32 pools and int8 pages
 (kernels/quantized_pages.py: the store quantizes, attention dequantizes as it reads); with a
 pool of another dtype the backend runs the torch backend's paths throughout (and says so once).
+A sliding-window layer passes its window to both kernels, which start at each row's first
+window block (decode cost O(window)); SDPA's chunks get window masks, made once per window a step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class CpuPlan(AttentionPlan):
     prefills: list[PrefillChunk]  # for SDPA; empty where `tiled` holds the chunks
     tiled: TiledChunks | None = None
     meta: AttentionMetadata | None = None
-    windows: dict = field(default_factory=dict, compare=False)  # window -> the torch plan of its layers
+    windows: dict[int, list[PrefillChunk]] = field(default_factory=dict, compare=False)  # SDPA's chunks per window
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -64,7 +66,6 @@ class CpuAttentionBackend(AttentionBackend):
                                "warning above); use attention_backend='torch'")
         self.tiled_prefill = tiled_prefill
         self._torch: TorchAttentionBackend | None = None
-        self._reference: TorchAttentionBackend | None = None
         if dtype != torch.float32:
             logger.info("cpu attention backend: the C kernels are float32; %s runs the torch paths", dtype)
             self._torch = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
@@ -107,12 +108,6 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0) -> torch.Tensor:
         if self._torch is not None:
             return self._torch.forward(q, k, v, k_cache, v_cache, plan, window)
-        if window > 0:  # until the C kernels take a window: the torch paths
-            if self._reference is None:
-                self._reference = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                                        self.dtype, self.pages)
-            reference_plan = plan.windows.get(0) or plan.windows.setdefault(0, self._reference.prepare(plan.meta))
-            return self._reference.forward(q, k, v, k_cache, v_cache, reference_plan, window)
         pages = self.pages
         if self._kernels.store(k, v, k_cache, v_cache, plan.slot_mapping, pages):
             if pages is not None and plan.prefills:  # SDPA's chunks: their fresh K/V as the pages hold them
@@ -123,15 +118,24 @@ class CpuAttentionBackend(AttentionBackend):
         d = plan.num_decodes
         if d:
             out[:d] = self._kernels.decode(
-                q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale, pages
+                q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale, pages, window
             )
         if plan.tiled is not None:
             chunks = plan.tiled
             self._kernels.prefill(q, k_cache, v_cache, chunks.block_tables, chunks.query_start, chunks.seq_lens,
-                                  self.scale, out, pages, self.bf16_prefill)
-        for chunk in plan.prefills:
+                                  self.scale, out, pages, self.bf16_prefill, window)
+        for chunk in _sdpa_chunks(plan, window):
             out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, pages)
         return out
+
+
+def _sdpa_chunks(plan: CpuPlan, window: int) -> list[PrefillChunk]:
+    """The plan's SDPA chunks for layers of this sliding window (0: the plan's own)."""
+    if window <= 0 or not plan.prefills:
+        return plan.prefills
+    if window not in plan.windows:
+        plan.windows[window] = plan_prefills(plan.meta, window)
+    return plan.windows[window]
 
 
 def _read_back(pages: QuantizedPages, k_pages, v_pages, slots, dtype) -> tuple[torch.Tensor, torch.Tensor]:

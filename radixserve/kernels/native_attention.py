@@ -7,7 +7,8 @@ read them, which triples the memory traffic of decode attention; the C kernel re
 in place through the block table, and reads a prefix that neighbouring requests share
 once for all of them. With int8 pages (kernels/quantized_pages.py) the store quantizes and
 decode dequantizes each block once per group of query heads, prefill each row as it packs a
-tile. Built, loaded and typed by native_build.py.
+tile. With a sliding window both start at the first block a window reaches and never read
+the table before it. Built, loaded and typed by native_build.py.
 """
 
 from __future__ import annotations
@@ -48,30 +49,33 @@ class NativePagedAttention:
         seq_lens: torch.Tensor,
         scale: float,
         pages: QuantizedPages | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d], or
         with `pages` int8 pages [blocks, page_bytes]. Requests that share leading blocks
-        should be neighbours (they are read once)."""
+        should be neighbours (they are read once). window > 0: each row sees its last
+        `window` keys, and its table only from the block of the first on."""
         if pages is not None:
-            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages)
+            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages, window)
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
         status = self._decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], block_tables.data_ptr(),
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0],
-            q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale,
+            q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, max(window, 0),
         )
         _raise_for(status)
         return out
 
-    def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: QuantizedPages) -> torch.Tensor:
+    def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: QuantizedPages,
+                      window: int) -> torch.Tensor:
         _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages)
         out = torch.empty_like(q)
         status = self._decode_i8(
             q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[0], pages.page_bytes,
             pages.code_bytes, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], pages.num_kv_heads, pages.head_dim,
-            pages.block_size, scale,
+            pages.block_size, scale, max(window, 0),
         )
         _raise_for(status)
         return out
@@ -88,13 +92,15 @@ class NativePagedAttention:
         out: torch.Tensor,
         pages: QuantizedPages | None = None,
         bf16: bool = False,
+        window: int = 0,
     ) -> None:
         """Causal attention of C prompt chunks, written into their rows of out (q's shape,
         [T, H, d] float32): chunk c's queries are q rows query_start[c]:query_start[c + 1]
         (int32 [C + 1]), the last of its context seq_lens[c] (int32 [C]) tokens, all already
         in the caches (or int8 `pages`) through block_tables[c]. Other rows of out are left as they are.
         bf16: q.k and P.V take their inputs rounded to bfloat16 (float32 sums and softmax);
-        only where has_bf16_prefill(head_dim)."""
+        only where has_bf16_prefill(head_dim). window > 0: each row sees its last `window`
+        keys, and a chunk's table is read from the block of its first row's first key on."""
         if pages is None:
             _check(q, k_cache, v_cache, block_tables, seq_lens, per_query=False)
         else:
@@ -109,11 +115,12 @@ class NativePagedAttention:
                   seq_lens.data_ptr(), seq_lens.shape[0], q.shape[0], out.data_ptr(), q.shape[1])
         if pages is None:
             status = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], *tables,
-                                   k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, int(bf16))
+                                   k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, int(bf16),
+                                   max(window, 0))
         else:
             status = self._prefill_i8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
                                       pages.page_bytes, pages.code_bytes, *tables, pages.num_kv_heads, pages.head_dim,
-                                      pages.block_size, scale, int(bf16))
+                                      pages.block_size, scale, int(bf16), max(window, 0))
         if status == -3:
             raise ValueError(f"bf16 prompt attention needs a CPU with AVX512_BF16 and a head_dim that is a "
                              f"multiple of 32 (head_dim {q.shape[2]})")

@@ -7,7 +7,8 @@ draft rows, and the prompt chunks of small steps, which the runner lays out that
 few enough for the skinny matmul kernel, the C side runs the
 same kernels in the same order, so the logits are bit for bit those of the layer-by-layer
 path; any other step, model or device keeps that path. The pool may hold float32 or int8
-pages (the store quantizes, attention dequantizes, as the cpu backend's kernels do).
+pages (the store quantizes, attention dequantizes, as the cpu backend's kernels do). Each
+layer has its sliding window (`windows`, 0: full attention), as the backend's forward takes it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _WEIGHTS = (("input_norm", ctypes.c_void_p), ("qkv", _Weight), ("qkv_bias", ctyp
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
 
 
 class _Shape(ctypes.Structure):
@@ -53,10 +54,13 @@ class NativeDecoder:
     """Holds the layers' weight pointers (the weights are never reallocated after loading),
     the pool's, and a workspace reused across steps."""
 
-    def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList):
+    def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None):
+        if windows is not None and len(windows) != len(layers):
+            raise ValueError(f"{len(windows)} sliding windows for {len(layers)} layers")
         self._kernel = kernel
         self._spec = spec
         self._weights = [_layer_weights(layer) for layer in layers]
+        self._windows = [max(int(w), 0) for w in windows] if windows is not None else [0] * len(layers)
         self._keep = layers  # the pointers above stay valid while the modules live
         self._layers: ctypes.Array | None = None
         self._pool_key: tuple[int, int] | None = None
@@ -64,10 +68,11 @@ class NativeDecoder:
         self._workspace = torch.empty(0)
 
     @classmethod
-    def for_model(cls, spec: ModelSpec, layers: nn.ModuleList) -> NativeDecoder | None:
-        """The decoder for these layers, or None where the C path does not apply (another
-        device or dtype, q/k norms, sizes the matmul kernel refuses, kernels disabled or
-        not buildable)."""
+    def for_model(cls, spec: ModelSpec, layers: nn.ModuleList,
+                  windows: list[int] | None = None) -> NativeDecoder | None:
+        """The decoder for these layers (windows: each layer's sliding window, 0 or None for
+        full attention), or None where the C path does not apply (another device or dtype,
+        q/k norms, sizes the matmul kernel refuses, kernels disabled or not buildable)."""
         params = list(layers.parameters())
         q_size = spec.num_heads * spec.head_dim
         if not (
@@ -79,7 +84,7 @@ class NativeDecoder:
         ):
             return None
         kernel = _kernel()
-        return None if kernel is None else cls(kernel, spec, layers)
+        return None if kernel is None else cls(kernel, spec, layers, windows)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
@@ -110,7 +115,8 @@ class NativeDecoder:
         if key != self._pool_key:
             caches = [pool.layer(i) for i in range(len(self._weights))]
             self._layers = (_Layer * len(caches))(*[
-                _Layer(*weights, k.data_ptr(), v.data_ptr()) for weights, (k, v) in zip(self._weights, caches)
+                _Layer(*weights, k.data_ptr(), v.data_ptr(), window)
+                for weights, (k, v), window in zip(self._weights, caches, self._windows)
             ])
             spec, pages = self._spec, pool.pages
             self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,

@@ -16,7 +16,8 @@
  *   cos, sin   [rows, head_dim] of each row's position
  *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
  *   tables     [rows, table_stride] int32 block table of each row's request
- *   seq_lens   [rows] int32 context length of each row, this row's token included
+ *   seq_lens   [rows] int32 context length of each row, this row's token included (a layer with a
+ *              sliding window reads only the table entries its window reaches)
  *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
  *              projection out, gate_up, activation (qkv = q + 2 kv)
  * Returns 0; -1 when a kernel refuses its shapes or scratch memory cannot be had (x is then
@@ -47,6 +48,7 @@ typedef struct {
     LayerWeight down;
     const float *down_bias;
     char *k_cache, *v_cache; /* float [num_blocks, block_size, num_kv_heads, head_dim], or int8 pages */
+    int64_t window;          /* sliding-window attention over the last `window` keys; 0: the whole context */
 } DecoderLayer;
 
 /* out [rows, N] = x [rows, K] @ w.T + bias, by the kernel the weight's storage calls for. */
@@ -88,8 +90,14 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     const DecoderShape s = *shape;
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
+    int64_t widest = 0, full = num_layers == 0; /* the layers that read the most of the tables */
+    for (int64_t i = 0; i < num_layers; ++i) {
+        if (layers[i].window <= 0) full = 1;
+        else if (layers[i].window > widest) widest = layers[i].window;
+    }
     if (!slots_valid(slots, rows, s.num_blocks * s.block_size) ||
-        !tables_valid(tables, table_stride, table_width, seq_lens, rows, s.block_size, s.num_blocks))
+        !tables_valid(tables, table_stride, table_width, seq_lens, rows, s.block_size, s.num_blocks,
+                      full ? 0 : widest))
         return -2;
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
@@ -110,7 +118,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
             store_row(&s, &pages, w, row + q_size, row + q_size + kv_size, slots[r]);
         }
-        pages.k_pages = w->k_cache, pages.v_pages = w->v_cache;
+        pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
         if (decode_pages(&pages, q, s.num_blocks, tables, table_stride, table_width, seq_lens, attn, rows))
             return -1;
         if (project(attn, rows, &w->o, s.hidden, q_size, w->o_bias, proj)) return -1;

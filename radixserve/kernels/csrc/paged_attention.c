@@ -21,6 +21,12 @@
  * of V rows runs over head_dim in vectors, and nothing of either is per-element scalar work.
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
+ * Sliding window (window W > 0): a row of context len sees keys [len - W, len) only. Each
+ * row then walks alone (no groups: neighbours' windows start apart) from the first block its
+ * window reaches, its keys before the window masked in the first group that holds them;
+ * the table entries before that block are neither read nor checked (a hybrid KV layout frees
+ * those pages), and the cost is O(W), not O(len).
+ *
  * Layouts (float32, contiguous):
  *   q, out           [num_rows, num_heads, head_dim]
  *   k, v (new rows)  [tokens, num_kv_heads, head_dim]
@@ -63,6 +69,7 @@ typedef struct {
     int int8;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int64_t window; /* sliding window, 0: the whole context */
 } Shape;
 
 static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
@@ -150,13 +157,13 @@ INLINE void value_panel(float *o, vf alpha, const float *w, const float *v, int6
 /* Fold keys [t0, t0 + g) (g <= VW) into one query row's running (m, l, acc); the rows have
  * nv vectors, the last holding `tail` floats. */
 INLINE void fold_keys(const float *q, float *acc, float *m, float *l, const Keys *keys, int64_t t0, int64_t g,
-                      int64_t nv, int64_t tail) {
+                      int64_t skip, int64_t nv, int64_t tail) {
     const int64_t stride = keys->stride;
     vf s = key_scores(q, keys->k + t0 * stride, stride, nv, tail, g);
     if (keys->ks) s = v_mul(s, v_load(keys->ks + t0));
-    s = v_keep(s, g, MASKED);
+    s = v_drop(v_keep(s, g, MASKED), skip, MASKED);
     const float m_old = *m, top = v_hmax(s), m_new = top > m_old ? top : m_old;
-    const vf p = v_keep(v_exp2(v_sub(s, v_set1(m_new))), g, 0.0f);
+    const vf p = v_drop(v_keep(v_exp2(v_sub(s, v_set1(m_new))), g, 0.0f), skip, 0.0f);
     const vf alpha = v_exp2(v_set1(m_old - m_new)); /* 0 on the first keys, where m_old is MASKED */
     *l = *l * v_first(alpha) + v_hsum(p);
     *m = m_new;
@@ -169,18 +176,23 @@ INLINE void fold_keys(const float *q, float *acc, float *m, float *l, const Keys
     }
 }
 
-/* One query row against the block's first n keys, VW at a time. The common shape (whole
- * key groups, rows of PANEL whole vectors: head_dim 64 on AVX-512) is compiled apart. */
-static void attend_row(const Rows *rows, int64_t i, const Keys *keys, int64_t n) {
+/* One query row against the block's keys [from, n), VW at a time (groups stay aligned to
+ * VW: the first masks its keys before `from`). The common shape (whole key groups, rows of
+ * PANEL whole vectors: head_dim 64 on AVX-512) is compiled apart. */
+static void attend_row(const Rows *rows, int64_t i, const Keys *keys, int64_t from, int64_t n) {
     const float *q = rows->q + i * rows->padded;
     float *acc = rows->acc + i * rows->padded, *m = rows->m + i, *l = rows->l + i;
     const int common = keys->vectors == PANEL && keys->tail == VW;
-    int64_t t0 = 0;
-    for (; t0 + VW <= n; t0 += VW) {
-        if (common) fold_keys(q, acc, m, l, keys, t0, VW, PANEL, VW);
-        else fold_keys(q, acc, m, l, keys, t0, VW, keys->vectors, keys->tail);
+    int64_t t0 = from - from % VW;
+    if (t0 < from) {
+        fold_keys(q, acc, m, l, keys, t0, n - t0 < VW ? n - t0 : VW, from - t0, keys->vectors, keys->tail);
+        t0 += VW;
     }
-    if (t0 < n) fold_keys(q, acc, m, l, keys, t0, n - t0, keys->vectors, keys->tail);
+    for (; t0 + VW <= n; t0 += VW) {
+        if (common) fold_keys(q, acc, m, l, keys, t0, VW, 0, PANEL, VW);
+        else fold_keys(q, acc, m, l, keys, t0, VW, 0, keys->vectors, keys->tail);
+    }
+    if (t0 < n) fold_keys(q, acc, m, l, keys, t0, n - t0, 0, keys->vectors, keys->tail);
 }
 
 /* KV head j's first n tokens of an int8 page: codes as floats into out [n][padded], zeros
@@ -234,14 +246,15 @@ static inline void prefetch_part(const Shape *sh, int64_t ahead, int64_t part, i
 }
 
 /* Fold block `block` (position b of their tables) into every query head of rows [0, count),
- * each up to its own length lens[i]; rows' state is theirs from row 0 on. Block `ahead`, read
+ * each up to its own length lens[i], from the block's token `from` on (> 0 only in the first
+ * block of a sliding window, count 1); rows' state is theirs from row 0 on. Block `ahead`, read
  * PREFETCH_BLOCKS later, is asked into L2 a slice per query head: a request's blocks lie
  * anywhere in the pool, so the hardware's stream prefetcher starts over at every block, and a
  * whole block's prefetches at once fill the core's miss buffers and stall the loads behind
  * them (decode kernel alone, 8 requests x 6k tokens, cold 1 GiB pool, one thread, int8:
  * 5.9 ms with the whole block at once, 3.3 ms sliced). */
 static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
-                         int64_t b, int64_t ahead, Tile *tile) {
+                         int64_t b, int64_t from, int64_t ahead, Tile *tile) {
     const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads;
     int64_t most = 0;
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
@@ -251,7 +264,8 @@ static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens,
         for (int64_t h = j * group; h < (j + 1) * group; ++h) {
             prefetch_part(sh, ahead, h, sh->num_heads);
             for (int64_t i = 0; i < count; ++i)
-                if (tokens_in(lens[i], b, bs)) attend_row(rows, i * sh->num_heads + h, &keys, tokens_in(lens[i], b, bs));
+                if (tokens_in(lens[i], b, bs))
+                    attend_row(rows, i * sh->num_heads + h, &keys, from, tokens_in(lens[i], b, bs));
         }
     }
 }
@@ -403,7 +417,7 @@ INLINE void block_codes(const Shape *sh, const Rows *rows, const char *kp, const
     for (int64_t j = 0; j <= h; ++j) {
         const int cur = (int)(j & 1), prev = cur ^ 1;
         if (j < h) {
-            if (t0 == 0) prefetch_part(sh, ahead, j, h);
+            prefetch_part(sh, ahead, j, h);
             sub_scales(sh, kp, j, t0, n, ks);
             sub_scales(sh, vp, j, t0, n, vs[cur]);
             score_codes(rows->q + j * g * padded, padded, kc + j * d, stride, d, n, g, s);
@@ -498,7 +512,7 @@ static void tile_run(const Rows *rows, int64_t i, int64_t g, const Tile *tile, i
 
 /* attend_block for int8 pages. */
 static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
-                            int64_t b, int64_t ahead, Tile *tile) {
+                            int64_t b, int64_t from, int64_t ahead, Tile *tile) {
     const int64_t bs = sh->block_size, group = sh->num_heads / sh->num_kv_heads, d = sh->head_dim;
     const int64_t h = sh->num_kv_heads, chunks = (group + GROUP_MAX - 1) / GROUP_MAX;
     const int direct = count == 1 && chunks == 1; /* the codes are read once either way */
@@ -506,14 +520,14 @@ static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *le
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
     if (direct) {
-        for (int64_t t0 = 0; t0 < most; t0 += 16)
-            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
+        for (int64_t t0 = from; t0 < most; t0 += 16)
+            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, t0 == from ? ahead : -1, group);
         return;
     }
     for (int64_t j = 0; j < h; ++j)
-        for (int64_t t0 = 0; t0 < most; t0 += 16) {
+        for (int64_t t0 = from; t0 < most; t0 += 16) {
             const int64_t n = most - t0 < 16 ? most - t0 : 16;
-            if (t0 == 0) prefetch_part(sh, ahead, j, h);
+            if (t0 == from) prefetch_part(sh, ahead, j, h);
             sub_scales(sh, kp, j, t0, n, tile->ks);
             sub_scales(sh, vp, j, t0, n, tile->vs);
             convert_tile(sh, kp, vp, j, t0, n, rows->padded, tile);
@@ -531,14 +545,19 @@ static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *le
 
 /* Block `block` into the rows: attend_block_i8 where it is compiled and the pages are int8. */
 static void attend_pages(const Shape *sh, const Rows *rows, const int32_t *lens, int64_t count, int64_t block,
-                         int64_t b, int64_t ahead, Tile *tile) {
+                         int64_t b, int64_t from, int64_t ahead, Tile *tile) {
 #ifdef FAST_I8
     if (sh->int8) {
-        attend_block_i8(sh, rows, lens, count, block, b, ahead, tile);
+        attend_block_i8(sh, rows, lens, count, block, b, from, ahead, tile);
         return;
     }
 #endif
-    attend_block(sh, rows, lens, count, block, b, ahead, tile);
+    attend_block(sh, rows, lens, count, block, b, from, ahead, tile);
+}
+
+/* The first key a row of context len sees: len - window under a sliding window, else 0. */
+static int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
 }
 
 /* Block PREFETCH_BLOCKS after position b of a table for context len, or -1 past its end. */
@@ -579,12 +598,14 @@ static void load_rows(const Shape *sh, const float *q, int64_t count, const Rows
     }
 }
 
-/* Blocks from position `from` on of one row (table, length len), walked alone. */
+/* Blocks from position `from` (or the first its window reaches) on of one row (table,
+ * length len), walked alone. */
 static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table, const int32_t *len, int64_t from,
                         Tile *tile) {
-    const int64_t bs = sh->block_size;
-    for (int64_t b = from; b * bs < *len; ++b) {
-        attend_pages(sh, rows, len, 1, table[b], b, block_ahead(table, *len, b, bs), tile);
+    const int64_t bs = sh->block_size, first = first_key(*len, sh->window);
+    for (int64_t b = from > first / bs ? from : first / bs; b * bs < *len; ++b) {
+        const int64_t skip = first > b * bs ? first - b * bs : 0;
+        attend_pages(sh, rows, len, 1, table[b], b, skip, block_ahead(table, *len, b, bs), tile);
     }
 }
 
@@ -598,7 +619,7 @@ static void attend_group(const Shape *sh, const float *q, const int32_t *tables,
     load_rows(sh, q + first * sh->num_heads * d, count, rows);
     for (int64_t b = 0; b < joint; ++b) {
         const int64_t ahead = block_ahead(tables + longest * stride, seq_lens[longest], b, bs);
-        attend_pages(sh, rows, seq_lens + first, count, tables[first * stride + b], b, ahead, tile);
+        attend_pages(sh, rows, seq_lens + first, count, tables[first * stride + b], b, 0, ahead, tile);
     }
     for (int64_t r = 0; r < count; ++r) {
         const Rows own = {rows->q + r * sh->num_heads * p, rows->acc + r * sh->num_heads * p,
@@ -618,13 +639,14 @@ static int max_threads(void) {
 #endif
 }
 
-/* Every context length >= 1 and covered by its table row, every block id it reads in the pool. */
+/* Every context length >= 1 and covered by its table row, every block id it reads (from
+ * the first its window reaches) in the pool. */
 static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, const int32_t *seq_lens,
-                        int64_t num_requests, int64_t block_size, int64_t num_blocks) {
+                        int64_t num_requests, int64_t block_size, int64_t num_blocks, int64_t window) {
     for (int64_t r = 0; r < num_requests; ++r) {
         const int64_t blocks = ((int64_t)seq_lens[r] + block_size - 1) / block_size;
         if (seq_lens[r] < 1 || blocks > width) return 0;
-        for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t b = first_key(seq_lens[r], window) / block_size; b < blocks; ++b)
             if (tables[r * stride + b] < 0 || tables[r * stride + b] >= num_blocks) return 0;
     }
     return 1;
@@ -637,11 +659,13 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
                         int64_t num_requests) {
     const Shape sh = *shape;
     const int64_t num_heads = sh.num_heads, head_dim = sh.head_dim, block_size = sh.block_size;
-    if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks))
+    if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks,
+                      sh.window))
         return -2;
-    /* Small enough groups that every thread gets one, large enough to share a prefix. */
+    /* Small enough groups that every thread gets one, large enough to share a prefix; under
+     * a window every row alone (group_end then reads no table entry). */
     const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
-    const int64_t cap = per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
+    const int64_t cap = sh.window > 0 ? 1 : per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (num_requests + 1));
     if (!starts) return -1;
     int64_t num_groups = 0;
@@ -681,8 +705,9 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                const int32_t *seq_lens, float *out, int64_t num_requests,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale) {
-    const Shape sh = float_shape(k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale);
+                               int64_t block_size, float scale, int64_t window) {
+    Shape sh = float_shape(k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale);
+    sh.window = window;
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 
@@ -691,9 +716,9 @@ int paged_decode_attention_i8(const float *q, const void *k_pages, const void *v
                               int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                               int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
                               int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              int64_t block_size, float scale) {
+                              int64_t block_size, float scale, int64_t window) {
     const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
-                      num_heads, num_kv_heads, head_dim, block_size, scale};
+                      num_heads, num_kv_heads, head_dim, block_size, scale, window};
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 

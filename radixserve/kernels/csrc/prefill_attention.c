@@ -18,6 +18,9 @@
  *   block_tables     [num_chunks, table_stride] int32
  *   query_start      [num_chunks + 1] int32
  *   seq_lens         [num_chunks] int32: context length after the step, its new tokens included
+ *
+ * With a sliding window (window > 0) a chunk's table is read (and checked) only from the
+ * block of its first row's first key on.
  */
 #include <float.h>
 #include <math.h>
@@ -65,17 +68,22 @@ static int costlier_first(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* The first key that row r of a chunk with `prefix` cached tokens sees. */
+static int64_t first_key_of(int64_t prefix, int64_t r, int64_t window) {
+    return window > 0 && prefix + r + 1 > window ? prefix + r + 1 - window : 0;
+}
+
 /* Rows of each chunk nonempty, inside q, and within their context; every context covered
  * by its table row, every block id it reads inside the pool. */
 static int chunks_valid(const int32_t *tables, int64_t stride, int64_t width, const int32_t *starts,
                         const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows, int64_t block_size,
-                        int64_t num_blocks) {
+                        int64_t num_blocks, int64_t window) {
     if (num_chunks > 0 && (starts[0] < 0 || starts[num_chunks] > num_rows)) return 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t n = (int64_t)starts[c + 1] - starts[c];
         const int64_t blocks = ((int64_t)seq_lens[c] + block_size - 1) / block_size;
         if (n < 1 || n > seq_lens[c] || blocks > width) return 0;
-        for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t b = first_key_of(seq_lens[c] - n, 0, window) / block_size; b < blocks; ++b)
             if (tables[c * stride + b] < 0 || tables[c * stride + b] >= num_blocks) return 0;
     }
     return 1;
@@ -83,7 +91,7 @@ static int chunks_valid(const int32_t *tables, int64_t stride, int64_t width, co
 
 /* Every chunk's (KV head, query block) items, costliest first; NULL without memory. */
 static WorkItem *plan_items(const int32_t *starts, const int32_t *seq_lens, int64_t num_chunks,
-                            int64_t num_kv_heads, int64_t positions, int64_t *count) {
+                            int64_t num_kv_heads, int64_t positions, int64_t window, int64_t *count) {
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c)
         n += num_kv_heads * ((starts[c + 1] - starts[c] + positions - 1) / positions);
@@ -95,7 +103,7 @@ static WorkItem *plan_items(const int32_t *starts, const int32_t *seq_lens, int6
         for (int64_t r0 = 0; r0 < rows; r0 += positions) {
             const int64_t r1 = r0 + positions < rows ? r0 + positions : rows;
             for (int64_t h = 0; h < num_kv_heads; ++h)
-                items[n++] = (WorkItem){c, h, r0, r1, (r1 - r0) * (prefix + r1)};
+                items[n++] = (WorkItem){c, h, r0, r1, (r1 - r0) * (prefix + r1 - first_key_of(prefix, r0, window))};
         }
     }
     qsort(items, n, sizeof(WorkItem), costlier_first);
@@ -136,11 +144,11 @@ static int prefill_pages(const TileShape *shape, int int8, int bf16, const float
     const int64_t num_heads = sh.num_heads, num_kv_heads = sh.num_kv_heads;
     if (bf16 && !bf16_dots_fit(sh.head_dim)) return -3;
     if (!chunks_valid(block_tables, table_stride, table_width, query_start, seq_lens, num_chunks, num_rows,
-                      sh.block_size, num_blocks))
+                      sh.block_size, num_blocks, sh.window))
         return -2;
     const int64_t group = num_heads / num_kv_heads, positions = Q_ROWS / group > 0 ? Q_ROWS / group : 1;
     int64_t count = 0;
-    WorkItem *items = plan_items(query_start, seq_lens, num_chunks, num_kv_heads, positions, &count);
+    WorkItem *items = plan_items(query_start, seq_lens, num_chunks, num_kv_heads, positions, sh.window, &count);
     if (!items) return -1;
     const int64_t max_rows = (positions * group + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     int failed = 0;
@@ -181,23 +189,24 @@ int paged_prefill_attention_f32(const float *q, const float *k_cache, const floa
                                 const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                 const int32_t *query_start, const int32_t *seq_lens, int64_t num_chunks,
                                 int64_t num_rows, float *out, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots) {
+                                int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots, int64_t window) {
     const TileShape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, 0, 0};
+                          scale * 1.4426950408889634f, 0, 0, window};
     return prefill_pages(&sh, 0, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }
 
 /* The same over int8 pages of page_bytes, scales from code_bytes on. bf16_dots (both): the
- * two products in bfloat16 (see tiled_attention.h); -3 where paged_prefill_bf16_available is 0. */
+ * two products in bfloat16 (see tiled_attention.h); -3 where paged_prefill_bf16_available is 0.
+ * window (both): sliding-window attention over each row's last `window` keys; 0: causal. */
 int paged_prefill_attention_i8(const float *q, const void *k_pages, const void *v_pages, int64_t num_blocks,
                                int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                                int64_t table_stride, int64_t table_width, const int32_t *query_start,
                                const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows, float *out,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int64_t bf16_dots) {
+                               float scale, int64_t bf16_dots, int64_t window) {
     const TileShape sh = {k_pages, v_pages, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, page_bytes, code_bytes};
+                          scale * 1.4426950408889634f, page_bytes, code_bytes, window};
     return prefill_pages(&sh, 1, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }

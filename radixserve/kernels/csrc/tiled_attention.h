@@ -28,6 +28,12 @@
  * Query row position r of a chunk whose context is `context` after the step, and which
  * brings n new tokens, sees keys [0, context - n + r]; every row sees key 0, so after the
  * first tile every row's m is finite.
+ *
+ * Sliding window (window W > 0): that row sees keys [context - n + r - W + 1, context - n + r]
+ * only. An item walks its keys from its first row's first key (no table entry of a block before
+ * it is read), masks each row's keys before its window, and skips row groups the tile is
+ * wholly before; a row that sees none of a tile (its window not reached yet) takes no weight
+ * from it, so its m stays MASKED until its first key.
  */
 #ifndef RADIXSERVE_TILED_ATTENTION_COMMON
 #define RADIXSERVE_TILED_ATTENTION_COMMON
@@ -49,6 +55,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, padded_dim, block_size;
     float scale_log2;
     int64_t page_bytes, code_bytes; /* int8 pages (paged_attention.c): a block's bytes, where its scales start */
+    int64_t window;                 /* sliding window, 0: the whole causal context */
 } TileShape;
 
 /* The state of one work item: its query rows and their running softmax. */
@@ -91,12 +98,21 @@ static inline void tile_scores(const float *q, const float *kt, int64_t head_dim
  * and once it settles a tile costs no horizontal max, no rescale and no exp2 of alpha. The
  * result is the same softmax: O and l carry the same shift. */
 #define RESCALE_SLACK 8.0f
-static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, float *m, float *l,
-                                Tile *tile, int for_bf16) {
+static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, int64_t window,
+                                float *m, float *l, Tile *tile, int for_bf16) {
     for (int i = 0; i < TILE_ROWS; ++i) {
         const int64_t visible = last[i] - k0 + 1;
         if (visible < TILE_KEYS)
             for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_keep(s[i][v], visible - v * VW, MASKED);
+        if (window > 0) {
+            const int64_t hidden = last[i] - window + 1 - k0; /* the tile's keys before the row's window */
+            if (hidden >= visible || hidden >= TILE_KEYS || visible <= 0) {
+                memset(tile->p + i * TILE_KEYS, 0, sizeof(float) * TILE_KEYS);
+                tile->alpha[i] = 1.0f;
+                continue;
+            }
+            for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_drop(s[i][v], hidden - v * VW, MASKED);
+        }
         vf top = s[i][0];
         for (int v = 1; v < TILE_VECS; ++v) top = v_max(top, s[i][v]);
         vf sum = v_load(l + i * VW);
@@ -140,14 +156,20 @@ static inline void tile_accumulate(float *o, const Tile *tile, int64_t nk, int64
     }
 }
 
+/* Whether the row group from row i sees no key of the tile [k0, k0 + nk): all before it, or
+ * (sliding window) all after. */
+static inline int group_misses(const TileShape *sh, const TileRows *rows, int64_t i, int64_t k0, int64_t nk) {
+    return rows->last[i + TILE_ROWS - 1] < k0 || (sh->window > 0 && rows->last[i] - sh->window + 1 >= k0 + nk);
+}
+
 /* Every row group of `rows` that sees any key of the tile starting at k0 (nk keys). */
 static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k0, int64_t nk) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
     for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
-        if (rows->last[i + TILE_ROWS - 1] < k0) continue;
+        if (group_misses(sh, rows, i, k0, nk)) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores(rows->q + i * d, tile->kt, d, s);
-        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile, 0);
+        tile_softmax(s, rows->last + i, k0, sh->window, rows->m + i, rows->l + i * VW, tile, 0);
         tile_accumulate(rows->o + i * dp, tile, nk, dp);
     }
 }
@@ -221,10 +243,10 @@ static void tile_fold_pairs(const TileShape *sh, TileRows *rows, Tile *tile, Pai
                             int64_t nk) {
     const int64_t half = sh->head_dim / 2, dp = sh->padded_dim;
     for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
-        if (rows->last[i + TILE_ROWS - 1] < k0) continue;
+        if (group_misses(sh, rows, i, k0, nk)) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores_pairs(pairs->q + i * half, pairs->kt, half, s);
-        tile_softmax(s, rows->last + i, k0, rows->m + i, rows->l + i * VW, tile, 1);
+        tile_softmax(s, rows->last + i, k0, sh->window, rows->m + i, rows->l + i * VW, tile, 1);
         tile_accumulate_pairs(rows->o + i * dp, tile, pairs, nk, dp);
     }
 }
@@ -346,10 +368,11 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
     }
     memset(rows->o, 0, sizeof(float) * rows->rows * dp);
     const int64_t end = prefix + r1; /* keys the last row sees */
+    const int64_t start = sh->window > 0 && prefix + r0 + 1 > sh->window ? prefix + r0 + 1 - sh->window : 0;
 #if HAVE_BF16_DOTS
     if (pairs) {
         rows_to_pairs(rows, d, pairs);
-        for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
+        for (int64_t k0 = start; k0 < end; k0 += TILE_KEYS) {
             const int64_t nk = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
             PASTE(tile_pack_pairs, KV_SUFFIX)(sh, table, head, k0, nk, tile, pairs);
             tile_fold_pairs(sh, rows, tile, pairs, k0, nk);
@@ -358,7 +381,7 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
 #else
     (void)pairs;
 #endif
-    for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
+    for (int64_t k0 = start; k0 < end; k0 += TILE_KEYS) {
         const int64_t nk = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
         PASTE(tile_pack, KV_SUFFIX)(sh, table, head, k0, nk, tile);
         tile_fold(sh, rows, tile, k0, nk);

@@ -165,6 +165,16 @@ static inline void v_prefetch(const void *p) {
 #endif
 }
 
+/* x with its first `count` lanes (none for count <= 0) replaced by `fill`: the keys of a
+ * sliding window's first group that lie before the window. */
+static inline vf v_drop(vf x, int64_t count, float fill) {
+    if (count <= 0) return x;
+    float lanes[VW];
+    v_store(lanes, x);
+    for (int64_t t = 0; t < count && t < VW; ++t) lanes[t] = fill;
+    return v_load(lanes);
+}
+
 /* The first `count` (< VW) int8 codes at p as floats, zeros in the other lanes. */
 static inline vf v_load_i8_n(const int8_t *p, int64_t count) {
     int8_t codes[VW] = {0};
