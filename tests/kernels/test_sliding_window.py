@@ -207,3 +207,147 @@ def test_one_plan_serves_full_and_window_layers(backend_class, options):
     assert torch.equal(before.forward(plain.q, plain.k, plain.v, pool[0], pool[1], before.prepare(plain.full)),
                        outputs[0][0]), "window 0 is the default"
     torch.testing.assert_close(outputs[1000][0], outputs[0][0], atol=1e-6, rtol=1e-6)
+
+
+# ---- the C kernels themselves, at every vector width --------------------------------------
+
+LONG_STEPS = {
+    # prompt chunks past one work item of query rows and many tiles of keys
+    "long_chunks": [(700, 500), (301, 300), (260, 37)],
+    "decodes": [(1, 1), (37, 1), (300, 1), (129, 1), (64, 1)],
+}
+
+
+def _kernels_built(tmp_path, flags):
+    import ctypes
+    import shutil
+
+    from radixserve.kernels import native_build
+    from radixserve.kernels.native_attention import NativePagedAttention
+
+    if not flags:
+        return native
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    fns = {}
+    for source, names in (("paged_attention.c", ("paged_decode_attention_f32", "paged_store_f32",
+                                                 "paged_decode_attention_i8", "paged_store_i8")),
+                          ("prefill_attention.c", ("paged_prefill_attention_f32", "paged_prefill_attention_i8",
+                                                   "paged_prefill_bf16_available"))):
+        library = tmp_path / source.replace(".c", ".so")
+        native_build._compile(compiler, native_build.CSRC / source, ["-fopenmp", *flags], library)
+        built = ctypes.CDLL(str(library))
+        for name in names:
+            fn = getattr(built, name)
+            fn.argtypes, fn.restype = list(native_build.SIGNATURES[name].argtypes), native_build.SIGNATURES[name].restype
+            fns[name] = fn
+    return NativePagedAttention(*fns.values())
+
+
+def _kernel_step(kernels, step: Step, meta, bf16=False):
+    """The step through the kernels alone: store, decode rows, tiled chunks."""
+    pool = step.pool.clone()
+    store_kv(step.k, step.v, pool[0], pool[1], meta.slot_mapping, step.pages)
+    d = meta.num_decodes
+    out = torch.full_like(step.q, 7.0)
+    if d:
+        out[:d] = kernels.decode(step.q[:d].contiguous(), pool[0], pool[1], meta.block_tables[:d],
+                                 meta.seq_lens[:d], step.scale, step.pages, step.window)
+    if d < meta.num_requests:
+        kernels.prefill(step.q, pool[0], pool[1], meta.block_tables[d:], meta.query_start_loc[d:],
+                        meta.seq_lens[d:], step.scale, out, step.pages, bf16, step.window)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
+                         ids=["native", "avx2", "scalar"])
+def test_native_kernels_take_windows_at_every_vector_width(tmp_path, flags):
+    kernels = _kernels_built(tmp_path, flags)
+    for steps in ("long_chunks", "decodes", "mixed"):
+        requests = LONG_STEPS.get(steps) or STEPS[steps]
+        for (heads, kv_heads, head_dim), block_size, window in [((9, 3, 64), 5, 37), ((8, 2, 40), 16, 100),
+                                                                ((4, 1, 256), 16, 16), ((2, 2, 16), 3, 2)]:
+            for int8 in (False, True):
+                step = Step(requests, window, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            block_size=block_size, int8=int8, seed=window)
+                out = _kernel_step(kernels, step, step.windowed)
+                torch.testing.assert_close(out, step.want, **_tolerance(int8))
+                assert torch.equal(out, _kernel_step(kernels, step, step.full))
+
+
+@needs_native
+@pytest.mark.skipif(native is None or not native.has_bf16_prefill(64), reason="no AVX512_BF16 here")
+def test_native_prefill_with_bf16_dots_takes_windows():
+    for window in (1, 37, 200):
+        step = Step(LONG_STEPS["long_chunks"], window, heads=9, kv_heads=3, head_dim=64, block_size=5, seed=window)
+        out = _kernel_step(native, step, step.windowed, bf16=True)
+        torch.testing.assert_close(out, step.want, atol=3e-2, rtol=3e-2)
+        assert torch.equal(out, _kernel_step(native, step, step.full, bf16=True))
+
+
+@needs_native
+def test_native_kernels_check_only_the_table_from_the_window_on():
+    """An out-of-pool id inside the window is still refused, before anything is written."""
+    step = Step(STEPS["mixed"], 8, heads=4, kv_heads=2, head_dim=16, block_size=4, seed=1)
+    meta = step.windowed
+    for rows, column in (("decode", lambda t, n: (n - 1) // 4), ("chunk", lambda t, n: (n - 1) // 4)):
+        tables = meta.block_tables.clone()
+        r = 0 if rows == "decode" else meta.num_decodes
+        tables[r, column(tables, meta.seq_lens_list[r])] = step.pool.shape[1]
+        bad = AttentionMetadata(meta.num_decodes, meta.block_size, meta.query_start_loc, meta.seq_lens, tables,
+                                meta.slot_mapping, meta.query_start_loc_list, meta.seq_lens_list)
+        with pytest.raises(ValueError, match="outside the pool"):
+            _kernel_step(native, step, bad)
+
+
+# ---- the native decoder: each layer's window ----------------------------------------------
+
+
+def _layer_windows(engine, windows):
+    """Layer i of every step attends with windows[i] (the backend's forward sees the layers in order)."""
+    backend = engine.runner.backend
+    forward, calls = backend.forward, [0]
+
+    def windowed(q, k, v, k_cache, v_cache, plan, window=0):
+        window = windows[calls[0] % len(windows)]
+        calls[0] += 1
+        return forward(q, k, v, k_cache, v_cache, plan, window)
+
+    backend.forward = windowed
+
+
+@needs_native
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_native_decoder_gives_each_layer_its_window_bit_for_bit(tiny_model_dir, kv_cache_dtype):
+    from radixserve import Engine, SamplingParams
+    from radixserve.kernels.native_ops import max_rows
+    from radixserve.model.native_decoder import NativeDecoder
+
+    if max_rows() == 0:
+        pytest.skip("no skinny matmul kernel for this CPU")
+    engines = [Engine(str(tiny_model_dir("llama")), block_size=4, kv_cache_dtype=kv_cache_dtype) for _ in range(2)]
+    fused, layers = engines
+    spec = fused.runner.spec
+    windows = [(5, 0, 9)[i % 3] for i in range(spec.num_layers)]
+    fused.runner.model.native = NativeDecoder.for_model(spec, fused.runner.model.layers, windows)
+    assert fused.runner.model.native is not None
+    fused.runner.row_limit = max_rows()
+    layers.runner.model.native = None
+    decoder, native_steps = fused.runner.model.native, []
+    run = decoder.run
+    decoder.run = lambda *args: native_steps.append(run(*args)) or native_steps[-1]
+    runs = []
+    for engine in engines:
+        _layer_windows(engine, windows)
+        logits = []
+        engine.runner.model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(30)], [11] * 19]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        runs.append((logits, [o.token_ids for o in outputs]))
+    (fused_logits, fused_tokens), (layer_logits, layer_tokens) = runs
+    assert fused_tokens == layer_tokens
+    assert len(fused_logits) == len(layer_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    assert sum(native_steps) >= 15, "the decode steps ran natively"
+    with pytest.raises(ValueError, match="windows for"):
+        NativeDecoder.for_model(spec, fused.runner.model.layers, windows[:-1])
