@@ -38,7 +38,7 @@ from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.middleware import KeyRing
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
-_SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted"}  # answers added up over replicas
+_SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted", "/v1/sessions/release": "released"}  # answers added up over replicas
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 

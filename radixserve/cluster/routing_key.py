@@ -17,7 +17,8 @@ from radixserve.cluster.prefix_tree import Key
 from radixserve.server.protocol.routed import ROUTED, routed_request
 
 ROUTED_PATHS = tuple(ROUTED)  # keyed by prompt and session
-BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats")  # sent to every replica
+BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/debug/check_integrity", "/debug/stats",
+                   "/v1/sessions/release")  # sent to every replica
 SESSION_CLOSE_PATH = "/v1/sessions/{session_id}/close"  # sent to every replica
 UNKEYED_PATHS = ("/v1/messages/count_tokens",)  # any replica answers alike: it generates nothing
 

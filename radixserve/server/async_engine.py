@@ -23,6 +23,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.engine.inputs import PreparedRequest
 from radixserve.server.errors import APIError, bad_request, server_error, template_error, unavailable
 from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
+from radixserve.server.speculative_prefill import warmup_input
 
 if TYPE_CHECKING:
     from radixserve.engine.protocol import EngineProtocol
@@ -66,6 +67,7 @@ class AsyncEngine:
         self._routes: dict[str, tuple[RequestGroup, int]] = {}  # event loop only
         self._groups: dict[str, RequestGroup] = {}  # event loop only
         self._accepting = True
+        self._warmups: set[asyncio.Future[None]] = set()  # speculative prefills running (agent hints)
         self._group_ids = (uuid.uuid4().hex[:24] for _ in itertools.count())  # random: tells no count
         # The decode role: an object whose `await prefill(self, prepared)` gives one KV handoff
         # (or TransferFailed, or None: compute here) per member, and `release(handoffs)` acks them.
@@ -254,7 +256,11 @@ class AsyncEngine:
         group.push(index, item)
         if item.finished:
             self._routes.pop(item.request_id, None)
-            self._observe_finished(group, index, item)
+            if not _is_warmup(group.inputs[index]):
+                self._observe_finished(group, index, item)
+            warmup = warmup_input(group.inputs[index], item) if index == 0 else None
+            if warmup is not None:
+                self._start_warmup(warmup)
             if group.finished:
                 self._groups.pop(group.group_id, None)
 
@@ -265,6 +271,19 @@ class AsyncEngine:
             self.on_finished(group.timing(index))
         except Exception:
             log.exception("on_finished hook failed")
+
+    def _start_warmup(self, warmup: GenerationInput) -> None:
+        """Run a speculative prefill in the background; a full queue or a failure skips it."""
+        task = asyncio.ensure_future(self._warmup(warmup))
+        self._warmups.add(task)
+        task.add_done_callback(self._warmups.discard)
+
+    async def _warmup(self, warmup: GenerationInput) -> None:
+        try:
+            group = await self.submit([warmup])
+            await group.results()
+        except Exception as exc:  # a hint, never an error anyone waits for
+            log.debug("speculative prefill skipped: %s", exc)
 
     def _reject(self, group: RequestGroup, exc: BaseException) -> None:
         self._forget(group)
@@ -289,8 +308,12 @@ def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> li
             if id(prompt) not in templated:
                 templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages))
             prompt = templated[id(prompt)]
-        prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id))
+        prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id, item.hints))
     return prepared
+
+
+def _is_warmup(item: GenerationInput) -> bool:
+    return item.hints is not None and item.hints.warmup
 
 
 def _client_error(exc: BaseException) -> APIError:

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from radixserve.engine.kv_transfer import TransferStats
-from radixserve.engine.stats import CacheStats, EngineStats
+from radixserve.engine.stats import CacheStats, EngineStats, HintStats
 from radixserve.kv_tier.tiering import TierStats
 from radixserve.server.request_group import MemberTiming
 
@@ -27,6 +27,10 @@ def _cache(read: Callable[[CacheStats], int]) -> Read:
 
 def _tier(read: Callable[[TierStats], int]) -> Read:
     return lambda s: read(s.tier) if s.tier is not None else None
+
+
+def _hints(read: Callable[[HintStats], int]) -> Read:
+    return lambda s: read(s.hints) if s.hints is not None else None
 
 
 def _transfer(read: Callable[[TransferStats], "int | float"]) -> Read:
@@ -51,6 +55,10 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
                                              _tier(lambda t: t.tier_prefetched_blocks)),
     "radixserve_kv_tier_prefetch_holds": ("Requests held back while their second-tier pages were read from disk",
                                           _tier(lambda t: t.tier_prefetch_holds)),
+    "radixserve_speculative_prefills": ("Speculative prefills (agent hints) run after a reply to warm the next turn",
+                                        _hints(lambda h: h.speculative_prefills)),
+    "radixserve_speculative_prefill_tokens": ("Prompt tokens those speculative prefills computed",
+                                              _hints(lambda h: h.speculative_prefill_tokens)),
     "radixserve_engine_steps": ("Engine steps that ran the model", lambda s: s.steps),
     "radixserve_spec_drafts": ("Speculative drafts verified (one per request and step)", lambda s: s.spec_drafts),
     "radixserve_spec_draft_tokens": ("Speculative tokens proposed", lambda s: s.spec_draft_tokens),
@@ -107,6 +115,10 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_sessions_open": ("Agent sessions holding their latest context in the cache",
                                  _cache(lambda c: c.sessions_open)),
     "radixserve_pinned_prefixes": ("Prefixes pinned with a TTL", _cache(lambda c: c.pins)),
+    "radixserve_hint_ttl_holds": ("Prefixes held by agent hints (ttl_s, priority), refreshed on a hit",
+                                  _hints(lambda h: h.ttl_holds)),
+    "radixserve_hint_ttl_held_blocks": ("Pool blocks on prefixes held by agent hints",
+                                        _hints(lambda h: h.ttl_held_blocks)),
     "radixserve_kv_persist_failed": ("1 when the persisted tier could not be written",
                                      _tier(lambda t: t.tier_persist_failed)),
     "radixserve_spec_acceptance_rate": ("Accepted / proposed speculative tokens so far",
@@ -178,6 +190,12 @@ class _EngineCollector(Collector):
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=value)
         yield from _tier_families(stats)
+        if stats.hints is not None:
+            family = CounterMetricFamily("radixserve_hint_requests", "Requests that gave an agent hint, by kind",
+                                         labels=["kind"])
+            for kind, value in stats.hints.requests.items():
+                family.add_metric([kind], value)
+            yield family
         family = GaugeMetricFamily("radixserve_kv_cache_dtype", "1, labelled with the KV pool's element type",
                                    labels=["dtype"])
         family.add_metric([stats.kv_cache_dtype], 1)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.core.agent_hints import AgentHints
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
@@ -29,6 +30,7 @@ class GenerationInput:
     params: SamplingParams
     cache_salt: str | None = None
     session_id: str | None = None  # the agent conversation it continues (a cache hint)
+    hints: AgentHints | None = None  # agent hints (core/agent_hints.py)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from radixserve.server.output.events import CallArguments, CallEnd, CallStart, E
 from radixserve.server.output.ids import new_id
 from radixserve.server.output.usage import Usage
 from radixserve.server.protocol.anthropic import Conversation, CountTokensRequest, MessagesRequest, parse
+from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
@@ -59,7 +60,7 @@ def routes() -> list[Route]:
 
 async def messages(request: Request) -> Response:
     state = server_state(request)
-    job, responder = await messages_job(await read_json(request), state.served, state.tools)
+    job, responder = await messages_job(await read_hinted_json(request), state.served, state.tools)
     return await serve_job(request, in_namespace(request, job), responder, AnthropicEventStream)
 
 

@@ -18,7 +18,7 @@ from radixserve.server.output.events import CallArguments, CallEnd, CallStart, E
 from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.output.usage import Usage
 from radixserve.server.protocol import ChatCompletionRequest, parse
-from radixserve.server.protocol.body import read_json
+from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
@@ -33,7 +33,7 @@ def routes() -> list[Route]:
 
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    job, tools = await chat_job(parse(ChatCompletionRequest, await read_json(request)), state.served, state.tools)
+    job, tools = await chat_job(parse(ChatCompletionRequest, await read_hinted_json(request)), state.served, state.tools)
     job = in_namespace(request, job)
     return await serve_job(request, job, ChatResponder(job, state.texts, tools))
 

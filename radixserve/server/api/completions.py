@@ -16,7 +16,7 @@ from radixserve.server.logprob_format import LegacyLogprobs, merge_legacy
 from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.output.usage import Usage
 from radixserve.server.protocol import CompletionRequest, parse
-from radixserve.server.protocol.body import read_json
+from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
@@ -28,7 +28,7 @@ def routes() -> list[Route]:
 
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    job = in_namespace(request, parse(CompletionRequest, await read_json(request)).to_job(state.served))
+    job = in_namespace(request, parse(CompletionRequest, await read_hinted_json(request)).to_job(state.served))
     return await serve_job(request, job, CompletionResponder(job, state.texts))
 
 

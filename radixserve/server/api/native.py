@@ -32,7 +32,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.logprob_format import finite
 from radixserve.server.middleware import tenant
 from radixserve.server.protocol import GenerateRequest, parse
-from radixserve.server.protocol.body import read_json
+from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.jobs import NativeJob
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.api.sglang import RidTable, rid_table
@@ -46,7 +46,7 @@ def routes() -> list[Route]:
 
 async def generate(request: Request) -> Response:
     state = server_state(request)
-    job = in_namespace(request, parse(GenerateRequest, await read_json(request)).to_job(state.served))
+    job = in_namespace(request, parse(GenerateRequest, await read_hinted_json(request)).to_job(state.served))
     return await respond(request, job, state.engine, state.texts)
 
 

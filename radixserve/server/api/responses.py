@@ -32,7 +32,7 @@ from radixserve.server.middleware import tenant
 from radixserve.server.output.encoder import BlockEncoder
 from radixserve.server.output.events import CallArguments, CallStart, Event, OutputEvents, TextDelta
 from radixserve.server.output.ids import new_id, now_s
-from radixserve.server.protocol.body import read_json
+from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel, parse
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.responses import ResponsesRequest
@@ -50,7 +50,7 @@ def routes() -> list[Route]:
 
 async def responses(request: Request) -> Response:
     state = server_state(request)
-    body = parse(ResponsesRequest, await read_json(request))
+    body = parse(ResponsesRequest, await read_hinted_json(request))
     job, responder = await responses_job(body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)))
     return await serve_job(request, in_namespace(request, job), responder)
 

@@ -82,8 +82,10 @@ async def results_unless_disconnected(request: Request, group: RequestGroup) -> 
 def in_namespace(request: Request, job: GenerationJob | NativeJob) -> GenerationJob | NativeJob:
     """The job in its caller's namespace: the engine's cache salt is the caller's API-key
     namespace (unless keys share the cache) combined with the body's cache_salt, and its
-    session id is the caller's own (always, shared cache or not)."""
+    session id is the caller's own (always, shared cache or not). The body's agent hints
+    (read_hinted_json) go with it."""
     session_id = owned_session_id(request.scope, job.session_id)
+    hints = getattr(request.state, "agent_hints", None)
     if server_state(request).options.shared_cache_across_keys:
-        return replace(job, session_id=session_id)
-    return replace(job, cache_salt=cache_namespace(request.scope, job.cache_salt), session_id=session_id)
+        return replace(job, session_id=session_id, hints=hints)
+    return replace(job, cache_salt=cache_namespace(request.scope, job.cache_salt), session_id=session_id, hints=hints)

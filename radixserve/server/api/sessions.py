@@ -6,6 +6,8 @@ kept ahead of unreferenced prefixes); these routes end a session and pin a share
   cache (its context stays cached as an ordinary entry). 404 if no such session is open.
 - POST /v1/sessions/pin {"text" | "input_ids", "ttl_s", "cache_salt"}: keep the cached part
   of this prefix (a system prompt and tool list) ahead of other entries for ttl_s seconds.
+- POST /v1/sessions/release {"session_id", "text" | "input_ids", "cache_salt"}: drop now the
+  session's hold and the holds (agent hints' ttl_s, pins) on its context and on the prefix.
 
 Sessions and pins live in the caller's cache namespace (API key and cache_salt), like the
 prefixes they protect, and a session belongs to the key that opened it even where keys
@@ -26,7 +28,7 @@ from radixserve.server.errors import APIError, bad_request
 from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.protocol.body import read_body, read_json
 from radixserve.server.protocol.common import parse
-from radixserve.server.protocol.sessions import CloseSessionRequest, PinPrefixRequest
+from radixserve.server.protocol.sessions import CloseSessionRequest, PinPrefixRequest, ReleaseRequest
 
 MAX_SESSION_ID_CHARS = 256
 
@@ -34,6 +36,7 @@ MAX_SESSION_ID_CHARS = 256
 def routes() -> list[Route]:
     return [
         Route("/v1/sessions/pin", pin_prefix, methods=["POST"]),
+        Route("/v1/sessions/release", release, methods=["POST"]),
         Route("/v1/sessions/{session_id}/close", close_session, methods=["POST"]),
     ]
 
@@ -68,6 +71,18 @@ async def pin_prefix(request: Request) -> Response:
     except ValueError as exc:
         raise bad_request(str(exc), param="input_ids" if body.input_ids is not None else "text") from None
     return JSONResponse({"object": "session.pin", "pinned_tokens": pinned, "ttl_s": body.ttl_s})
+
+
+async def release(request: Request) -> Response:
+    body = parse(ReleaseRequest, await read_json(request))
+    prompt = body.prompt()
+    salt = _salt(request, body.cache_salt)
+    owned = owned_session_id(request.scope, body.session_id)
+    try:
+        released = await server_state(request).engine.call(lambda engine: engine.release_hints(salt, owned, prompt))
+    except ValueError as exc:
+        raise bad_request(str(exc), param="input_ids" if body.input_ids is not None else "text") from None
+    return JSONResponse({"object": "session.release", "released": released})
 
 
 def _salt(request: Request, cache_salt: str | None) -> str | None:

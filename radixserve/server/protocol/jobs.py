@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from radixserve.core.agent_hints import AgentHints
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.request_group import ChatPrompt, GenerationInput
 
@@ -25,10 +26,11 @@ class GenerationJob:
     logprobs: int | None = None  # alternatives per token (0: the chosen token only); None: off
     cache_salt: str | None = None  # the engine's salt: the tenant's namespace and the client's cache_salt
     session_id: str | None = None  # the agent conversation it continues (a cache hint)
+    hints: AgentHints | None = None  # agent hints (core/agent_hints.py)
 
     def inputs(self) -> list[GenerationInput]:
         return [
-            GenerationInput(prompt, self.params[i], self.cache_salt, self.session_id)
+            GenerationInput(prompt, self.params[i], self.cache_salt, self.session_id, self.hints)
             for prompt in self.prompts for i in range(self.n)
         ]
 
@@ -48,6 +50,7 @@ class NativeJob:
     return_logprob: bool = False  # report logprob lists even where empty
     return_text_in_logprobs: bool = False
     session_id: str | None = None  # the agent conversation it continues (a cache hint)
+    hints: AgentHints | None = None  # agent hints (core/agent_hints.py)
 
     @property
     def answers_list(self) -> bool:
@@ -57,4 +60,4 @@ class NativeJob:
         samples = [self.params] * self.n
         if self.params.seed is not None:
             samples = [replace(self.params, seed=self.params.seed + i) for i in range(self.n)]
-        return [GenerationInput(p, params, self.cache_salt, self.session_id) for p in self.prompts for params in samples]
+        return [GenerationInput(p, params, self.cache_salt, self.session_id, self.hints) for p in self.prompts for params in samples]

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from radixserve.server.errors import APIError
+from radixserve.server.protocol.agent_hints import without_hints
 from radixserve.server.protocol.anthropic import MessagesRequest
 from radixserve.server.protocol.chat import ChatCompletionRequest
 from radixserve.server.protocol.completions import CompletionRequest
@@ -46,7 +47,7 @@ def routed_request(path: str, body: Any) -> RoutedRequest | None:
     if read is None:
         return None
     try:
-        return read(body)
+        return read(without_hints(body))
     except (ValidationError, APIError):
         return None
 
