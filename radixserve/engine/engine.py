@@ -28,6 +28,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats, HintCounters
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
+from radixserve.engine.reply_ids import ReplyLookup
 from radixserve.engine.kv_import import PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.agent_hints import AgentHints
@@ -311,9 +312,12 @@ class Engine:
 
     # ---- chat and text ----------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template; thread-safe."""
-        return self.preparer.chat_token_ids(messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, replies: ReplyLookup | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation through the model's chat template; thread-safe.
+        `replies`: the model's own ids for its earlier replies, spliced in (reply_ids.py)."""
+        return self.preparer.chat_token_ids(messages, add_generation_prompt, replies)
 
     # ---- accounting -------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
 from radixserve.execution.constrained import GrammarFactory, GrammarMatcher
 from radixserve.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class RequestPreparer:
         self.num_blocks = num_blocks
         self.grammars = grammars
         self.model_name = model_name
+        self.splicer = ReplySplicer(tokenizer)
         per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         # A text longer than this cannot fit in the context: refused without tokenizing it.
         self.max_prompt_chars = per_token * max_model_len if per_token is not None else None
@@ -78,13 +80,16 @@ class RequestPreparer:
         grammar = self.grammars.matcher(params)
         return PreparedRequest(text, token_ids, params, total, cache_salt, grammar)
 
-    def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's chat template."""
+    def chat_token_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, replies: ReplyLookup | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation through the model's chat template; `replies`: the
+        model's own ids for its earlier replies (see reply_ids.py)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name} has no chat template")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         self._check_chars(text, "the conversation")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.splicer.encode(text, replies)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

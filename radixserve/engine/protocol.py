@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from radixserve.core.block_pool import BlockPool
     from radixserve.engine.inputs import PreparedRequest, Prompt
     from radixserve.engine.kv_import import PendingImport
+    from radixserve.engine.reply_ids import ReplyLookup
     from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
     from radixserve.engine.stats import EngineStats
     from radixserve.model.loader import LoadedModel
@@ -34,7 +35,8 @@ class EngineProtocol(Protocol):
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
                 session_id: str | None = None, hints: AgentHints | None = None) -> PreparedRequest: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            replies: ReplyLookup | None = None) -> list[int]: ...
 
     # ---- the engine thread ----------------------------------------------------------
 

@@ -306,7 +306,8 @@ def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> li
         prompt = item.prompt
         if isinstance(prompt, ChatPrompt):
             if id(prompt) not in templated:
-                templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages))
+                templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages), replies=prompt.replies) \
+                    if prompt.replies is not None else engine.apply_chat_template(list(prompt.messages))
             prompt = templated[id(prompt)]
         prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id, item.hints))
     return prepared

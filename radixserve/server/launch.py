@@ -44,6 +44,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(PARSER_CHOICES),
                        help="how the model writes tool calls: hermes/qwen (<tool_call>{json}</tool_call>), llama3 "
                             "(JSON with \"parameters\"), or auto: detected from the chat template (default)")
+    group.add_argument("--reply-token-reuse", default="on", choices=["on", "off"],
+                       help="on (default): an earlier reply re-sent in a chat prompt gets the token ids it was "
+                            "generated as, so the prefix cache hits through it; off: its text is tokenized again")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -58,6 +61,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         shutdown_grace_s=args.shutdown_grace,
         served_model_name=args.served_model_name,
         enable_debug_endpoints=args.enable_debug_endpoints,
+        reply_token_reuse=args.reply_token_reuse == "on",
         tool_call_parser=args.tool_call_parser,
     )
 

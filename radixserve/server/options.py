@@ -21,6 +21,7 @@ class ServerOptions:
     served_model_name: str | None = None  # another name the model answers to
     enable_debug_endpoints: bool = False  # /debug/check_integrity and /debug/stats
     tool_call_parser: str = "auto"  # how tool calls are written: hermes (qwen), llama3, or auto (from the template)
+    reply_token_reuse: bool = True  # a re-sent reply is prompted with the ids it was generated as (reply_store.py)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_n", "max_prompts"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.agent_hints import AgentHints
+from radixserve.engine.reply_ids import ReplyLookup
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
@@ -17,9 +18,11 @@ from radixserve.server.errors import APIError
 @dataclass(frozen=True, eq=False)
 class ChatPrompt:
     """A conversation a prepare worker turns into token ids with the model's chat template
-    (compared by identity: the n samples of one request share one ChatPrompt, templated once)."""
+    (compared by identity: the n samples of one request share one ChatPrompt, templated once).
+    `replies`: the caller's namespace of stored reply ids, spliced in (None: tokenize the text)."""
 
     messages: tuple[dict[str, Any], ...]
+    replies: ReplyLookup | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -12,7 +13,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput
-from radixserve.server.api.serving import in_namespace, serve_job, server_state
+from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.server.api.serving import caller_replies, in_namespace, serve_job, server_state
 from radixserve.server.logprob_format import chat_logprobs
 from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
 from radixserve.server.output.ids import new_id, now_s
@@ -21,7 +23,7 @@ from radixserve.server.protocol import ChatCompletionRequest, parse
 from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
-from radixserve.server.request_group import RequestGroup
+from radixserve.server.request_group import ChatPrompt, RequestGroup
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling, ToolOutput
@@ -33,20 +35,31 @@ def routes() -> list[Route]:
 
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    job, tools = await chat_job(parse(ChatCompletionRequest, await read_hinted_json(request)), state.served, state.tools)
+    body = parse(ChatCompletionRequest, await read_hinted_json(request))
+    replies = caller_replies(request, body.cache_salt)
+    job, tools = await chat_job(body, state.served, state.tools, replies)
     job = in_namespace(request, job)
-    return await serve_job(request, job, ChatResponder(job, state.texts, tools))
+    return await serve_job(request, job, ChatResponder(job, state.texts, tools),
+                           on_finish=replies.record if replies is not None else None)
 
 
-async def chat_job(body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, ToolOutput | None]:
+async def chat_job(
+    body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling, replies: ReplyLookup | None = None,
+) -> tuple[GenerationJob, ToolOutput | None]:
     """The job of a chat request, and how to read tool calls out of its outputs (None:
-    the request has no tools, its text is all content)."""
+    the request has no tools, its text is all content). `replies`: the caller's stored
+    reply ids, spliced into the prompt where it re-sends them."""
     spec = await calling.spec(body)
     if not body.uses_tools:
-        return body.to_job(served), None
-    prompt = await calling.prompt(body.history(), spec)
+        return _with_replies(body.to_job(served), replies), None
+    prompt = await calling.prompt(body.history(), spec, replies)
     job = body.to_job(served, prompt, calling.constraint(spec))
     return job, ToolOutput(spec, calling.fmt) if spec.parses_calls else None
+
+
+def _with_replies(job: GenerationJob, replies: ReplyLookup | None) -> GenerationJob:
+    prompts = [ChatPrompt(p.messages, replies) if isinstance(p, ChatPrompt) else p for p in job.prompts]
+    return replace(job, prompts=prompts)
 
 
 class ChatResponder:

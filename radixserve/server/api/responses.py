@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.api.serving import in_namespace, serve_job, server_state
+from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.server.api.serving import caller_replies, in_namespace, serve_job, server_state
 from radixserve.server.errors import bad_request
 from radixserve.server.middleware import tenant
 from radixserve.server.output.encoder import BlockEncoder
@@ -51,19 +52,26 @@ def routes() -> list[Route]:
 async def responses(request: Request) -> Response:
     state = server_state(request)
     body = parse(ResponsesRequest, await read_hinted_json(request))
-    job, responder = await responses_job(body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)))
-    return await serve_job(request, in_namespace(request, job), responder)
+    replies = caller_replies(request, None)
+    job, responder = await responses_job(
+        body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)), replies,
+    )
+    return await serve_job(request, in_namespace(request, job), responder,
+                           on_finish=replies.record if replies is not None else None)
 
 
 async def responses_job(
-    body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: OwnedResponses
+    body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: OwnedResponses,
+    replies: ReplyLookup | None = None,
 ) -> tuple[GenerationJob, "ResponsesResponder"]:
-    """The engine job of a Responses request and the responder that answers it."""
+    """The engine job of a Responses request and the responder that answers it; `replies`:
+    the caller's stored reply ids, so that a conversation continued by previous_response_id
+    is prompted with the ids its replies were generated as."""
     model = served.check_model(body.model)
     body.check_supported()
     spec = await calling.spec(body)
     head, conversation = body.history(store)
-    prompt = await calling.prompt(head + conversation, spec)
+    prompt = await calling.prompt(head + conversation, spec, replies)
     try:
         params = SamplingParams(
             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,

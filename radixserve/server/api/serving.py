@@ -10,11 +10,12 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from radixserve.server.async_engine import AsyncEngine
+from radixserve.server.async_engine import AsyncEngine, FinishHook
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.options import ServerOptions
 from radixserve.server.protocol import GenerationJob, NativeJob, ServedModel
+from radixserve.server.reply_store import NamespaceReplies, ReplyIdStore
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.sse import EventStream, wait_for_disconnect
@@ -36,6 +37,7 @@ class ServerState:
     max_model_len: int
     tools: ToolCalling
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
+    replies: ReplyIdStore = field(default_factory=ReplyIdStore)  # the ids of replies, to splice when re-sent
 
 
 class Responder(Protocol):
@@ -52,8 +54,9 @@ def server_state(request: Request) -> ServerState:
 
 async def serve_job(
     request: Request, job: GenerationJob, responder: Responder, stream: type[EventStream] = EventStream,
+    on_finish: FinishHook | None = None,
 ) -> Response:
-    group = await server_state(request).engine.submit(job.inputs())
+    group = await server_state(request).engine.submit(job.inputs(), on_finish=on_finish)
     if job.stream:
         return stream(responder.chunks(group), on_close=group.abort)
     outputs = await results_unless_disconnected(request, group)
@@ -77,6 +80,15 @@ async def results_unless_disconnected(request: Request, group: RequestGroup) -> 
     if results.cancelled() or not results.done():
         return None
     return results.result()
+
+
+def caller_replies(request: Request, cache_salt: str | None) -> NamespaceReplies | None:
+    """The caller's stored reply ids (its key and cache_salt, even where keys share the
+    cache), or None with --reply-token-reuse off."""
+    state = server_state(request)
+    if not state.options.reply_token_reuse:
+        return None
+    return state.replies.view(cache_namespace(request.scope, cache_salt))
 
 
 def in_namespace(request: Request, job: GenerationJob | NativeJob) -> GenerationJob | NativeJob:

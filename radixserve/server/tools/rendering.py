@@ -8,7 +8,8 @@ role/content messages that hold everything:
 - the tools, one JSON object a line, and how to call them, in the system turn (appended to
   the first system message, or a new one);
 - an assistant's calls as text in exactly the format the parser reads back and the grammar
-  writes (`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, arguments verbatim);
+  writes (`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, arguments verbatim; a call
+  cut by max_tokens ends where it was cut);
 - tool results as a user turn: `<tool_response id="call_..." name="...">\\n...\\n</tool_response>`,
   consecutive results in one turn (templates that insist on alternating roles accept it).
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from radixserve.server.tools.call_format import ToolCallFormat
 from radixserve.server.tools.definitions import ToolDefinition
-from radixserve.server.tools.history import HistoryMessage, parsed_arguments
+from radixserve.server.tools.history import HistoryCall, HistoryMessage, parsed_arguments
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to help with the user's request. "
@@ -82,7 +83,7 @@ def fallback_messages(messages: list[HistoryMessage], tools: list[ToolDefinition
             else:
                 out.append({"role": "user", "content": text, "_results": "1"})
         elif message.role == "assistant" and message.tool_calls:
-            calls = fmt.render_calls([(c.name, c.arguments) for c in message.tool_calls])
+            calls = _calls_as_written(message.tool_calls, fmt)
             out.append({"role": "assistant", "content": f"{message.content}\n{calls}" if message.content else calls})
         else:
             out.append({"role": message.role, "content": message.content or ""})
@@ -105,6 +106,23 @@ def _add_tools_to_system(out: list[dict[str, str]], tools: list[ToolDefinition],
         out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
     else:
         out.insert(0, {"role": "system", "content": text})
+
+
+def _calls_as_written(calls: tuple[HistoryCall, ...], fmt: ToolCallFormat) -> str:
+    """The calls as the model wrote them: a last call cut by max_tokens (its arguments not
+    whole JSON) ends where the model stopped, without the close it never wrote."""
+    text = fmt.render_calls([(c.name, c.arguments) for c in calls])
+    if not _whole_json(calls[-1].arguments) and text.endswith(fmt.end):
+        text = text[: -len(fmt.end)]
+    return text
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _tool_result(message: HistoryMessage, name: str | None) -> str:

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
 from radixserve.server.errors import template_error
 from radixserve.server.request_group import ChatPrompt
 from radixserve.server.tools.call_format import ToolCallFormat, detect_format, format_named
@@ -35,21 +36,23 @@ class ToolCalling:
             if parser == "auto" else format_named(parser)
         self.renderer = ChatRenderer(tokenizer, self.fmt)
         self.tokenizer = tokenizer
+        self.splicer = ReplySplicer(tokenizer)
 
     async def spec(self, request: ToolRequest) -> ToolSpec:
         """The request's checked tools. Checking compiles each tool's schema: with tools it
         runs on a worker thread, off the event loop."""
         return await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()
 
-    async def prompt(self, history: list[HistoryMessage], spec: ToolSpec) -> Prompt:
+    async def prompt(self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None = None) -> Prompt:
         """The prompt of a conversation with tools. The fallback rendering is plain messages,
         templated where every chat prompt is; a template that knows tools is rendered here
-        (with `tools=`), on a worker thread, into token ids."""
+        (with `tools=`), on a worker thread, into token ids. `replies`: stored reply ids to
+        splice in (engine/reply_ids.py)."""
         check_history(history)
         if not self.renderer.native:
-            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)))
+            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)), replies)
         try:
-            return await asyncio.to_thread(self._native_ids, history, spec)
+            return await asyncio.to_thread(self._native_ids, history, spec, replies)
         except Exception as exc:
             if (refused := template_error(exc)) is not None:
                 raise refused from None
@@ -60,9 +63,9 @@ class ToolCalling:
         tag = tool_call_structural_tag(spec, self.fmt)
         return {"structural_tag": tag} if tag is not None else {}
 
-    def _native_ids(self, history: list[HistoryMessage], spec: ToolSpec) -> list[int]:
+    def _native_ids(self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None) -> list[int]:
         text = self.renderer.render(history, list(spec.tools))
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.splicer.encode(text, replies)
 
 
 @dataclass(frozen=True)
