@@ -58,6 +58,11 @@ class ReplyIdStore:
             self._entries.move_to_end(key)
             return stored.tolist()
 
+    def texts(self, namespace: str | None) -> list[str]:
+        """The reply texts `namespace` has stored, least recently used first."""
+        with self._lock:
+            return [text for ns, text in self._entries if ns == namespace]
+
     def view(self, namespace: str | None) -> "NamespaceReplies":
         return NamespaceReplies(self, namespace)
 
