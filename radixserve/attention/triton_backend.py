@@ -2,7 +2,8 @@
 
 Each layer: store_kv writes the step's K/V into the pool, the decode kernel serves the
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
-chunks, reading cached prefixes in place through their block tables. With quantized pages
+chunks, reading cached prefixes in place through their block tables; a sliding-window
+layer's window goes to both, which start at each query's first window key. With quantized pages
 (int8 or fp8_e4m3) the kernels take each layer's pages as two strided views, the codes and
 the scales (kernels/quantized_pages.py): the store quantizes, attention dequantizes as it loads.
 
@@ -13,7 +14,7 @@ forward, once the tensors' device is known.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -32,8 +33,6 @@ class TritonPlan(AttentionPlan):
     extend_query_start: torch.Tensor
     extend_seq_lens: torch.Tensor
     max_extend_len: int
-    meta: AttentionMetadata | None = None
-    windows: dict = field(default_factory=dict, compare=False)
 
 
 def load_kernels(device: torch.device) -> SimpleNamespace:
@@ -56,7 +55,6 @@ class TritonAttentionBackend(AttentionBackend):
                  dtype: torch.dtype = torch.float32, pages: QuantizedPages | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, pages)
         self._kernels: SimpleNamespace | None = None
-        self._reference = None
 
     def prepare(self, meta: AttentionMetadata) -> TritonPlan:
         d = meta.num_decodes
@@ -72,18 +70,9 @@ class TritonAttentionBackend(AttentionBackend):
             extend_query_start=meta.query_start_loc[d:],
             extend_seq_lens=meta.seq_lens[d:],
             max_extend_len=max(extend_lens, default=0),
-            meta=meta,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window: int = 0):
-        if window > 0:  # until the kernels take a window: the torch paths
-            from radixserve.attention.torch_backend import TorchAttentionBackend
-
-            if self._reference is None:
-                self._reference = TorchAttentionBackend(self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                                        self.dtype, self.pages)
-            reference_plan = plan.windows.get(0) or plan.windows.setdefault(0, self._reference.prepare(plan.meta))
-            return self._reference.forward(q, k, v, k_cache, v_cache, reference_plan, window)
         kernels = self._kernels or self._load(q.device)
         scales = {}
         if self.pages is not None:
@@ -95,13 +84,13 @@ class TritonAttentionBackend(AttentionBackend):
         if d:
             kernels.decode_attention(
                 q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                max_seq_len=plan.max_decode_len, out=out[:d], **scales,
+                max_seq_len=plan.max_decode_len, out=out[:d], window=window, **scales,
             )
         if plan.max_extend_len:
             # Extend rows are addressed through query_start_loc, so q and out go in whole.
             kernels.extend_attention(
                 q, k_cache, v_cache, plan.extend_block_tables, plan.extend_query_start, plan.extend_seq_lens,
-                self.scale, max_query_len=plan.max_extend_len, out=out, **scales,
+                self.scale, max_query_len=plan.max_extend_len, out=out, window=window, **scales,
             )
         return out
 

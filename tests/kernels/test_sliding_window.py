@@ -136,13 +136,19 @@ WINDOWS = {"1": 1, "under_block": 3, "block": 8, "blocks": 21, "past_context": 1
 GEOMETRIES = {"mha": (2, 2, 16), "gqa": (6, 2, 32), "gqa_d256": (4, 1, 256)}
 
 
-def _backends():
-    return [
-        pytest.param(TorchAttentionBackend, {}, id="torch"),
-        pytest.param(CpuAttentionBackend, {}, id="cpu", marks=needs_native),
-        pytest.param(CpuAttentionBackend, {"tiled_prefill": False}, id="cpu_sdpa", marks=needs_native),
-        pytest.param(_triton_backend, {}, id="triton", marks=needs_triton),
+def _backends(steps=None):
+    """Each backend (with each kind of step, where `steps`); Triton's interpreter is slow, so
+    it takes the mixed steps only (decodes and chunks of every kind)."""
+    backends = [
+        (TorchAttentionBackend, {}, "torch", ()),
+        (CpuAttentionBackend, {}, "cpu", needs_native),
+        (CpuAttentionBackend, {"tiled_prefill": False}, "cpu_sdpa", needs_native),
+        (_triton_backend, {}, "triton", needs_triton),
     ]
+    if steps is None:
+        return [pytest.param(cls, options, id=name, marks=marks) for cls, options, name, marks in backends]
+    return [pytest.param(cls, options, kind, id=f"{name}-{kind}", marks=marks) for cls, options, name, marks in backends
+            for kind in steps if name != "triton" or kind == "mixed"]
 
 
 def _tolerance(int8):
@@ -163,12 +169,11 @@ def test_torch_reference_matches_dense_masked_softmax(steps, window, geometry, i
     assert torch.equal(out, full) and torch.equal(pool, full_pool)
 
 
-@pytest.mark.parametrize("backend_class, options", _backends())
+@pytest.mark.parametrize("backend_class, options, steps", _backends(STEPS))
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("block_size", [8, 5])
-@pytest.mark.parametrize("steps", STEPS)
 def test_backend_matches_reference_and_reads_nothing_before_the_window(backend_class, options, steps, block_size,
                                                                        window, geometry, int8):
     heads, kv_heads, head_dim = GEOMETRIES[geometry]
@@ -351,3 +356,34 @@ def test_native_decoder_gives_each_layer_its_window_bit_for_bit(tiny_model_dir, 
     assert sum(native_steps) >= 15, "the decode steps ran natively"
     with pytest.raises(ValueError, match="windows for"):
         NativeDecoder.for_model(spec, fused.runner.model.layers, windows[:-1])
+
+
+# ---- the Triton kernels themselves: split-K decode, and their torch references ---------------
+
+
+@needs_triton
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_kernels_and_their_references_take_windows(num_splits, int8):
+    from radixserve.kernels.triton.decode_attention import decode_attention, decode_attention_reference
+    from radixserve.kernels.triton.extend_attention import extend_attention, extend_attention_reference
+
+    for window, block_size in ((3, 4), (21, 5), (70, 8)):
+        step = Step(STEPS["mixed"], window, heads=4, kv_heads=2, head_dim=32, block_size=block_size, int8=int8,
+                    seed=window)
+        meta, pool, d = step.windowed, step.pool.clone(), step.windowed.num_decodes
+        store_kv(step.k, step.v, pool[0], pool[1], meta.slot_mapping, step.pages)
+        caches, scales = (pool[0], pool[1]), {}
+        if int8:
+            caches = (step.pages.codes(pool[0]), step.pages.codes(pool[1]))
+            scales = dict(k_scales=step.pages.scales(pool[0]), v_scales=step.pages.scales(pool[1]))
+        decode_args = (step.q[:d], *caches, meta.block_tables[:d], meta.seq_lens[:d], step.scale)
+        extend_args = (step.q, *caches, meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:],
+                       step.scale)
+        tolerance = _tolerance(int8)
+        for fn, reference, args, rows, extra in (
+                (decode_attention, decode_attention_reference, decode_args, slice(0, d), dict(num_splits=num_splits)),
+                (extend_attention, extend_attention_reference, extend_args, slice(d, None), {})):
+            got = fn(*args, window=window, **scales, **extra)[rows]
+            torch.testing.assert_close(got, step.want[rows], **tolerance)
+            torch.testing.assert_close(reference(*args, window=window, **scales)[rows], step.want[rows], **tolerance)

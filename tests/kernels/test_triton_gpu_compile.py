@@ -18,7 +18,8 @@ compiles the kernels through Triton's own launch path, as a real launch would:
     backend or without that ptxas the test skips.
 
 Two steps per case reach all five kernels: a mixed step (short decodes, one pass, and a
-prefill chunk over a cached prefix) and one long decode (split-K and its merge). Cases: the
+prefill chunk over a cached prefix) and one long decode (split-K and its merge), each run as a
+full layer and as a sliding-window one (the attention kernels' WINDOWED variants). Cases: the
 default model's geometry (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64) and a
 GQA 4:1 head_dim 128 one, at the engine's default block size, for each KV page kind
 (float32 and bfloat16 caches, int8 and fp8_e4m3 pages under a bfloat16 model), for sm_90
@@ -61,9 +62,12 @@ ARCHS = {
     90: (132, 232448),  # H100/H200 SXM: 227 KiB opt-in
     80: (108, 166912),  # A100: 163 KiB opt-in
 }
-# What each case must have compiled: the decode kernel both ways.
-EXPECTED = {("_store_kv_kernel", None), ("_decode_kernel", False), ("_decode_kernel", True),
-            ("_merge_splits_kernel", None), ("_extend_kernel", None)}
+# What each case must have compiled, as (kernel, SPLIT, WINDOWED): the decode kernel both ways,
+# the attention kernels for full layers and for sliding-window ones.
+EXPECTED = {("_store_kv_kernel", None, None), ("_merge_splits_kernel", None, None),
+            *(("_decode_kernel", split, windowed) for split in (False, True) for windowed in (False, True)),
+            *(("_extend_kernel", None, windowed) for windowed in (False, True))}
+WINDOW = 100  # each step runs once more as a layer of this sliding window (the long decode: 4096)
 _REPO = Path(__file__).resolve().parents[2]
 _MARK = "RESULTS-JSON:"
 
@@ -110,7 +114,8 @@ def _check_report(geometry: str, arch: int, report: dict) -> None:
         if "error" in compiled:
             failures.append(f"{case}: the backend's forward failed before or while compiling:\n{compiled['error']}")
             continue
-        seen = {(k["kernel"], k["constexprs"].get("SPLIT")) for k in compiled["kernels"]}
+        seen = {(k["kernel"], k["constexprs"].get("SPLIT"), k["constexprs"].get("WINDOWED"))
+                for k in compiled["kernels"]}
         if seen != EXPECTED:
             failures.append(f"{case}: launched {sorted(seen, key=str)}, expected {sorted(EXPECTED, key=str)}")
         for k in compiled["kernels"]:
@@ -224,7 +229,9 @@ def _worker(cases: list[tuple[str, str, int]]) -> dict:
                     tokens = meta.query_start_loc_list[-1]
                     q = torch.empty(tokens, num_heads, head_dim, dtype=dtype, device="cuda")
                     k, v = (torch.empty(tokens, num_kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-                    backend.forward(q, k, v, k_cache, v_cache, backend.prepare(meta))
+                    plan = backend.prepare(meta)
+                    backend.forward(q, k, v, k_cache, v_cache, plan)
+                    backend.forward(q, k, v, k_cache, v_cache, plan, WINDOW if tokens > 1 else 4096)
             results[f"{geometry}/{kind}/{arch}"] = {"kernels": _dedupe(compiled)}
         except Exception:  # reported, with the kernels compiled so far
             results[f"{geometry}/{kind}/{arch}"] = {"error": traceback.format_exc()[-4000:], "kernels": compiled[:]}

@@ -9,6 +9,9 @@ softmax in fp32.
 When requests x KV heads are too few to fill the GPU, the context is also split
 (flash-decoding): each of `num_splits` programs per (request, KV head) covers one slice,
 writes its normalised partial output and log-sum-exp, and a second kernel merges them.
+
+With a sliding window W the keys are the last W of the context: the walk (and the splits)
+cover [seq_len - W, seq_len) only, and no block-table entry before it is read.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ _PROGRAMS_PER_SM = 8
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, num_splits,
+    scale_log2e, num_splits, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_ksb, stride_kss, stride_vsb, stride_vss,
@@ -50,19 +53,22 @@ def _decode_kernel(
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
     if SPLIT:
         # Every split of a request covers the same whole number of tiles; late ones may be empty.
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+        start = first + split * split_len
         end = tl.minimum(start + split_len, seq_len)
     else:
-        start = 0
+        start = first
         end = seq_len
 
     g = tl.arange(0, BLOCK_G)
@@ -92,7 +98,7 @@ def _decode_kernel(
             v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
             stride_vsb, stride_vss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32, False)
 
     # An empty split has l_i == 0 and acc == 0: write a zero output with weight exp2(-inf) = 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -183,8 +189,10 @@ def decode_attention(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of one query token per request over its paged context.
+    """Attention of one query token per request over its paged context (window > 0: its
+    last `window` keys only, the table read from the block of the first of them on).
 
     q: [B, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], each >= 1 (the
@@ -204,7 +212,7 @@ def decode_attention(
     block_n = _block_n(q)
     if num_splits is None:
         longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_splits = _choose_num_splits(q, num_kv_heads, longest, block_n)
+        num_splits = _choose_num_splits(q, num_kv_heads, min(longest, window) if window > 0 else longest, block_n)
     group = num_heads // num_kv_heads
     split = num_splits > 1
     if split:
@@ -216,7 +224,7 @@ def decode_attention(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_sp, v_sp, block_tables, seq_lens,
         out, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, max(window, 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -227,7 +235,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
-        num_warps=4, num_stages=2,
+        WINDOWED=window > 0, num_warps=4, num_stages=2,
     )
     if split:
         _merge_splits_kernel[(batch, num_heads)](
@@ -253,14 +261,16 @@ def decode_attention_reference(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """decode_attention in plain torch (fp32 math), one request at a time."""
     out = torch.empty_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[2]
     k_cache, v_cache = dequantized(k_cache, k_scales), dequantized(v_cache, v_scales)
     for i, seq_len in enumerate(seq_lens.tolist()):
-        keys = gather_context(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
-        values = gather_context(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        first = max(seq_len - window, 0) if window > 0 else 0
+        keys = gather_context(k_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
+        values = gather_context(v_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys.float()) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.float()).to(out.dtype)
     return out
@@ -271,8 +281,10 @@ def dequantized(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
     return cache if scales is None else cache.float() * scales[..., None]
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one request's context: [length, num_kv_heads, head_dim]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens [first, length) of one request's context: [length - first, num_kv_heads, head_dim],
+    from the table entries of those tokens' blocks only."""
     block_size = cache.shape[1]
-    blocks = block_table[: triton.cdiv(length, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    blocks = block_table[first // block_size : triton.cdiv(length, block_size)].long()
+    start = first - first // block_size * block_size
+    return cache[blocks].flatten(0, 1)[start : start + length - first]

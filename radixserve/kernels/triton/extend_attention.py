@@ -3,7 +3,9 @@
 A request's new K/V are already in the pool (store_kv runs first), so the kernel reads
 the cached prefix and the new tokens alike through the block table: a prefix that came
 from the radix cache, possibly shared with other requests, is never copied or
-recomputed. The new token at context position p attends to positions 0..p.
+recomputed. The new token at context position p attends to positions 0..p; with a sliding
+window W, to p - W + 1..p, and a program's walk starts at its first row's first key (no
+block-table entry before it is read).
 
 One program serves BLOCK_M query tokens of one request for one query head, walking the
 context BLOCK_N tokens at a time up to its last row's position, with an online softmax
@@ -36,14 +38,14 @@ _LOG2E = 1.4426950408889634
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_ptr,
     seq_lens_ptr,
-    scale_log2e,
+    scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_ksb, stride_kss, stride_vsb, stride_vss,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
@@ -69,9 +71,13 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table = block_tables_ptr + req * stride_bt
-    # Rows past q_len sit at positions >= seq_len; every row sees position 0, so no row is all -inf.
+    # Rows past q_len sit at positions >= seq_len; every row sees position 0, so no row is all
+    # -inf (under a window a row may be, in the tiles before its window: MAY_BE_EMPTY).
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for tile in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOWED:
+        kv_start = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+    for tile in range(kv_start, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         k = load_paged_rows(
@@ -82,13 +88,17 @@ def _extend_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
         visible = (n[None, :] <= positions[:, None]) & n_mask[None, :]
+        if WINDOWED:
+            visible = visible & (n[None, :] > positions[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         v = load_paged_rows(
             v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
             stride_vsb, stride_vss, BLOCK_SIZE, QUANTIZED,
         ).to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32, WINDOWED)
 
+    if WINDOWED:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len may see no key of the window
     out = acc / l_i[:, None]
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -139,8 +149,10 @@ def extend_attention(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged context.
+    """Causal attention of each request's new tokens over its paged context (window > 0:
+    each over its last `window` keys only).
 
     Request i's queries are rows query_start_loc[i]:query_start_loc[i+1] of q
     ([T, num_heads, head_dim]); they are the last q_len of its seq_lens[i] context
@@ -164,7 +176,7 @@ def extend_attention(
     k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _extend_kernel[grid](
         q, k_cache, v_cache, k_sp, v_sp, out, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E,
+        scale * _LOG2E, max(window, 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -173,7 +185,7 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
-        num_warps=num_warps, num_stages=2,
+        WINDOWED=window > 0, num_warps=num_warps, num_stages=2,
     )
     return out
 
@@ -191,6 +203,7 @@ def extend_attention_reference(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """extend_attention in plain torch (fp32 math), one request at a time."""
     out = torch.zeros_like(q) if out is None else out
@@ -201,10 +214,12 @@ def extend_attention_reference(
         start, end = starts[i], starts[i + 1]
         if start == end:
             continue
-        keys = gather_context(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
-        values = gather_context(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        first = max(seq_len - (end - start) - window + 1, 0) if window > 0 else 0
+        keys = gather_context(k_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
+        values = gather_context(v_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
         positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        j = torch.arange(first, seq_len, device=q.device)[None, :]
+        visible = (j <= positions[:, None]) & ((j > positions[:, None] - window) if window > 0 else True)
         scores = torch.einsum("thd,nhd->htn", q[start:end].float(), keys.float()) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("htn,nhd->thd", probs, values.float()).to(out.dtype)

@@ -30,12 +30,17 @@ def load_paged_rows(cache_ptr, scale_ptr, table, n, n_mask, d, kv_head, stride_b
 
 
 @triton.jit
-def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                        MAY_BE_EMPTY: tl.constexpr):
     """Fold scores s (log2 domain, -inf where masked) and their V rows into the running
-    max m_i, sum l_i and output acc (all fp32)."""
+    max m_i, sum l_i and output acc (all fp32). MAY_BE_EMPTY: a row may have seen only -inf
+    so far (a sliding window it has not reached yet); it then stays at m -inf, l 0, acc 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    shift = m_new
+    if MAY_BE_EMPTY:
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - 0) = 0, not exp2(nan)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p = p.to(v.dtype)
     if DOT_IN_FP32:
