@@ -2,6 +2,10 @@
 
 Plain Python, no Ray: the Ray request router (routers.py) feeds it the live replicas and
 its own in-flight counts, and reports where each request really went.
+
+Where every candidate replica's KV events are tracked (`kv_index`, kv_index.py) and the
+request's block names are known, the prefix match is what the replicas really hold (in
+blocks, reason "kv_prefix"); otherwise the per-replica shadow trees of what was routed there.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from radixserve.cluster.kv_index import KVBlockIndex
 from radixserve.cluster.prefix_tree import ApproxPrefixTree, Key
 
 
@@ -36,8 +41,8 @@ class AffinityConfig:
 @dataclass(frozen=True)
 class Choice:
     ranking: list[str]  # replica ids, the chosen one first, the rest by load
-    reason: str  # "session", "prefix", "new" (no match: least loaded) or "balance" (preferred too busy)
-    match_length: int  # of the key on the chosen replica's tree
+    reason: str  # "session", "prefix" / "kv_prefix", "new" (no match: least loaded) or "balance" (preferred too busy)
+    match_length: int  # of the key on the chosen replica's tree (kv_prefix: blocks it holds)
 
 
 class AffinityPolicy:
@@ -47,8 +52,9 @@ class AffinityPolicy:
     requests with the same prefix follow it); `routed` corrects that when the request went
     elsewhere."""
 
-    def __init__(self, config: AffinityConfig | None = None):
+    def __init__(self, config: AffinityConfig | None = None, kv_index: KVBlockIndex | None = None):
         self.config = config or AffinityConfig()
+        self.kv_index = kv_index
         self.trees: dict[str, ApproxPrefixTree] = {}
         self.sessions: OrderedDict[str, str] = OrderedDict()
         self.in_flight: dict[str, int] = {}
@@ -67,17 +73,27 @@ class AffinityPolicy:
         """Forget a replica (it died): its tree, its load and the sessions bound to it."""
         self.trees.pop(replica, None)
         self.in_flight.pop(replica, None)
+        if self.kv_index is not None:
+            self.kv_index.forget(replica)
         for session in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[session]
 
-    def choose(self, candidates: Iterable[str], key: Key, session_id: str | None, now: float) -> Choice:
+    def choose(self, candidates: Iterable[str], key: Key, session_id: str | None, now: float,
+               blocks: list | None = None) -> Choice:
+        """`blocks`: the request's block names as the replicas publish them (kv_index.wire_hashes)."""
         replicas = [r for r in candidates if r in self.trees]
         if not replicas:
             raise ValueError("no live replica to choose from")
         self._maybe_evict(now)
         load = {r: self.in_flight.get(r, 0) for r in replicas}
-        matches = {r: self.trees[r].match_length(key) for r in replicas}
-        preferred, reason = self._preferred(replicas, matches, load, session_id, len(key))
+        by_events = blocks is not None and self.kv_index is not None and all(self.kv_index.tracks(r) for r in replicas)
+        if by_events:
+            matches = {r: self.kv_index.match(r, blocks) for r in replicas}
+        else:
+            matches = {r: self.trees[r].match_length(key) for r in replicas}
+        preferred, reason = self._preferred(replicas, matches, load, session_id, len(blocks) if by_events else len(key))
+        if by_events and reason == "prefix":
+            reason = "kv_prefix"
         least = min(replicas, key=lambda r: (load[r], -matches[r], self.trees[r].size, r))
         if load[preferred] > load[least] + self.config.balance_threshold:
             preferred, reason = least, "balance"

@@ -314,10 +314,12 @@ class Engine:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, replies: ReplyLookup | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the model's chat template; thread-safe.
-        `replies`: the model's own ids for its earlier replies, spliced in (reply_ids.py)."""
-        return self.preparer.chat_token_ids(messages, add_generation_prompt, replies)
+        `replies`: the model's own ids for its earlier replies, spliced in (reply_ids.py);
+        `template_kwargs`: more arguments for the template (e.g. enable_thinking)."""
+        return self.preparer.chat_token_ids(messages, add_generation_prompt, replies, template_kwargs)
 
     # ---- accounting -------------------------------------------------------------
 

@@ -82,12 +82,14 @@ class RequestPreparer:
 
     def chat_token_ids(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, replies: ReplyLookup | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the model's chat template; `replies`: the
         model's own ids for its earlier replies (see reply_ids.py)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         self._check_chars(text, "the conversation")
         return self.splicer.encode(text, replies)
 

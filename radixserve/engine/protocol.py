@@ -36,7 +36,8 @@ class EngineProtocol(Protocol):
                 session_id: str | None = None, hints: AgentHints | None = None) -> PreparedRequest: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            replies: ReplyLookup | None = None) -> list[int]: ...
+                            replies: ReplyLookup | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
 
     # ---- the engine thread ----------------------------------------------------------
 

@@ -28,6 +28,7 @@ from radixserve.server.openapi import openapi_schema
 from radixserve.server.options import ServerOptions
 from radixserve.server.protocol import ServedModel
 from radixserve.server.token_text import TokenTexts
+from radixserve.server.reasoning.serving import Reasoning
 from radixserve.server.tools.serving import ToolCalling
 
 log = logging.getLogger("radixserve.server")
@@ -44,6 +45,7 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
     state = ServerState(
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
         engine.max_model_len, ToolCalling(engine.tokenizer, options.tool_call_parser),
+        Reasoning(engine.tokenizer, options.reasoning_parser),
     )
 
     @contextlib.asynccontextmanager

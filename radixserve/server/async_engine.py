@@ -306,8 +306,7 @@ def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> li
         prompt = item.prompt
         if isinstance(prompt, ChatPrompt):
             if id(prompt) not in templated:
-                templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages), replies=prompt.replies) \
-                    if prompt.replies is not None else engine.apply_chat_template(list(prompt.messages))
+                templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages), **_template_args(prompt))
             prompt = templated[id(prompt)]
         prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id, item.hints))
     return prepared
@@ -315,6 +314,16 @@ def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> li
 
 def _is_warmup(item: GenerationInput) -> bool:
     return item.hints is not None and item.hints.warmup
+
+
+def _template_args(prompt: ChatPrompt) -> dict[str, Any]:
+    """apply_chat_template's optional arguments this prompt uses (a stand-in engine may take none)."""
+    args: dict[str, Any] = {}
+    if prompt.replies is not None:
+        args["replies"] = prompt.replies
+    if prompt.template_kwargs:
+        args["template_kwargs"] = prompt.template_kwargs
+    return args
 
 
 def _client_error(exc: BaseException) -> APIError:

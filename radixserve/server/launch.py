@@ -11,6 +11,7 @@ from typing import Any
 
 from radixserve.server.options import ServerOptions
 from radixserve.server.tools.call_format import PARSER_CHOICES
+from radixserve.server.reasoning.registry import CHOICES as REASONING_CHOICES
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 FINAL_WRITE_TIMEOUT_S = 5  # after the drain: time for responses to write their last event
@@ -47,6 +48,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reply-token-reuse", default="on", choices=["on", "off"],
                        help="on (default): an earlier reply re-sent in a chat prompt gets the token ids it was "
                             "generated as, so the prefix cache hits through it; off: its text is tokenized again")
+    group.add_argument("--reasoning-parser", default=defaults.reasoning_parser, choices=list(REASONING_CHOICES),
+                       help="how the model writes its reasoning (vLLM's names): deepseek_r1 (everything up to "
+                            "</think>), qwen3 (<think>...</think> the model opens), gpt_oss (harmony's analysis "
+                            "channel), none, or auto: from the chat template (default)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -63,6 +68,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         enable_debug_endpoints=args.enable_debug_endpoints,
         reply_token_reuse=args.reply_token_reuse == "on",
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -21,6 +21,7 @@ class ServerOptions:
     served_model_name: str | None = None  # another name the model answers to
     enable_debug_endpoints: bool = False  # /debug/check_integrity and /debug/stats
     tool_call_parser: str = "auto"  # how tool calls are written: hermes (qwen), llama3, or auto (from the template)
+    reasoning_parser: str = "auto"  # how reasoning is written: deepseek_r1, qwen3, gpt_oss, none, or auto (from the template)
     reply_token_reuse: bool = True  # a re-sent reply is prompted with the ids it was generated as (reply_store.py)
 
     def __post_init__(self) -> None:
@@ -33,6 +34,10 @@ class ServerOptions:
 
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")
+        from radixserve.server.reasoning.registry import CHOICES as REASONING_CHOICES
+
+        if self.reasoning_parser not in REASONING_CHOICES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_CHOICES)}, got {self.reasoning_parser!r}")
         if self.shared_cache_across_keys and not self.all_api_keys:
             raise ValueError("shared_cache_across_keys needs API keys: without keys every caller already shares "
                              "one cache (one trusted tenant)")

@@ -23,6 +23,7 @@ class ChatPrompt:
 
     messages: tuple[dict[str, Any], ...]
     replies: ReplyLookup | None = None
+    template_kwargs: dict[str, Any] | None = None  # more arguments for the template (chat_template_kwargs)
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,8 @@ def test_plain_text_equals_chat_completions(client, server):
     assert out.type == "message" and out.role == "assistant" and out.model == MODEL and out.id.startswith("msg_")
     assert [b.type for b in out.content] == ["text"] and out.content[0].text == chat.choices[0].message.content
     assert out.stop_reason == "max_tokens" and out.stop_sequence is None and out.usage.output_tokens == 8
-    prompt = out.usage.input_tokens + out.usage.cache_read_input_tokens
-    assert prompt == chat.usage.prompt_tokens and out.usage.cache_creation_input_tokens == 0
+    prompt = out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.cache_creation_input_tokens
+    assert prompt == chat.usage.prompt_tokens  # exact cache counts: test_anthropic_cache_usage.py
     counted = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Say hello."}])
     assert counted.input_tokens == prompt
 
@@ -114,7 +114,7 @@ def test_forced_tool_use_and_a_tool_result_round_trip(client):
     assert second.stop_reason in ("end_turn", "max_tokens")
     # the reply re-sent as a tool_use block renders to the text generated, so the cache reaches into it (as
     # for chat completions: the re-tokenized call text parts from the generated ids within its first block)
-    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.cache_creation_input_tokens
     reached = first_prompt + first.usage.output_tokens
     assert second.usage.cache_read_input_tokens >= (reached - 1) // BLOCK * BLOCK - BLOCK
     assert second.usage.cache_read_input_tokens > first_prompt
@@ -150,8 +150,8 @@ def test_stream_assembles_to_the_message(client, server, case):
     assert _without_ids(final.content) == _without_ids(whole.content)
     assert (final.stop_reason, final.stop_sequence) == (whole.stop_reason, whole.stop_sequence)
     assert final.usage.output_tokens == whole.usage.output_tokens
-    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens
-            == whole.usage.input_tokens + whole.usage.cache_read_input_tokens)
+    assert (final.usage.input_tokens + final.usage.cache_read_input_tokens + final.usage.cache_creation_input_tokens
+            == whole.usage.input_tokens + whole.usage.cache_read_input_tokens + whole.usage.cache_creation_input_tokens)
     # the raw sequence, as Anthropic sends it
     body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "stream": True, **GREEDY, **kwargs}
     kinds, data = _raw_events(server, body)

@@ -5,18 +5,21 @@ calls are constrained by the same grammar and read back by the same parser, so a
 conversation renders to the same tokens whichever API sent it (and hits the same cache).
 
 The answer, a "message" object or its stream of events: one MessageBuilder turns the answer's
-output events (server/output/events.py) into content blocks (text, tool_use) for both, so a
-stream always assembles to the body. The stream follows Anthropic's sequence, framed as
+output events (server/output/events.py) into content blocks (thinking, text, tool_use) for
+both, so a stream always assembles to the body. `thinking` enabled renders the template with
+enable_thinking and bounds the reasoning by budget_tokens (the end marker is forced once
+they are spent, server/reasoning/mode.py); disabled renders it with enable_thinking false. The stream follows Anthropic's sequence, framed as
 Anthropic's API frames it (`event: <type>` then `data: <json>`, an error as `event: error`, no
 closing [DONE]):
 
     message_start, content_block_start, ping, content_block_delta..., content_block_stop,
     (more blocks), message_delta (stop_reason, usage), message_stop
 
-Usage counts as Anthropic's does: `input_tokens` are the prompt tokens computed for this
-request, `cache_read_input_tokens` those served from the prefix cache (their sum is the
-prompt, what count_tokens reports); the cache is written as a side effect, so
-`cache_creation_input_tokens` is 0.
+Usage counts as Anthropic's does: `cache_read_input_tokens` are the prompt tokens served
+from the prefix cache, `cache_creation_input_tokens` those computed here and written to it
+(whole blocks, output/usage.py), `input_tokens` the rest; the three add up to the prompt,
+what count_tokens reports. `cache_control` marks pin the prefixes they end for their TTL
+(anthropic_pins.py).
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput
+from radixserve.server.api.anthropic_pins import Pin, marked_prefixes, pin_hook
 from radixserve.server.api.serving import in_namespace, serve_job, server_state
-from radixserve.server.errors import APIError, anthropic_error_body, template_error
+from radixserve.server.errors import APIError, anthropic_error_body, bad_request, template_error
 from radixserve.server.output.encoder import BlockEncoder
-from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
+from radixserve.server.output.events import (
+    CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, ReasoningDelta, TextDelta,
+)
 from radixserve.server.output.ids import new_id
 from radixserve.server.output.usage import Usage
 from radixserve.server.protocol.anthropic import Conversation, CountTokensRequest, MessagesRequest, parse
@@ -42,9 +48,12 @@ from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
+from radixserve.server.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning.serving import Reasoning, with_reasoning
 from radixserve.server.request_group import ChatPrompt, RequestGroup
 from radixserve.server.sse import EventStream
 from radixserve.server.tools.definitions import ToolSpec
+from radixserve.server.tools.history import HistoryMessage
 from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling
 
@@ -60,8 +69,13 @@ def routes() -> list[Route]:
 
 async def messages(request: Request) -> Response:
     state = server_state(request)
-    job, responder = await messages_job(await read_hinted_json(request), state.served, state.tools)
-    return await serve_job(request, in_namespace(request, job), responder, AnthropicEventStream)
+    engine = state.engine.engine
+    block = engine.config.block_size if engine.config.enable_prefix_cache else None
+    job, responder = await messages_job(await read_hinted_json(request), state.served, state.tools, state.reasoning,
+                                        block, engine)
+    job = in_namespace(request, job)
+    return await serve_job(request, job, responder, AnthropicEventStream,
+                           on_finish=pin_hook(responder.pins, job.cache_salt))
 
 
 async def count_tokens_route(request: Request) -> Response:
@@ -70,24 +84,50 @@ async def count_tokens_route(request: Request) -> Response:
     return JSONResponse(counted)
 
 
-async def messages_job(body: Any, served: ServedModel, calling: ToolCalling) -> tuple[GenerationJob, MessagesResponder]:
-    """The engine job of a /v1/messages body and the responder that answers it."""
+async def messages_job(
+    body: Any, served: ServedModel, calling: ToolCalling, reasoning: Reasoning | None = None,
+    cache_block: int | None = None, engine: Any = None,
+) -> tuple[GenerationJob, MessagesResponder]:
+    """The engine job of a /v1/messages body and the responder that answers it.
+    `reasoning`: the server's reasoning parser; `cache_block`: the prefix cache's block size
+    (None: no prefix cache); `engine`: renders the prefixes cache_control marks (None: no pins)."""
     request: MessagesRequest = parse(MessagesRequest, body)
     request.check_continuable()
-    spec, prompt = await _prompt(request, calling)
-    job = request.to_job(served, prompt, calling.constraint(spec))
+    kwargs = request.template_kwargs()
+    mode = await _reasoning_mode(request, reasoning, kwargs)
+    spec, prompt = await _prompt(request, calling, kwargs)
+    job = with_reasoning(request.to_job(served, prompt, calling.constraint(spec)), mode)
     parser = ToolCallParser(calling.fmt, spec.names) if spec.parses_calls else None
-    return job, MessagesResponder(job, parser, list(request.stop_sequences or []))
+    pins = []
+    if engine is not None and cache_block is not None:
+        render = lambda history: _conversation_prompt(request, history, spec, calling, kwargs)  # noqa: E731
+        pins = await marked_prefixes(request.cache_marks(), render, engine, kwargs or None)
+    return job, MessagesResponder(job, parser, list(request.stop_sequences or []), mode, cache_block, pins)
+
+
+async def _reasoning_mode(request: MessagesRequest, reasoning: Reasoning | None, kwargs: dict[str, Any]) -> ReasoningMode | None:
+    """How the answer reasons; thinking enabled needs a reasoning parser and a budget below max_tokens."""
+    mode = await asyncio.to_thread(reasoning.mode, kwargs, request.thinking_budget) if reasoning is not None else None
+    budget = request.thinking_budget
+    if budget is not None and mode is None:
+        raise bad_request("'thinking' needs a model whose reasoning the server reads: start it with "
+                          "--reasoning-parser (or a chat template that reasons)", param="thinking")
+    if budget is not None and budget >= request.max_tokens:
+        raise bad_request(f"'thinking.budget_tokens' ({budget}) must be less than max_tokens ({request.max_tokens})",
+                          param="thinking.budget_tokens")
+    return mode
 
 
 async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, engine: Any) -> dict[str, Any]:
     """{"input_tokens": n}: the prompt a /v1/messages request with this conversation would have."""
     request: CountTokensRequest = parse(CountTokensRequest, body)
     served.check_model(request.model)
-    _, prompt = await _prompt(request, calling)
+    kwargs = request.template_kwargs()
+    _, prompt = await _prompt(request, calling, kwargs)
     if isinstance(prompt, ChatPrompt):
         try:
-            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages))
+            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
+                                             template_kwargs=kwargs or None)
         except Exception as exc:
             if (refused := template_error(exc)) is not None:
                 raise refused from None
@@ -95,15 +135,20 @@ async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, eng
     return {"input_tokens": len(prompt)}
 
 
-async def _prompt(request: Conversation, calling: ToolCalling) -> tuple[ToolSpec, Prompt]:
+async def _prompt(request: Conversation, calling: ToolCalling, kwargs: dict[str, Any]) -> tuple[ToolSpec, Prompt]:
     """As chat completions builds it: plain role/content turns without tools, else the
     tool-aware rendering (which checks that every result answers an earlier call)."""
     request.check_supported()
     spec = await calling.spec(request)
-    history = request.history()
+    return spec, await _conversation_prompt(request, request.history(), spec, calling, kwargs)
+
+
+async def _conversation_prompt(
+    request: Conversation, history: list[HistoryMessage], spec: ToolSpec, calling: ToolCalling, kwargs: dict[str, Any],
+) -> Prompt:
     if not request.uses_tools:
-        return spec, ChatPrompt(tuple({"role": m.role, "content": m.content or ""} for m in history))
-    return spec, await calling.prompt(history, spec)
+        return ChatPrompt(tuple({"role": m.role, "content": m.content or ""} for m in history), None, kwargs or None)
+    return await calling.prompt(history, spec, None, kwargs or None)
 
 
 # ---- the answer --------------------------------------------------------------------------
@@ -118,6 +163,11 @@ class MessageBuilder(BlockEncoder):
         self.blocks: list[dict[str, Any]] = []
 
     def _apply(self, event: Event) -> list[dict[str, Any]]:
+        if isinstance(event, ReasoningDelta):
+            events = [] if self._open is not None and self._open["type"] == "thinking" else (
+                self._close() + self._start({"type": "thinking", "thinking": "", "signature": ""}))
+            self._open["thinking"] += event.text
+            return events + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, TextDelta):
             events = [] if self._open is not None and self._open["type"] == "text" else (
                 self._close() + self._start({"type": "text", "text": ""}))
@@ -152,20 +202,26 @@ class MessageBuilder(BlockEncoder):
 class MessagesResponder:
     """Encodes the events of the job's one engine request as a "message" object, or its events."""
 
-    def __init__(self, job: GenerationJob, parser: ToolCallParser | None, stop_sequences: list[str]):
+    def __init__(
+        self, job: GenerationJob, parser: ToolCallParser | None, stop_sequences: list[str],
+        reasoning: ReasoningMode | None = None, cache_block: int | None = None, pins: list[Pin] | None = None,
+    ):
         self.job = job
         self.parser = parser
         self.stop_sequences = stop_sequences
+        self.reasoning = reasoning  # None: no thinking blocks are read
+        self.cache_block = cache_block  # the prefix cache's block size (None: no prefix cache)
+        self.pins = pins or []  # what cache_control marks: pinned once the request finishes
         self.id = new_id("msg_", 24)
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         output = outputs[0]
         builder = MessageBuilder()
-        builder.apply(OutputEvents(self.parser).whole(output))
+        builder.apply(OutputEvents(self.parser, self.reasoning).whole(output))
         return {**self._message(builder.blocks, output), **self._stop(builder.finish)}
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
-        builder, events = MessageBuilder(), OutputEvents(self.parser)
+        builder, events = MessageBuilder(), OutputEvents(self.parser, self.reasoning)
         started, pinged = False, False
         async for _, output in group.outputs():
             if not started:  # the first output: the prompt's usage is known
@@ -182,12 +238,12 @@ class MessagesResponder:
                     yield PING
                     pinged = True
                 yield {"type": "message_delta", "delta": self._stop(builder.finish),
-                       "usage": builder.finish.usage.anthropic()}
+                       "usage": builder.finish.usage.anthropic(self.cache_block)}
                 yield {"type": "message_stop"}
 
     def _message(self, blocks: list[dict[str, Any]], output: RequestOutput) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.job.model,
-                "content": blocks, "usage": Usage.of(output).anthropic()}
+                "content": blocks, "usage": Usage.of(output).anthropic(self.cache_block)}
 
     def _stop(self, finish: Finish | None) -> dict[str, Any]:
         """stop_reason and stop_sequence."""

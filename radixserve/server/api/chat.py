@@ -4,6 +4,7 @@ a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -15,14 +16,19 @@ from starlette.routing import Route
 from radixserve.outputs import RequestOutput
 from radixserve.engine.reply_ids import ReplyLookup
 from radixserve.server.api.serving import caller_replies, in_namespace, serve_job, server_state
+from radixserve.server.errors import bad_request
 from radixserve.server.logprob_format import chat_logprobs
-from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, TextDelta
+from radixserve.server.output.events import (
+    CallArguments, CallEnd, CallStart, Event, Finish, OutputEvents, ReasoningDelta, TextDelta,
+)
 from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.output.usage import Usage
 from radixserve.server.protocol import ChatCompletionRequest, parse
 from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
+from radixserve.server.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning.serving import Reasoning, with_reasoning
 from radixserve.server.request_group import ChatPrompt, RequestGroup
 from radixserve.server.token_text import TokenTexts
 from radixserve.server.tools.parser import ToolCallParser
@@ -37,9 +43,10 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = parse(ChatCompletionRequest, await read_hinted_json(request))
     replies = caller_replies(request, body.cache_salt)
+    reasoning = await chat_reasoning(body, state.reasoning)
     job, tools = await chat_job(body, state.served, state.tools, replies)
-    job = in_namespace(request, job)
-    return await serve_job(request, job, ChatResponder(job, state.texts, tools),
+    job = in_namespace(request, with_reasoning(job, reasoning))
+    return await serve_job(request, job, ChatResponder(job, state.texts, tools, reasoning),
                            on_finish=replies.record if replies is not None else None)
 
 
@@ -50,32 +57,47 @@ async def chat_job(
     the request has no tools, its text is all content). `replies`: the caller's stored
     reply ids, spliced into the prompt where it re-sends them."""
     spec = await calling.spec(body)
+    kwargs = body.template_kwargs() or None
     if not body.uses_tools:
-        return _with_replies(body.to_job(served), replies), None
-    prompt = await calling.prompt(body.history(), spec, replies)
+        return _with_replies(body.to_job(served), replies, kwargs), None
+    prompt = await calling.prompt(body.history(), spec, replies, kwargs)
     job = body.to_job(served, prompt, calling.constraint(spec))
     return job, ToolOutput(spec, calling.fmt) if spec.parses_calls else None
 
 
-def _with_replies(job: GenerationJob, replies: ReplyLookup | None) -> GenerationJob:
-    prompts = [ChatPrompt(p.messages, replies) if isinstance(p, ChatPrompt) else p for p in job.prompts]
+async def chat_reasoning(body: ChatCompletionRequest, reasoning: Reasoning) -> ReasoningMode | None:
+    """How the request's answer reasons (None: all of it is content)."""
+    mode = await asyncio.to_thread(reasoning.mode, body.template_kwargs(), body.thinking_token_budget)
+    if mode is None and body.thinking_token_budget is not None:
+        raise bad_request("'thinking_token_budget' needs a model whose reasoning the server reads: start it with "
+                          "--reasoning-parser (or a chat template that reasons)", param="thinking_token_budget")
+    return mode
+
+
+def _with_replies(job: GenerationJob, replies: ReplyLookup | None, template_kwargs: dict | None = None) -> GenerationJob:
+    prompts = [ChatPrompt(p.messages, replies, template_kwargs) if isinstance(p, ChatPrompt) else p for p in job.prompts]
     return replace(job, prompts=prompts)
 
 
 class ChatResponder:
     """Encodes each choice's output events as a "chat.completion" or "chat.completion.chunk"s."""
 
-    def __init__(self, job: GenerationJob, texts: TokenTexts, tools: ToolOutput | None = None):
+    def __init__(
+        self, job: GenerationJob, texts: TokenTexts, tools: ToolOutput | None = None, reasoning: ReasoningMode | None = None,
+    ):
         self.job = job
         self.texts = texts
         self.tools = tools
+        self.reasoning = reasoning  # None: no reasoning block is read
         self.id = new_id("chatcmpl-")
         self.created = now_s()
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = []
+        choices, finishes = [], []
         for index, output in enumerate(outputs):
-            message, reason = _message(self._events().whole(output))
+            events = self._events().whole(output)
+            finishes += [e for e in events if isinstance(e, Finish)]
+            message, reason = _message(events)
             choices.append({
                 "index": index,
                 "message": message,
@@ -83,24 +105,36 @@ class ChatResponder:
                 "finish_reason": reason,
                 "stop_reason": output.stop_reason,
             })
-        return self._object("chat.completion", choices, Usage.of_group(len(self.job.prompts), self.job.n, outputs))
+        usage = Usage.of_group(len(self.job.prompts), self.job.n, outputs)
+        return self._object("chat.completion", choices, self._with_reasoning(usage, finishes))
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
         """A role chunk per choice, content (and tool call) chunks as outputs arrive, then usage if asked."""
         for index in range(len(group.members)):
             yield self._chunk([self._delta_choice(index, {"role": "assistant", "content": ""}, None, None)])
         streams = [self._events() for _ in group.members]
+        finishes: list[Finish] = []
         async for index, output in group.outputs():
             delta = output.delta
             if not (delta.text or delta.token_ids or output.finished):
                 continue
-            for chunk in self._step_chunks(index, streams[index].step(output), self._logprobs(delta.logprobs or [])):
+            events = streams[index].step(output)
+            finishes += [e for e in events if isinstance(e, Finish)]
+            for chunk in self._step_chunks(index, events, self._logprobs(delta.logprobs or [])):
                 yield chunk
         if self.job.include_usage:
-            yield self._chunk([], Usage.of_group(len(self.job.prompts), self.job.n, [m.latest for m in group.members]))
+            usage = Usage.of_group(len(self.job.prompts), self.job.n, [m.latest for m in group.members])
+            yield self._chunk([], self._with_reasoning(usage, finishes))
 
     def _events(self) -> OutputEvents:
-        return OutputEvents(ToolCallParser(self.tools.fmt, self.tools.spec.names) if self.tools is not None else None)
+        parser = ToolCallParser(self.tools.fmt, self.tools.spec.names) if self.tools is not None else None
+        return OutputEvents(parser, self.reasoning)
+
+    def _with_reasoning(self, usage: Usage, finishes: list[Finish]) -> Usage:
+        """Every choice's reasoning tokens added up (when a reasoning parser reads them)."""
+        if self.reasoning is None:
+            return usage
+        return usage.with_reasoning(sum(f.usage.reasoning_tokens or 0 for f in finishes))
 
     def _step_chunks(self, index: int, events: list[Event], logprobs: dict | None) -> list[dict[str, Any]]:
         """One chunk per delta of a step: its logprobs on the first, the finish reason on the last."""
@@ -137,12 +171,15 @@ class ChatResponder:
 
 
 def _message(events: list[Event]) -> tuple[dict[str, Any], str | None]:
-    """The whole answer's message: its content (None when it made calls and said nothing)
-    and calls, and its finish reason."""
+    """The whole answer's message: its reasoning, its content (None when it made calls or
+    only reasoned, and said nothing) and calls, and its finish reason."""
     content = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reasoning = [e.text for e in events if isinstance(e, ReasoningDelta)]
     starts = [e for e in events if isinstance(e, CallStart)]
     ends = [e for e in events if isinstance(e, CallEnd)]
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not starts else None}
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not (starts or reasoning) else None}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
     if starts:
         message["tool_calls"] = [
             {"id": "call_" + s.id_hex, "type": "function", "function": {"name": s.name, "arguments": e.arguments}}
@@ -157,9 +194,11 @@ def _finish_reason(finish: Finish) -> str | None:
 
 
 def _delta(event: Event) -> dict[str, Any] | None:
-    """A chat delta: content, a call's id and name, then its argument pieces."""
+    """A chat delta: reasoning, content, a call's id and name, then its argument pieces."""
     if isinstance(event, TextDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
     if isinstance(event, CallStart):
         call = {"index": event.index, "id": "call_" + event.id_hex, "type": "function",
                 "function": {"name": event.name, "arguments": ""}}

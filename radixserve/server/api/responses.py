@@ -3,19 +3,23 @@
 Input: a string or items (`message` with text parts, `function_call`,
 `function_call_output`), `instructions`, function `tools`, `tool_choice`,
 `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
-(text, json_object, json_schema), `stream`, and `seed` (an extension). Output: `message`
-and `function_call` items, usage with `input_tokens_details.cached_tokens`; streamed as the
-typed events the official client parses.
+(text, json_object, json_schema), `stream`, `reasoning.effort` (to the chat template), and
+`seed` (an extension). Output: `reasoning` items (with a reasoning parser: the reasoning
+text as a reasoning_text part), `message` and `function_call` items, usage with
+`input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`; streamed
+as the typed events the official client parses.
 
 `store` (default true) keeps the conversation in memory (ResponseStore: bounded, with a
 TTL, one namespace per API key) so a later request of the same key can continue it with
 `previous_response_id`; an unknown, expired or another key's id is a 404. Other tool types,
-non-text inputs, `background`, `conversation`, `prompt`, output logprobs, `reasoning` and
-`truncation: "auto"` are refused, as is any field this server does not know.
+non-text inputs, `background`, `conversation`, `prompt`, output logprobs, reasoning
+summaries other than "auto" and `truncation: "auto"` are refused, as is any field this
+server does not know.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,12 +35,14 @@ from radixserve.server.api.serving import caller_replies, in_namespace, serve_jo
 from radixserve.server.errors import bad_request
 from radixserve.server.middleware import tenant
 from radixserve.server.output.encoder import BlockEncoder
-from radixserve.server.output.events import CallArguments, CallStart, Event, OutputEvents, TextDelta
+from radixserve.server.output.events import CallArguments, CallStart, Event, OutputEvents, ReasoningDelta, TextDelta
 from radixserve.server.output.ids import new_id, now_s
 from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel, parse
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.responses import ResponsesRequest
+from radixserve.server.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning.serving import Reasoning, with_reasoning
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import OwnedResponses
 from radixserve.server.tools.definitions import ToolSpec
@@ -54,7 +60,7 @@ async def responses(request: Request) -> Response:
     body = parse(ResponsesRequest, await read_hinted_json(request))
     replies = caller_replies(request, None)
     job, responder = await responses_job(
-        body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)), replies,
+        body, state.served, state.tools, state.responses.for_owner(tenant(request.scope)), replies, state.reasoning,
     )
     return await serve_job(request, in_namespace(request, job), responder,
                            on_finish=replies.record if replies is not None else None)
@@ -62,16 +68,19 @@ async def responses(request: Request) -> Response:
 
 async def responses_job(
     body: ResponsesRequest, served: ServedModel, calling: ToolCalling, store: OwnedResponses,
-    replies: ReplyLookup | None = None,
+    replies: ReplyLookup | None = None, reasoning: Reasoning | None = None,
 ) -> tuple[GenerationJob, "ResponsesResponder"]:
     """The engine job of a Responses request and the responder that answers it; `replies`:
     the caller's stored reply ids, so that a conversation continued by previous_response_id
-    is prompted with the ids its replies were generated as."""
+    is prompted with the ids its replies were generated as. `reasoning`: the server's
+    reasoning parser (None: none)."""
     model = served.check_model(body.model)
     body.check_supported()
     spec = await calling.spec(body)
+    kwargs = body.template_kwargs()
+    mode = await asyncio.to_thread(reasoning.mode, kwargs) if reasoning is not None else None
     head, conversation = body.history(store)
-    prompt = await calling.prompt(head + conversation, spec, replies)
+    prompt = await calling.prompt(head + conversation, spec, replies, kwargs or None)
     try:
         params = SamplingParams(
             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -79,8 +88,8 @@ async def responses_job(
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    job = GenerationJob(model, [prompt], [params], 1, body.stream, False)
-    return job, ResponsesResponder(job, body, spec if spec.parses_calls else None, calling, store, conversation)
+    job = with_reasoning(GenerationJob(model, [prompt], [params], 1, body.stream, False), mode)
+    return job, ResponsesResponder(job, body, spec if spec.parses_calls else None, calling, store, conversation, mode)
 
 
 # ---- response ----------------------------------------------------------------------------
@@ -91,9 +100,10 @@ class ResponsesResponder:
 
     def __init__(
         self, job: GenerationJob, body: ResponsesRequest, spec: ToolSpec | None, calling: ToolCalling,
-        store: OwnedResponses, conversation: list[HistoryMessage],
+        store: OwnedResponses, conversation: list[HistoryMessage], reasoning: ReasoningMode | None = None,
     ):
         self.job = job
+        self.reasoning = reasoning  # None: no reasoning block is read
         self.request = body
         self.spec = spec
         self.calling = calling
@@ -104,11 +114,11 @@ class ResponsesResponder:
 
     def body(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         builder = ResponseOutputBuilder()
-        builder.apply(OutputEvents(self._parser()).whole(outputs[0]))
+        builder.apply(OutputEvents(self._parser(), self.reasoning).whole(outputs[0]))
         return self._response(builder)
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
-        builder, events = ResponseOutputBuilder(), OutputEvents(self._parser())
+        builder, events = ResponseOutputBuilder(), OutputEvents(self._parser(), self.reasoning)
         sequence = itertools.count()
         for kind in ("response.created", "response.in_progress"):
             yield {"type": kind, "sequence_number": next(sequence), "response": self._response(builder)}
@@ -178,6 +188,8 @@ class ResponseOutputBuilder(BlockEncoder):
         return [HistoryMessage("assistant", text, calls)]
 
     def _apply(self, event: Event) -> list[dict[str, Any]]:
+        if isinstance(event, ReasoningDelta):
+            return self._reasoning(event.text)
         if isinstance(event, TextDelta):
             events = [] if self._open is not None and self._open["type"] == "message" else self._close() + self._open_message()
             item = self._open
@@ -193,6 +205,16 @@ class ResponseOutputBuilder(BlockEncoder):
             self._open["arguments"] += event.text
             return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": event.text}]
         return self._close()  # CallEnd, Finish
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """A reasoning item (its text as one reasoning_text part) opens or grows."""
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}]}
+            events = self._close() + self._add(item)
+        self._open["content"][0]["text"] += text
+        return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0, "delta": text}]
 
     def _open_message(self) -> list[dict[str, Any]]:
         item = {"id": new_id("msg_"), "type": "message", "status": "in_progress", "role": "assistant",
@@ -215,7 +237,10 @@ class ResponseOutputBuilder(BlockEncoder):
         self._open = None
         item["status"] = "completed"
         where = {"item_id": item["id"], "output_index": self.items.index(item)}
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
+                       "text": item["content"][0]["text"]}]
+        elif item["type"] == "message":
             part = item["content"][0]
             events = [
                 {"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"], "logprobs": []},

@@ -1,6 +1,7 @@
 """OutputEvents: one engine request's answer as typed events, built once from the engine
-loop's per-step deltas (RequestOutput.delta): text, tool calls (start with their id,
-argument pieces, end with the whole arguments) and the finish with usage. The streamed and
+loop's per-step deltas (RequestOutput.delta): text, reasoning (read by a reasoning parser,
+server/reasoning/, ahead of the tool-call parser, which sees only the content), tool calls
+(start with their id, argument pieces, end with the whole arguments) and the finish with usage. The streamed and
 the whole answer come from the same events, so a stream always assembles to the body."""
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from dataclasses import dataclass
 from radixserve.outputs import RequestOutput
 from radixserve.server.output.ids import call_hex
 from radixserve.server.output.usage import Usage
+from radixserve.server.reasoning.base import Piece
+from radixserve.server.reasoning.mode import ReasoningMode
 from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, text_events
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str  # the next piece of the reasoning block's text (its markers left out)
 
 
 @dataclass(frozen=True)
@@ -45,14 +53,17 @@ class Finish:
     usage: Usage
 
 
-Event = TextDelta | CallStart | CallArguments | CallEnd | Finish
+Event = TextDelta | ReasoningDelta | CallStart | CallArguments | CallEnd | Finish
 
 
 class OutputEvents:
-    """Feed one engine request's outputs in order (`parser` None: all text is content)."""
+    """Feed one engine request's outputs in order (`parser` None: all text is content;
+    `reasoning` None: no reasoning block is read)."""
 
-    def __init__(self, parser: ToolCallParser | None):
+    def __init__(self, parser: ToolCallParser | None, reasoning: ReasoningMode | None = None):
         self.parser = parser
+        self.reasoning = reasoning
+        self._splitter = reasoning.splitter() if reasoning is not None else None
         self.num_calls = 0
         self._open: int | None = None  # the call whose arguments may still grow
         self._arguments: list[str] = []
@@ -68,7 +79,32 @@ class OutputEvents:
 
     def _events(self, text: str, output: RequestOutput) -> list[Event]:
         events: list[Event] = []
-        for event in text_events(self.parser, text, output.finished):
+        for piece in self._pieces(text, output.finished):
+            if piece.reasoning:
+                events.append(ReasoningDelta(piece.text))
+            else:
+                events += self._content(piece.text, False)
+        if output.finished:
+            events += self._content("", True)
+            events.append(Finish(output.finish_reason, output.stop_reason, self.num_calls, self._usage(output)))
+        return events
+
+    def _pieces(self, text: str, final: bool) -> list[Piece]:
+        if self._splitter is None:
+            return [Piece(False, text)] if text else []
+        pieces = self._splitter.feed(text) if text else []
+        return pieces + self._splitter.finish() if final else pieces
+
+    def _usage(self, output: RequestOutput) -> Usage:
+        usage = Usage.of(output)
+        if self._splitter is None:
+            return usage
+        return usage.with_reasoning(self.reasoning.count_tokens(self._splitter.spans, output.token_ids))
+
+    def _content(self, text: str, final: bool) -> list[Event]:
+        """The events of content text: the tool-call parser reads it (and only it)."""
+        events: list[Event] = []
+        for event in text_events(self.parser, text, final):
             if isinstance(event, ArgumentsDelta):
                 self._arguments.append(event.text)
                 events.append(CallArguments(event.index, event.text))
@@ -81,9 +117,8 @@ class OutputEvents:
                 self._open, self._arguments = event.index, []
                 self.num_calls += 1
                 events.append(CallStart(event.index, call_hex(), event.name))
-        if output.finished:
+        if final:
             events += self._end_call()
-            events.append(Finish(output.finish_reason, output.stop_reason, self.num_calls, Usage.of(output)))
         return events
 
     def _end_call(self) -> list[Event]:

@@ -5,11 +5,13 @@ Supported: `system` (a string or text blocks), messages of text, tool_use and to
 blocks (a result's content a string or text blocks, `is_error`), role "system" messages,
 custom `tools` with `input_schema`, `tool_choice` auto / any / tool / none (with
 `disable_parallel_tool_use`), `max_tokens` (0: fill the cache only), `temperature`,
-`top_p`, `top_k`, `stop_sequences`, `metadata`, `stream`; `cache_control` and
-`service_tier` are accepted (the prefix cache needs no breakpoints). Unknown fields are a
-400, as Anthropic's own API answers; fields it knows that this server cannot honour
-(image and document blocks, thinking, server tools, MCP, containers, structured output,
-a final assistant turn to continue) are refused with a 400 that says so.
+`top_p`, `top_k`, `stop_sequences`, `metadata`, `stream`, `thinking` (enabled with a
+budget, or disabled: see api/anthropic.py); `cache_control` (every prefix is cached: a mark
+keeps the prefix it ends pinned for its TTL, see cache_marks) and `service_tier` are
+accepted. Unknown fields are a 400, as Anthropic's own API answers; fields it knows that
+this server cannot honour (image and document blocks, thinking blocks sent back, server
+tools, MCP, containers, structured output, a final assistant turn to continue) are refused
+with a 400 that says so.
 
 A conversation renders exactly as the equivalent chat completions request would: text
 blocks joined as content parts are, a tool_use's `input` written back as the JSON the
@@ -56,9 +58,31 @@ class AnthropicModel(OpenAIModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
 
 
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
 class CacheControl(AnthropicModel):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        return TTL_SECONDS[self.ttl or "5m"]
+
+
+class ThinkingEnabled(AnthropicModel):
+    type: Literal["enabled"]
+    budget_tokens: Integer = Field(ge=1, description="at most this many tokens of reasoning, then the answer")
+
+
+class ThinkingDisabled(AnthropicModel):
+    type: Literal["disabled"]
+
+
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingDisabled,
+    expects('{"type": "enabled", "budget_tokens": N} or {"type": "disabled"}'),
+]
 
 
 class TextBlock(AnthropicModel):
@@ -246,7 +270,8 @@ class Conversation(AnthropicModel):
     tools: Annotated[list[Annotated[AnthropicTool, BeforeValidator(_custom_tool)]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = Field(None, description="accepted: every prefix is cached")
-    thinking: dict[str, Any] | None = Field(None, description="only {\"type\": \"disabled\"}: no extended thinking")
+    thinking: Thinking | None = Field(None, description="enabled (with a token budget) or disabled; absent: as "
+                                      "the chat template does by default")
     container: Any | None = Field(None, description="not supported")
     mcp_servers: Any | None = Field(None, description="not supported")
     output_config: Any | None = Field(None, description="not supported")
@@ -261,9 +286,38 @@ class Conversation(AnthropicModel):
         for name in REFUSED_FIELDS:
             if getattr(self, name) is not None:
                 raise bad_request(f"'{name}' is not supported by this server", param=name)
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise bad_request("'thinking' is not supported by this server (only {\"type\": \"disabled\"})",
-                              param="thinking")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`thinking` as the chat template's switch (enable_thinking)."""
+        return {} if self.thinking is None else {"enable_thinking": isinstance(self.thinking, ThinkingEnabled)}
+
+    @property
+    def thinking_budget(self) -> int | None:
+        return self.thinking.budget_tokens if isinstance(self.thinking, ThinkingEnabled) else None
+
+    def cache_marks(self) -> list[tuple[float, list[HistoryMessage]]]:
+        """Each cache_control mark: its TTL and the conversation up to the block it marks
+        (a tool's mark: up to the end of the system turn, where tools render; the request's
+        own mark: the whole conversation)."""
+        marks: list[tuple[float, list[HistoryMessage]]] = []
+        if any(t.cache_control is not None for t in self.tools or []):
+            ttl = max(t.cache_control.ttl_s for t in self.tools or [] if t.cache_control is not None)
+            marks.append((ttl, self._system_turns(None)))
+        for k, block in enumerate(self.system if isinstance(self.system, list) else []):
+            if block.cache_control is not None:
+                marks.append((block.cache_control.ttl_s, self._system_turns(k + 1)))
+        for i, message in enumerate(self.messages):
+            for j, block in enumerate(message.content):
+                if block.cache_control is not None:
+                    cut = AnthropicMessage(role=message.role, content=message.content[: j + 1])
+                    marks.append((block.cache_control.ttl_s, self._turns(self.messages[:i] + [cut])))
+        if self.cache_control is not None:
+            marks.append((self.cache_control.ttl_s, self.history()))
+        return marks
+
+    def _system_turns(self, blocks: int | None) -> list[HistoryMessage]:
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in (self.system or [])[:blocks])
+        return [HistoryMessage("system", system)] if system else []
 
     @property
     def uses_tools(self) -> bool:
@@ -273,9 +327,11 @@ class Conversation(AnthropicModel):
         )
 
     def history(self) -> list[HistoryMessage]:
-        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
-        turns = [HistoryMessage("system", system)] if system else []
-        for i, message in enumerate(self.messages):
+        return self._turns(self.messages)
+
+    def _turns(self, messages: list[AnthropicMessage]) -> list[HistoryMessage]:
+        turns = self._system_turns(None)
+        for i, message in enumerate(messages):
             turns += message.history(f"messages[{i}]")
         return turns
 

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: the request body and the job it becomes.
 
 Fields the OpenAI API has but this server does not implement are refused when they would
-change the answer (logit_bias, non-text content parts, audio, reasoning_effort, the legacy
+change the answer (logit_bias, non-text content parts, audio, the legacy
 functions/function_call, any field it does not know) and ignored when they would not (store,
 metadata, user, service_tier...: sampling.NO_EFFECT_FIELDS). Tools: see radixserve/server/tools/.
+`chat_template_kwargs` and `reasoning_effort` reach the chat template (template_args.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from radixserve.server.errors import bad_request
 from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields
+from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
 from radixserve.server.request_group import ChatPrompt
 from radixserve.server.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
 from radixserve.server.tools.history import HistoryCall, HistoryMessage
@@ -133,6 +135,15 @@ class ChatCompletionRequest(OpenAISamplingFields):
     modalities: list[Literal["text"]] | None = Field(None, description="text only (audio output is refused)")
     functions: list[Any] | None = Field(None, description="legacy: refused; use tools")
     function_call: Any | None = Field(None, description="legacy: refused; use tool_choice")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more arguments for the chat template (e.g. {\"enable_thinking\": false})")
+    reasoning_effort: ReasoningEffort | None = Field(None, description="passed to the chat template")
+    thinking_token_budget: Integer | None = Field(
+        None, ge=1, description="vLLM's extension: at most this many reasoning tokens, then the block is closed")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The checked arguments this request passes to the chat template."""
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     @property
     def uses_tools(self) -> bool:

@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 from radixserve.server.errors import APIError, bad_request
 from radixserve.server.protocol.common import MAX_SEED, OpenAIBody, OpenAIModel, expects
 from radixserve.server.protocol.sampling import NO_EFFECT_FIELDS
+from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
 from radixserve.server.response_store import OwnedResponses
 from radixserve.server.tools.definitions import (
     MAX_TOOLS, FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition, ToolSpec, tool_spec,
@@ -110,6 +111,15 @@ NOTHING_TO_INCLUDE = frozenset({
 })
 
 
+class ReasoningOptions(OpenAIModel):
+    """`reasoning`: the effort goes to the chat template (as chat's reasoning_effort); the
+    reasoning comes back as reasoning items with its text, never summarized ("auto" allows that)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto"] | None = Field(None, description="'auto' only: no summaries are made")
+    generate_summary: Literal["auto"] | None = Field(None, description="the older name of summary")
+
+
 class ResponsesRequest(OpenAIBody):
     """The body of POST /v1/responses."""
 
@@ -138,7 +148,7 @@ class ResponsesRequest(OpenAIBody):
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = Field(None, description="'auto' (dropping input to fit) is refused")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="0 only: output logprobs are not supported")
-    reasoning: dict[str, Any] | None = Field(None, description="empty only: this model does not reason")
+    reasoning: ReasoningOptions | None = Field(None, description="effort reaches the chat template")
 
     def check_supported(self) -> None:
         """A 400 for the fields that would change the answer in ways this server does not do."""
@@ -149,8 +159,10 @@ class ResponsesRequest(OpenAIBody):
                 raise bad_request(f"'include[{index}]': {value!r} is not supported", param=f"include[{index}]")
         if self.top_logprobs:
             raise bad_request("'top_logprobs' is not supported by /v1/responses", param="top_logprobs")
-        if any(v is not None for v in (self.reasoning or {}).values()):
-            raise bad_request("'reasoning' options are not supported: this model does not reason", param="reasoning")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The arguments this request passes to the chat template (reasoning.effort)."""
+        return template_kwargs(None, self.reasoning.effort if self.reasoning is not None else None)
 
     def tool_spec(self) -> ToolSpec:
         choice = self.tool_choice

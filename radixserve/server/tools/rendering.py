@@ -60,12 +60,14 @@ class ChatRenderer:
             return TemplateInput([_native(m, names) for m in messages], [t.template_entry() for t in tools] or None)
         return TemplateInput(fallback_messages(messages, tools, self.fmt), None)
 
-    def render(self, messages: list[HistoryMessage], tools: list[ToolDefinition]) -> str:
-        """The prompt text, generation prompt included."""
+    def render(self, messages: list[HistoryMessage], tools: list[ToolDefinition],
+               template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text, generation prompt included; `template_kwargs`: the request's own
+        arguments for the template (chat_template_kwargs)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         entry = self.template_input(messages, tools)
-        kwargs = {"tools": entry.tools} if entry.tools is not None else {}
+        kwargs = {**(template_kwargs or {}), **({"tools": entry.tools} if entry.tools is not None else {})}
         return self.tokenizer.apply_chat_template(
             entry.messages, tokenize=False, add_generation_prompt=True, **kwargs
         )

@@ -43,16 +43,19 @@ class ToolCalling:
         runs on a worker thread, off the event loop."""
         return await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()
 
-    async def prompt(self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None = None) -> Prompt:
+    async def prompt(
+        self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
         """The prompt of a conversation with tools. The fallback rendering is plain messages,
         templated where every chat prompt is; a template that knows tools is rendered here
         (with `tools=`), on a worker thread, into token ids. `replies`: stored reply ids to
         splice in (engine/reply_ids.py)."""
         check_history(history)
         if not self.renderer.native:
-            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)), replies)
+            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)), replies, template_kwargs)
         try:
-            return await asyncio.to_thread(self._native_ids, history, spec, replies)
+            return await asyncio.to_thread(self._native_ids, history, spec, replies, template_kwargs)
         except Exception as exc:
             if (refused := template_error(exc)) is not None:
                 raise refused from None
@@ -63,8 +66,11 @@ class ToolCalling:
         tag = tool_call_structural_tag(spec, self.fmt)
         return {"structural_tag": tag} if tag is not None else {}
 
-    def _native_ids(self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None) -> list[int]:
-        text = self.renderer.render(history, list(spec.tools))
+    def _native_ids(
+        self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.renderer.render(history, list(spec.tools), template_kwargs)
         return self.splicer.encode(text, replies)
 
 

@@ -1,0 +1,78 @@
+"""cache_control on /v1/messages as a retention hint: each mark pins the prefix it ends
+(the conversation rendered up to the marked block) in the request's cache namespace for
+the mark's TTL (5m or 1h), once the request has computed it (at its finish, on the engine
+thread, while its blocks are in the tree). Pins order eviction; they reserve nothing
+(core/sessions.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from radixserve.outputs import RequestOutput
+from radixserve.server.async_engine import FinishHook
+from radixserve.server.protocol.jobs import Prompt
+from radixserve.server.request_group import ChatPrompt
+from radixserve.server.tools.history import HistoryMessage
+
+log = logging.getLogger("radixserve.server")
+
+Pin = tuple[float, list[int]]  # (TTL in seconds, the marked prefix's token ids as rendered alone)
+RenderPrompt = Callable[[list[HistoryMessage]], Awaitable[Prompt]]
+
+
+async def marked_prefixes(marks: list[tuple[float, list[HistoryMessage]]], render: RenderPrompt, engine: Any,
+                          template_kwargs: dict[str, Any] | None) -> list[Pin]:
+    """The token ids of each marked prefix (rendered as the whole conversation is)."""
+    pins: list[Pin] = []
+    for ttl_s, history in marks:
+        prompt = await render(history)
+        if isinstance(prompt, ChatPrompt):
+            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
+                                             template_kwargs=template_kwargs)
+        pins.append((ttl_s, list(prompt)))
+    return pins
+
+
+def pin_hook(pins: list[Pin], cache_salt: str | None) -> FinishHook | None:
+    """At the request's finish: pin the part of its prompt each mark covers (where the
+    prefix rendered alone and the prompt agree; the generation prompt after it differs)."""
+    if not pins:
+        return None
+
+    def pin(engine: Any, output: RequestOutput) -> None:
+        prompt = output.prompt_token_ids
+        for ttl_s, ids in pins:
+            size = _common_prefix(ids, prompt)
+            if size == 0:
+                continue
+            try:
+                engine.pin_prefix(prompt[:size], ttl_s, cache_salt)
+            except ValueError:  # must not raise on the engine thread; a hint is dropped
+                log.warning("cache_control: the marked prefix could not be pinned", exc_info=True)
+
+    return pin
+
+
+def chained(*hooks: FinishHook | None) -> FinishHook | None:
+    """One hook that runs each given one in turn."""
+    present = [h for h in hooks if h is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def run(engine: Any, output: RequestOutput) -> None:
+        for hook in present:
+            hook(engine, output)
+
+    return run
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    size = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        size += 1
+    return size

@@ -1,0 +1,47 @@
+"""The reasoning parsers by name (--reasoning-parser, vLLM's names) and `auto`: the parser
+the chat template in force calls for. A new format is one module and one line here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.server.reasoning.base import ReasoningParser
+from radixserve.server.reasoning.deepseek_r1 import DeepSeekR1
+from radixserve.server.reasoning.gpt_oss import CHANNEL, GptOss
+from radixserve.server.reasoning.qwen3 import Qwen3
+from radixserve.server.reasoning.think import THINK_END, prompt_opens_think
+
+PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1, "qwen3": Qwen3, "gpt_oss": GptOss}
+CHOICES = ("none", "auto", *PARSERS)
+
+
+def parser_named(name: str) -> ReasoningParser | None:
+    """The parser of a --reasoning-parser value other than `auto` (None for `none`)."""
+    if name == "none":
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(CHOICES)}")
+    return PARSERS[name]()
+
+
+def detect_parser(tokenizer: Any) -> ReasoningParser | None:
+    """`auto`: harmony channels in the template: gpt_oss; a template that speaks of
+    `</think>`: deepseek_r1 when its generation prompt opens the block, qwen3 otherwise;
+    no reasoning markers: None (every answer is content)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not isinstance(template, str):
+        return None
+    if CHANNEL in template and "analysis" in template:
+        return GptOss()
+    if THINK_END not in template:
+        return None
+    return DeepSeekR1() if prompt_opens_think(_probe(tokenizer)) else Qwen3()
+
+
+def _probe(tokenizer: Any) -> str:
+    """The generation prompt of a one-turn conversation, as the template renders it."""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that needs more than one plain turn: read nothing from it
+        return ""

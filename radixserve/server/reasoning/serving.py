@@ -1,0 +1,75 @@
+"""Reasoning: what the server needs to read reasoning for one model: its parser
+(--reasoning-parser, or `auto` from the chat template in force) and, per request, the
+ReasoningMode its template arguments call for."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from dataclasses import replace
+from typing import Any
+
+from radixserve.server.protocol.jobs import GenerationJob
+
+from radixserve.server.reasoning.base import ReasoningParser
+from radixserve.server.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning.registry import detect_parser, parser_named
+
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # the template arguments that turn thinking off
+
+
+class Reasoning:
+    """One per server. `parser`: a --reasoning-parser value (`auto`: from the template, `none`: off)."""
+
+    def __init__(self, tokenizer: Any, parser: str = "auto"):
+        self.tokenizer = tokenizer
+        self._own = copy.deepcopy(tokenizer) if tokenizer is not None else None  # for the event loop's decoding
+        self.parser: ReasoningParser | None = detect_parser(tokenizer) if parser == "auto" else parser_named(parser)
+        self._opened: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def mode(self, template_kwargs: dict[str, Any], budget: int | None = None) -> ReasoningMode | None:
+        """How a request with these template arguments reasons (None: its answer is all
+        content). Renders a probe turn the first time a set of arguments is seen: call
+        off the event loop."""
+        parser = self.parser
+        if parser is None:
+            return None
+        if parser.follows_enable_thinking and any(template_kwargs.get(k) is False for k in THINKING_SWITCHES):
+            return None
+        return ReasoningMode(parser, self._opens(parser, template_kwargs), budget, self._decoder(parser))
+
+    def _decoder(self, parser: ReasoningParser):
+        if self._own is None:
+            return None
+        skip = not parser.keeps_special_tokens
+        return lambda ids: self._own.decode(ids, skip_special_tokens=skip)
+
+    def _opens(self, parser: ReasoningParser, template_kwargs: dict[str, Any]) -> bool:
+        key = json.dumps(template_kwargs, sort_keys=True, default=str)
+        with self._lock:
+            if key in self._opened:
+                return self._opened[key]
+        opened = parser.opens_in_prompt(self._probe(template_kwargs))
+        with self._lock:
+            if len(self._opened) >= 256:
+                self._opened.clear()
+            self._opened[key] = opened
+        return opened
+
+    def _probe(self, template_kwargs: dict[str, Any]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            return ""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True, **template_kwargs)
+        except Exception:
+            return ""
+
+
+def with_reasoning(job: GenerationJob, mode: ReasoningMode | None) -> GenerationJob:
+    """The job with each sample's params reading (and constraining) the reasoning block."""
+    if mode is None:
+        return job
+    return replace(job, params=[mode.apply(p) for p in job.params])

@@ -1,0 +1,179 @@
+"""The cluster's router on KV events (no Ray): a subscriber (pyzmq SUB + msgspec, the replica's
+published format) rebuilds a replica's cached blocks from the stream alone, equal to the
+replica's own view, through eviction, tier traffic, a flush and a restart; the replay socket
+fills a gap and a late join; routing follows what replicas really hold after an eviction."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.cluster.affinity import AffinityPolicy
+from radixserve.cluster.kv_index import KVBlockIndex, wire_hashes
+from radixserve.cluster.kv_subscriber import KVEventSubscriber
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+BS = 16
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(path: str, pub: str, replay: str, **options) -> Engine:
+    return Engine(path, kv_events_endpoint=pub, kv_events_replay_endpoint=replay, **options)
+
+
+def engine_view(engine: Engine) -> dict[str, set]:
+    """The replica's own view: its radix cache's block names, pool and tier apart."""
+    view: dict[str, set] = {"CPU": set(), "CPU_TIER": set()}
+    for node in engine.cache.nodes():
+        names = [d.to_bytes(16, "big") for d in node.digests]
+        if node.blocks:
+            view["CPU"].update(names)
+        if node.slots:
+            view["CPU_TIER"].update(names)
+    return {m: held for m, held in view.items() if held}
+
+
+def known(index: KVBlockIndex, replica: str) -> dict[str, set]:
+    return {m: set(held) for m, held in index.replicas[replica].media.items() if held}
+
+
+def settle(engine: Engine, sub: KVEventSubscriber, timeout_s: float = 30.0) -> None:
+    """Poll until the subscriber has applied everything the replica published."""
+    engine.kv_events.flush()
+    deadline = time.monotonic() + timeout_s
+    while sub.index.position(sub.replica) != engine.kv_events.sequence + 1:
+        assert time.monotonic() < deadline, "the subscriber did not catch up"
+        sub.poll(100)
+    sub.poll(0)
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    shared = [5 + i % 80 for i in range(40)]
+    return [shared + [(seed * 31 + i * 7 + j) % 90 + 3 for j in range(24 + 8 * i)] for i in range(count)]
+
+
+def test_a_subscriber_rebuilds_a_replicas_blocks_through_eviction_tier_flush_restart_and_gaps(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    pub, replay = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    options = dict(num_kv_blocks=24, kv_offload_memory=1 << 20)
+    engine = _engine(path, pub, replay, **options)
+    index = KVBlockIndex(BS)
+    sub = KVEventSubscriber(index, "r0", pub, replay)
+    try:
+        for round_ in range(4):  # more than the pool holds: blocks move to the tier and back
+            if round_ == 2:
+                sub.drop_next = 1  # a batch lost on the way: the next one finds the gap
+            engine.generate(_prompts(round_, 4), GREEDY)
+            settle(engine, sub)
+            assert known(index, "r0") == engine_view(engine), f"round {round_}"
+        assert engine.cache.evicted_blocks and engine.cache.num_tier_blocks, "the workload moved blocks to the tier"
+        assert sub.replays >= 1, "the gap was filled from the replay socket"
+        engine.flush_cache()
+        settle(engine, sub)
+        assert known(index, "r0") == engine_view(engine) == {}
+        engine.generate(_prompts(7, 2), GREEDY)
+        settle(engine, sub)
+        before = index.replicas["r0"].restarts
+        engine.close()  # the replica restarts on the same endpoints: a new stream from 0
+        engine = _engine(path, pub, replay, **options)
+        engine.generate(_prompts(8, 3), GREEDY)
+        settle(engine, sub)
+        assert index.replicas["r0"].restarts == before + 1
+        assert known(index, "r0") == engine_view(engine) != {}
+        engine.check_integrity()
+    finally:
+        sub.close()
+        engine.close()
+
+
+def test_a_late_subscriber_catches_up_from_the_replay_buffer(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=24, kv_events_endpoint="tcp://127.0.0.1:*",
+                    kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        engine.generate(_prompts(1, 3), GREEDY)
+        engine.kv_events.flush()
+        index = KVBlockIndex(BS)
+        sub = KVEventSubscriber(index, "late", engine.kv_events.endpoint, engine.kv_events.replay_endpoint)
+        assert not index.tracks("late")
+        assert sub.catch_up() == engine.kv_events.sequence + 1
+        assert index.tracks("late") and known(index, "late") == engine_view(engine)
+        sub.close()
+    finally:
+        engine.close()
+
+
+def test_routing_follows_the_events_after_an_eviction(tiny_model_dir):
+    """Two replicas: a prompt's blocks on A route it to A; once A evicts them and B computes
+    them, to B; the shadow tree (which saw only the first routing) would still say A."""
+    path = str(tiny_model_dir("llama"))
+    engines = {name: Engine(path, num_kv_blocks=16, kv_events_endpoint="tcp://127.0.0.1:*",
+                            kv_events_replay_endpoint="tcp://127.0.0.1:*") for name in ("a", "b")}
+    index = KVBlockIndex(BS)
+    subs = {n: KVEventSubscriber(index, n, e.kv_events.endpoint, e.kv_events.replay_endpoint)
+            for n, e in engines.items()}
+    policy = AffinityPolicy(kv_index=index)
+    policy.set_replicas(["a", "b"])
+    prompt = [(7 * i) % 90 + 3 for i in range(96)]  # 6 blocks
+    blocks = wire_hashes(prompt + [1, 2, 3], BS)
+
+    def sync():
+        for n, e in engines.items():
+            e.kv_events.flush()
+            subs[n].catch_up()
+            subs[n].poll(100)
+
+    try:
+        sync()
+        first = policy.choose(["a", "b"], tuple(prompt), None, 0.0, blocks)
+        assert first.reason == "new" and first.ranking[0] == "a"  # nothing cached anywhere; a ties first
+        engines["a"].generate([prompt], GREEDY)
+        sync()
+        hit = policy.choose(["a", "b"], tuple(prompt), None, 1.0, blocks)
+        assert (hit.ranking, hit.reason, hit.match_length) == (["a", "b"], "kv_prefix", 6)
+        for i in range(3):  # other traffic on A evicts the prompt there
+            engines["a"].generate([[(11 * i + j) % 90 + 3 for j in range(100)]], GREEDY)
+        engines["b"].generate([prompt], GREEDY)
+        sync()
+        assert index.match("a", blocks) == 0 and index.match("b", blocks) == 6
+        moved = policy.choose(["a", "b"], tuple(prompt), None, 2.0, blocks)
+        assert (moved.ranking, moved.reason, moved.match_length) == (["b", "a"], "kv_prefix", 6)
+        assert policy.trees["a"].match_length(tuple(prompt)) == 96  # what the shadow tree still believes
+        engines["b"].flush_cache()
+        sync()
+        after = policy.choose(["a", "b"], tuple(prompt), None, 3.0, blocks)
+        assert after.reason == "new" and after.match_length == 0
+    finally:
+        for sub in subs.values():
+            sub.close()
+        for engine in engines.values():
+            engine.close()
+
+
+def test_without_events_the_shadow_tree_routes():
+    policy = AffinityPolicy(kv_index=KVBlockIndex(BS))
+    policy.set_replicas(["a", "b"])
+    policy.record("b", "system prompt and more", None, 0.0)
+    choice = policy.choose(["a", "b"], "system prompt and more!", None, 1.0, blocks=[b"x" * 16])
+    assert (choice.ranking[0], choice.reason) == ("b", "prefix")  # no replica tracked: the tree
+
+
+@pytest.mark.parametrize("scheme", ["chained", "chained64"])
+def test_wire_hashes_name_blocks_as_the_replica_does(tiny_model_dir, scheme):
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=24, kv_events_endpoint="tcp://127.0.0.1:*",
+                    kv_events_hash=scheme)
+    try:
+        prompt = _prompts(3, 1)[0]
+        engine.generate([prompt], GREEDY)
+        names = {d for node in engine.cache.nodes() for d in node.digests}
+        want = {d & (2**64 - 1) for d in names} if scheme == "chained64" else {d.to_bytes(16, "big") for d in names}
+        assert set(wire_hashes(prompt, BS, scheme=scheme)) <= want
+    finally:
+        engine.close()

@@ -1,0 +1,189 @@
+"""The reasoning parsers without a model: each format split into reasoning and content the
+same whole and streamed (any chunking), the spans the token count reads, `auto` from the
+template, the reasoning block put ahead of a constraint, and the template arguments checked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.server.errors import APIError
+from radixserve.server.protocol import ChatCompletionRequest, parse
+from radixserve.server.reasoning.base import Span
+from radixserve.server.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning.registry import CHOICES, detect_parser, parser_named
+from radixserve.server.reasoning.serving import Reasoning
+from radixserve.server.reasoning.tokens import reasoning_tokens
+
+HARMONY = ("<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>"
+           "It is 4.<|return|>")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+
+CASES = [
+    # (parser, prompt opened the block, generated text, reasoning, content)
+    ("deepseek_r1", True, "I should add.\n</think>\n\nThe sum is 4.", "I should add.\n", "The sum is 4."),
+    ("deepseek_r1", True, "<think>x</think>y", "x", "y"),
+    ("deepseek_r1", True, "no end marker, all reasoning </thi", "no end marker, all reasoning </thi", ""),
+    ("qwen3", False, "<think>\nhmm\n</think>\n\nanswer </think> stays", "\nhmm\n", "answer </think> stays"),
+    ("qwen3", False, "  plain answer <think>not reasoning</think>", "", "  plain answer <think>not reasoning</think>"),
+    ("qwen3", True, "opened by the prompt</think>rest", "opened by the prompt", "rest"),
+    ("gpt_oss", False, HARMONY, "Let me think.", "It is 4."),
+    ("gpt_oss", False, HARMONY_CALL, "Need the weather.",
+     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+     "{\"city\": \"Paris\"}<|call|>"),
+    ("gpt_oss", False, "no harmony at all", "", "no harmony at all"),
+]
+
+
+def split(name: str, opened: bool, text: str, chunk: int) -> tuple[str, str, list[Span]]:
+    splitter = parser_named(name).splitter(opened)
+    pieces = []
+    for at in range(0, len(text), chunk):
+        pieces += splitter.feed(text[at: at + chunk])
+    pieces += splitter.finish()
+    assert all(p.text for p in pieces)
+    reasoning = "".join(p.text for p in pieces if p.reasoning)
+    content = "".join(p.text for p in pieces if not p.reasoning)
+    return reasoning, content, splitter.spans
+
+
+@pytest.mark.parametrize("name,opened,text,reasoning,content", CASES)
+def test_every_chunking_splits_the_text_alike(name, opened, text, reasoning, content):
+    whole = split(name, opened, text, len(text))
+    assert whole[:2] == (reasoning, content)
+    for chunk in (1, 2, 3, 5, 7):
+        assert split(name, opened, text, chunk) == whole
+
+
+def test_a_span_covers_the_block_with_its_markers():
+    _, _, spans = split("qwen3", False, "  <think>ab</think>cd", 1)
+    assert spans == [Span(2, 19)]  # from "<think>" to the end of "</think>"
+    _, _, spans = split("deepseek_r1", True, "never closed", 4)
+    assert spans == [Span(0, None)]
+
+
+def test_reasoning_tokens_count_the_tokens_holding_the_block():
+    # Each token is two characters: "  <think>ab</think>cd" -> tokens 0..10.
+    text = "  <think>ab</think>cd"
+    ids = list(range((len(text) + 1) // 2))
+    decode = lambda prefix: text[: 2 * len(prefix)]  # noqa: E731
+    # The block spans characters [2, 19): tokens 1 (chars 2-3) to 9 (chars 18-19).
+    assert reasoning_tokens([Span(2, 19)], ids, decode) == 9
+    assert reasoning_tokens([Span(0, None)], ids, decode) == len(ids)
+    assert reasoning_tokens([Span(3, 18)], ids, decode) == 8  # inside tokens 1 and 8
+
+
+class FakeTokenizer:
+    def __init__(self, template: str, generation_prompt: str):
+        self.chat_template = template
+        self.generation_prompt = generation_prompt
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kwargs):
+        if kwargs.get("enable_thinking") is False:
+            return "<|user|>x<|assistant|><think>\n\n</think>\n\n"
+        return "<|user|>x" + self.generation_prompt
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i) for i in ids)
+
+
+def test_auto_reads_the_template_in_force():
+    r1 = FakeTokenizer("... {{ '</think>' }} ...", "<|assistant|><think>\n")
+    qwen = FakeTokenizer("{% if enable_thinking %}...{% endif %}</think>", "<|assistant|>")
+    harmony = FakeTokenizer("<|channel|>analysis<|message|>{{ m.thinking }}<|end|>", "<|start|>assistant")
+    plain = FakeTokenizer("<|im_start|>{{ m.content }}", "<|im_start|>assistant\n")
+    assert detect_parser(r1).name == "deepseek_r1"
+    assert detect_parser(qwen).name == "qwen3"
+    assert detect_parser(harmony).name == "gpt_oss"
+    assert detect_parser(plain) is None and detect_parser(None) is None
+    assert set(CHOICES) == {"none", "auto", "deepseek_r1", "qwen3", "gpt_oss"}
+
+
+def test_a_request_that_turns_thinking_off_reads_no_reasoning():
+    qwen = Reasoning(FakeTokenizer("</think>", "<|assistant|><think>\n"), "qwen3")
+    assert qwen.mode({}).opened  # this template opens the block in the prompt
+    assert qwen.mode({"enable_thinking": False}) is None
+    assert Reasoning(FakeTokenizer("</think>", "<|assistant|>"), "qwen3").mode({}).opened is False
+    harmony = Reasoning(FakeTokenizer("x", "<|start|>assistant"), "gpt_oss")
+    assert harmony.mode({"enable_thinking": False}) is not None  # gpt-oss always reasons
+    assert Reasoning(FakeTokenizer("</think>", ""), "none").mode({}) is None
+
+
+def test_a_constraint_applies_after_the_reasoning_block():
+    mode = ReasoningMode(parser_named("deepseek_r1"), True, budget=8)
+    params = mode.apply(SamplingParams(json_schema={"type": "object"}, max_tokens=50))
+    assert params.json_schema is None and not params.json_object
+    block, answer = params.structural_tag["format"]["elements"]
+    assert block == {"type": "tag", "begin": "", "content": {"type": "any_text", "max_tokens": 8}, "end": "</think>"}
+    assert answer == {"type": "json_schema", "json_schema": {"type": "object"}}
+    free = ReasoningMode(parser_named("qwen3"), False).apply(SamplingParams(choices=["a", "b"]))
+    optional, answer = free.structural_tag["format"]["elements"]
+    assert optional["type"] == "optional" and optional["content"]["begin"] == "<think>"
+    assert answer == {"type": "regex", "pattern": "(a|b)"}
+    assert ReasoningMode(parser_named("qwen3"), False).apply(SamplingParams()).structural_tag is None
+    budget_only = ReasoningMode(parser_named("qwen3"), True, budget=4).apply(SamplingParams())
+    assert budget_only.structural_tag["format"]["elements"][1] == {"type": "any_text"}
+    assert ReasoningMode(parser_named("gpt_oss"), False).apply(SamplingParams()).skip_special_tokens is False
+
+
+def test_the_forced_end_marker_compiles_and_follows_the_budget(real_model_dir):
+    """Through xgrammar on the default model's tokenizer: after `budget` tokens of reasoning
+    only `</think>` may follow, then the JSON answer."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    params = ReasoningMode(parser_named("deepseek_r1"), True, budget=3).apply(
+        SamplingParams(json_schema={"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer),
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(params.structural_tag)))
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    text = ""
+    for token in tokenizer.encode(" one two three", add_special_tokens=False):
+        assert matcher.accept_token(token)
+        text += tokenizer.decode([token])
+    while not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(mask)
+        allowed = [t for t in range(info.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+        token = min(allowed)
+        if token == tokenizer.eos_token_id:
+            break
+        assert matcher.accept_token(token)
+        text += tokenizer.decode([token])
+    assert text.startswith(" one two three</think>")
+    assert json.loads(text[len(" one two three</think>"):]) in ({"a": 1}, {"a": 2})
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"thinking_token_budget": 0}, "thinking_token_budget"),
+])
+def test_bad_template_arguments_are_a_400(extra, param):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(APIError) as caught:
+        parse(ChatCompletionRequest, body).template_kwargs()
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_template_arguments_reach_the_template_and_a_budget_needs_a_parser():
+    from radixserve.server.api.chat import chat_reasoning
+
+    body = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                         "chat_template_kwargs": {"enable_thinking": True, "custom": [1]},
+                                         "reasoning_effort": "low", "thinking_token_budget": 5})
+    assert body.template_kwargs() == {"enable_thinking": True, "custom": [1], "reasoning_effort": "low"}
+    with pytest.raises(APIError) as caught:
+        asyncio.run(chat_reasoning(body, Reasoning(FakeTokenizer("", ""), "none")))
+    assert caught.value.status == 400 and caught.value.param == "thinking_token_budget"
+    mode = asyncio.run(chat_reasoning(body, Reasoning(FakeTokenizer("</think>", "<think>"), "qwen3")))
+    assert mode.budget == 5 and mode.opened
