@@ -18,6 +18,7 @@ from radixserve.server.protocol import GenerationJob, NativeJob, ServedModel
 from radixserve.server.reasoning.serving import Reasoning
 from radixserve.server.reply_store import NamespaceReplies, ReplyIdStore
 from radixserve.server.request_group import RequestGroup
+from radixserve.server.output.token_ids import TokenIdsResponder
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
@@ -59,6 +60,8 @@ async def serve_job(
     on_finish: FinishHook | None = None,
 ) -> Response:
     group = await server_state(request).engine.submit(job.inputs(), on_finish=on_finish)
+    if job.return_token_ids:
+        responder = TokenIdsResponder(responder)
     if job.stream:
         return stream(responder.chunks(group), on_close=group.abort)
     outputs = await results_unless_disconnected(request, group)

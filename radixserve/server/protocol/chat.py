@@ -181,5 +181,5 @@ class ChatCompletionRequest(OpenAISamplingFields):
         stream, include_usage = self.stream_flags()
         return GenerationJob(
             model, [prompt], self.samples(params), self.n, stream, include_usage, False, logprobs, self.cache_salt,
-            session_id=self.session_id,
+            session_id=self.session_id, return_token_ids=self.return_token_ids,
         )

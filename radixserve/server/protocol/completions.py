@@ -47,7 +47,7 @@ class CompletionRequest(OpenAISamplingFields):
         stream, include_usage = self.stream_flags()
         return GenerationJob(
             model, prompts, self.samples(params), self.n, stream, include_usage, self.echo, self.logprobs,
-            self.cache_salt, session_id=self.session_id,
+            self.cache_salt, session_id=self.session_id, return_token_ids=self.return_token_ids,
         )
 
     def prompts(self) -> list[Prompt]:

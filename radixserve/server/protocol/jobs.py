@@ -27,6 +27,7 @@ class GenerationJob:
     cache_salt: str | None = None  # the engine's salt: the tenant's namespace and the client's cache_salt
     session_id: str | None = None  # the agent conversation it continues (a cache hint)
     hints: AgentHints | None = None  # agent hints (core/agent_hints.py)
+    return_token_ids: bool = False  # the answer carries prompt_token_ids and token_ids (output/token_ids.py)
 
     def inputs(self) -> list[GenerationInput]:
         return [

@@ -77,6 +77,7 @@ class OpenAISamplingFields(OpenAIBody):
     speculative: bool | None = Field(
         None, description="prompt-lookup speculative decoding for this request (same output); null: the server's --speculative"
     )
+    return_token_ids: bool = Field(False, description="vLLM's: the answer carries the prompt's and each choice's token ids")
     # Accepted and ignored (type-checked all the same):
     user: str | None = None
     metadata: dict[str, Any] | None = None
