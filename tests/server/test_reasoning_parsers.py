@@ -187,3 +187,19 @@ def test_template_arguments_reach_the_template_and_a_budget_needs_a_parser():
     assert caught.value.status == 400 and caught.value.param == "thinking_token_budget"
     mode = asyncio.run(chat_reasoning(body, Reasoning(FakeTokenizer("</think>", "<think>"), "qwen3")))
     assert mode.budget == 5 and mode.opened
+
+
+def test_the_parser_follows_the_template_in_force():
+    class Tokenizer(FakeTokenizer):
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, chat_template=None,
+                                **kwargs):
+            return "<|assistant|><think>\n" if chat_template and "open" in chat_template else "<|assistant|>"
+
+    plain = Tokenizer("<|im_start|>{{ m.content }}", "")
+    assert Reasoning(plain).parser is None
+    served = Reasoning(plain, chat_template="open {{ '</think>' }}")  # --chat-template
+    assert served.parser.name == "deepseek_r1"
+    own = Reasoning(plain).for_template("{{ '</think>' }}")  # a request's own template
+    assert own.parser.name == "qwen3" and own.mode({}).opened is False
+    assert Reasoning(plain).for_template(None).parser is None
+    assert Reasoning(plain, "none").for_template("open </think>").parser is None

@@ -24,24 +24,27 @@ def parser_named(name: str) -> ReasoningParser | None:
     return PARSERS[name]()
 
 
-def detect_parser(tokenizer: Any) -> ReasoningParser | None:
-    """`auto`: harmony channels in the template: gpt_oss; a template that speaks of
-    `</think>`: deepseek_r1 when its generation prompt opens the block, qwen3 otherwise;
-    no reasoning markers: None (every answer is content)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+def detect_parser(tokenizer: Any, chat_template: str | None = None) -> ReasoningParser | None:
+    """`auto`, from the template in force (`chat_template`, else the tokenizer's own): harmony
+    channels: gpt_oss; a template that speaks of `</think>`: deepseek_r1 when its generation
+    prompt opens the block, qwen3 otherwise; no reasoning markers: None (all is content)."""
+    template = chat_template or (getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
     if not isinstance(template, str):
         return None
     if CHANNEL in template and "analysis" in template:
         return GptOss()
     if THINK_END not in template:
         return None
-    return DeepSeekR1() if prompt_opens_think(_probe(tokenizer)) else Qwen3()
+    return DeepSeekR1() if prompt_opens_think(probe(tokenizer, chat_template)) else Qwen3()
 
 
-def _probe(tokenizer: Any) -> str:
-    """The generation prompt of a one-turn conversation, as the template renders it."""
+def probe(tokenizer: Any, chat_template: str | None = None, **template_kwargs: Any) -> str:
+    """The generation prompt of a one-turn conversation, as the template in force renders it."""
+    if tokenizer is None:
+        return ""
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
     try:
         return tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **extra, **template_kwargs)
     except Exception:  # a template that needs more than one plain turn: read nothing from it
         return ""

@@ -1,6 +1,6 @@
 """Reasoning: what the server needs to read reasoning for one model: its parser
-(--reasoning-parser, or `auto` from the chat template in force) and, per request, the
-ReasoningMode its template arguments call for."""
+(--reasoning-parser, or `auto` from the chat template in force: --chat-template, a request's
+own, else the model's) and, per request, the ReasoningMode its template arguments call for."""
 
 from __future__ import annotations
 
@@ -11,23 +11,44 @@ from dataclasses import replace
 from typing import Any
 
 from radixserve.server.protocol.jobs import GenerationJob
-
 from radixserve.server.reasoning.base import ReasoningParser
 from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.registry import detect_parser, parser_named
+from radixserve.server.reasoning.registry import detect_parser, parser_named, probe
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")  # the template arguments that turn thinking off
+MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their parsers detected)
 
 
 class Reasoning:
-    """One per server. `parser`: a --reasoning-parser value (`auto`: from the template, `none`: off)."""
+    """One per server. `parser`: a --reasoning-parser value (`auto`: from the template, `none`:
+    off); `chat_template`: --chat-template's text (None: the model's own template)."""
 
-    def __init__(self, tokenizer: Any, parser: str = "auto"):
+    def __init__(self, tokenizer: Any, parser: str = "auto", chat_template: str | None = None, _own: Any = None):
         self.tokenizer = tokenizer
-        self._own = copy.deepcopy(tokenizer) if tokenizer is not None else None  # for the event loop's decoding
-        self.parser: ReasoningParser | None = detect_parser(tokenizer) if parser == "auto" else parser_named(parser)
+        self.parser_name = parser
+        self.template = chat_template
+        # The event loop decodes with its own copy (the engine's belongs to the engine thread).
+        self._own = _own if _own is not None else copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.parser: ReasoningParser | None = (
+            detect_parser(tokenizer, chat_template) if parser == "auto" else parser_named(parser))
         self._opened: dict[str, bool] = {}
+        self._derived: dict[str, Reasoning] = {}
         self._lock = threading.Lock()
+
+    def for_template(self, template: str | None) -> Reasoning:
+        """The reasoning under a request's own chat template (None: this one); the parser
+        follows the template under `auto`. The template is checked where the prompt renders."""
+        if template is None or template == self.template:
+            return self
+        with self._lock:
+            derived = self._derived.get(template)
+        if derived is None:
+            derived = Reasoning(self.tokenizer, self.parser_name, template, self._own)
+            with self._lock:
+                while len(self._derived) >= MAX_REQUEST_TEMPLATES:
+                    self._derived.pop(next(iter(self._derived)))
+                self._derived[template] = derived
+        return derived
 
     def mode(self, template_kwargs: dict[str, Any], budget: int | None = None) -> ReasoningMode | None:
         """How a request with these template arguments reasons (None: its answer is all
@@ -59,13 +80,7 @@ class Reasoning:
         return opened
 
     def _probe(self, template_kwargs: dict[str, Any]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            return ""
-        try:
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True, **template_kwargs)
-        except Exception:
-            return ""
+        return probe(self.tokenizer, self.template, **template_kwargs)
 
 
 def with_reasoning(job: GenerationJob, mode: ReasoningMode | None) -> GenerationJob:
