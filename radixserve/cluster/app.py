@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from radixserve.cluster.ingress import ClusterIngress, IngressOptions
+from radixserve.cluster.ingress import ClusterIngress, IngressOptions, KVEventRouting
 from radixserve.cluster.options import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, ClusterOptions
 from radixserve.cluster.replica import RadixReplica
 from radixserve.cluster.routers import ROUTER_CLASSES
@@ -26,6 +26,8 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
     )
     options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys,
                              api_keys=server.all_api_keys)
+    if engine_kwargs.get("kv_events_endpoint") and not cluster.disaggregated and cluster.router == "affinity":
+        options = dataclasses.replace(options, kv_events=KVEventRouting.of(engine_kwargs))
     if not cluster.disaggregated:
         replica = _deployment(RadixReplica, "RadixReplica", cluster.replicas, server, cluster)
         return ingress.bind(replica.bind(engine_kwargs, server), options)

@@ -9,6 +9,11 @@ trees for that role, prefill_picker.py), which the request carries to the decode
 /flush_cache, /abort_request (a rid lives on one replica), /v1/sessions/{id}/close and the
 debug endpoints.
 
+With KV events on (--kv-events-endpoint and the affinity router, colocated), the ingress
+subscribes to every replica's event stream (kv_feed.py) and names each request's prompt
+blocks as the replicas do (request_blocks.py), so the router matches what the replicas
+really hold; the shadow trees stay the fallback (replicas not tracked, routes not named).
+
 A replica that dies while serving a request fails that request with a 503
 (code "replica_failed"; not retried: generation may already have streamed to the client);
 requests not yet sent go to the live replicas, and Ray starts a replacement.
@@ -16,8 +21,11 @@ requests not yet sent go to the live replicas, and Ray starts a replacement.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +37,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.cluster.affinity import AffinityConfig
 from radixserve.cluster.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseHead
+from radixserve.cluster.kv_feed import KVEventFeed
+from radixserve.cluster.kv_index import KVBlockIndex
 from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.prefill_picker import PrefillPicker
-from radixserve.cluster.registry import register_picker, router_for
+from radixserve.cluster.registry import register_kv_index, register_picker, router_for
+from radixserve.cluster.request_blocks import RequestBlocks
 from radixserve.cluster.routing_key import BROADCAST_PATHS, response_session, routing_key
 from radixserve.server.errors import APIError, error_response
 from radixserve.server.metrics import CONTENT_TYPE
@@ -41,6 +52,23 @@ from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 _SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted", "/v1/sessions/release": "released"}  # answers added up over replicas
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9A-Za-z]+)"')
 _REPLICA_GONE = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+_KV_SYNC_S = 5.0  # how often the ingress asks the replicas for their KV event endpoints
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVEventRouting:
+    """What the ingress needs to route on the replicas' KV events."""
+
+    block_size: int
+    hash_scheme: str = "chained"
+    model: str | None = None  # the replicas' model: its tokenizer names the requests' blocks
+    model_cache_dir: str | None = None
+
+    @classmethod
+    def of(cls, engine_kwargs: dict[str, Any]) -> "KVEventRouting":
+        return cls(engine_kwargs.get("block_size", 16), engine_kwargs.get("kv_events_hash", "chained"),
+                   engine_kwargs.get("model"), engine_kwargs.get("model_cache_dir"))
 
 
 @dataclass(frozen=True)
@@ -51,6 +79,7 @@ class IngressOptions:
     api_keys: tuple[str, ...] = ()  # every accepted key (admin keys included): checked here, before routing
     broadcast_timeout_s: float = 10.0
     prefill_affinity: AffinityConfig | None = None  # disaggregated: the ingress picks prefill replicas by it
+    kv_events: KVEventRouting | None = None  # route on the replicas' KV events
 
 
 class ClusterIngress:
@@ -60,6 +89,11 @@ class ClusterIngress:
         self.options = options
         self.keyring = KeyRing(options.api_keys)
         self.prefill_picker: PrefillPicker | None = None
+        self.kv_feed: KVEventFeed | None = None
+        self.request_blocks: RequestBlocks | None = None
+        self._kv_synced = 0.0
+        if options.kv_events is not None:
+            self._start_kv_events(options.kv_events)
         if prefill is not None and options.prefill_affinity is not None:
             self.prefill_picker = PrefillPicker(options.prefill_affinity)
             register_picker(options.app_name, self.prefill_picker)  # before the handle's router starts
@@ -83,6 +117,32 @@ class ClusterIngress:
         except APIError as exc:
             return error_response(path, exc)
 
+    def _start_kv_events(self, routing: KVEventRouting) -> None:
+        self.kv_index = KVBlockIndex(routing.block_size, routing.hash_scheme)
+        register_kv_index(self.options.app_name, self.kv_index)  # before the handle's router starts
+        self.kv_feed = KVEventFeed(self.kv_index)
+        try:
+            tokenizer = _tokenizer(routing.model, routing.model_cache_dir)
+        except Exception:  # token-id prompts are still named
+            log.warning("the ingress could not load the model's tokenizer: only token-id prompts route on KV events",
+                        exc_info=True)
+            tokenizer = None
+        self.request_blocks = RequestBlocks(tokenizer, routing.block_size, routing.hash_scheme,
+                                            self.options.shared_cache_across_keys)
+        _start_router(self.replicas)
+
+    async def _sync_kv_events(self) -> None:
+        """Every few seconds: the replicas' event endpoints, to subscribe to new ones."""
+        if self.kv_feed is None or time.monotonic() - self._kv_synced < _KV_SYNC_S:
+            return
+        self._kv_synced = time.monotonic()
+        try:
+            answers = await self.replicas.broadcast("kv_events").results_async(
+                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True)
+        except Exception:
+            return
+        self.kv_feed.sync({a[0]: (a[1], a[2]) for a in answers if isinstance(a, tuple) and a[1]})
+
     def _tenant(self, request: Request) -> str | None:
         """The caller's key digest (None without keys); an APIError 401 for no accepted key."""
         if not self.keyring:
@@ -93,6 +153,7 @@ class ClusterIngress:
     # ---- one replica ------------------------------------------------------------------------
 
     async def _forward(self, request: Request, tenant: str | None) -> Response:
+        await self._sync_kv_events()
         forwarded = await self._read(request, tenant)
         picker = self.prefill_picker
         forwarded.prefill_replica = picker.pick(forwarded.routing) if picker is not None else None
@@ -138,6 +199,8 @@ class ClusterIngress:
             except (ValueError, RecursionError):
                 parsed = None  # the replica answers with its own 400
         key = routing_key(request.url.path, parsed, tenant, self.options.shared_cache_across_keys)
+        if key is not None and self.request_blocks is not None:
+            key = dataclasses.replace(key, blocks=self.request_blocks.names(request.url.path, parsed, tenant))
         return ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
             list(request.scope["headers"]), body, key, tenant=tenant,
@@ -248,6 +311,14 @@ class ClusterIngress:
             raise _failure(results[0] if results and isinstance(results[0], Exception) else RuntimeError("no replica"))
         head, body = next((a for a in answers if a[0].status == 200), answers[0])
         return Response(body, status_code=head.status, headers=_headers(head))
+
+
+def _tokenizer(model: str | None, cache_dir: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    from radixserve.model.loader import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model, cache_dir, float_weights=False))
 
 
 def _start_router(handle: Any) -> None:

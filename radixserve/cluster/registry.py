@@ -11,6 +11,7 @@ from typing import Any
 
 _ROUTERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _PICKERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_KV_INDEXES: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
 
 def register(app_name: str, router: Any) -> None:
@@ -24,6 +25,15 @@ def router_for(app_name: str) -> Any:
 
 def register_picker(app_name: str, picker: Any) -> None:
     _PICKERS[app_name] = picker
+
+
+def register_kv_index(app_name: str, index: Any) -> None:
+    _KV_INDEXES[app_name] = index
+
+
+def kv_index_for(app_name: str) -> Any:
+    """The KVBlockIndex the ingress of `app_name` feeds from the replicas' KV events, or None."""
+    return _KV_INDEXES.get(app_name)
 
 
 def picker_for(app_name: str) -> Any:

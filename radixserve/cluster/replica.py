@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 
 from radixserve.cluster.forwarding import ForwardedRequest, ResponseHead, collect, serve_forwarded
+from radixserve.cluster.kv_feed import replica_engine_kwargs
 from radixserve.server.options import ServerOptions
 
 
@@ -25,9 +26,12 @@ class RadixReplica:
         from radixserve.engine import Engine
         from radixserve.server.app import create_app
 
+        from ray.util import get_node_ip_address
+
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.options = server_options
-        self.app = create_app(Engine(**engine_kwargs), server_options)
+        self.engine = Engine(**replica_engine_kwargs(engine_kwargs, get_node_ip_address()))
+        self.app = create_app(self.engine, server_options)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
 
@@ -44,6 +48,13 @@ class RadixReplica:
             with contextlib.suppress(ValueError, TypeError):
                 body = json.dumps({**json.loads(body), "role": self.role}).encode()
         return head, body
+
+    def kv_events(self) -> tuple[str, str | None, str | None]:
+        """(this replica, its KV event stream's endpoint, its replay endpoint); (id, None, None) with events off."""
+        publisher = self.engine.kv_events
+        if publisher is None:
+            return self.replica, None, None
+        return self.replica, publisher.endpoint, publisher.replay_endpoint
 
     def check_health(self) -> None:
         """Ray's health probe: a broken engine fails it, and Ray replaces the replica."""

@@ -35,7 +35,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Session, then longest approximate cached prefix, then load (AffinityPolicy)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.policy = AffinityPolicy(AffinityConfig(**kwargs))
+        kv_index = registry.kv_index_for(self.app_name) if self._deployment_id.name != PREFILL_DEPLOYMENT else None
+        self.policy = AffinityPolicy(AffinityConfig(**kwargs), kv_index=kv_index)
         self._chosen: dict[str, str] = {}  # internal request id -> replica choose_replicas picked
         self.reasons: dict[str, int] = {}  # routing decisions by reason (metrics)
         if self._deployment_id.name != PREFILL_DEPLOYMENT:  # the ingress's router is the front one's
@@ -76,7 +77,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             ranking = sorted(by_id, key=lambda r: (self.policy.in_flight.get(r, 0), r))
             return [[by_id[r]] for r in ranking]
         routing = request.routing
-        choice = self.policy.choose(live, routing.key, routing.session_id, time.monotonic())
+        choice = self.policy.choose(live, routing.key, routing.session_id, time.monotonic(), routing.blocks)
         self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1
         assert pending_request is not None
         self._chosen[pending_request.metadata.internal_request_id] = choice.ranking[0]

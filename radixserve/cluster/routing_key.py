@@ -27,6 +27,7 @@ UNKEYED_PATHS = ("/v1/messages/count_tokens",)  # any replica answers alike: it 
 class RoutingKey:
     key: Key  # a str, or a tuple of token ids (led by a namespace marker when namespaced)
     session_id: str | None = None
+    blocks: tuple | None = None  # the prompt's block names as replicas publish them (KV events on)
 
     @property
     def text(self) -> str:

@@ -177,3 +177,153 @@ def test_wire_hashes_name_blocks_as_the_replica_does(tiny_model_dir, scheme):
         assert set(wire_hashes(prompt, BS, scheme=scheme)) <= want
     finally:
         engine.close()
+
+
+def test_the_ingress_names_a_requests_blocks_as_the_replica_publishes_them(real_model_dir):
+    """/generate token ids and text, a completion's text and a chat conversation, in a key's
+    namespace: the names the ingress computes are the replica's own blocks for that prompt."""
+    from transformers import AutoTokenizer
+
+    from radixserve.cluster.request_blocks import RequestBlocks
+
+    engine = Engine(str(real_model_dir), num_kv_blocks=64, kv_events_endpoint="tcp://127.0.0.1:*")
+    namer = RequestBlocks(AutoTokenizer.from_pretrained(real_model_dir), engine.config.block_size)
+    messages = [{"role": "system", "content": "You route requests. " * 8}, {"role": "user", "content": "Where?"}]
+    text = "The radix tree keeps every shared prefix once. " * 4
+    try:
+        cases = [
+            ("/generate", {"input_ids": list(range(100, 140))}, list(range(100, 140)), None),
+            ("/generate", {"text": text}, engine.preparer.tokenizer.encode(text), None),
+            ("/v1/completions", {"model": "m", "prompt": text, "cache_salt": "s"}, engine.preparer.tokenizer.encode(text),
+             "key:t1/s"),
+            ("/v1/chat/completions", {"model": "m", "messages": messages}, engine.apply_chat_template(messages),
+             "key:t1"),
+        ]
+        for path, body, ids, salt in cases:
+            engine.generate([ids], SamplingParams(max_tokens=1)) if salt is None else engine.add_request(
+                ids, SamplingParams(max_tokens=1), cache_salt=salt)
+            while engine.has_unfinished_requests():
+                engine.step()
+            held = {d.to_bytes(16, "big") for node in engine.cache.nodes() for d in node.digests}
+            names = namer.names(path, body, "t1" if salt else None)
+            assert names and len(names) == len(ids) // engine.config.block_size and set(names) <= held, path
+        assert namer.names("/v1/chat/completions", {"messages": messages, "tools": [{}]}, None) is None
+        assert namer.names("/v1/messages", {"messages": messages}, None) is None
+    finally:
+        engine.close()
+
+
+def test_the_feed_subscribes_to_the_live_replicas_and_forgets_gone_ones(tiny_model_dir):
+    from radixserve.cluster.kv_feed import KVEventFeed, replica_engine_kwargs
+
+    path = str(tiny_model_dir("llama"))
+    kwargs = replica_engine_kwargs({"num_kv_blocks": 16, "kv_events_endpoint": "tcp://x:1"}, "127.0.0.1")
+    assert kwargs["kv_events_endpoint"] == kwargs["kv_events_replay_endpoint"] == "tcp://127.0.0.1:*"
+    engines = {n: Engine(path, **kwargs) for n in ("a", "b")}
+    index = KVBlockIndex(BS)
+    feed = KVEventFeed(index)
+    try:
+        for e in engines.values():
+            e.generate(_prompts(2, 1), GREEDY)
+            e.kv_events.flush()
+        feed.sync({n: (e.kv_events.endpoint, e.kv_events.replay_endpoint) for n, e in engines.items()})
+        deadline = time.monotonic() + 30
+        while not all(index.tracks(n) and known(index, n) == engine_view(e) for n, e in engines.items()):
+            assert time.monotonic() < deadline, "the feed did not catch up"
+            time.sleep(0.05)
+        feed.sync({"a": (engines["a"].kv_events.endpoint, engines["a"].kv_events.replay_endpoint)})
+        assert feed.replicas == ["a"] and not index.tracks("b")
+    finally:
+        feed.close()
+        for e in engines.values():
+            e.close()
+
+
+def test_the_ingress_subscribes_to_the_replicas_and_names_each_request(tiny_model_dir):
+    """A stand-in deployment handle: the ingress asks the replicas for their event endpoints,
+    its feed tracks both, and a forwarded request carries its block names to the router."""
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from radixserve.cluster import registry
+    from radixserve.cluster.forwarding import serve_forwarded
+    from radixserve.cluster.ingress import ClusterIngress, IngressOptions, KVEventRouting
+
+    path = str(tiny_model_dir("llama"))
+    engines = {n: Engine(path, num_kv_blocks=16, kv_events_endpoint="tcp://127.0.0.1:*",
+                         kv_events_replay_endpoint="tcp://127.0.0.1:*") for n in ("a", "b")}
+
+    async def generate(request: Request):
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+
+    class Stream:
+        def __init__(self, items):
+            self.items = items
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return await self.items.__anext__()
+
+        def cancel(self):
+            pass
+
+    class Handle:
+        requests: list = []
+
+        def options(self, **kwargs):
+            return self
+
+        @property
+        def forward(self):
+            return self
+
+        def remote(self, request):
+            self.requests.append(request)
+            return Stream(serve_forwarded(app, request, "a"))
+
+        def broadcast(self, method):
+            assert method == "kv_events"
+
+            class Answers:
+                async def results_async(self, timeout_s, return_exceptions):
+                    return [(n, e.kv_events.endpoint, e.kv_events.replay_endpoint) for n, e in engines.items()]
+
+            return Answers()
+
+    handle = Handle()
+    ingress = ClusterIngress(handle, IngressOptions("kv-app", 2, kv_events=KVEventRouting(BS, model=path)))
+    prompt = [(3 * i) % 90 + 3 for i in range(40)]
+
+    async def asgi(scope, receive, send):
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://cluster") as client:
+            return await client.post("/generate", json={"input_ids": prompt})
+
+    try:
+        assert asyncio.run(post()).status_code == 200
+        assert registry.kv_index_for("kv-app") is ingress.kv_index
+        assert handle.requests[0].routing.blocks == tuple(wire_hashes(prompt, BS))
+        deadline = time.monotonic() + 30
+        while not all(ingress.kv_index.tracks(n) for n in engines):
+            assert time.monotonic() < deadline, "the ingress did not subscribe"
+            time.sleep(0.05)
+        engines["b"].generate([prompt], GREEDY)
+        while ingress.kv_index.match("b", wire_hashes(prompt, BS)) != 2:
+            assert time.monotonic() < deadline, "the ingress did not see b's blocks"
+            time.sleep(0.05)
+    finally:
+        ingress.kv_feed.close()
+        for e in engines.values():
+            e.close()
