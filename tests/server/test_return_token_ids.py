@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai
 import pytest
 
 from test_tools import ASK, TOOLS, chat
@@ -76,3 +77,45 @@ def test_a_tool_turn_is_prompted_with_every_id_generated_before(client):
             {"id": call.id, "type": "function", "function": {"name": call.function.name,
                                                              "arguments": call.function.arguments}}]})
         history.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18})})
+
+
+def test_prompt_ids_on_chat_are_used_as_given_with_calls_parsed(client):
+    """A trainer's tokens in: the ids are the prompt as given (and hit the cache the earlier
+    turn left), the forced call is parsed out of the answer as ever."""
+    first = chat(client, tool_choice="required", parallel_tool_calls=False, max_tokens=48, extra_body=IDS)
+    given = extra(first, "prompt_token_ids")
+    again = chat(client, tool_choice="required", parallel_tool_calls=False, max_tokens=48,
+                 extra_body={**IDS, "prompt_token_ids": given})
+    assert extra(again, "prompt_token_ids") == given
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(given) - 1) // 16 * 16
+    call = again.choices[0].message.tool_calls[0]
+    assert call.function.name in {"get_weather", "add"} and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_prompt_ids_on_chat_keep_the_reasoning_split(engine):
+    """With a reasoning parser (deepseek_r1: everything before </think> is reasoning), an answer
+    to given ids still splits: what the model wrote before </think> is reasoning_content."""
+    import openai
+
+    from radixserve.server import ServerOptions, create_app
+    from radixserve.server.testing import BackgroundServer
+
+    think = engine.tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                                    add_special_tokens=False)
+    with BackgroundServer(create_app(engine, ServerOptions(reasoning_parser="deepseek_r1"))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                             temperature=0, extra_body={"prompt_token_ids": think, **IDS})
+    message = out.choices[0].message
+    assert extra(out, "prompt_token_ids") == think
+    reasoning = extra(message, "reasoning_content")
+    assert reasoning.strip() and reasoning.strip() in engine.tokenizer.decode(extra(out.choices[0], "token_ids"))
+    assert not message.content  # cut by max_tokens before </think>: all of it is reasoning
+
+
+@pytest.mark.parametrize("ids, fragment", [([], "empty"), ([-1], "prompt_token_ids"), ([10**9], "token ids")])
+def test_bad_prompt_ids_on_chat_are_refused(client, ids, fragment):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"prompt_token_ids": ids})
+    assert fragment in str(refused.value)
