@@ -34,7 +34,7 @@ from radixserve.server.request_group import GenerationInput, RequestGroup
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.tools.call_format import HERMES
+from radixserve.server.tools import HERMES
 from radixserve.server.tools.definitions import FunctionDefinition, ToolDefinition, ToolSpec
 from radixserve.server.tools.parser import ToolCallParser
 from radixserve.server.tools.serving import ToolCalling, ToolOutput

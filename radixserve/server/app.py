@@ -44,7 +44,8 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
     async_engine.on_finished = metrics.observe_finished
     state = ServerState(
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
-        engine.max_model_len, ToolCalling(engine.tokenizer, options.tool_call_parser),
+        engine.max_model_len,
+        ToolCalling(engine.tokenizer, options.tool_call_parser, options.chat_template, options.trust_request_chat_template),
         Reasoning(engine.tokenizer, options.reasoning_parser),
     )
 

@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from radixserve.server.options import ServerOptions
-from radixserve.server.tools.call_format import PARSER_CHOICES
+from radixserve.server.chat_template import load_chat_template
+from radixserve.server.tools.formats import PARSER_CHOICES
 from radixserve.server.reasoning.registry import CHOICES as REASONING_CHOICES
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
@@ -43,8 +44,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve /debug/check_integrity and /debug/stats")
     group.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=list(PARSER_CHOICES),
-                       help="how the model writes tool calls: hermes/qwen (<tool_call>{json}</tool_call>), llama3 "
-                            "(JSON with \"parameters\"), or auto: detected from the chat template (default)")
+                       help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>), llama3_json, "
+                            "pythonic, mistral, qwen3_coder, deepseek_v3, harmony (see docs/tools.md), or auto: "
+                            "detected from the chat template in force (default)")
+    group.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) in place of the model's own; "
+                            "the tool-call and reasoning parsers follow it under auto")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let chat requests bring their own 'chat_template' (refused by default: a template is "
+                            "code the server runs)")
     group.add_argument("--reply-token-reuse", default="on", choices=["on", "off"],
                        help="on (default): an earlier reply re-sent in a chat prompt gets the token ids it was "
                             "generated as, so the prefix cache hits through it; off: its text is tokenized again")
@@ -68,6 +76,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         enable_debug_endpoints=args.enable_debug_endpoints,
         reply_token_reuse=args.reply_token_reuse == "on",
         tool_call_parser=args.tool_call_parser,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template is not None else None,
+        trust_request_chat_template=args.trust_request_chat_template,
         reasoning_parser=args.reasoning_parser,
     )
 

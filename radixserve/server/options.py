@@ -20,7 +20,9 @@ class ServerOptions:
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may finish
     served_model_name: str | None = None  # another name the model answers to
     enable_debug_endpoints: bool = False  # /debug/check_integrity and /debug/stats
-    tool_call_parser: str = "auto"  # how tool calls are written: hermes (qwen), llama3, or auto (from the template)
+    tool_call_parser: str = "auto"  # how tool calls are written: a format's name (tools/formats/), or auto (from the template)
+    chat_template: str | None = None  # a Jinja chat template's text in place of the model's own (--chat-template)
+    trust_request_chat_template: bool = False  # whether a chat request may bring its own `chat_template`
     reasoning_parser: str = "auto"  # how reasoning is written: deepseek_r1, qwen3, gpt_oss, none, or auto (from the template)
     reply_token_reuse: bool = True  # a re-sent reply is prompted with the ids it was generated as (reply_store.py)
 
@@ -30,7 +32,7 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        from radixserve.server.tools.call_format import PARSER_CHOICES
+        from radixserve.server.tools.formats import PARSER_CHOICES
 
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")

@@ -97,7 +97,7 @@ async def messages_job(
     mode = await _reasoning_mode(request, reasoning, kwargs)
     spec, prompt = await _prompt(request, calling, kwargs)
     job = with_reasoning(request.to_job(served, prompt, calling.constraint(spec)), mode)
-    parser = ToolCallParser(calling.fmt, spec.names) if spec.parses_calls else None
+    parser = ToolCallParser(calling.fmt, spec.names, spec.schemas) if spec.parses_calls else None
     pins = []
     if engine is not None and cache_block is not None:
         render = lambda history: _conversation_prompt(request, history, spec, calling, kwargs)  # noqa: E731

@@ -131,7 +131,7 @@ class ResponsesResponder:
                 yield {"type": kind, "sequence_number": next(sequence), "response": response}
 
     def _parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.calling.fmt, self.spec.names) if self.spec is not None else None
+        return ToolCallParser(self.calling.fmt, self.spec.names, self.spec.schemas) if self.spec is not None else None
 
     def _response(self, builder: ResponseOutputBuilder) -> dict[str, Any]:
         """The response object: in progress until the builder has seen the finish."""

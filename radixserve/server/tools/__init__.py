@@ -1,8 +1,12 @@
-"""Tool calling: definitions and their checks, the call formats, the parser of generated
-calls, the chat rendering of tools and earlier calls, and the grammar that makes calls parse."""
+"""Tool calling: definitions and their checks, the call formats (server/tools/formats/, one
+module each), the parser of generated calls, the chat rendering of tools and earlier calls,
+and the grammar that makes calls parse."""
 
-from radixserve.server.tools.call_format import HERMES, LLAMA3, PARSER_CHOICES, ToolCallFormat, detect_format, format_named
+from radixserve.server.tools.call_format import ToolCallFormat
 from radixserve.server.tools.definitions import MAX_TOOLS, NO_TOOLS, NamedToolChoice, ToolChoice, ToolDefinition, ToolSpec, tool_spec
+from radixserve.server.tools.formats import PARSER_CHOICES, detect_format, format_named
+from radixserve.server.tools.formats.hermes import HERMES
+from radixserve.server.tools.formats.llama3_json import LLAMA3_JSON
 from radixserve.server.tools.grammar import MAX_PARALLEL_CALLS, tool_call_structural_tag
 from radixserve.server.tools.history import HistoryCall, HistoryMessage, check_history
 from radixserve.server.tools.parser import (
@@ -10,8 +14,10 @@ from radixserve.server.tools.parser import (
 )
 from radixserve.server.tools.rendering import ChatRenderer, fallback_messages, template_supports_tools
 
+LLAMA3 = LLAMA3_JSON  # the name earlier code and tests use
+
 __all__ = [
-    "HERMES", "LLAMA3", "MAX_PARALLEL_CALLS", "MAX_TOOLS", "NO_TOOLS", "PARSER_CHOICES",
+    "HERMES", "LLAMA3", "LLAMA3_JSON", "MAX_PARALLEL_CALLS", "MAX_TOOLS", "NO_TOOLS", "PARSER_CHOICES",
     "ArgumentsDelta", "CallStarted", "ChatRenderer", "ContentDelta", "HistoryCall", "HistoryMessage",
     "NamedToolChoice", "ParsedCall", "ParsedOutput", "ToolCallFormat", "ToolCallParser", "ToolChoice",
     "ToolDefinition", "ToolSpec", "check_history", "detect_format", "fallback_messages", "format_named",

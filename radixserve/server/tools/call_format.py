@@ -1,78 +1,78 @@
-"""ToolCallFormat: how a model writes a tool call in its output text.
+"""ToolCallFormat: how one model family writes tool calls in its output text.
 
-One format is shared by the three places that must agree on it: the parser that reads
-calls back out of generated text, the grammar that constrains generation, and the
-fallback rendering of an assistant's earlier calls into the prompt. Calls are always
-written in the same canonical shape (the one the grammar forces), so a history re-sent
-by an agent renders to exactly the bytes the model generated.
+A format is shared by the three places that must agree on it: the parser that reads calls
+back out of generated text, the grammar that constrains generation (server/tools/grammar.py
+builds it from the pieces below), and the fallback rendering of an assistant's earlier calls
+into the prompt. Calls are written in one canonical shape, the one the grammar forces:
+
+    block_open  call_begin(name) arguments call_end  separator  call_begin(...) ...  block_close
+
+so a history re-sent by an agent renders to exactly the bytes the model generated. Each
+format is one module in server/tools/formats/, registered in formats/__init__.py.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.server.tools.definitions import ToolDefinition
+    from radixserve.server.tools.parser import CallParser, Schemas
 
 
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """`open` + `{"name": <name>, "<args_key>": <arguments>}` + `close`, calls joined by `separator`.
+class ToolCallFormat(ABC):
+    name: str = ""
+    block_open: str = ""  # before the first call ("" when each call stands alone)
+    block_close: str = ""  # after the last call
+    separator: str = ""  # between two calls
+    call_end: str = ""  # after a call's arguments
+    trigger: str = ""  # the text that opens calls under tool_choice `auto`
 
-    `anywhere`: a call may start anywhere in the text (after content); otherwise only at the
-    start of the output or right after another call (Llama 3's convention)."""
-
-    name: str
-    open: str
-    close: str
-    args_key: str
-    separator: str
-    anywhere: bool
-    strip_prefixes: tuple[str, ...] = ()  # markers a model may put before its first call
-
-    def begin(self, tool_name: str) -> str:
+    @abstractmethod
+    def call_begin(self, tool_name: str) -> str:
         """The text of a call up to its arguments."""
-        prefix = f"{self.open}\n" if self.open else ""
-        return f'{prefix}{{"name": {json.dumps(tool_name, ensure_ascii=False)}, "{self.args_key}": '
+
+    @abstractmethod
+    def parser(self, allowed: set[str] | None, schemas: Schemas) -> CallParser:
+        """A fresh machine reading one output."""
+
+    def triggers(self, names: list[str]) -> list[str]:
+        """What opens calls under `auto` (the grammar constrains from there on)."""
+        return [self.trigger]
+
+    def arguments_format(self, tool: ToolDefinition, grammar: str) -> dict[str, Any]:
+        """The structural-tag format of a call's arguments; `grammar`: the schema as compact JSON."""
+        return {"type": "grammar", "grammar": grammar}
+
+    def render_arguments(self, arguments: str) -> str:
+        """The arguments (JSON text) as the call writes them."""
+        return arguments
+
+    def render_call(self, tool_name: str, arguments: str) -> str:
+        return self.call_begin(tool_name) + self.render_arguments(arguments) + self.call_end
+
+    def render_calls(self, calls: list[tuple[str, str]]) -> str:
+        """(name, arguments) pairs as generated, in the canonical shape."""
+        return self.block_open + self.separator.join(self.render_call(n, a) for n, a in calls) + self.block_close
+
+    def render_message(self, content: str | None, calls: list[tuple[str, str]]) -> str:
+        """An assistant turn's content and calls as generated."""
+        return self.join_content(content, self.render_calls(calls))
+
+    def join_content(self, content: str | None, calls: str) -> str:
+        """Content before the calls' text. Content that does not end in whitespace is set
+        apart from the calls by a newline."""
+        if not content:
+            return calls
+        return content + calls if content[-1].isspace() else f"{content}\n{calls}"
 
     @property
     def end(self) -> str:
-        """The text of a call after its arguments."""
-        return f"}}\n{self.close}" if self.close else "}"
+        """What follows the last call's arguments."""
+        return self.call_end + self.block_close
 
-    def render_call(self, tool_name: str, arguments: str) -> str:
-        """One call; `arguments` is JSON text, inserted verbatim."""
-        return self.begin(tool_name) + arguments + self.end
+    def example(self) -> str:
+        """How to call, as the fallback system turn shows it."""
+        return self.render_call("<function-name>", "<arguments-json-object>")
 
-    def render_calls(self, calls: list[tuple[str, str]]) -> str:
-        return self.separator.join(self.render_call(name, args) for name, args in calls)
-
-
-HERMES = ToolCallFormat(
-    name="hermes", open="<tool_call>", close="</tool_call>", args_key="arguments", separator="\n", anywhere=True
-)
-LLAMA3 = ToolCallFormat(
-    name="llama3", open="", close="", args_key="parameters", separator="; ", anywhere=False,
-    strip_prefixes=("<|python_tag|>",),
-)
-
-FORMATS = {"hermes": HERMES, "qwen": HERMES, "llama3": LLAMA3, "llama3_json": LLAMA3}
-PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3")
-
-
-def format_named(name: str) -> ToolCallFormat:
-    """The format for a --tool-call-parser value other than `auto`; ValueError for an unknown one."""
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSER_CHOICES)}") from None
-
-
-def detect_format(chat_template: str | None) -> ToolCallFormat:
-    """`auto`: Llama 3's JSON format when the template speaks of `<|python_tag|>` or
-    `"parameters"` calls without `<tool_call>` tags; otherwise (and for templates with no
-    tool support at all, such as the default model's ChatML) the Hermes/Qwen tags."""
-    template = chat_template or ""
-    if "<tool_call>" in template:
-        return HERMES
-    if "<|python_tag|>" in template or ("<|eom_id|>" in template and "parameters" in template):
-        return LLAMA3
-    return HERMES

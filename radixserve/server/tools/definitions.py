@@ -83,6 +83,11 @@ class ToolSpec:
         return [t.name for t in self.tools]
 
     @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each tool's parameters schema by name (formats that type values by it: qwen3_coder)."""
+        return {t.name: t.parameters for t in self.tools}
+
+    @property
     def parses_calls(self) -> bool:
         """Whether the output is read for calls (tool_choice `none` leaves it all content)."""
         return bool(self.tools) and self.mode != "none"

@@ -1,15 +1,17 @@
-"""The constraint that makes tool calls parse: an xgrammar structural tag over the calls.
+"""The constraint that makes tool calls parse: an xgrammar structural tag over the calls,
+built from the format's pieces (ToolCallFormat: block_open, call_begin, arguments, call_end,
+separator, block_close) for every format alike.
 
-- `required` / a named tool: the whole output is one or more calls (exactly one when
-  parallel calls are off, at most MAX_PARALLEL_CALLS otherwise), each naming a declared
-  tool (the named one) with arguments valid under that tool's `parameters` schema.
-- `auto`: free text, but once the model opens a call (`<tool_call>` for Hermes, `{"name": `
-  for Llama 3), the name and arguments are constrained as above until the call closes.
+- `required` / a named tool: the whole output is one block of one or more calls (exactly
+  one when parallel calls are off, at most MAX_PARALLEL_CALLS otherwise), each naming a
+  declared tool (the named one) with arguments valid under that tool's `parameters` schema.
+- `auto`: free text, but once the model opens calls (the format's trigger: `<tool_call>`,
+  `[TOOL_CALLS]`, `{"name": ` ...), the block is constrained as above until it closes.
 - `none`: no constraint.
 
-Calls come out in the format's canonical shape (`ToolCallFormat.begin` / `.end`), with
-compact JSON arguments (the schema's grammar without free whitespace) separated as `json.dumps` writes them (", " and ": "), which is
-also what the fallback rendering writes back into the next turn's prompt.
+Calls come out in the format's canonical shape, which is also what the fallback rendering
+writes back into the next turn's prompt. JSON arguments are compact (the schema's grammar
+without free whitespace) with ", " and ": " separators, as `json.dumps` writes them.
 """
 
 from __future__ import annotations
@@ -26,25 +28,53 @@ def tool_call_structural_tag(spec: ToolSpec, fmt: ToolCallFormat) -> dict[str, A
     """The structural tag (as JSON-ready dict) for this request, or None when unconstrained."""
     if not spec.parses_calls:
         return None
-    tags = [_tag(tool, grammar, fmt) for tool, grammar in spec.callable_tools()]
-    if spec.mode == "auto":
-        trigger = fmt.open if fmt.open else fmt.begin("")[: len('{"name": ')]
-        body = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not spec.parallel}
-    else:
-        body = _forced_calls(tags, fmt, spec.parallel)
+    tools = spec.callable_tools()
+    calls = [_call(tool, grammar, fmt) for tool, grammar in tools]
+    body = _auto(tools, calls, fmt, spec.parallel) if spec.mode == "auto" else _block(calls, fmt, spec.parallel)
     return {"type": "structural_tag", "format": body}
 
 
-def _forced_calls(tags: list[dict[str, Any]], fmt: ToolCallFormat, parallel: bool) -> dict[str, Any]:
-    one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+def _auto(tools: list[tuple[ToolDefinition, str]], calls: list[dict[str, Any]], fmt: ToolCallFormat,
+          parallel: bool) -> dict[str, Any]:
+    triggers = list(dict.fromkeys(fmt.triggers([tool.name for tool, _ in tools])))
+    if not fmt.block_open:
+        return {"type": "triggered_tags", "triggers": triggers, "tags": calls, "stop_after_first": not parallel}
+    # the block's opening and the first call's header as one tag begin, so a trigger opens both
+    tags = [
+        {"type": "tag", "begin": fmt.block_open + fmt.call_begin(tool.name),
+         "content": _sequence([fmt.arguments_format(tool, grammar), _const(fmt.call_end), *_more(calls, fmt, parallel)]),
+         "end": fmt.block_close}
+        for tool, grammar in tools
+    ]
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": True}
+
+
+def _block(calls: list[dict[str, Any]], fmt: ToolCallFormat, parallel: bool) -> dict[str, Any]:
+    one = _one_of(calls)
+    return _sequence([_const(fmt.block_open), one, *_more(calls, fmt, parallel), _const(fmt.block_close)])
+
+
+def _more(calls: list[dict[str, Any]], fmt: ToolCallFormat, parallel: bool) -> list[dict[str, Any]]:
+    """The calls after the first (none when parallel calls are off)."""
     if not parallel:
-        return one
-    more = {"type": "sequence", "elements": [{"type": "const_string", "value": fmt.separator}, one]}
-    return {
-        "type": "sequence",
-        "elements": [one, {"type": "repeat", "min": 0, "max": MAX_PARALLEL_CALLS - 1, "content": more}],
-    }
+        return []
+    another = _sequence([_const(fmt.separator), _one_of(calls)])
+    return [{"type": "repeat", "min": 0, "max": MAX_PARALLEL_CALLS - 1, "content": another}]
 
 
-def _tag(tool: ToolDefinition, grammar: str, fmt: ToolCallFormat) -> dict[str, Any]:
-    return {"type": "tag", "begin": fmt.begin(tool.name), "content": {"type": "grammar", "grammar": grammar}, "end": fmt.end}
+def _call(tool: ToolDefinition, grammar: str, fmt: ToolCallFormat) -> dict[str, Any]:
+    return {"type": "tag", "begin": fmt.call_begin(tool.name), "content": fmt.arguments_format(tool, grammar),
+            "end": fmt.call_end}
+
+
+def _one_of(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    return calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+
+
+def _sequence(elements: list[dict[str, Any] | None]) -> dict[str, Any]:
+    kept = [e for e in elements if e is not None]
+    return kept[0] if len(kept) == 1 else {"type": "sequence", "elements": kept}
+
+
+def _const(text: str) -> dict[str, Any] | None:
+    return {"type": "const_string", "value": text} if text else None

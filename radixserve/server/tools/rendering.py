@@ -45,14 +45,21 @@ def template_supports_tools(template: str | None) -> bool:
     return bool(template) and ("tool_calls" in template or "tools" in template)
 
 
-class ChatRenderer:
-    """Renders histories for one tokenizer (its chat template) and one call format."""
+def own_template(tokenizer: Any) -> str | None:
+    """The tokenizer's own chat template (None when it has none, or not one text)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return template if isinstance(template, str) and template else None
 
-    def __init__(self, tokenizer: Any, fmt: ToolCallFormat):
+
+class ChatRenderer:
+    """Renders histories for one tokenizer and one call format, through `template` (the chat
+    template in force: --chat-template or a request's) or else the tokenizer's own."""
+
+    def __init__(self, tokenizer: Any, fmt: ToolCallFormat, template: str | None = None):
         self.tokenizer = tokenizer
         self.fmt = fmt
-        template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        self.native = template_supports_tools(template if isinstance(template, str) else None)
+        self.template = template
+        self.native = template_supports_tools(template if template is not None else own_template(tokenizer))
 
     def template_input(self, messages: list[HistoryMessage], tools: list[ToolDefinition]) -> TemplateInput:
         if self.native:
@@ -64,10 +71,12 @@ class ChatRenderer:
                template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text, generation prompt included; `template_kwargs`: the request's own
         arguments for the template (chat_template_kwargs)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not (self.template or own_template(self.tokenizer)):
             raise ValueError("this model has no chat template")
         entry = self.template_input(messages, tools)
         kwargs = {**(template_kwargs or {}), **({"tools": entry.tools} if entry.tools is not None else {})}
+        if self.template is not None:
+            kwargs["chat_template"] = self.template
         return self.tokenizer.apply_chat_template(
             entry.messages, tokenize=False, add_generation_prompt=True, **kwargs
         )
@@ -86,7 +95,7 @@ def fallback_messages(messages: list[HistoryMessage], tools: list[ToolDefinition
                 out.append({"role": "user", "content": text, "_results": "1"})
         elif message.role == "assistant" and message.tool_calls:
             calls = _calls_as_written(message.tool_calls, fmt)
-            out.append({"role": "assistant", "content": f"{message.content}\n{calls}" if message.content else calls})
+            out.append({"role": "assistant", "content": fmt.join_content(message.content, calls)})
         else:
             out.append({"role": message.role, "content": message.content or ""})
     for entry in out:
@@ -98,8 +107,7 @@ def fallback_messages(messages: list[HistoryMessage], tools: list[ToolDefinition
 
 def tools_system_text(tools: list[ToolDefinition], fmt: ToolCallFormat) -> str:
     lines = "\n".join(json.dumps(t.template_entry()["function"], ensure_ascii=False) for t in tools)
-    example = fmt.render_call("<function-name>", "<arguments-json-object>")
-    return f"{TOOLS_HEADER}{lines}\n\nTo call a function, answer with:\n{example}"
+    return f"{TOOLS_HEADER}{lines}\n\nTo call a function, answer with:\n{fmt.example()}"
 
 
 def _add_tools_to_system(out: list[dict[str, str]], tools: list[ToolDefinition], fmt: ToolCallFormat) -> None:

@@ -1,22 +1,27 @@
-"""ToolCalling: what the server needs to serve tools for one model: its call format
-(--tool-call-parser, or detected from the chat template) and how its prompts render."""
+"""ToolCalling: what the server needs to serve tools for one model: the chat template in force
+(--chat-template, a request's `chat_template`, else the model's own), its call format
+(--tool-call-parser, or `auto`: detected from that template) and how its prompts render."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
-from radixserve.server.errors import template_error
+from radixserve.server.chat_template import check_chat_template
+from radixserve.server.errors import bad_request, template_error
 from radixserve.server.request_group import ChatPrompt
-from radixserve.server.tools.call_format import ToolCallFormat, detect_format, format_named
+from radixserve.server.tools.call_format import ToolCallFormat
+from radixserve.server.tools.formats import format_named
 from radixserve.server.tools.definitions import ToolSpec
 from radixserve.server.tools.history import HistoryMessage, check_history
-from radixserve.server.tools.rendering import ChatRenderer, fallback_messages
+from radixserve.server.tools.rendering import ChatRenderer, fallback_messages, own_template
 from radixserve.server.tools.grammar import tool_call_structural_tag
 
 Prompt = ChatPrompt | list[int]
+MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their formats detected)
 
 
 class ToolRequest(Protocol):
@@ -28,15 +33,46 @@ class ToolRequest(Protocol):
 
 
 class ToolCalling:
-    """One per server. `parser`: a --tool-call-parser value (`auto` detects from the template)."""
+    """One per server. `parser`: a --tool-call-parser value (`auto` detects from the template);
+    `chat_template`: --chat-template's text (None: the model's own template);
+    `trust_request_templates`: whether a request may bring its own `chat_template`."""
 
-    def __init__(self, tokenizer: Any, parser: str = "auto"):
-        template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        self.fmt: ToolCallFormat = detect_format(template if isinstance(template, str) else None) \
-            if parser == "auto" else format_named(parser)
-        self.renderer = ChatRenderer(tokenizer, self.fmt)
+    def __init__(self, tokenizer: Any, parser: str = "auto", chat_template: str | None = None,
+                 trust_request_templates: bool = False):
+        self.parser = parser
+        self.template = chat_template  # None: the model's own, which the engine renders with
+        self.fmt: ToolCallFormat = format_named(parser, chat_template or own_template(tokenizer))
+        self.renderer = ChatRenderer(tokenizer, self.fmt, chat_template)
         self.tokenizer = tokenizer
         self.splicer = ReplySplicer(tokenizer)
+        self.trust_request_templates = trust_request_templates
+        self._derived: dict[str, ToolCalling] = {}
+
+    def for_template(self, template: str | None, param: str = "chat_template") -> ToolCalling:
+        """This server's tool calling under a request's own template (None: this one). The
+        format follows the template when the parser is `auto`."""
+        if template is None:
+            return self
+        if not self.trust_request_templates:
+            raise bad_request(f"'{param}' is refused: this server does not take chat templates from requests "
+                              "(start it with --trust-request-chat-template)", param=param)
+        if template not in self._derived:
+            try:
+                check_chat_template(template, f"'{param}'")
+            except ValueError as exc:
+                raise bad_request(str(exc), param=param) from None
+            while len(self._derived) >= MAX_REQUEST_TEMPLATES:
+                self._derived.pop(next(iter(self._derived)))
+            self._derived[template] = self._under(template)
+        return self._derived[template]
+
+    def _under(self, template: str) -> ToolCalling:
+        derived = copy.copy(self)
+        derived.template = template
+        derived.fmt = format_named(self.parser, template)
+        derived.renderer = ChatRenderer(self.tokenizer, derived.fmt, template)
+        derived._derived = {}
+        return derived
 
     async def spec(self, request: ToolRequest) -> ToolSpec:
         """The request's checked tools. Checking compiles each tool's schema: with tools it
@@ -47,12 +83,13 @@ class ToolCalling:
         self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
-        """The prompt of a conversation with tools. The fallback rendering is plain messages,
-        templated where every chat prompt is; a template that knows tools is rendered here
-        (with `tools=`), on a worker thread, into token ids. `replies`: stored reply ids to
+        """The prompt of a conversation with tools. The fallback rendering under the model's own
+        template is plain messages, templated where every chat prompt is; a template that knows
+        tools (with `tools=`), or any template other than the model's own (--chat-template, a
+        request's), is rendered here, on a worker thread, into token ids. `replies`: stored reply ids to
         splice in (engine/reply_ids.py)."""
         check_history(history)
-        if not self.renderer.native:
+        if not self.renderer.native and self.template is None:
             return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)), replies, template_kwargs)
         try:
             return await asyncio.to_thread(self._native_ids, history, spec, replies, template_kwargs)

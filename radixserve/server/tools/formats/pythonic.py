@@ -1,0 +1,168 @@
+"""pythonic: Llama 3.2 (lightweight models), Llama 4, and models given vLLM's pythonic
+template. The output opens with a Python list of calls with keyword arguments:
+
+    [get_weather(city="Paris", unit="c"), add(a=1, b=2)]
+
+Values are read with Python's `ast` (never evaluated) into JSON arguments; a value already
+written as JSON (the canonical shape, and what the grammar forces) is kept as written, so
+the call renders back byte for byte.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any
+
+import regex
+
+from radixserve.server.tools.call_format import ToolCallFormat
+from radixserve.server.tools.definitions import ToolDefinition
+from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax
+from radixserve.server.tools.formats.scan_parser import ScanParser
+from radixserve.server.tools.json_scan import object_items
+from radixserve.server.tools.parser import Schemas
+
+_KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)", re.S)
+_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def pythonic_arguments(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
+    """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole."""
+    parts: list[str] = []
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == ")":
+            return "{" + ", ".join(parts) + "}", pos
+        end = _argument_end(text, pos)
+        if end is None:
+            return ("{" + ", ".join(parts)) if parts else "", None
+        parts.append(_pair(text[pos:end], len(parts)))
+        pos = end + 1 if text[end] == "," else end
+
+
+SYNTAX = BlockSyntax(
+    open="[",
+    header=regex.compile(r"\s*(?P<name>[A-Za-z_][\w.\-]*)\("),
+    read_arguments=pythonic_arguments,
+    tail=regex.compile(r"\)"),
+    between=regex.compile(r"\s*,\s*"),
+    close=regex.compile(r"\s*\](?:\s*<\|python_end\|>)?"),
+    anywhere=False,
+    lead=r"\s*(?:<\|python_start\|>|<\|python_tag\|>)?\s*",
+)
+
+
+class PythonicFormat(ToolCallFormat):
+    name = "pythonic"
+    block_open = "["
+    block_close = "]"
+    separator = ", "
+    call_end = ")"
+
+    def call_begin(self, tool_name: str) -> str:
+        return f"{tool_name}("
+
+    def triggers(self, names: list[str]) -> list[str]:
+        return [f"[{name}(" for name in names]
+
+    def parser(self, allowed: set[str] | None, schemas: Schemas) -> ScanParser:
+        return ScanParser(BlockScanner(SYNTAX, allowed))
+
+    def arguments_format(self, tool: ToolDefinition, grammar: str) -> dict[str, Any]:
+        """The required keyword arguments in the schema's order, each value JSON under its schema."""
+        schema = tool.parameters
+        properties = schema.get("properties") or {}
+        elements: list[dict[str, Any]] = []
+        for key in [k for k in properties if k in set(schema.get("required") or [])]:
+            prefix = f", {key}=" if elements else f"{key}="
+            elements += [{"type": "const_string", "value": prefix},
+                         {"type": "json_schema", "json_schema": properties[key]}]
+        return {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}  # no arguments: f()
+
+    def render_arguments(self, arguments: str) -> str:
+        items = object_items(arguments)
+        if items is None:
+            return arguments
+        return ", ".join(f"{key}={value}" for key, value in items[0])
+
+    def example(self) -> str:
+        return "[<function-name>(<parameter>=<JSON value>, ...), ...]"
+
+
+PYTHONIC = PythonicFormat()
+
+
+def _pair(text: str, index: int) -> str:
+    match = _KWARG.match(text)
+    key, value = (match.group(1), match.group(2)) if match else (f"_{index}", text)
+    return f"{json.dumps(key)}: {_json_value(value.strip())}"
+
+
+def _json_value(text: str) -> str:
+    """The value as JSON text: as written when it is JSON, else its Python literal converted
+    (a value that is neither stays, as a string)."""
+    try:
+        json.loads(text)
+        return text
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return json.dumps(_literal(ast.parse(text, mode="eval").body), ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return json.dumps(text, ensure_ascii=False)
+
+
+def _literal(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMES:
+        return _NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        return {_key(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError("not a literal")
+
+
+def _key(node: ast.AST | None) -> str:
+    value = _literal(node) if node is not None else None
+    if not isinstance(value, str):
+        raise ValueError("a dict key that is not a string")
+    return value
+
+
+def _argument_end(text: str, pos: int) -> int | None:
+    """Where the argument at `pos` ends: its `,` or the call's `)` (brackets and strings aware)."""
+    depth, quote, escape = 0, "", False
+    for at in range(pos, len(text)):
+        ch = text[at]
+        if quote:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return at if ch == ")" else None
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return at
+    return None
+
+
+def _skip_ws(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at

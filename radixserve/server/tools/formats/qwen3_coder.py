@@ -1,0 +1,128 @@
+"""qwen3_coder: Qwen3-Coder, Qwen 3.5 (XML calls). Each call stands alone, anywhere after content,
+its parameters one element each:
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A value is typed by the tool's schema: a string parameter is the text as written; any other
+is JSON where the text is JSON (kept as written), else a Python literal, else a string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import regex
+
+from radixserve.server.tools.call_format import ToolCallFormat
+from radixserve.server.tools.definitions import ToolDefinition
+from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax
+from radixserve.server.tools.formats.pythonic import _json_value
+from radixserve.server.tools.formats.scan_parser import ScanParser
+from radixserve.server.tools.json_scan import object_items
+from radixserve.server.tools.parser import Schemas
+
+_PARAMETER = regex.compile(r"\s*<parameter=(?P<key>[^>\n]+)>")
+_PARAMETER_END = "</parameter>"
+
+
+class Qwen3CoderFormat(ToolCallFormat):
+    name = "qwen3_coder"
+    separator = "\n"
+    call_end = "\n</function>\n</tool_call>"
+    trigger = "<tool_call>"
+
+    def call_begin(self, tool_name: str) -> str:
+        return f"<tool_call>\n<function={tool_name}>\n"
+
+    def parser(self, allowed: set[str] | None, schemas: Schemas) -> ScanParser:
+        return ScanParser(BlockScanner(_syntax(schemas), allowed))
+
+    def arguments_format(self, tool: ToolDefinition, grammar: str) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": tool.parameters, "style": "qwen_xml"}
+
+    def render_arguments(self, arguments: str) -> str:
+        items = object_items(arguments)
+        if items is None:
+            return arguments
+        return "\n".join(f"<parameter={key}>\n{_written(value)}\n{_PARAMETER_END}" for key, value in items[0])
+
+    def example(self) -> str:
+        return ("<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n</parameter>\n"
+                "</function>\n</tool_call>")
+
+
+QWEN3_CODER = Qwen3CoderFormat()
+
+
+def _syntax(schemas: Schemas) -> BlockSyntax:
+    def read(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
+        return _parameters(text, pos, (schemas.get(name) or {}).get("properties") or {})
+
+    return BlockSyntax(
+        open="<tool_call>",
+        header=regex.compile(r"\s*<function=(?P<name>[^>\n]+)>"),
+        read_arguments=read,
+        tail=regex.compile(r"\s*</function>\s*</tool_call>"),
+        between=regex.compile(r"\s*<tool_call>"),
+    )
+
+
+def _parameters(text: str, pos: int, properties: dict[str, Any]) -> tuple[str, int | None]:
+    """Parameters up to what is not one (the tail): each joins the JSON arguments once closed."""
+    parts: list[str] = []
+    while True:
+        match = _PARAMETER.match(text, pos, partial=True)
+        if match is None:
+            return "{" + ", ".join(parts) + "}", pos
+        end = text.find(_PARAMETER_END, match.end()) if not match.partial else -1
+        if end < 0:
+            return ("{" + ", ".join(parts)) if parts else "", None
+        key = match.group("key")
+        parts.append(f"{json.dumps(key, ensure_ascii=False)}: {_typed(_unwrap(text[match.end():end]), properties.get(key))}")
+        pos = end + len(_PARAMETER_END)
+
+
+def _unwrap(value: str) -> str:
+    """The value less the one newline the format puts on each side."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema: Any) -> str:
+    if _is_string(schema):
+        return json.dumps(value, ensure_ascii=False)
+    typed = _json_value(value.strip())
+    if typed == json.dumps(value.strip(), ensure_ascii=False) and schema is None:
+        return json.dumps(value, ensure_ascii=False)
+    return typed
+
+
+def _is_string(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return True
+    enum = schema.get("enum")
+    return kind is None and isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
+
+
+def _written(value: str) -> str:
+    """A JSON value as the format writes it: a string's text itself, anything else as JSON."""
+    if value.startswith('"'):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(decoded, str):
+            return decoded
+    return value
+
+
