@@ -59,6 +59,8 @@ async def chat_job(
     calling = calling.for_template(body.chat_template)
     spec = await calling.spec(body)
     kwargs = body.template_kwargs() or None
+    if body.prompt_token_ids is not None:
+        return _given_ids(body, served, calling, spec)
     if not body.uses_tools and calling.template is None:
         return _with_replies(body.to_job(served), replies, kwargs), None
     prompt = await calling.prompt(body.history(), spec, replies, kwargs)
@@ -73,6 +75,16 @@ async def chat_reasoning(body: ChatCompletionRequest, reasoning: Reasoning) -> R
         raise bad_request("'thinking_token_budget' needs a model whose reasoning the server reads: start it with "
                           "--reasoning-parser (or a chat template that reasons)", param="thinking_token_budget")
     return mode
+
+
+def _given_ids(
+    body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling, spec: Any,
+) -> tuple[GenerationJob, ToolOutput | None]:
+    """The client's prompt ids in place of the rendered messages (a trainer's tokens in, tokens
+    out); the request's tools still constrain and parse the answer, its reasoning still splits."""
+    tools = body.uses_tools and spec.parses_calls
+    job = body.to_job(served, list(body.prompt_token_ids), calling.constraint(spec) if body.uses_tools else None)
+    return job, ToolOutput(spec, calling.fmt) if tools else None
 
 
 def _with_replies(job: GenerationJob, replies: ReplyLookup | None, template_kwargs: dict | None = None) -> GenerationJob:

@@ -16,7 +16,7 @@ from pydantic import ConfigDict, Field
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel, expects
 from radixserve.server.protocol.jobs import GenerationJob
-from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields
+from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields, TokenId
 from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
 from radixserve.server.request_group import ChatPrompt
 from radixserve.server.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
@@ -135,6 +135,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     modalities: list[Literal["text"]] | None = Field(None, description="text only (audio output is refused)")
     functions: list[Any] | None = Field(None, description="legacy: refused; use tools")
     function_call: Any | None = Field(None, description="legacy: refused; use tool_choice")
+    prompt_token_ids: list[TokenId] | None = Field(
+        None, description="the prompt's token ids, used as given in place of the rendered messages (tools and "
+                          "reasoning still read the answer)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="more arguments for the chat template (e.g. {\"enable_thinking\": false})")
     reasoning_effort: ReasoningEffort | None = Field(None, description="passed to the chat template")
