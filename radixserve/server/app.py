@@ -46,7 +46,7 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
         async_engine, options, _served_model(engine, options), TokenTexts(engine.tokenizer), metrics,
         engine.max_model_len,
         ToolCalling(engine.tokenizer, options.tool_call_parser, options.chat_template, options.trust_request_chat_template),
-        Reasoning(engine.tokenizer, options.reasoning_parser),
+        Reasoning(engine.tokenizer, options.reasoning_parser, options.chat_template),
     )
 
     @contextlib.asynccontextmanager

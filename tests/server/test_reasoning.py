@@ -178,3 +178,28 @@ def test_anthropic_thinking_disabled_and_bad_budgets(think):
         with pytest.raises(anthropic.BadRequestError) as caught:
             client.messages.create(model=model, max_tokens=max_tokens, messages=QUESTION, thinking=thinking)
         assert "thinking" in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def served_template(real_model_dir):
+    """A server whose --chat-template is THINK_TEMPLATE (the model's own template unchanged):
+    `auto` reads deepseek_r1 from the template in force."""
+    from radixserve import Engine
+
+    engine = Engine(str(real_model_dir), num_kv_blocks=256, max_model_len=2048)
+    text = engine.tokenizer.apply_chat_template(QUESTION, chat_template=THINK_TEMPLATE, tokenize=False,
+                                                add_generation_prompt=True)
+    greedy = engine.generate([engine.tokenizer.encode(text, add_special_tokens=False)],
+                             SamplingParams(max_tokens=6, temperature=0))[0]
+    options = ServerOptions(chat_template=THINK_TEMPLATE)
+    with BackgroundServer(create_app(engine, options)) as server:
+        yield server, engine.model_name, greedy.text
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_reasoning_parser_follows_the_served_template(served_template):
+    server, model, text = served_template
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.reasoning_content == text and whole.choices[0].message.content is None
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 6

@@ -203,3 +203,37 @@ def test_the_parser_follows_the_template_in_force():
     assert own.parser.name == "qwen3" and own.mode({}).opened is False
     assert Reasoning(plain).for_template(None).parser is None
     assert Reasoning(plain, "none").for_template("open </think>").parser is None
+
+
+def test_harmony_reasoning_then_the_final_channel_under_a_budget(real_model_dir):
+    """gpt_oss's markers are special tokens: the grammar names them as tokens. On the default
+    tokenizer with harmony's markers added, three tokens of analysis, then the final channel's
+    JSON; the splitter reads it back."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>"]})
+    stop = tokenizer.convert_tokens_to_ids("<|return|>")
+    params = ReasoningMode(parser_named("gpt_oss"), False, budget=3).apply(
+        SamplingParams(json_schema={"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[stop])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(params.structural_tag)))
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    wanted = tokenizer.encode("<|channel|>analysis<|message|> one two three four", add_special_tokens=False)
+    out: list[int] = []
+    while not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(mask)
+        allowed = {t for t in range(info.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+        token = wanted[len(out)] if len(out) < len(wanted) and wanted[len(out)] in allowed else min(allowed)
+        if token == stop:
+            break
+        assert matcher.accept_token(token)
+        out.append(token)
+    text = tokenizer.decode(out, skip_special_tokens=False)
+    assert text == '<|channel|>analysis<|message|> one two three<|end|><|start|>assistant<|channel|>final<|message|>{"a":1}'
+    reasoning, content, spans = split("gpt_oss", False, text, 3)
+    assert (reasoning, json.loads(content), spans) == (" one two three", {"a": 1}, [Span(0, text.index("<|start|>"))])

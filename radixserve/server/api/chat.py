@@ -43,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = parse(ChatCompletionRequest, await read_hinted_json(request))
     replies = caller_replies(request, body.cache_salt)
-    reasoning = await chat_reasoning(body, state.reasoning)
+    reasoning = await chat_reasoning(body, state.reasoning.for_template(body.chat_template))
     job, tools = await chat_job(body, state.served, state.tools, replies)
     job = in_namespace(request, with_reasoning(job, reasoning))
     return await serve_job(request, job, ChatResponder(job, state.texts, tools, reasoning),
