@@ -92,7 +92,8 @@ def test_a_call_cut_by_max_tokens_comes_back_as_generated(client, server):
     body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": history, "tools": TOOLS})
     messages = fallback_messages(body.history(), list(body.tool_spec().tools), state.tools.fmt)
     text = state.tools.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    written = state.tools.fmt.begin(call.function.name) + call.function.arguments
+    fmt = state.tools.fmt
+    written = fmt.block_open + fmt.call_begin(call.function.name) + fmt.render_arguments(call.function.arguments)
     assert f"<|im_start|>assistant\n{written}<|im_end|>" in text
 
 
