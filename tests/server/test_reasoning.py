@@ -7,6 +7,7 @@ tool applies only after it."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import anthropic
@@ -18,7 +19,9 @@ from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
 
 THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
     "{% endif %}"
@@ -41,9 +44,10 @@ def think(real_model_dir):
     on = engine.generate([engine.apply_chat_template(QUESTION)], greedy)[0]
     off_ids = engine.apply_chat_template(QUESTION, template_kwargs={"enable_thinking": False})
     off = engine.generate([off_ids], greedy)[0]
-    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    tokenizer = copy.deepcopy(engine.tokenizer)  # the engine's own belongs to its thread once serving
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     with BackgroundServer(create_app(engine, ServerOptions(enable_debug_endpoints=True))) as server:
-        yield server, engine.model_name, on.token_ids, off.text, decode
+        yield server, engine.model_name, on.token_ids, off.text, decode, tokenizer
     engine.check_integrity()
     assert not engine.has_unfinished_requests()
 
@@ -203,3 +207,31 @@ def test_the_reasoning_parser_follows_the_served_template(served_template):
     whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=6, temperature=0)
     assert whole.choices[0].message.reasoning_content == text and whole.choices[0].message.content is None
     assert whole.usage.completion_tokens_details.reasoning_tokens == 6
+
+
+def test_reasoning_sent_back_reaches_the_template(think):
+    """An earlier turn's reasoning, sent back in each API's way (Anthropic's thinking block,
+    chat's reasoning_content, a Responses reasoning item), renders as the template writes it."""
+    model, chat, client = clients(think)
+    tokenizer = think[5]
+    reply = {"role": "assistant", "content": "Paris.", "reasoning_content": "France's capital"}
+    conversation = QUESTION + [reply, {"role": "user", "content": "And Italy?"}]
+    expected = len(tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                                  add_generation_prompt=True), add_special_tokens=False))
+    without = len(tokenizer.encode(tokenizer.apply_chat_template(
+        QUESTION + [{"role": "assistant", "content": "Paris."}, conversation[2]], tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False))
+    assert expected > without
+    blocks = [{"type": "thinking", "thinking": "France's capital", "signature": ""}, {"type": "text", "text": "Paris."}]
+    counted = client.messages.count_tokens(model=model, messages=[QUESTION[0], {"role": "assistant", "content": blocks},
+                                                                   conversation[2]])
+    assert counted.input_tokens == expected
+    answer = chat.chat.completions.create(model=model, messages=conversation, max_tokens=1, temperature=0)
+    assert answer.usage.prompt_tokens == expected
+    response = chat.responses.create(model=model, max_output_tokens=1, temperature=0, input=[
+        QUESTION[0], {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "France's capital"}]},
+        {"role": "assistant", "content": "Paris."}, conversation[2]])
+    assert response.usage.input_tokens == expected
+    with pytest.raises(openai.BadRequestError):
+        chat.chat.completions.create(model=model, max_tokens=1, messages=[
+            {"role": "user", "content": "x", "reasoning_content": "not a user's"}])

@@ -147,8 +147,17 @@ async def _conversation_prompt(
     request: Conversation, history: list[HistoryMessage], spec: ToolSpec, calling: ToolCalling, kwargs: dict[str, Any],
 ) -> Prompt:
     if not request.uses_tools:
-        return ChatPrompt(tuple({"role": m.role, "content": m.content or ""} for m in history), None, kwargs or None)
+        return ChatPrompt(tuple(_plain_turn(m) for m in history), None, kwargs or None)
     return await calling.prompt(history, spec, None, kwargs or None)
+
+
+def _plain_turn(message: HistoryMessage) -> dict[str, Any]:
+    """A turn without tools for the template: role and content, and an assistant's thinking
+    sent back as its reasoning_content."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+    if message.reasoning is not None:
+        turn["reasoning_content"] = message.reasoning
+    return turn
 
 
 # ---- the answer --------------------------------------------------------------------------

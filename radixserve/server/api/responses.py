@@ -181,11 +181,12 @@ class ResponseOutputBuilder(BlockEncoder):
         self.items: list[dict[str, Any]] = []
 
     def history(self) -> list[HistoryMessage]:
-        """The output as one assistant turn (text, then calls), for a later previous_response_id."""
+        """The output as one assistant turn (reasoning, text, then calls), for a later previous_response_id."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message") or None
         calls = tuple(HistoryCall(i["call_id"], i["name"], i["arguments"], "output") for i in self.items
                       if i["type"] == "function_call")
-        return [HistoryMessage("assistant", text, calls)]
+        reasoning = [i["content"][0]["text"] for i in self.items if i["type"] == "reasoning"]
+        return [HistoryMessage("assistant", text, calls, reasoning="".join(reasoning) if reasoning else None)]
 
     def _apply(self, event: Event) -> list[dict[str, Any]]:
         if isinstance(event, ReasoningDelta):

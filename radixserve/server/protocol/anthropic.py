@@ -9,9 +9,10 @@ custom `tools` with `input_schema`, `tool_choice` auto / any / tool / none (with
 budget, or disabled: see api/anthropic.py); `cache_control` (every prefix is cached: a mark
 keeps the prefix it ends pinned for its TTL, see cache_marks) and `service_tier` are
 accepted. Unknown fields are a 400, as Anthropic's own API answers; fields it knows that
-this server cannot honour (image and document blocks, thinking blocks sent back, server
-tools, MCP, containers, structured output, a final assistant turn to continue) are refused
-with a 400 that says so.
+this server cannot honour (image and document blocks, redacted thinking, server tools, MCP,
+containers, structured output, a final assistant turn to continue) are refused with a 400
+that says so. Thinking blocks sent back in an assistant turn reach the chat template as the
+turn's reasoning_content.
 
 A conversation renders exactly as the equivalent chat completions request would: text
 blocks joined as content parts are, a tool_use's `input` written back as the JSON the
@@ -22,7 +23,7 @@ is a tool turn whose text starts with "Error: ".
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 from pydantic_core import PydanticCustomError
@@ -41,7 +42,7 @@ TAG = "block:"  # pydantic names a union member in an error's location; parse() 
 ERROR_PREFIX = "Error: "
 UNSUPPORTED_BLOCKS = {
     "image": "image blocks", "document": "document blocks", "search_result": "search results",
-    "thinking": "thinking blocks", "redacted_thinking": "thinking blocks", "container_upload": "container uploads",
+    "redacted_thinking": "redacted thinking blocks", "container_upload": "container uploads",
     "server_tool_use": "server tools", "web_search_tool_result": "server tools", "web_fetch_tool_result": "server tools",
     "code_execution_tool_result": "server tools", "mcp_tool_use": "MCP tools", "mcp_tool_result": "MCP tools",
 }
@@ -100,6 +101,15 @@ class ToolUseBlock(AnthropicModel):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(AnthropicModel):
+    """An assistant turn's reasoning sent back: it reaches the template as reasoning_content."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = Field(None, description="accepted: this server signs nothing")
+    cache_control: ClassVar[None] = None  # Anthropic takes no cache_control on thinking blocks
+
+
 def _string_is_a_text_block(value: Any) -> Any:
     if isinstance(value, str):
         return [{"type": "text", "text": value}]
@@ -154,12 +164,14 @@ class ToolResultBlock(AnthropicModel):
         return ERROR_PREFIX + text if self.is_error else text
 
 
-ContentBlock = _block_union(TextBlock, ToolUseBlock, ToolResultBlock)
+ContentBlock = _block_union(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock)
 Content = Annotated[list[ContentBlock], BeforeValidator(
     _string_is_a_text_block, json_schema_input_type=Union[str, list[ContentBlock]])]
 
 
-BLOCKS_OF_ROLE = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ToolUseBlock), "system": (TextBlock,)}
+BLOCKS_OF_ROLE = {
+    "user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ToolUseBlock, ThinkingBlock), "system": (TextBlock,),
+}
 
 
 class AnthropicMessage(AnthropicModel):
@@ -198,7 +210,9 @@ class AnthropicMessage(AnthropicModel):
             HistoryCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False), f"{where}.content[{j}].input")
             for j, b in enumerate(self.content) if isinstance(b, ToolUseBlock)
         )
-        return HistoryMessage("assistant", "".join(texts) if texts or not calls else None, calls)
+        thinking = [b.thinking for b in self.content if isinstance(b, ThinkingBlock)]
+        return HistoryMessage("assistant", "".join(texts) if texts or not calls else None, calls,
+                              reasoning="".join(thinking) if thinking else None)
 
 
 def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant message's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    reasoning_content: str | None = Field(None, description="an assistant message's reasoning, as answers carry it")
+    reasoning: str | None = Field(None, description="vLLM's newer name of reasoning_content")
 
     def history_entry(self, where: str) -> HistoryMessage:
         """The message as the tool-aware renderer sees it."""
@@ -64,11 +66,25 @@ class ChatMessage(OpenAIModel):
         )
         content = self._text(where) if self.content is not None or self.role != "assistant" else None
         role = "system" if self.role == "developer" else self.role
-        return HistoryMessage(role, content, calls, self.tool_call_id, self.name, f"{where}.tool_call_id")
+        return HistoryMessage(role, content, calls, self.tool_call_id, self.name, f"{where}.tool_call_id",
+                              self._reasoning(where))
 
     def template_entry(self, where: str) -> dict[str, str]:
         """{"role", "content"} for the chat template ("developer" counts as "system")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self._text(where)}
+        entry = {"role": "system" if self.role == "developer" else self.role, "content": self._text(where)}
+        if (reasoning := self._reasoning(where)) is not None:
+            entry["reasoning_content"] = reasoning
+        return entry
+
+    def _reasoning(self, where: str) -> str | None:
+        """An assistant message's reasoning sent back (reasoning_content, or vLLM's newer `reasoning`)."""
+        if self.reasoning_content is not None and self.reasoning is not None and self.reasoning_content != self.reasoning:
+            raise bad_request(f"'{where}.reasoning' and '{where}.reasoning_content' disagree", param=f"{where}.reasoning")
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role != "assistant":
+            raise bad_request(f"'{where}.reasoning_content' is only allowed on assistant messages",
+                              param=f"{where}.reasoning_content")
+        return reasoning
 
     def _text(self, where: str) -> str:
         if isinstance(self.content, str):

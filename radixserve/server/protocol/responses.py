@@ -57,9 +57,29 @@ class FunctionCallOutputItem(OpenAIModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(OpenAIModel):
+    """A reasoning item sent back: its text is the reasoning of the assistant turn that follows."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = Field(None, description="never made here: must be absent")
+    status: str | None = None
+
+    def text(self) -> str:
+        parts = self.content if self.content else self.summary
+        return "".join(p.text for p in parts)
+
+
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem,
-    expects("a message, function_call or function_call_output item (text content only)"),
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    expects("a message, function_call, function_call_output or reasoning item (text content only)"),
 ]
 
 
@@ -203,21 +223,29 @@ def input_history(value: str | list) -> list[HistoryMessage]:
     if isinstance(value, str):
         return [HistoryMessage("user", value)]
     out: list[HistoryMessage] = []
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for index, item in enumerate(value):
         where = f"input[{index}]"
+        if isinstance(item, ReasoningItem):
+            reasoning = (reasoning or "") + item.text()
+            continue
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            out.append(HistoryMessage(role, item.text()))
+            out.append(HistoryMessage(role, item.text(), reasoning=reasoning if role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = HistoryCall(item.call_id, item.name, item.arguments, f"{where}.arguments")
-            if out and out[-1].role == "assistant":  # calls join the assistant turn they follow
+            if out and out[-1].role == "assistant" and reasoning is None:  # calls join the assistant turn they follow
                 last = out.pop()
-                out.append(HistoryMessage("assistant", last.content, last.tool_calls + (call,)))
+                out.append(HistoryMessage("assistant", last.content, last.tool_calls + (call,), reasoning=last.reasoning))
             else:
-                out.append(HistoryMessage("assistant", None, (call,)))
+                out.append(HistoryMessage("assistant", None, (call,), reasoning=reasoning))
         else:
             out.append(HistoryMessage("tool", item.text(), tool_call_id=item.call_id,
                                       tool_call_id_param=f"{where}.call_id"))
+        if not isinstance(item, MessageItem) or item.role == "assistant":
+            reasoning = None  # taken by this turn (or a tool result came between: it was about nothing)
+    if reasoning is not None:  # reasoning at the end: an assistant turn of reasoning alone
+        out.append(HistoryMessage("assistant", None, reasoning=reasoning))
     if not out:
         raise bad_request("'input' must not be empty", param="input")
     return out

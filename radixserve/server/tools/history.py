@@ -28,6 +28,7 @@ class HistoryMessage:
     tool_call_id: str | None = None
     name: str | None = None
     tool_call_id_param: str = "tool_call_id"  # the request field tool_call_id came from, for errors
+    reasoning: str | None = None  # an assistant turn's reasoning, sent back (the template's reasoning_content)
 
 
 def check_history(messages: list[HistoryMessage]) -> dict[str, HistoryCall]:

@@ -95,9 +95,9 @@ def fallback_messages(messages: list[HistoryMessage], tools: list[ToolDefinition
                 out.append({"role": "user", "content": text, "_results": "1"})
         elif message.role == "assistant" and message.tool_calls:
             calls = _calls_as_written(message.tool_calls, fmt)
-            out.append({"role": "assistant", "content": fmt.join_content(message.content, calls)})
+            out.append(_with_reasoning({"role": "assistant", "content": fmt.join_content(message.content, calls)}, message))
         else:
-            out.append({"role": message.role, "content": message.content or ""})
+            out.append(_with_reasoning({"role": message.role, "content": message.content or ""}, message))
     for entry in out:
         entry.pop("_results", None)
     if tools:
@@ -140,8 +140,16 @@ def _tool_result(message: HistoryMessage, name: str | None) -> str:
     return f"<tool_response{attrs}>\n{message.content or ''}\n</tool_response>"
 
 
+def _with_reasoning(entry: dict[str, Any], message: HistoryMessage) -> dict[str, Any]:
+    """An assistant turn's reasoning goes to the template as `reasoning_content` (templates
+    that render earlier reasoning read it; others ignore it)."""
+    if message.reasoning is not None:
+        entry["reasoning_content"] = message.reasoning
+    return entry
+
+
 def _native(message: HistoryMessage, names: dict[str, str]) -> dict[str, Any]:
-    entry: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+    entry: dict[str, Any] = _with_reasoning({"role": message.role, "content": message.content or ""}, message)
     if message.tool_calls:
         entry["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": parsed_arguments(c)}}
