@@ -59,7 +59,12 @@ class ReplySplicer:
             if stored is not None:
                 ids += self._encode(text[cursor:start]) + stored
                 cursor = end
-        return ids + self._encode(text[cursor:]) if cursor else self._encode(text)
+        if not cursor:
+            return self._encode(text)
+        ids += self._encode(text[cursor:])
+        # A tokenizer that marks the start of every text it encodes (a SentencePiece prefix
+        # space) would change the pieces: the whole must still decode to the text.
+        return ids if self._decode(ids) == text else self._encode(text)
 
     @cached_property
     def marks(self) -> TurnMarks | None:

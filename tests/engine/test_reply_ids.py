@@ -76,6 +76,24 @@ def test_ids_that_decode_to_other_text_are_not_spliced(tokenizer):
     assert ReplySplicer(tokenizer).encode(text, store) == plain(tokenizer, text)
 
 
+def test_a_splice_that_changes_the_whole_text_is_refused(tokenizer):
+    """A tokenizer that marks the start of every text it encodes (as a SentencePiece prefix
+    space does) would change the pieces around a reply: the whole is encoded instead."""
+
+    class PrefixSpace:
+        chat_template = tokenizer.chat_template
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, add_special_tokens=False):
+            return plain(tokenizer, " ") + plain(tokenizer, text)
+
+    store = Replies({"Hello world": plain(tokenizer, "Hel") + plain(tokenizer, "lo world")})
+    text = render(tokenizer, USER + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "x"}])
+    assert ReplySplicer(PrefixSpace()).encode(text, store) == PrefixSpace().encode(text)
+
+
 def test_without_a_stored_reply_the_text_tokenizes_as_before(tokenizer):
     text = render(tokenizer, USER + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "x"}])
     splicer = ReplySplicer(tokenizer)
