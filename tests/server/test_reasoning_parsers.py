@@ -237,3 +237,40 @@ def test_harmony_reasoning_then_the_final_channel_under_a_budget(real_model_dir)
     assert text == '<|channel|>analysis<|message|> one two three<|end|><|start|>assistant<|channel|>final<|message|>{"a":1}'
     reasoning, content, spans = split("gpt_oss", False, text, 3)
     assert (reasoning, json.loads(content), spans) == (" one two three", {"a": 1}, [Span(0, text.index("<|start|>"))])
+
+
+def test_a_call_written_inside_the_reasoning_is_reasoning_and_the_call_after_it_parses():
+    """The tool-call parser sees only the content after the block, streamed or whole; the
+    reasoning tokens are the ones holding the block (one character a token here)."""
+    from dataclasses import replace as with_
+
+    from radixserve.outputs import OutputDelta, RequestOutput
+    from radixserve.server.output.events import CallArguments, CallStart, Finish, OutputEvents, ReasoningDelta, TextDelta
+    from radixserve.server.tools import HERMES
+    from radixserve.server.tools.parser import ToolCallParser
+
+    thought = 'maybe <tool_call>\n{"name": "add", "arguments": {"a": 9}}\n</tool_call>'
+    text = thought + '</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    mode = ReasoningMode(parser_named("deepseek_r1"), True, decode=lambda ids: text[: len(ids)])
+
+    def run(piece: int) -> list:
+        events, sent, out = OutputEvents(ToolCallParser(HERMES, {"add"}), mode), 0, []
+        for end in range(piece, len(text) + piece, piece):
+            end = min(end, len(text))
+            output = RequestOutput("r", None, [1], list(range(end)), text[:end], end == len(text),
+                                   "stop" if end == len(text) else None)
+            output.delta = OutputDelta(list(range(sent, end)), None, text[sent:end], sent == 0)
+            out += events.step(output)
+            sent = end
+        return out
+
+    for piece in (1, 4, len(text)):
+        events = run(piece)
+        assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == thought
+        assert [e.name for e in events if isinstance(e, CallStart)] == ["add"]
+        assert "".join(e.text for e in events if isinstance(e, CallArguments)) == '{"a": 1}'
+        assert not [e for e in events if isinstance(e, TextDelta)]
+        finish = events[-1]
+        assert isinstance(finish, Finish) and finish.num_calls == 1
+        assert finish.usage.reasoning_tokens == len(thought) + len("</think>")
+        assert with_(finish.usage, reasoning_tokens=None).openai()["completion_tokens"] == len(text)
