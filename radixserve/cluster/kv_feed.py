@@ -33,6 +33,7 @@ class KVEventFeed:
         self.poll_ms = poll_ms
         self._subs: dict[str, tuple[tuple[str, str | None], KVEventSubscriber]] = {}
         self._lock = threading.Lock()
+        self._closing: list[KVEventSubscriber] = []  # closed by the polling thread (sockets stay on one thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="radixserve-kv-feed", daemon=True)
         self._thread.start()
@@ -46,7 +47,7 @@ class KVEventFeed:
         """The live replicas and their (stream, replay) endpoints."""
         with self._lock:
             for replica in [r for r, (ends, _) in self._subs.items() if endpoints.get(r) != ends]:
-                self._subs.pop(replica)[1].close()
+                self._closing.append(self._subs.pop(replica)[1])
                 self.index.forget(replica)
             for replica, ends in endpoints.items():
                 if replica not in self._subs:
@@ -56,14 +57,18 @@ class KVEventFeed:
         self._stop.set()
         self._thread.join(timeout=5)
         with self._lock:
-            for _, sub in self._subs.values():
+            for sub in [sub for _, sub in self._subs.values()] + self._closing:
                 sub.close()
             self._subs.clear()
+            self._closing.clear()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 subs = [sub for _, sub in self._subs.values()]
+                closing, self._closing = self._closing, []
+            for sub in closing:
+                sub.close()
             if not subs:
                 self._stop.wait(self.poll_ms / 1000)
             for sub in subs:
