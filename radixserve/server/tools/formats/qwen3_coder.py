@@ -45,7 +45,16 @@ class Qwen3CoderFormat(ToolCallFormat):
         return ScanParser(BlockScanner(_syntax(schemas), allowed))
 
     def arguments_format(self, tool: ToolDefinition, grammar: str) -> dict[str, Any]:
-        return {"type": "json_schema", "json_schema": tool.parameters, "style": "qwen_xml"}
+        """The required parameters in the schema's order, each written as the template writes it
+        (a newline on each side of the value): a string as text without `<`, anything else JSON."""
+        schema = tool.parameters
+        properties = schema.get("properties") or {}
+        elements: list[dict[str, Any]] = []
+        for key in [k for k in properties if k in set(schema.get("required") or [])]:
+            opening = f"\n<parameter={key}>\n" if elements else f"<parameter={key}>\n"
+            elements += [{"type": "const_string", "value": opening}, _value_format(properties[key]),
+                         {"type": "const_string", "value": f"\n{_PARAMETER_END}"}]
+        return {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}
 
     def render_arguments(self, arguments: str) -> str:
         items = object_items(arguments)
@@ -59,6 +68,22 @@ class Qwen3CoderFormat(ToolCallFormat):
 
 
 QWEN3_CODER = Qwen3CoderFormat()
+
+
+def _value_format(schema: Any) -> dict[str, Any]:
+    if not _is_string(schema):
+        return {"type": "json_schema", "json_schema": schema}
+    if "enum" in schema or "const" in schema:
+        options = schema["enum"] if "enum" in schema else [schema["const"]]
+        return {"type": "regex", "pattern": "|".join(_escaped(o) for o in options)}
+    if "pattern" in schema:
+        return {"type": "regex", "pattern": schema["pattern"].removeprefix("^").removesuffix("$")}
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    return {"type": "regex", "pattern": f"[^<]{{{low},{high if high is not None else ''}}}"}
+
+
+def _escaped(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}/" else ch for ch in text)
 
 
 def _syntax(schemas: Schemas) -> BlockSyntax:

@@ -1,0 +1,118 @@
+"""Every tool-call format through the official openai client against the default model: each
+request brings its family's chat template (`chat_template`, vLLM's field; the server trusts
+request templates here), `auto` picks the format from it, the forced call parses into
+arguments that validate against the tool's schema, the stream assembles to the whole answer,
+and the next turn, rendered through the same template, hits the cache for everything the
+first turn computed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from radixserve.server import ServerOptions
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATES = Path(__file__).parent / "templates"
+FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["c", "f"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_SCHEMA}},
+]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}
+BLOCK = 16
+CHATML = ("hermes", "qwen3_coder")  # templates whose turn markers are the default model's special tokens
+
+
+@pytest.fixture(scope="module")
+def server_options() -> ServerOptions:
+    # reasoning_parser none: these tests are about calls (gpt-oss's analysis channel needs its tokens in the vocabulary)
+    return ServerOptions(enable_debug_endpoints=True, trust_request_chat_template=True, reasoning_parser="none")
+
+
+def template(family: str) -> str:
+    return (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
+
+
+def ask(client, family: str, messages: list[dict], **kwargs):
+    values = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=200,
+                  extra_body={"chat_template": template(family)})
+    values.update(kwargs)
+    return client.chat.completions.create(**values)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_call_streamed_whole_and_next_turn(client, family):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is the weather in Paris? Use celsius."}]
+    forced = dict(tool_choice="required", parallel_tool_calls=False)
+    out = ask(client, family, messages, **forced)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name in SCHEMAS and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+    names, arguments = {}, {}
+    for chunk in ask(client, family, messages, stream=True, **forced):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.function.name:
+                names[delta.index] = delta.function.name
+            arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+    assert names == {0: call.function.name} and arguments == {0: call.function.arguments}
+
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
+    again = ask(client, family, history, max_tokens=1)
+    first = out.usage.prompt_tokens + out.usage.completion_tokens
+    assert again.usage.prompt_tokens > first
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if family in CHATML:  # the reply's ids are reused: at most the last partial block is computed again
+        assert cached >= first - first % BLOCK - BLOCK
+    else:  # these markers are plain text to SmolLM2's tokenizer: the reply's first token may merge across them
+        assert cached >= out.usage.prompt_tokens - out.usage.prompt_tokens % BLOCK - BLOCK
+
+
+def test_named_call_under_each_template(client):
+    for family in FAMILIES:
+        out = ask(client, family, [{"role": "user", "content": "Add 12 and 30."}],
+                  tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "add", family
+        jsonschema.validate(json.loads(call.function.arguments), ADD_SCHEMA)
+
+
+def test_a_request_template_renders_plain_chat(client, engine):
+    gemma = template("gemma3")
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                         extra_body={"chat_template": gemma})
+    expected = "<bos><start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert out.usage.prompt_tokens == len(engine.tokenizer.encode(expected, add_special_tokens=False))
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert plain.usage.prompt_tokens == len(engine.apply_chat_template(messages))
+
+
+def test_a_bad_request_template_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                       extra_body={"chat_template": "{% for m in messages %}"})
+    assert refused.value.status_code == 400
+    assert refused.value.body["param"] == "chat_template" and "not a valid Jinja template" in refused.value.body["message"]
