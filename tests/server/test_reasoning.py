@@ -19,6 +19,7 @@ from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
 
 THINK_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}</think>{% endif %}"
     "{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -103,7 +104,7 @@ def test_responses_reasoning_items_and_exact_reasoning_tokens(think):
     model, client, _ = clients(think)
     on_ids, decode = think[2], think[4]
     body = dict(model=model, input=QUESTION[0]["content"], max_output_tokens=5, temperature=0,
-                reasoning={"effort": "low"})
+                reasoning={"summary": "auto"})
     whole = client.responses.create(**body)
     assert [item.type for item in whole.output] == ["reasoning"]  # cut inside the block: nothing else
     assert whole.output[0].content[0].text == decode(on_ids[:5])
@@ -235,3 +236,17 @@ def test_reasoning_sent_back_reaches_the_template(think):
     with pytest.raises(openai.BadRequestError):
         chat.chat.completions.create(model=model, max_tokens=1, messages=[
             {"role": "user", "content": "x", "reasoning_content": "not a user's"}])
+
+
+def test_reasoning_effort_reaches_the_template(think):
+    model, chat, _ = clients(think)
+    tokenizer = think[5]
+    expected = len(tokenizer.encode(tokenizer.apply_chat_template(
+        QUESTION, tokenize=False, add_generation_prompt=True, reasoning_effort="high"), add_special_tokens=False))
+    plain = chat.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0)
+    high = chat.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0,
+                                        reasoning_effort="high")
+    assert high.usage.prompt_tokens == expected > plain.usage.prompt_tokens
+    response = chat.responses.create(model=model, input=QUESTION[0]["content"], max_output_tokens=1, temperature=0,
+                                     reasoning={"effort": "high"})
+    assert response.usage.input_tokens == expected
