@@ -30,8 +30,7 @@ class RadixReplica:
 
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.options = server_options
-        self.engine = Engine(**replica_engine_kwargs(engine_kwargs, get_node_ip_address()))
-        self.app = create_app(self.engine, server_options)
+        self.app = create_app(Engine(**replica_engine_kwargs(engine_kwargs, get_node_ip_address())), server_options)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
 
@@ -51,7 +50,7 @@ class RadixReplica:
 
     def kv_events(self) -> tuple[str, str | None, str | None]:
         """(this replica, its KV event stream's endpoint, its replay endpoint); (id, None, None) with events off."""
-        publisher = self.engine.kv_events
+        publisher = self.app.state.server.engine.engine.kv_events
         if publisher is None:
             return self.replica, None, None
         return self.replica, publisher.endpoint, publisher.replay_endpoint
