@@ -136,9 +136,10 @@ WINDOWS = {"1": 1, "under_block": 3, "block": 8, "blocks": 21, "past_context": 1
 GEOMETRIES = {"mha": (2, 2, 16), "gqa": (6, 2, 32), "gqa_d256": (4, 1, 256)}
 
 
-def _backends(steps=None):
-    """Each backend (with each kind of step, where `steps`); Triton's interpreter is slow, so
-    it takes the mixed steps only (decodes and chunks of every kind)."""
+def _backends(steps=None, block_sizes=(8,)):
+    """Each backend (with each kind of step and block size, where `steps`); Triton's
+    interpreter is slow, so it takes the mixed steps (decodes and chunks of every kind) in
+    blocks of 8 only."""
     backends = [
         (TorchAttentionBackend, {}, "torch", ()),
         (CpuAttentionBackend, {}, "cpu", needs_native),
@@ -147,8 +148,9 @@ def _backends(steps=None):
     ]
     if steps is None:
         return [pytest.param(cls, options, id=name, marks=marks) for cls, options, name, marks in backends]
-    return [pytest.param(cls, options, kind, id=f"{name}-{kind}", marks=marks) for cls, options, name, marks in backends
-            for kind in steps if name != "triton" or kind == "mixed"]
+    return [pytest.param(cls, options, kind, block_size, id=f"{name}-{kind}-{block_size}", marks=marks)
+            for cls, options, name, marks in backends for kind in steps for block_size in block_sizes
+            if name != "triton" or (kind, block_size) == ("mixed", 8)]
 
 
 def _tolerance(int8):
@@ -169,11 +171,10 @@ def test_torch_reference_matches_dense_masked_softmax(steps, window, geometry, i
     assert torch.equal(out, full) and torch.equal(pool, full_pool)
 
 
-@pytest.mark.parametrize("backend_class, options, steps", _backends(STEPS))
+@pytest.mark.parametrize("backend_class, options, steps, block_size", _backends(STEPS, (8, 5)))
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("block_size", [8, 5])
 def test_backend_matches_reference_and_reads_nothing_before_the_window(backend_class, options, steps, block_size,
                                                                        window, geometry, int8):
     heads, kv_heads, head_dim = GEOMETRIES[geometry]
@@ -270,8 +271,10 @@ def test_native_kernels_take_windows_at_every_vector_width(tmp_path, flags):
     kernels = _kernels_built(tmp_path, flags)
     for steps in ("long_chunks", "decodes", "mixed"):
         requests = LONG_STEPS.get(steps) or STEPS[steps]
+        # (16, 2, 64): 8 query heads a KV head, more than int8's AVX-512 path folds at once (its tile path)
         for (heads, kv_heads, head_dim), block_size, window in [((9, 3, 64), 5, 37), ((8, 2, 40), 16, 100),
-                                                                ((4, 1, 256), 16, 16), ((2, 2, 16), 3, 2)]:
+                                                                ((4, 1, 256), 16, 16), ((2, 2, 16), 3, 2),
+                                                                ((16, 2, 64), 16, 21)]:
             for int8 in (False, True):
                 step = Step(requests, window, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                             block_size=block_size, int8=int8, seed=window)
