@@ -57,3 +57,14 @@ def test_a_request_template_is_refused_without_trust(client):
                                        extra_body={"chat_template": GEMMA})
     assert refused.value.body["param"] == "chat_template"
     assert "--trust-request-chat-template" in refused.value.body["message"]
+
+
+def test_anthropic_messages_render_through_the_flag_template(server, engine):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    out = client.messages.create(model=MODEL, max_tokens=1, system="You are terse.",
+                                 messages=[{"role": "user", "content": "Hi"}])
+    expected = "<bos><start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    used = out.usage.input_tokens + (out.usage.cache_read_input_tokens or 0) + (out.usage.cache_creation_input_tokens or 0)
+    assert used == len(engine.tokenizer.encode(expected, add_special_tokens=False))

@@ -146,7 +146,7 @@ async def _prompt(request: Conversation, calling: ToolCalling, kwargs: dict[str,
 async def _conversation_prompt(
     request: Conversation, history: list[HistoryMessage], spec: ToolSpec, calling: ToolCalling, kwargs: dict[str, Any],
 ) -> Prompt:
-    if not request.uses_tools:
+    if not request.uses_tools and calling.template is None:  # --chat-template: the server renders
         return ChatPrompt(tuple(_plain_turn(m) for m in history), None, kwargs or None)
     return await calling.prompt(history, spec, None, kwargs or None)
 
