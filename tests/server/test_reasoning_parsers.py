@@ -118,7 +118,7 @@ def test_a_constraint_applies_after_the_reasoning_block():
     assert params.json_schema is None and not params.json_object
     block, answer = params.structural_tag["format"]["elements"]
     assert block == {"type": "tag", "begin": "", "content": {"type": "any_text", "max_tokens": 8}, "end": "</think>"}
-    assert answer == {"type": "json_schema", "json_schema": {"type": "object"}}
+    assert answer["type"] == "grammar" and "root ::=" in answer["grammar"]  # compact JSON, as elsewhere
     free = ReasoningMode(parser_named("qwen3"), False).apply(SamplingParams(choices=["a", "b"]))
     optional, answer = free.structural_tag["format"]["elements"]
     assert optional["type"] == "optional" and optional["content"]["begin"] == "<think>"
@@ -234,7 +234,7 @@ def test_harmony_reasoning_then_the_final_channel_under_a_budget(real_model_dir)
         assert matcher.accept_token(token)
         out.append(token)
     text = tokenizer.decode(out, skip_special_tokens=False)
-    assert text == '<|channel|>analysis<|message|> one two three<|end|><|start|>assistant<|channel|>final<|message|>{"a":1}'
+    assert text == '<|channel|>analysis<|message|> one two three<|end|><|start|>assistant<|channel|>final<|message|>{"a": 1}'
     reasoning, content, spans = split("gpt_oss", False, text, 3)
     assert (reasoning, json.loads(content), spans) == (" one two three", {"a": 1}, [Span(0, text.index("<|start|>"))])
 
@@ -274,3 +274,13 @@ def test_a_call_written_inside_the_reasoning_is_reasoning_and_the_call_after_it_
         assert isinstance(finish, Finish) and finish.num_calls == 1
         assert finish.usage.reasoning_tokens == len(thought) + len("</think>")
         assert with_(finish.usage, reasoning_tokens=None).openai()["completion_tokens"] == len(text)
+
+
+def test_a_schema_xgrammar_refuses_is_a_400_after_reasoning_too():
+    from radixserve.server.protocol.jobs import GenerationJob
+    from radixserve.server.reasoning.serving import with_reasoning
+
+    job = GenerationJob("m", [[1]], [SamplingParams(json_schema={"type": "object", "minProperties": "x"})], 1, False, False)
+    with pytest.raises(APIError) as caught:
+        with_reasoning(job, ReasoningMode(parser_named("qwen3"), False))
+    assert caught.value.status == 400 and "json schema" in caught.value.message

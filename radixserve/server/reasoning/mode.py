@@ -57,6 +57,19 @@ class ReasoningMode:
         return {"structural_tag": {"type": "structural_tag", "format": body}}
 
 
+def _compact_json(schema: str) -> dict[str, Any]:
+    """The schema as a grammar of compact JSON, as the server constrains JSON elsewhere (free
+    whitespace lets a small model ramble in it). ValueError for a schema xgrammar refuses."""
+    import xgrammar as xgr
+
+    try:
+        return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"invalid json schema: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+    except RecursionError:
+        raise ValueError("json schema nests too deeply") from None
+
+
 CONSTRAINTS = ("regex", "json_schema", "json_object", "choices", "structural_tag")  # SamplingParams' own
 
 
@@ -69,9 +82,9 @@ def _answer_format(constraint: dict[str, Any]) -> dict[str, Any] | None:
         return (json.loads(tag) if isinstance(tag, str) else tag)["format"]
     if "json_schema" in constraint:
         schema = constraint["json_schema"]
-        return {"type": "json_schema", "json_schema": json.loads(schema) if isinstance(schema, str) else schema}
+        return _compact_json(schema if isinstance(schema, str) else json.dumps(schema))
     if constraint.get("json_object"):
-        return {"type": "json_schema", "json_schema": {"type": "object"}}
+        return _compact_json('{"type": "object"}')
     if "regex" in constraint:
         return {"type": "regex", "pattern": constraint["regex"]}
     if "choices" in constraint:

@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from radixserve.server.errors import bad_request
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.reasoning.base import ReasoningParser
 from radixserve.server.reasoning.mode import ReasoningMode
@@ -84,7 +85,11 @@ class Reasoning:
 
 
 def with_reasoning(job: GenerationJob, mode: ReasoningMode | None) -> GenerationJob:
-    """The job with each sample's params reading (and constraining) the reasoning block."""
+    """The job with each sample's params reading (and constraining) the reasoning block; a
+    400 for a constraint that cannot follow it."""
     if mode is None:
         return job
-    return replace(job, params=[mode.apply(p) for p in job.params])
+    try:
+        return replace(job, params=[mode.apply(p) for p in job.params])
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
