@@ -82,11 +82,11 @@ def decode_name(raw: str) -> str | None:
 def object_items(text: str) -> tuple[list[tuple[str, str]], bool] | None:
     """The (key, value as written) pairs of a JSON object's text, in order, and whether the
     object closes; None when the text is not (the start of) a JSON object."""
-    at = _skip_ws(text, 0)
+    at = skip_ws(text, 0)
     if not text.startswith("{", at):
         return None
     items: list[tuple[str, str]] = []
-    at = _skip_ws(text, at + 1)
+    at = skip_ws(text, at + 1)
     while at < len(text):
         if text[at] == "}":
             return items, True
@@ -94,23 +94,24 @@ def object_items(text: str) -> tuple[list[tuple[str, str]], bool] | None:
         if key_end is None:
             return None
         key = json.loads(text[at:key_end])
-        at = _skip_ws(text, key_end)
+        at = skip_ws(text, key_end)
         if not text.startswith(":", at):
             return None
-        start = _skip_ws(text, at + 1)
+        start = skip_ws(text, at + 1)
         end = json_value_end(text, start)
         items.append((key, text[start:end] if end is not None else text[start:]))
         if end is None:
             return items, False
-        at = _skip_ws(text, end)
+        at = skip_ws(text, end)
         if text.startswith(",", at):
-            at = _skip_ws(text, at + 1)
+            at = skip_ws(text, at + 1)
         elif not text.startswith("}", at) and at < len(text):
             return None
     return items, False
 
 
-def _skip_ws(text: str, at: int) -> int:
+def skip_ws(text: str, at: int) -> int:
+    """The first position at or after `at` that is not whitespace."""
     while at < len(text) and text[at].isspace():
         at += 1
     return at

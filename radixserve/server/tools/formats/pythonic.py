@@ -10,7 +10,6 @@ the call renders back byte for byte.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from typing import Any
@@ -20,19 +19,19 @@ import regex
 from radixserve.server.tools.call_format import ToolCallFormat
 from radixserve.server.tools.definitions import ToolDefinition
 from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax
+from radixserve.server.tools.formats.literals import json_value
 from radixserve.server.tools.formats.scan_parser import ScanParser
-from radixserve.server.tools.json_scan import object_items
+from radixserve.server.tools.json_scan import object_items, skip_ws
 from radixserve.server.tools.parser import Schemas
 
 _KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)", re.S)
-_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
 def pythonic_arguments(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
     """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole."""
     parts: list[str] = []
     while True:
-        pos = _skip_ws(text, pos)
+        pos = skip_ws(text, pos)
         if pos < len(text) and text[pos] == ")":
             return "{" + ", ".join(parts) + "}", pos
         end = _argument_end(text, pos)
@@ -97,44 +96,7 @@ PYTHONIC = PythonicFormat()
 def _pair(text: str, index: int) -> str:
     match = _KWARG.match(text)
     key, value = (match.group(1), match.group(2)) if match else (f"_{index}", text)
-    return f"{json.dumps(key)}: {_json_value(value.strip())}"
-
-
-def _json_value(text: str) -> str:
-    """The value as JSON text: as written when it is JSON, else its Python literal converted
-    (a value that is neither stays, as a string)."""
-    try:
-        json.loads(text)
-        return text
-    except (ValueError, RecursionError):
-        pass
-    try:
-        return json.dumps(_literal(ast.parse(text, mode="eval").body), ensure_ascii=False)
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        return json.dumps(text, ensure_ascii=False)
-
-
-def _literal(node: ast.AST) -> Any:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMES:
-        return _NAMES[node.id]
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e) for e in node.elts]
-    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
-        return {_key(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _literal(node.operand)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return -value if isinstance(node.op, ast.USub) else value
-    raise ValueError("not a literal")
-
-
-def _key(node: ast.AST | None) -> str:
-    value = _literal(node) if node is not None else None
-    if not isinstance(value, str):
-        raise ValueError("a dict key that is not a string")
-    return value
+    return f"{json.dumps(key)}: {json_value(value.strip())}"
 
 
 def _argument_end(text: str, pos: int) -> int | None:
@@ -160,9 +122,3 @@ def _argument_end(text: str, pos: int) -> int | None:
         elif ch == "," and depth == 0:
             return at
     return None
-
-
-def _skip_ws(text: str, at: int) -> int:
-    while at < len(text) and text[at].isspace():
-        at += 1
-    return at

@@ -23,7 +23,7 @@ import regex
 from radixserve.server.tools.call_format import ToolCallFormat
 from radixserve.server.tools.definitions import ToolDefinition
 from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax
-from radixserve.server.tools.formats.pythonic import _json_value
+from radixserve.server.tools.formats.literals import json_value
 from radixserve.server.tools.formats.scan_parser import ScanParser
 from radixserve.server.tools.json_scan import object_items
 from radixserve.server.tools.parser import Schemas
@@ -123,7 +123,7 @@ def _unwrap(value: str) -> str:
 def _typed(value: str, schema: Any) -> str:
     if _is_string(schema):
         return json.dumps(value, ensure_ascii=False)
-    typed = _json_value(value.strip())
+    typed = json_value(value.strip())
     if typed == json.dumps(value.strip(), ensure_ascii=False) and schema is None:
         return json.dumps(value, ensure_ascii=False)
     return typed
