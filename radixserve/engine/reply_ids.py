@@ -2,8 +2,9 @@
 
 Tokenizing a conversation again gives an earlier reply ids other than the ones the model
 generated (its own token split, under a grammar or not), and the prefix cache misses from
-there on. The splicer finds each assistant turn in the rendered text, asks a ReplyLookup for
-the ids generated for exactly that text, and uses them where they decode back to it:
+there on. The splicer finds each assistant turn in the rendered text and asks a ReplyLookup
+for the replies generated right after exactly the ids that precede the turn (the prompt that
+reply answered); one whose text the turn holds is used where its ids decode back to it:
 
     ...<|im_start|>assistant\\n  REPLY TEXT  <|im_end|>\\n<|im_start|>user\\n...
     |<-- encoded as before -->|<- stored ->|<----- encoded as before ----->|
@@ -11,8 +12,10 @@ the ids generated for exactly that text, and uses them where they decode back to
 A turn is the text between the template's generation prompt (where the model began) and the
 next end-of-turn token (where it stopped). The pieces around it are encoded on their own:
 the one before ends where the earlier prompt ended, so it tokenizes as that prompt did; the
-one after begins with an added token, at which a tokenizer splits anyway. Without a stored
-reply that fits, the text is encoded whole, exactly as without a splicer.
+one after begins with an added token, at which a tokenizer splits anyway. A turn that holds
+more than the reply (a close the renderer writes after a call that max_tokens cut) gets the
+reply's ids and the rest encoded after them. Without a stored reply that fits, the text is
+encoded whole, exactly as without a splicer.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ _PROBE_REPLY = "radixserve reply probe"
 
 
 class ReplyLookup(Protocol):
-    """One cache namespace's stored replies: the ids generated for a reply's exact text."""
+    """One cache namespace's stored replies, found by the prompt ids they followed."""
 
-    def reply_ids(self, text: str) -> Sequence[int] | None: ...
+    def may_begin(self, text: str) -> bool:
+        """False when no stored reply can be a prefix of `text` (a cheap check first)."""
+
+    def replies_after(self, prompt_ids: Sequence[int]) -> list[tuple[str, Sequence[int]]]:
+        """(text, generated ids) of each reply generated right after exactly `prompt_ids`."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,13 @@ class ReplySplicer:
         ids: list[int] = []
         cursor = 0
         for start, end in reply_spans(text, marks):
-            stored = self._verified(text[start:end], replies)
-            if stored is not None:
-                ids += self._encode(text[cursor:start]) + stored
-                cursor = end
+            turn = text[start:end]
+            if not replies.may_begin(turn):
+                continue
+            head = ids + self._encode(text[cursor:start])  # what this text's prefix encodes to, as ever
+            found = self._match(turn, replies.replies_after(head))
+            if found is not None:
+                ids, cursor = head + found, end
         if not cursor:
             return self._encode(text)
         ids += self._encode(text[cursor:])
@@ -75,12 +85,19 @@ class ReplySplicer:
         except Exception:  # a template that refuses the probe conversation: no splicing
             return None
 
-    def _verified(self, text: str, replies: ReplyLookup) -> list[int] | None:
-        """The stored ids of `text` where they decode to it; a stop token the model ended
-        with (it is in the ids, not the text) is dropped."""
-        stored = replies.reply_ids(text)
-        if not stored:
-            return None
+    def _match(self, turn: str, candidates: list[tuple[str, Sequence[int]]]) -> list[int] | None:
+        """The ids of `turn`: the longest stored reply it begins with (ids that decode to that
+        reply's text), then the rest of the turn encoded."""
+        for reply, stored in sorted(candidates, key=lambda c: -len(c[0])):
+            if turn.startswith(reply):
+                ids = self._verified(reply, stored)
+                if ids is not None:
+                    return ids + self._encode(turn[len(reply):])
+        return None
+
+    def _verified(self, text: str, stored: Sequence[int]) -> list[int] | None:
+        """`stored` where it decodes to `text`; a stop token the model ended with (in the ids,
+        not the text) is dropped."""
         ids = list(stored)
         for candidate in (ids, ids[:-1]):
             if candidate and self._decode(candidate) == text:

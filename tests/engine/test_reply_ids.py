@@ -15,11 +15,21 @@ USER = [{"role": "user", "content": "Hi"}]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-class Replies(dict):
-    """A ReplyLookup over a plain dict (the server's is ReplyIdStore, per namespace)."""
+class Replies:
+    """A ReplyLookup over a list (the server's is ReplyIdStore, per namespace): replies given
+    as {text: ids} follow any prompt; `add` ties one to the prompt it answered."""
 
-    def reply_ids(self, text):
-        return self.get(text)
+    def __init__(self, anywhere: dict[str, list[int]] | None = None):
+        self.entries = [(None, text, ids) for text, ids in (anywhere or {}).items()]
+
+    def add(self, prompt_ids, text, ids):
+        self.entries.append((tuple(prompt_ids), text, list(ids)))
+
+    def may_begin(self, text):
+        return True
+
+    def replies_after(self, prompt_ids):
+        return [(text, ids) for prompt, text, ids in self.entries if prompt in (None, tuple(prompt_ids))]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +80,30 @@ def test_a_stored_reply_is_spliced_where_it_was_generated(tokenizer):
     assert ids[len(prompt) + len(generated):] == plain(tokenizer, text)[-len(ids) + len(prompt) + len(generated):]
 
 
+def test_a_turn_holding_more_than_the_reply_gets_its_ids_then_the_rest(tokenizer):
+    """A call max_tokens cut right after its arguments renders with the close the model never
+    wrote: the reply's ids come first, the close is encoded after them."""
+    reply = '<tool_call>\n{"name": "add", "arguments": {"a": 1}'
+    generated = plain(tokenizer, reply[:20]) + plain(tokenizer, reply[20:])
+    store = Replies()
+    store.add(plain(tokenizer, render(tokenizer, USER)), reply, generated)
+    turn = reply + "}\n</tool_call>"
+    text = render(tokenizer, USER + [{"role": "assistant", "content": turn}, {"role": "user", "content": "x"}])
+    prompt = plain(tokenizer, render(tokenizer, USER))
+    ids = ReplySplicer(tokenizer).encode(text, store)
+    assert ids[: len(prompt) + len(generated)] == prompt + generated
+    assert ids[len(prompt) + len(generated):][: len(plain(tokenizer, "}\n</tool_call>"))] == \
+        plain(tokenizer, "}\n</tool_call>")
+    assert tokenizer.decode(ids) == text
+
+
+def test_a_reply_is_found_only_after_the_prompt_it_answered(tokenizer):
+    store = Replies()
+    store.add([1, 2, 3], "Hello world", plain(tokenizer, "Hel") + plain(tokenizer, "lo world"))
+    text = render(tokenizer, USER + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "x"}])
+    assert ReplySplicer(tokenizer).encode(text, store) == plain(tokenizer, text)
+
+
 def test_ids_that_decode_to_other_text_are_not_spliced(tokenizer):
     store = Replies({"Hello world": plain(tokenizer, "Hello world!")})
     text = render(tokenizer, USER + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "x"}])
@@ -113,7 +147,7 @@ def test_the_tiny_model_is_prompted_with_exactly_what_it_generated(tiny_chat_eng
     for turn in range(4):
         prompt = engine.apply_chat_template(messages, replies=store)
         out = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=turn))[0]
-        store[out.text] = list(out.token_ids)
+        store.add(prompt, out.text, out.token_ids)
         messages = messages + [{"role": "assistant", "content": out.text}, {"role": "user", "content": f"Go on {turn}."}]
         following = engine.apply_chat_template(messages, replies=store)
         written = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids  # less its stop token
@@ -129,7 +163,7 @@ def test_the_real_model_is_prompted_with_exactly_what_it_generated(real_engine):
     messages = [{"role": "user", "content": "Name three fruits, comma separated."}]
     prompt = real_engine.apply_chat_template(messages, replies=store)
     out = real_engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0))[0]
-    store[out.text] = list(out.token_ids)
+    store.add(prompt, out.text, out.token_ids)
     messages += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "And three more."}]
     following = real_engine.apply_chat_template(messages, replies=store)
     generated = list(out.token_ids) + ([] if out.finish_reason == "stop" else [2])  # the template closes a cut turn

@@ -108,19 +108,24 @@ def test_previous_response_id_continues_from_the_stored_ids(client):
 
 def test_one_key_never_gets_another_keys_reply_ids(engine):
     """A's reply ids are stored under A's namespace alone (even where keys share the cache):
-    B re-sending A's conversation finds none of them and stores only its own reply."""
+    B re-sending A's conversation is prompted with its text tokenized as ever, A with its ids."""
     options = ServerOptions(api_keys=("key-a", "key-b"), shared_cache_across_keys=True, enable_debug_endpoints=True)
     ns_a, ns_b = f"key:{key_digest('key-a')}", f"key:{key_digest('key-b')}"
+    ids = {"return_token_ids": True}
     with BackgroundServer(create_app(engine, options)) as server:
         a = openai.OpenAI(base_url=server.url + "/v1", api_key="key-a", max_retries=0, timeout=300)
         b = openai.OpenAI(base_url=server.url + "/v1", api_key="key-b", max_retries=0, timeout=300)
-        out = chat(a, tool_choice="required", parallel_tool_calls=False, max_tokens=48)
+        out = chat(a, tool_choice="required", parallel_tool_calls=False, max_tokens=48, extra_body=ids)
+        generated = out.model_extra["prompt_token_ids"] + out.choices[0].model_extra["token_ids"]
         replies = server.app.state.server.replies
         [text] = replies.texts(ns_a)
         assert replies.texts(ns_b) == [] and replies.texts(None) == []
         history = list(ASK) + [assistant_turn(out.choices[0].message), {"role": "user", "content": "Thanks."}]
-        again = b.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4,
-                                     temperature=0)
-        assert replies.view(ns_b).reply_ids(text) is None
-        assert replies.texts(ns_b) == [again.choices[0].message.content]
-        assert replies.texts(ns_a) == [text]
+        answers = {name: client.chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0, extra_body=ids)
+            for name, client in (("b", b), ("a", a))}
+        prompt_b = answers["b"].model_extra["prompt_token_ids"]
+        assert prompt_b == engine.tokenizer.encode(engine.tokenizer.decode(prompt_b), add_special_tokens=False)
+        assert answers["a"].model_extra["prompt_token_ids"][: len(generated)] == generated
+        assert replies.texts(ns_b) == [answers["b"].choices[0].message.content]
+        assert text in replies.texts(ns_a)
