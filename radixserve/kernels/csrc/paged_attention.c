@@ -176,6 +176,17 @@ INLINE void fold_keys(const float *q, float *acc, float *m, float *l, const Keys
     }
 }
 
+/* A sliding window's first key group of one query row: keys [from, the group's end) of the
+ * block's first n; returns where the next group starts. Apart from attend_row, whose loop
+ * stays as it is for every other group. */
+static __attribute__((noinline)) int64_t attend_first_group(const Rows *rows, int64_t i, const Keys *keys,
+                                                            int64_t from, int64_t n) {
+    const int64_t t0 = from - from % VW, g = n - t0 < VW ? n - t0 : VW;
+    fold_keys(rows->q + i * rows->padded, rows->acc + i * rows->padded, rows->m + i, rows->l + i, keys, t0, g,
+              from - t0, keys->vectors, keys->tail);
+    return t0 + VW;
+}
+
 /* One query row against the block's keys [from, n), VW at a time (groups stay aligned to
  * VW: the first masks its keys before `from`). The common shape (whole key groups, rows of
  * PANEL whole vectors: head_dim 64 on AVX-512) is compiled apart. */
@@ -183,11 +194,8 @@ static void attend_row(const Rows *rows, int64_t i, const Keys *keys, int64_t fr
     const float *q = rows->q + i * rows->padded;
     float *acc = rows->acc + i * rows->padded, *m = rows->m + i, *l = rows->l + i;
     const int common = keys->vectors == PANEL && keys->tail == VW;
-    int64_t t0 = from - from % VW;
-    if (t0 < from) {
-        fold_keys(q, acc, m, l, keys, t0, n - t0 < VW ? n - t0 : VW, from - t0, keys->vectors, keys->tail);
-        t0 += VW;
-    }
+    int64_t t0 = 0;
+    if (from) t0 = from % VW ? attend_first_group(rows, i, keys, from, n) : from;
     for (; t0 + VW <= n; t0 += VW) {
         if (common) fold_keys(q, acc, m, l, keys, t0, VW, 0, PANEL, VW);
         else fold_keys(q, acc, m, l, keys, t0, VW, 0, keys->vectors, keys->tail);
@@ -417,7 +425,7 @@ INLINE void block_codes(const Shape *sh, const Rows *rows, const char *kp, const
     for (int64_t j = 0; j <= h; ++j) {
         const int cur = (int)(j & 1), prev = cur ^ 1;
         if (j < h) {
-            prefetch_part(sh, ahead, j, h);
+            if (t0 == 0) prefetch_part(sh, ahead, j, h);
             sub_scales(sh, kp, j, t0, n, ks);
             sub_scales(sh, vp, j, t0, n, vs[cur]);
             score_codes(rows->q + j * g * padded, padded, kc + j * d, stride, d, n, g, s);
@@ -521,7 +529,7 @@ static void attend_block_i8(const Shape *sh, const Rows *rows, const int32_t *le
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
     if (direct) {
         for (int64_t t0 = from; t0 < most; t0 += 16)
-            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, t0 == from ? ahead : -1, group);
+            direct_run(sh, rows, kp, vp, t0, most - t0 < 16 ? most - t0 : 16, ahead, group);
         return;
     }
     for (int64_t j = 0; j < h; ++j)

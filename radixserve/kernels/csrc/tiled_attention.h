@@ -98,7 +98,7 @@ static inline void tile_scores(const float *q, const float *kt, int64_t head_dim
  * and once it settles a tile costs no horizontal max, no rescale and no exp2 of alpha. The
  * result is the same softmax: O and l carry the same shift. */
 #define RESCALE_SLACK 8.0f
-static inline void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, int64_t window,
+static inline __attribute__((always_inline)) void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, int64_t window,
                                 float *m, float *l, Tile *tile, int for_bf16) {
     for (int i = 0; i < TILE_ROWS; ++i) {
         const int64_t visible = last[i] - k0 + 1;
@@ -158,20 +158,27 @@ static inline void tile_accumulate(float *o, const Tile *tile, int64_t nk, int64
 
 /* Whether the row group from row i sees no key of the tile [k0, k0 + nk): all before it, or
  * (sliding window) all after. */
-static inline int group_misses(const TileShape *sh, const TileRows *rows, int64_t i, int64_t k0, int64_t nk) {
-    return rows->last[i + TILE_ROWS - 1] < k0 || (sh->window > 0 && rows->last[i] - sh->window + 1 >= k0 + nk);
+static inline int group_misses(const TileRows *rows, int64_t i, int64_t k0, int64_t nk, int64_t window) {
+    return rows->last[i + TILE_ROWS - 1] < k0 || (window > 0 && rows->last[i] - window + 1 >= k0 + nk);
 }
 
 /* Every row group of `rows` that sees any key of the tile starting at k0 (nk keys). */
-static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k0, int64_t nk) {
+static inline __attribute__((always_inline)) void tile_fold_in(const TileShape *sh, TileRows *rows, Tile *tile,
+                                                              int64_t k0, int64_t nk, int64_t window) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
     for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
-        if (group_misses(sh, rows, i, k0, nk)) continue;
+        if (group_misses(rows, i, k0, nk, window)) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores(rows->q + i * d, tile->kt, d, s);
-        tile_softmax(s, rows->last + i, k0, sh->window, rows->m + i, rows->l + i * VW, tile, 0);
+        tile_softmax(s, rows->last + i, k0, window, rows->m + i, rows->l + i * VW, tile, 0);
         tile_accumulate(rows->o + i * dp, tile, nk, dp);
     }
+}
+
+/* tile_fold_in compiled apart for full causal attention (window 0, a constant) and for a window. */
+static void tile_fold(const TileShape *sh, TileRows *rows, Tile *tile, int64_t k0, int64_t nk) {
+    if (sh->window > 0) tile_fold_in(sh, rows, tile, k0, nk, sh->window);
+    else tile_fold_in(sh, rows, tile, k0, nk, 0);
 }
 
 /* The bf16 path's operands: a uint32 holds two bfloat16, the lower-indexed one in its low half. */
@@ -238,17 +245,24 @@ static inline void tile_accumulate_pairs(float *o, const Tile *tile, PairTile *p
     }
 }
 
-/* tile_fold over the pair-packed tile. */
-static void tile_fold_pairs(const TileShape *sh, TileRows *rows, Tile *tile, PairTile *pairs, int64_t k0,
-                            int64_t nk) {
+/* tile_fold_in over the pair-packed tile. */
+static inline __attribute__((always_inline)) void tile_fold_pairs_in(const TileShape *sh, TileRows *rows, Tile *tile,
+                                                                    PairTile *pairs, int64_t k0, int64_t nk,
+                                                                    int64_t window) {
     const int64_t half = sh->head_dim / 2, dp = sh->padded_dim;
     for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
-        if (group_misses(sh, rows, i, k0, nk)) continue;
+        if (group_misses(rows, i, k0, nk, window)) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores_pairs(pairs->q + i * half, pairs->kt, half, s);
-        tile_softmax(s, rows->last + i, k0, sh->window, rows->m + i, rows->l + i * VW, tile, 1);
+        tile_softmax(s, rows->last + i, k0, window, rows->m + i, rows->l + i * VW, tile, 1);
         tile_accumulate_pairs(rows->o + i * dp, tile, pairs, nk, dp);
     }
+}
+
+static void tile_fold_pairs(const TileShape *sh, TileRows *rows, Tile *tile, PairTile *pairs, int64_t k0,
+                            int64_t nk) {
+    if (sh->window > 0) tile_fold_pairs_in(sh, rows, tile, pairs, k0, nk, sh->window);
+    else tile_fold_pairs_in(sh, rows, tile, pairs, k0, nk, 0);
 }
 
 /* Each row's pre-scaled q as bf16 pairs (head_dim a multiple of 2 * VW). */
