@@ -85,6 +85,8 @@ def test_cache_control_pins_the_marked_prefixes(claude, server):
                                      extra_body={"temperature": 0})
     assert message.content[0].text
     assert stats(server)["pins"] == pins + 2  # one per mark, each on the prefix it ends
+    claude.messages.create(model=MODEL, max_tokens=4, system=system, messages=question, extra_body={"temperature": 0})
+    assert stats(server)["pins"] == pins + 2  # the same marks again soon after: the pins they have hold
     tiny = [{"type": "text", "text": "Hi.", "cache_control": {"type": "ephemeral", "ttl": "5m"}}]
     claude.messages.create(model=MODEL, max_tokens=2, system=tiny, messages=question[:1],
                            extra_body={"temperature": 0})
@@ -92,3 +94,16 @@ def test_cache_control_pins_the_marked_prefixes(claude, server):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}])
+
+
+def test_a_prefix_pinned_lately_is_not_pinned_again_until_a_sixteenth_of_its_ttl():
+    from radixserve.server.api.anthropic_pins import RecentPins
+
+    now = [0.0]
+    recent = RecentPins(capacity=2, clock=lambda: now[0])
+    assert recent.due(("a",), 300.0) and not recent.due(("a",), 300.0)
+    assert recent.due(("a",), 3600.0)  # a longer TTL than the pin it has: pinned again
+    now[0] = 3600.0 / 16
+    assert recent.due(("a",), 3600.0)
+    assert recent.due(("b",), 300.0) and recent.due(("c",), 300.0)
+    assert recent.due(("a",), 3600.0)  # the oldest key left the bounded ledger

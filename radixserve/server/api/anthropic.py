@@ -75,7 +75,7 @@ async def messages(request: Request) -> Response:
                                         block, engine)
     job = in_namespace(request, job)
     return await serve_job(request, job, responder, AnthropicEventStream,
-                           on_finish=pin_hook(responder.pins, job.cache_salt))
+                           on_finish=pin_hook(responder.pins, job.cache_salt, state.cache_pins))
 
 
 async def count_tokens_route(request: Request) -> Response:

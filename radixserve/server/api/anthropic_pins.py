@@ -2,12 +2,15 @@
 (the conversation rendered up to the marked block) in the request's cache namespace for
 the mark's TTL (5m or 1h), once the request has computed it (at its finish, on the engine
 thread, while its blocks are in the tree). Pins order eviction; they reserve nothing
-(core/sessions.py)."""
+(core/sessions.py). An agent marks the same prefixes on every turn: a prefix pinned again
+within a sixteenth of its TTL keeps the pin it has (RecentPins), so pins do not pile up."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,7 +39,30 @@ async def marked_prefixes(marks: list[tuple[float, list[HistoryMessage]]], rende
     return pins
 
 
-def pin_hook(pins: list[Pin], cache_salt: str | None) -> FinishHook | None:
+class RecentPins:
+    """When each prefix was last pinned, and for how long (the engine thread's only: no lock)."""
+
+    REFRESH = 1 / 16  # of a TTL: a pin younger than this is not made again
+
+    def __init__(self, capacity: int = 4096, clock: Any = time.monotonic):
+        self.capacity = capacity
+        self.clock = clock
+        self._pinned: OrderedDict[tuple, tuple[float, float]] = OrderedDict()  # key -> (when, ttl_s)
+
+    def due(self, key: tuple, ttl_s: float) -> bool:
+        """Whether to pin this prefix now (and note it as pinned)."""
+        now = self.clock()
+        last = self._pinned.get(key)
+        if last is not None and last[1] >= ttl_s and now - last[0] < ttl_s * self.REFRESH:
+            return False
+        self._pinned[key] = (now, ttl_s)
+        self._pinned.move_to_end(key)
+        while len(self._pinned) > self.capacity:
+            self._pinned.popitem(last=False)
+        return True
+
+
+def pin_hook(pins: list[Pin], cache_salt: str | None, recent: RecentPins) -> FinishHook | None:
     """At the request's finish: pin the part of its prompt each mark covers (where the
     prefix rendered alone and the prompt agree; the generation prompt after it differs)."""
     if not pins:
@@ -46,7 +72,7 @@ def pin_hook(pins: list[Pin], cache_salt: str | None) -> FinishHook | None:
         prompt = output.prompt_token_ids
         for ttl_s, ids in pins:
             size = _common_prefix(ids, prompt)
-            if size == 0:
+            if size == 0 or not recent.due((cache_salt, size, hash(tuple(prompt[:size]))), ttl_s):
                 continue
             try:
                 engine.pin_prefix(prompt[:size], ttl_s, cache_salt)

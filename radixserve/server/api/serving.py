@@ -15,6 +15,7 @@ from radixserve.server.metrics import ServerMetrics
 from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.options import ServerOptions
 from radixserve.server.protocol import GenerationJob, NativeJob, ServedModel
+from radixserve.server.api.anthropic_pins import RecentPins
 from radixserve.server.reasoning.serving import Reasoning
 from radixserve.server.reply_store import NamespaceReplies, ReplyIdStore
 from radixserve.server.request_group import RequestGroup
@@ -39,6 +40,7 @@ class ServerState:
     max_model_len: int
     tools: ToolCalling
     reasoning: Reasoning  # --reasoning-parser
+    cache_pins: RecentPins = field(default_factory=RecentPins)  # Anthropic's cache_control marks, pinned lately
     responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     replies: ReplyIdStore = field(default_factory=ReplyIdStore)  # the ids of replies, to splice when re-sent
 
