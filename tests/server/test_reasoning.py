@@ -122,17 +122,28 @@ def test_responses_reasoning_items_and_exact_reasoning_tokens(think):
     assert final.usage.output_tokens_details.reasoning_tokens == 5
 
 
-def test_responses_reasoning_then_a_message(think):
+def test_responses_reasoning_then_a_schema_answer(think):
     model, client, _ = clients(think)
+    on_ids, decode = think[2], think[4]
     body = dict(model=model, input=QUESTION[0]["content"], max_output_tokens=40, temperature=0,
-                text={"format": {"type": "json_schema", "name": "city", "schema": CITY}})
+                text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+                extra_body={"thinking_token_budget": BUDGET})
     response = client.responses.create(**body)
-    kinds = [item.type for item in response.output]
-    # No budget here: the model reasons until it closes the block or max_output_tokens ends it.
-    assert kinds in (["reasoning"], ["reasoning", "message"])
-    if kinds == ["reasoning", "message"]:
-        assert json.loads(response.output[1].content[0].text)["city"] in ("Paris", "Rome", "Madrid")
-        assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == decode(on_ids[:BUDGET])
+    assert json.loads(response.output[1].content[0].text)["city"] in ("Paris", "Rome", "Madrid")
+    chat = client.chat.completions.create(  # the same conversation and constraint through chat
+        model=model, messages=QUESTION, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+        extra_body={"thinking_token_budget": BUDGET})
+    reasoning_tokens = chat.usage.completion_tokens_details.reasoning_tokens
+    assert BUDGET < reasoning_tokens == response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    final = None
+    for event in client.responses.create(**body, stream=True):
+        if event.type == "response.completed":
+            final = event.response
+    assert [i.model_dump(exclude={"id"}) for i in final.output] == [i.model_dump(exclude={"id"}) for i in response.output]
+    assert final.usage == response.usage
 
 
 def test_anthropic_thinking_blocks_whole_and_streamed(think):

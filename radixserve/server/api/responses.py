@@ -4,7 +4,7 @@ Input: a string or items (`message` with text parts, `function_call`,
 `function_call_output`), `instructions`, function `tools`, `tool_choice`,
 `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema), `stream`, `reasoning.effort` (to the chat template), and
-`seed` (an extension). Output: `reasoning` items (with a reasoning parser: the reasoning
+`seed` and `thinking_token_budget` (extensions, as on chat). Output: `reasoning` items (with a reasoning parser: the reasoning
 text as a reasoning_text part), `message` and `function_call` items, usage with
 `input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`; streamed
 as the typed events the official client parses.
@@ -78,7 +78,11 @@ async def responses_job(
     body.check_supported()
     spec = await calling.spec(body)
     kwargs = body.template_kwargs()
-    mode = await asyncio.to_thread(reasoning.mode, kwargs) if reasoning is not None else None
+    budget = body.thinking_token_budget
+    mode = await asyncio.to_thread(reasoning.mode, kwargs, budget) if reasoning is not None else None
+    if mode is None and budget is not None:
+        raise bad_request("'thinking_token_budget' needs a model whose reasoning the server reads: start it with "
+                          "--reasoning-parser (or a chat template that reasons)", param="thinking_token_budget")
     head, conversation = body.history(store)
     prompt = await calling.prompt(head + conversation, spec, replies, kwargs or None)
     try:

@@ -169,6 +169,9 @@ class ResponsesRequest(OpenAIBody):
     truncation: Literal["disabled"] | None = Field(None, description="'auto' (dropping input to fit) is refused")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="0 only: output logprobs are not supported")
     reasoning: ReasoningOptions | None = Field(None, description="effort reaches the chat template")
+    thinking_token_budget: int | None = Field(
+        None, ge=1, description="an extension, as on chat (vLLM's): at most this many reasoning tokens, then the "
+        "block is closed")
 
     def check_supported(self) -> None:
         """A 400 for the fields that would change the answer in ways this server does not do."""
