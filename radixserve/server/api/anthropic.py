@@ -8,9 +8,9 @@ The answer, a "message" object or its stream of events: one MessageBuilder turns
 output events (server/output/events.py) into content blocks (thinking, text, tool_use) for
 both, so a stream always assembles to the body. `thinking` enabled renders the template with
 enable_thinking and bounds the reasoning by budget_tokens (the end marker is forced once
-they are spent, server/reasoning/mode.py); disabled renders it with enable_thinking false. The stream follows Anthropic's sequence, framed as
-Anthropic's API frames it (`event: <type>` then `data: <json>`, an error as `event: error`, no
-closing [DONE]):
+they are spent, server/reasoning/mode.py); disabled renders it with enable_thinking false.
+The stream follows Anthropic's sequence, framed as Anthropic's API frames it (`event: <type>`
+then `data: <json>`, an error as `event: error`, no closing [DONE]):
 
     message_start, content_block_start, ping, content_block_delta..., content_block_stop,
     (more blocks), message_delta (stop_reason, usage), message_stop
@@ -105,7 +105,9 @@ async def messages_job(
     return job, MessagesResponder(job, parser, list(request.stop_sequences or []), mode, cache_block, pins)
 
 
-async def _reasoning_mode(request: MessagesRequest, reasoning: Reasoning | None, kwargs: dict[str, Any]) -> ReasoningMode | None:
+async def _reasoning_mode(
+    request: MessagesRequest, reasoning: Reasoning | None, kwargs: dict[str, Any],
+) -> ReasoningMode | None:
     """How the answer reasons; thinking enabled needs a reasoning parser and a budget below max_tokens."""
     mode = await asyncio.to_thread(reasoning.mode, kwargs, request.thinking_budget) if reasoning is not None else None
     budget = request.thinking_budget

@@ -4,10 +4,11 @@ Input: a string or items (`message` with text parts, `function_call`,
 `function_call_output`), `instructions`, function `tools`, `tool_choice`,
 `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema), `stream`, `reasoning.effort` (to the chat template), and
-`seed` and `thinking_token_budget` (extensions, as on chat). Output: `reasoning` items (with a reasoning parser: the reasoning
-text as a reasoning_text part), `message` and `function_call` items, usage with
-`input_tokens_details.cached_tokens` and `output_tokens_details.reasoning_tokens`; streamed
-as the typed events the official client parses.
+`seed` and `thinking_token_budget` (extensions, as on chat). Output: `reasoning` items (with
+a reasoning parser: the reasoning text as a reasoning_text part), `message` and
+`function_call` items, usage with `input_tokens_details.cached_tokens` and
+`output_tokens_details.reasoning_tokens`; streamed as the typed events the official client
+parses.
 
 `store` (default true) keeps the conversation in memory (ResponseStore: bounded, with a
 TTL, one namespace per API key) so a later request of the same key can continue it with

@@ -14,7 +14,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int  # of prompt_tokens, served from the prefix cache
     completion_tokens: int
-    reasoning_tokens: int | None = None  # of completion_tokens, inside reasoning blocks (markers included); None: not read
+    # Of completion_tokens, those inside reasoning blocks (markers included); None: none are read.
+    reasoning_tokens: int | None = None
 
     @classmethod
     def of(cls, output: RequestOutput) -> "Usage":

@@ -65,7 +65,8 @@ def _compact_json(schema: str) -> dict[str, Any]:
     try:
         return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"invalid json schema: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+        lines = str(exc).strip().splitlines()
+        raise ValueError(f"invalid json schema: {lines[0] if lines else type(exc).__name__}") from None
     except RecursionError:
         raise ValueError("json schema nests too deeply") from None
 
