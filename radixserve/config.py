@@ -102,6 +102,12 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_hash: str = "chained"
+    # Models with sliding-window layers (Gemma 2/3, Mistral): "auto" keeps those layers' KV
+    # apart (core/window_pages.py), only within a window of where a request reads or a cached
+    # prefix ends, with `window_pages_ratio` window pages per block; "off" keeps every layer's
+    # KV for every token (also what auto does where the second tier or persistence is on).
+    hybrid_kv: str = "auto"
+    window_pages_ratio: float = 0.25
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
     num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 4 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
@@ -112,6 +118,9 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("kv_events_hash", self.kv_events_hash, KV_EVENT_HASHES)
+        _check_choice("hybrid_kv", self.hybrid_kv, ("auto", "off"))
+        if not 0 < self.window_pages_ratio <= 1:
+            raise ValueError(f"window_pages_ratio must be in (0, 1], got {self.window_pages_ratio}")
         if (self.kv_events_replay_endpoint or self.kv_events_hash != "chained") and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint and kv_events_hash work with kv_events_endpoint: set it too")
         if self.kv_events_endpoint and not self.enable_prefix_cache:

@@ -21,6 +21,22 @@ class AttentionPlan:
     slot_mapping: torch.Tensor  # [T] int64: the flat pool slot of each new token's K/V
 
 
+@dataclass(frozen=True)
+class GroupPlans:
+    """A hybrid KV step's plans: one over the full layers' blocks, one over the window
+    layers' pages (their own block tables and slots; see core/window_pages.py)."""
+
+    full: AttentionPlan
+    window: AttentionPlan
+
+
+def plan_for(plan: AttentionPlan | GroupPlans, window: int) -> AttentionPlan:
+    """The plan a layer with this window reads."""
+    if isinstance(plan, GroupPlans):
+        return plan.window if window else plan.full
+    return plan
+
+
 class AttentionBackend(abc.ABC):
     """Writes a step's new K/V into the paged pool, then attends over each request's
     context through its block table. Query head h reads KV head h // (num_heads // num_kv_heads).

@@ -15,7 +15,11 @@ class KVPool:
     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] of `dtype`; with
     kv_cache_dtype int8 or fp8_e4m3, [num_layers, 2, num_blocks, page_bytes] uint8
     (quantized_pages.py: a block's codes and scales in one page). Either way kv[:, :, b] is block b's whole KV,
-    which the tier and persistence copy as opaque bytes."""
+    which the tier and persistence copy as opaque bytes.
+
+    Hybrid KV (`window_layers` and `num_window_pages` given): those layers' K/V live apart,
+    in `window_kv` of [len(window_layers), 2, num_window_pages, ...], indexed by window page
+    (core/window_pages.py), and `kv` holds only the other (full) layers."""
 
     def __init__(
         self,
@@ -27,18 +31,33 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        window_layers: tuple[int, ...] = (),
+        num_window_pages: int = 0,
     ):
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         code = page_code(kv_cache_dtype)
         self.pages = QuantizedPages(block_size, num_kv_heads, head_dim, code) if code else None
         self.rotate_keys = code is not None  # quantized pages hold keys in kernels/key_basis.py's basis
-        shape, storage = self.geometry(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+        full_layers = [i for i in range(num_layers) if i not in window_layers]
+        shape, storage = self.geometry(len(full_layers), block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
         self.kv, self._memory = _zeros((*shape[:2], num_blocks, *shape[2:]), storage, torch.device(device))
         self.block_bytes = math.prod(shape) * self.kv.element_size()
         self.bytes_per_token = self.block_bytes / block_size
-        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]  # views, made once
+        views = {layer: (self.kv[i, 0], self.kv[i, 1]) for i, layer in enumerate(full_layers)}
+        self.window_kv, self.window_page_bytes = None, 0
+        if window_layers:
+            page, _ = self.geometry(len(window_layers), block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+            self.window_kv, self._window_memory = _zeros((*page[:2], num_window_pages, *page[2:]), storage,
+                                                         torch.device(device))
+            self.window_page_bytes = math.prod(page) * self.kv.element_size()
+            views.update({layer: (self.window_kv[i, 0], self.window_kv[i, 1]) for i, layer in enumerate(window_layers)})
+        self._layers = [views[i] for i in range(num_layers)]  # views, made once
         self._numpy_copies = self.kv.device.type == "cpu" and self.kv.dtype != torch.bfloat16
+
+    @property
+    def hybrid(self) -> bool:
+        return self.window_kv is not None
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]
@@ -95,7 +114,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     on first touch instead of writing gigabytes up front (first writes measured 2-4x
     faster than into numpy's calloc-backed zeros), with 2 MiB pages asked for where the
     kernel grants them."""
-    if device.type != "cpu":
+    if device.type != "cpu" or math.prod(shape) == 0:  # empty: a hybrid pool of window layers only
         return torch.zeros(shape, dtype=dtype, device=device), None
     element = torch.empty((), dtype=dtype).element_size()
     size = math.prod(shape) * element

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from radixserve.core.window_pages import WindowPages
+
 
 class BlockPool:
     """Hands out block ids 0..num_blocks-1. A block is free exactly when its ref count is 0.
@@ -13,26 +15,40 @@ class BlockPool:
     radix cache (one per block stored in the tree). `free` drops one reference per id and
     returns the ids that reached zero to the free list, in the order given, so a caller
     that frees tail first makes the least shared blocks the next to be reused.
+
+    With `window` (a hybrid KV model's window-layer pages), every allocated block takes a
+    window page and a freed one gives its page back; a block can be allocated only while
+    both a block and a page are free.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, window: WindowPages | None = None):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.window = window
 
     @property
     def num_free(self) -> int:
+        if self.window is not None:
+            return min(len(self._free), self.window.num_free)
+        return len(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free block ids (on a hybrid pool, pages may be scarcer: num_free)."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (ref count 1 each). Raises if fewer than n are free."""
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks, only {len(self._free)} free")
+        if n > self.num_free:
+            raise MemoryError(f"asked for {n} KV blocks, only {self.num_free} free")
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+        if self.window is not None:
+            self.window.attach(blocks)
         return blocks
 
     def share(self, blocks: Iterable[int]) -> None:
@@ -52,6 +68,8 @@ class BlockPool:
             self.ref_counts[b] = count - 1
             if count == 1:
                 self._free.append(b)
+                if self.window is not None:
+                    self.window.release(b)
                 freed += 1
         return freed
 

@@ -41,9 +41,10 @@ class TierPrefetch(Protocol):
 class KVManager:
     def __init__(
         self, pool: BlockPool, cache: RadixCache | None, block_size: int,
-        sessions: SessionTable | None = None, prefetch: TierPrefetch | None = None,
+        sessions: SessionTable | None = None, prefetch: TierPrefetch | None = None, max_chunk_tokens: int = 0,
     ):
         self.pool = pool
+        self.max_chunk_tokens = max_chunk_tokens  # the most tokens one request computes in a step
         self.cache = cache
         self.block_size = block_size
         self.sessions = sessions
@@ -100,10 +101,17 @@ class KVManager:
         return cached
 
     def match_and_lock(self, request: Request) -> MatchResult | None:
-        """The request's longest cached prefix, locked against eviction (None: no cache)."""
+        """The request's longest cached prefix, locked against eviction (None: no cache).
+        On a hybrid pool, only as far as the window before its end is resident."""
         if self.cache is None:
             return None
-        match = self.cache.match_prefix(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
+        tokens = request.token_ids[: request.reusable_prefix_len()]
+        match = self.cache.match_prefix(tokens, request.cache_salt)
+        window = self.pool.window
+        if window is not None and match.blocks:
+            valid = window.valid_prefix(match.blocks)
+            if valid < len(match.blocks) + match.num_tier_blocks:
+                match = self.cache.match_prefix(tokens[: valid * self.block_size], request.cache_salt)
         self.cache.lock(match.node)
         return match
 
@@ -118,7 +126,29 @@ class KVManager:
         matched = len(match.blocks) if match is not None else 0
         need = -(-(request.num_tokens + max(output_tokens, 1)) // self.block_size) - matched
         evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
-        return need + reserved <= self.pool.num_free + evictable
+        if self.pool.window is not None and not self._window_room(request, match):
+            return False
+        return need + reserved <= self.pool.num_free_blocks + evictable
+
+    def _window_room(self, request: Request, match: MatchResult | None) -> bool:
+        """Hybrid KV: whether the window pages the request's first chunk allocates are free,
+        evicting cached entries for them if not (the pool's blocks are checked apart)."""
+        matched = len(match.blocks) if match is not None else 0
+        chunk = min(request.num_tokens, matched * self.block_size + self.max_chunk_tokens)
+        need = -(-chunk // self.block_size) - matched
+        keep = set(match.blocks[self.pool.window.first_needed(matched * self.block_size):]) if matched else set()
+        return self._free_pages(need, keep)
+
+    def _free_pages(self, need: int, keep: set[int] = frozenset()) -> bool:
+        """Hybrid KV: make `need` window pages free: evict cached entries, then drop the
+        pages that no running request reads (other than `keep`'s)."""
+        window = self.pool.window
+        while need > window.num_free and self.cache is not None:
+            if not self.cache.evict(need - window.num_free):
+                break
+        if need > window.num_free:
+            window.reclaim(need - window.num_free, keep)
+        return need <= window.num_free
 
     def adopt_match(self, request: Request, match: MatchResult | None) -> None:
         """Give the request the match's blocks (restoring its tier-only part into the pool
@@ -129,6 +159,9 @@ class KVManager:
         self.pool.share(blocks)
         request.block_table = list(blocks)
         request.cache_node = match.node if match is not None else None
+        if self.pool.window is not None:
+            request.window_first = self.pool.window.first_needed(len(blocks) * self.block_size)
+            self._use_window(request.block_table[request.window_first:], 1)
 
     # ---- running ----------------------------------------------------------------
 
@@ -137,11 +170,14 @@ class KVManager:
         need = -(-num_tokens // self.block_size) - len(request.block_table)
         if need <= 0:
             return True
-        if need > self.pool.num_free and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free)
+        while need > self.pool.num_free and self.cache is not None:
+            if not self.cache.evict(need - self.pool.num_free):  # hybrid: a block may free no page
+                break
+        if self.pool.window is not None and need > self.pool.window.num_free:
+            self._free_pages(need)
         if need > self.pool.num_free:
             return False
-        request.block_table.extend(self.pool.allocate(need))
+        self._extend(request, self.pool.allocate(need))
         return True
 
     def grow_from_free(self, request: Request, num_tokens: int, keep_free: int) -> bool:
@@ -151,8 +187,12 @@ class KVManager:
         if need > self.pool.num_free - keep_free:
             return False
         if need > 0:
-            request.block_table.extend(self.pool.allocate(need))
+            self._extend(request, self.pool.allocate(need))
         return True
+
+    def _extend(self, request: Request, blocks: list[int]) -> None:
+        request.block_table.extend(blocks)
+        self._use_window(blocks, 1)
 
     def shrink(self, request: Request) -> None:
         """Drop the blocks past the request's tokens (tail first): only rejected draft
@@ -161,6 +201,7 @@ class KVManager:
         extra = request.block_table[keep:]
         if extra:
             del request.block_table[keep:]
+            self._use_window(extra, -1)
             self.pool.free(reversed(extra))
 
     def insert_computed(self, request: Request) -> None:
@@ -191,9 +232,63 @@ class KVManager:
             if request.cache_node is not None:
                 self.cache.unlock(request.cache_node)
         request.cache_node = None
+        self._use_window(request.block_table[request.window_first:], -1)
+        request.window_first = 0
+        if self.pool.window is not None and node is not None:
+            self._trim_cached_path(node)
         self.pool.free(reversed(request.block_table))
         request.block_table = []
         return node
+
+    # ---- hybrid KV: window pages ------------------------------------------------
+
+    def trim_windows(self, running: list[Request]) -> None:
+        """After a step: each running request stops counting the blocks that fell out of its
+        window; a page nobody else holds (the block is the request's alone) is dropped now,
+        a shared one when its last holder leaves the cache (release)."""
+        window = self.pool.window
+        if window is None:
+            return
+        for request in running:
+            first = min(window.first_needed(request.num_computed_tokens), len(request.block_table))
+            if first <= request.window_first:
+                continue
+            ends = None  # where the request's cached path's nodes end, found when needed
+            for i in range(request.window_first, first):
+                b = request.block_table[i]
+                window.users[b] -= 1
+                if window.users[b] or not window.has_page(b):
+                    continue
+                if self.pool.ref_counts[b] > 1:  # shared: trimmed unless a cached node's end needs it
+                    ends = _node_ends(request.cache_node) if ends is None else ends
+                    if i >= (ends[0] if ends else 0) // self.block_size or self._tail_needs(i, ends):
+                        continue
+                window.trim(b)
+            request.window_first = first
+
+    def _tail_needs(self, index: int, ends: list[int]) -> bool:
+        """Whether block `index` lies in the window before one of these node ends."""
+        window = self.pool.window
+        return any(window.first_needed(e) <= index < e // self.block_size for e in ends)
+
+    def _use_window(self, blocks: list[int], delta: int) -> None:
+        window = self.pool.window
+        if window is not None:
+            for b in blocks:
+                window.users[b] += delta
+
+    def _trim_cached_path(self, node: RadixNode) -> None:
+        """Drop the pages of the cached path's blocks that no node end needs (each node keeps
+        the blocks within a window of its own end: a deeper end needs no more than that of
+        its ancestors) and no running request reads."""
+        window, bs = self.pool.window, self.block_size
+        end = sum(len(n.tokens) for n in _path(node))
+        for n in _path(node):
+            start = (end - len(n.tokens)) // bs  # the node's first block, counted from the root
+            for b in n.blocks[: max(0, window.first_needed(end) - start)]:
+                if window.users[b] == 0:
+                    window.trim(b)
+            end -= len(n.tokens)
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unlocked cache entry (only under salt `namespace` and its sub-salts,
@@ -221,6 +316,9 @@ class KVManager:
             if self.sessions is not None:
                 self.sessions.check_integrity()
         self.pool.check_integrity(expected)
+        if self.pool.window is not None:
+            self.pool.window.check_integrity(expected, [(r.block_table, r.window_first) for r in running
+                                                        if hasattr(r, "window_first")])
 
     def _check_locks(self, running: list[Request]) -> None:
         expected: dict[int, int] = {}
@@ -232,3 +330,22 @@ class KVManager:
         for node in self.cache.nodes():
             if node.lock_ref != expected.get(node.node_id, 0):
                 raise AssertionError(f"{node} lock {node.lock_ref}, held by {expected.get(node.node_id, 0)} requests")
+
+
+def _path(node: RadixNode) -> list[RadixNode]:
+    """node and its ancestors, deepest first (roots excluded)."""
+    path = []
+    while node is not None and not node.is_root:
+        path.append(node)
+        node = node.parent
+    return path
+
+
+def _node_ends(node: RadixNode | None) -> list[int]:
+    """Token counts at which node and each of its ancestors end, deepest first."""
+    path = _path(node) if node is not None else []
+    ends, end = [], sum(len(n.tokens) for n in path)
+    for n in path:
+        ends.append(end)
+        end -= len(n.tokens)
+    return ends

@@ -45,6 +45,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.block_table: list[int] = []
+        self.window_first = 0  # hybrid KV: the first block of block_table counted in WindowPages.users
         self.num_computed_tokens = 0
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.restored_tokens = 0  # of those, restored from the second KV tier

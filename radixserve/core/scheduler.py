@@ -58,7 +58,8 @@ class Scheduler:
         self.config = config
         self.drafter = drafter  # proposes speculative tokens for decoding requests
         self.block_size = config.block_size
-        self.kv = KVManager(pool, cache, config.block_size, sessions, prefetch)
+        self.kv = KVManager(pool, cache, config.block_size, sessions, prefetch,
+                            max_chunk_tokens=min(config.chunked_prefill_size, config.max_num_batched_tokens))
         self.policy = SchedulePolicy(
             config.schedule_policy, cache, config.starvation_steps, config.policy_fcfs_threshold
         )
@@ -132,6 +133,7 @@ class Scheduler:
             self.stats.computed_tokens += chunk.num_tokens
             if verified > 1:
                 self.kv.insert_computed(request)
+        self.kv.trim_windows(self.running)
 
     def accept_draft_token(self, request: Request) -> None:
         """The token just appended to the request was a draft token that verification

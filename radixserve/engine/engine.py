@@ -21,6 +21,7 @@ from radixserve.kernels.key_basis import KEY_BASIS
 from radixserve.kernels.openmp_pool import release_thread_pool
 from radixserve.kernels.quantized_pages import check_kv_cache_dtype, page_code
 from radixserve.core.block_pool import BlockPool
+from radixserve.core.window_pages import WindowPages
 from radixserve.config import EngineConfig
 from radixserve.execution.constrained import GrammarFactory
 from radixserve.model.loader import LoadedModel, load_model, resolve_device
@@ -113,8 +114,10 @@ class Engine:
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
         # the KV pool's element: the model's dtype (auto), or quantized pages (int8, fp8_e4m3)
         self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
+        self.hybrid = self._hybrid_kv()
         num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
-        self.pool = BlockPool(num_blocks)
+        window = self._window_pages(num_blocks) if self.hybrid else None
+        self.pool = BlockPool(num_blocks, window)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         self.cache = self._build_cache() if cfg.enable_prefix_cache else None
         sessions = SessionTable(self.cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if self.cache is not None else None
@@ -132,6 +135,7 @@ class Engine:
             self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
             self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
             cfg.tiled_prefill_attention, cfg.kv_cache_dtype, cfg.prefill_attention_dtype, cfg.prefill_matmul_dtype,
+            window,
         )
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self.preparer = RequestPreparer(
@@ -388,11 +392,6 @@ class Engine:
         return (len(match.blocks) + match.num_tier_blocks) * self.config.block_size
 
     @_one_thread
-    def flush_tier(self, timeout_s: float = 30.0) -> bool:
-        """Wait until the persisted tier and its index are on disk; False on timeout."""
-        return self.tiering.flush(timeout_s)
-
-    @_one_thread
     def release_hints(self, cache_salt: str | None = None, session_id: str | None = None,
                       prompt: Prompt | None = None) -> int:
         """Drop now what holds a prefix (agent hints' release): the session's hold, and the
@@ -404,6 +403,11 @@ class Engine:
             token_ids = self.prepare(prompt, SamplingParams(max_tokens=0), cache_salt).token_ids
             node = self.cache.peek_prefix(token_ids, cache_salt)[1]
         return self.kv.sessions.release(cache_salt, session_id, node)
+
+    @_one_thread
+    def flush_tier(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the persisted tier and its index are on disk; False on timeout."""
+        return self.tiering.flush(timeout_s)
 
     @_one_thread
     def close(self) -> None:
@@ -558,12 +562,38 @@ class Engine:
         return RadixCache(self.pool, cfg.block_size, self.tiering.slots, write_through=persisted,
                           record_entries=persisted, events=events)
 
+    def _hybrid_kv(self) -> bool:
+        """Whether window layers keep their KV apart (core/window_pages.py): a model with
+        window layers, hybrid_kv auto, and none of what copies whole blocks (the tier)."""
+        spec, cfg = self.loaded.spec, self.config
+        if not spec.windowed or cfg.hybrid_kv == "off":
+            return False
+        if cfg.kv_offload_memory or cfg.kv_offload_dir or cfg.kv_persist_dir:
+            logger.info("hybrid KV off: the second KV tier copies whole blocks; every layer keeps its KV")
+            return False
+        return True
+
+    def _window_layers(self) -> int:
+        return sum(1 for w in self.loaded.spec.layer_windows if w)
+
+    def _window_pages(self, num_blocks: int) -> WindowPages:
+        """Window pages for `num_blocks` blocks: window_pages_ratio of them, but never fewer
+        than one request's window plus its largest chunk."""
+        cfg, spec = self.config, self.loaded.spec
+        window = max(spec.layer_windows)
+        least = -(-(window + min(cfg.chunked_prefill_size, cfg.max_num_batched_tokens)) // cfg.block_size) + 2
+        pages = min(num_blocks, max(least, int(num_blocks * cfg.window_pages_ratio)))
+        return WindowPages(pages, num_blocks, window, cfg.block_size)
+
     def _blocks_from_memory(self) -> int:
         spec = self.loaded.spec
+        layers = spec.num_layers
+        if self.hybrid:  # a block's full layers, and its share of a window page
+            layers = spec.num_layers - self._window_layers() * (1 - self.config.window_pages_ratio)
         per_block = KVPool.bytes_per_block(
-            spec.num_layers, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
+            1, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
             self.config.kv_cache_dtype,
-        )
+        ) * layers
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -571,7 +601,7 @@ class Engine:
                 budget = int(free * _GPU_MEMORY_SHARE)
             else:
                 budget = min(_CPU_KV_BYTES_CAP, _available_memory() // 4)
-        blocks = budget // per_block
+        blocks = int(budget // per_block)
         if blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
         return blocks

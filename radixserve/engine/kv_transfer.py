@@ -176,6 +176,7 @@ class KVTransfer:
         """The handoff of a computed prompt: the bytes of its full blocks from `skip_blocks`
         on, held (referenced and locked) until release() or hold_s. Blocks the tree no
         longer holds (evicted meanwhile) end the handoff early: the decode side computes them."""
+        _refuse_hybrid(self.engine)
         t0 = time.perf_counter()
         self.enabled = True
         now = time.monotonic() if now is None else now
@@ -268,6 +269,7 @@ class KVTransfer:
         this thread (reserve, copy, commit). The tree is matched again first: blocks it gained
         since are not copied; a tree that lost blocks before the handoff's start (a gap) cannot
         take it (`failed`)."""
+        _refuse_hybrid(self.engine)
         pending = self.reserve(handoff)
         if isinstance(pending, ImportResult):
             return pending
@@ -278,6 +280,7 @@ class KVTransfer:
     def reserve(self, handoff: KVHandoff, now: float | None = None) -> PendingImport | ImportResult:
         """Reserve the blocks the tree lacks for the handoff's bytes (PendingImport.copy fills
         them on any thread; then commit or cancel here), or a failed ImportResult. Engine thread."""
+        _refuse_hybrid(self.engine)
         t0 = time.perf_counter()
         self.enabled = True
         now = time.monotonic() if now is None else now
@@ -325,3 +328,9 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     if blocks:
         pool.copy_blocks_out(blocks, dest, list(range(len(blocks))))
     return dest.view(torch.uint8).reshape(len(blocks), block_bytes(pool)).cpu().numpy()
+
+
+def _refuse_hybrid(engine: Any) -> None:
+    if engine.runner.pool.hybrid:
+        raise ValueError("KV transfer moves whole blocks of every layer; this engine keeps its sliding-window "
+                         "layers' KV apart (hybrid KV): start it with hybrid_kv off to hand KV between replicas")

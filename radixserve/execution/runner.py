@@ -3,10 +3,11 @@ model and the attention backends, that touches tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from radixserve.attention.backend import GroupPlans
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
@@ -19,6 +20,7 @@ from radixserve.outputs import TokenLogprob
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
 from radixserve.core.plan import ScheduledChunk, StepPlan
+from radixserve.core.window_pages import WindowPages
 
 ROWS_ATTENTION_WORK = 32 * 1024  # query rows x context, summed over a step's prefill chunks
 
@@ -36,6 +38,7 @@ class PackedBatch:
     sampling: list[ScheduledChunk]
     drafted: list[ScheduledChunk]
     chunk_starts: list[int]
+    window_meta: AttentionMetadata | None = None  # hybrid KV: the window layers' pages
 
 
 @dataclass
@@ -67,13 +70,16 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         prefill_attention_dtype: str = "float32",
         prefill_matmul_dtype: str = "float32",
+        window: WindowPages | None = None,
     ):
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = device
+        self.window = window  # hybrid KV: window layers read pages of their own
+        window_layers = tuple(i for i, w in enumerate(spec.layer_windows) if w) if window is not None else ()
         self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device,
-                           kv_cache_dtype)
+                           kv_cache_dtype, window_layers, window.num_pages if window is not None else 0)
         backend_class = get_backend_class(backend_name)
         self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
                                      self.pool.pages)
@@ -106,6 +112,8 @@ class ModelRunner:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
         attention = self.backend.prepare(batch.meta)  # once per step, read by every layer
+        if batch.window_meta is not None:
+            attention = GroupPlans(attention, self.backend.prepare(batch.window_meta))
         logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices,
                             batch.meta.num_decodes)
         result = StepResult(sampling, [], [], [])
@@ -190,6 +198,17 @@ class ModelRunner:
             sampling=sampling,
             drafted=drafted,
             chunk_starts=chunk_starts,
+            window_meta=self._window_meta(meta, tables, slots) if self.window is not None else None,
+        )
+
+    def _window_meta(self, meta: AttentionMetadata, tables: list[list[int]], slots: list[int]) -> AttentionMetadata:
+        """The step's metadata over the window layers' pages: the same rows and lengths,
+        each block named by its window page (a new token's block always has one)."""
+        bs, page_of = self.block_size, self.window.page_of
+        return replace(
+            meta,
+            block_tables=self._tensor([self.window.window_table(t) for t in tables], torch.int32),
+            slot_mapping=self._tensor([page_of[s // bs] * bs + s % bs for s in slots], torch.int64),
         )
 
     def _as_single_query_rows(self, chunks: list[ScheduledChunk]) -> bool:

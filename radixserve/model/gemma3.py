@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.attention.backend import AttentionBackend, AttentionPlan
+from radixserve.attention.backend import AttentionBackend, AttentionPlan, plan_for
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.key_basis import rotate_heads
 from radixserve.model.causal_lm import CausalLM
@@ -47,8 +47,8 @@ class Gemma3Attention(nn.Module):
         if pool.rotate_keys:
             q, k = rotate_heads(q), rotate_heads(k)
         k_cache, v_cache = pool.layer(self.layer_index)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, plan,
-                              window=self.window)
+        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
+                              plan_for(plan, self.window), window=self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

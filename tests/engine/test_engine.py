@@ -23,7 +23,8 @@ def assert_all_free(engine):
     engine.check_integrity()
     engine.flush_cache()
     engine.check_integrity()
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.pool.window is None or engine.pool.window.num_attached == 0
     assert not engine.has_unfinished_requests()
 
 

@@ -1,0 +1,167 @@
+"""Hybrid KV on tiny sliding-window models (core/window_pages.py): window layers keep pages
+only within a window of where a request reads or a cached prefix ends, outputs stay equal
+to transformers token for token, matches are cut where a window page is missing, and the
+pages freed as the window slides are exactly the expected ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from radixserve.core.window_pages import NO_PAGE, WindowPages
+from tiny_models import hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+BS, WINDOW = 4, 6  # the tiny models' window spans two blocks, neither aligned
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def engine_for(directory, **options):
+    defaults = dict(block_size=BS, num_kv_blocks=256, chunked_prefill_size=64, max_num_batched_tokens=64)
+    return Engine(str(directory), **{**defaults, **options})
+
+
+def run_checked(engine, prompts, max_tokens):
+    """Generate step by step, checking every invariant (window pages included) after each step."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[i] for i in ids]
+
+
+# ---- WindowPages alone -------------------------------------------------------------------------
+
+
+def test_first_needed_keeps_the_window_before_the_last_full_block():
+    pages = WindowPages(8, 16, window=6, block_size=4)
+    # 13 computed tokens: the last full block ends at 12; its window starts at 6 (block 1)
+    assert [pages.first_needed(n) for n in (0, 5, 8, 12, 13, 16, 40)] == [0, 0, 0, 1, 1, 2, 8]
+
+
+def test_valid_prefix_stops_before_a_missing_page():
+    pages = WindowPages(16, 16, window=6, block_size=4)
+    blocks = [3, 7, 9, 11, 12, 14]
+    pages.attach(blocks)
+    assert pages.valid_prefix(blocks) == 6
+    pages.trim(12)  # block index 4: every end whose window reaches it is out
+    assert pages.valid_prefix(blocks) == 4  # ends at 16 tokens: window from block 2 on, all resident
+    pages.trim(9)
+    assert pages.valid_prefix(blocks) == 2
+    pages.trim(3)
+    assert pages.valid_prefix(blocks) == 0
+    assert pages.num_free == 16 - 3 and pages.trimmed == 3
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral_window"])
+def test_greedy_equals_transformers_with_window_pages_trimmed(tiny_model_dir, kind):
+    directory = tiny_model_dir(kind)
+    engine = engine_for(directory, chunked_prefill_size=7, max_num_batched_tokens=16)
+    assert engine.runner.pool.hybrid
+    prompts = prompts_of([3, 9, 23, 41, 60], seed=3)
+    outs = run_checked(engine, prompts, 14)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 14)
+    assert engine.pool.window.trimmed > 0
+
+
+def test_the_pages_freed_as_the_window_slides_are_exact(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("gemma3"), enable_prefix_cache=False)
+    window = engine.pool.window
+    engine.add_request(prompts_of([22])[0], SamplingParams(max_tokens=10, **GREEDY))
+    engine.step()  # the whole prompt: 22 computed, blocks 0..5 (the last for tokens 20..23)
+    request = engine.scheduler.running[0]
+    table = list(request.block_table)
+    # the last full block ends at 20; its window starts at 14: block 3 on keeps pages
+    assert [window.page_of[b] != NO_PAGE for b in table] == [False, False, False, True, True, True]
+    for _ in range(6):  # 28 computed (a full block's end): window from 22 (block 5)
+        engine.step()
+    table = list(request.block_table)
+    assert request.num_computed_tokens == 28 and len(table) == 7
+    assert [window.page_of[b] != NO_PAGE for b in table] == [False] * 5 + [True] * 2
+    assert window.num_attached == 2 and request.window_first == 5
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert window.num_attached == 0 and engine.pool.num_free_blocks == engine.pool.num_blocks
+    engine.check_integrity()
+
+
+def test_a_follow_up_hits_a_cached_prefix_longer_than_the_window_exactly(tiny_model_dir):
+    directory = tiny_model_dir("gemma3")
+    engine = engine_for(directory)
+    first = prompts_of([37], seed=5)[0]
+    out = run_checked(engine, [first], 9)[0]
+    cached_end = (len(first) + 9 - 1) // BS * BS  # the computed tokens' full blocks: one node
+    follow = first + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 8)[0]
+    assert second.cached_tokens == cached_end > 2 * WINDOW
+    assert second.token_ids == hf_greedy(directory, follow, 8)
+    # a prompt that leaves the cached one early finds no window there (pages trimmed): no hit
+    early = first[:20] + [1, 2, 3, 4, 5]
+    third = run_checked(engine, [early], 4)[0]
+    assert third.cached_tokens == 0
+    assert third.token_ids == hf_greedy(directory, early, 4)
+
+
+def test_a_cached_node_keeps_only_the_window_before_its_end(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("gemma3"))
+    window = engine.pool.window
+    prompt = prompts_of([30], seed=6)[0]
+    out = run_checked(engine, [prompt], 3)[0]  # 32 computed: 8 full blocks cached
+    node = engine.cache.match_prefix(prompt + out.token_ids, None).node
+    # two nodes: the prompt's 7 full blocks (inserted once computed) and the reply's block
+    assert [len(node.parent.blocks), len(node.blocks)] == [7, 1]
+    blocks = node.parent.blocks + node.blocks
+    # ends at 28 and 32: windows from 22 (block 5) and 26 (block 6)
+    assert [window.page_of[b] != NO_PAGE for b in blocks] == [False] * 5 + [True] * 3
+    assert window.num_attached == 3
+    engine.flush_cache()
+    assert window.num_attached == 0
+    engine.check_integrity()
+
+
+def test_page_pressure_evicts_and_preempts_with_outputs_intact(tiny_model_dir):
+    directory = tiny_model_dir("gemma3")
+    # 24 blocks, the least window pages (one request's window and chunk): many prompts compete
+    engine = engine_for(directory, num_kv_blocks=24, window_pages_ratio=0.01, chunked_prefill_size=8,
+                        max_num_batched_tokens=16)
+    assert engine.pool.window.num_pages < engine.pool.num_blocks
+    prompts = prompts_of([12, 30, 7, 25, 18, 33, 9], seed=8)
+    outs = run_checked(engine, prompts, 10)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(directory, prompt, 10)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 or engine.cache.evicted_blocks > 0
+
+
+def test_the_same_memory_holds_more_blocks_and_off_keeps_every_layer(tiny_model_dir):
+    directory = tiny_model_dir("gemma3")
+    memory = 1 << 20
+    hybrid = engine_for(directory, num_kv_blocks=None, kv_cache_memory=memory)
+    full = engine_for(directory, num_kv_blocks=None, kv_cache_memory=memory, hybrid_kv="off")
+    assert not full.runner.pool.hybrid and full.pool.window is None
+    # tiny gemma3: one full layer and two window layers at 0.25 pages per block: 1.5 of 3 layers
+    assert hybrid.pool.num_blocks == 2 * full.pool.num_blocks
+    prompt = prompts_of([29], seed=9)[0]
+    assert (hybrid.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids
+            == full.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids)
+
+
+def test_kv_transfer_is_refused_on_a_hybrid_pool(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("gemma3"))
+    with pytest.raises(ValueError, match="hybrid_kv off"):
+        engine.kv_transfer.export([1, 2, 3, 4, 5, 6, 7, 8, 9], None, 0, 5)
+    engine.check_integrity()
