@@ -1,0 +1,63 @@
+"""The cluster's ingress routing on its replicas' KV events, on a local Ray (loopback): 2
+replicas of the default model publishing their events; a prompt computed on one replica is
+routed back to it by what that replica reports holding (reason kv_prefix), and after a flush
+nothing is held anywhere (reason new). Slow: two engines under Ray."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="the cluster tests need Ray Serve")
+serve = pytest.importorskip("ray.serve")
+
+from bench.agent_workload import REPLICA_HEADER  # noqa: E402
+from radixserve.server.options import ServerOptions  # noqa: E402
+from subprocess_server import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
+
+APP = "radixserve-kv"
+
+
+def _reasons(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        if line.startswith("radixserve_cluster_routing_decisions_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
+    from radixserve.cluster.app import deploy
+    from radixserve.cluster.options import ClusterOptions
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = {"num_threads": 1, "kv_events_endpoint": "tcp://127.0.0.1:5557"}  # each replica binds its own ports
+    prompt = [(7 * i) % 5000 + 100 for i in range(96)]
+    try:
+        deploy(engine, ServerOptions(enable_debug_endpoints=True), ClusterOptions(replicas=2, app_name=APP),
+               "127.0.0.1", port)
+        first = httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 1}},
+                           timeout=120)
+        assert first.status_code == 200, first.text
+        home = first.headers[REPLICA_HEADER]
+        deadline = time.monotonic() + 60
+        while _reasons(url).get("kv_prefix", 0) == 0:  # until the ingress tracks both replicas' streams
+            assert time.monotonic() < deadline, "the ingress never routed on KV events"
+            again = httpx.post(url + "/generate", json={"input_ids": prompt + [9, 9],
+                                                        "sampling_params": {"max_tokens": 1}}, timeout=120)
+            assert again.status_code == 200 and again.headers[REPLICA_HEADER] == home
+            time.sleep(1)
+        assert httpx.post(url + "/flush_cache", timeout=60).status_code == 200
+        time.sleep(1)  # the flush's events reach the ingress
+        before = _reasons(url)
+        httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 1}}, timeout=120)
+        after = _reasons(url)
+        assert after.get("new", 0) == before.get("new", 0) + 1 and after.get("kv_prefix") == before.get("kv_prefix")
+    finally:
+        serve.shutdown()
