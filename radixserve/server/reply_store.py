@@ -16,6 +16,7 @@ output), read on prepare workers: one lock guards it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from array import array
 from collections import OrderedDict
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.outputs import RequestOutput
+
+log = logging.getLogger("radixserve.server")
 
 MAX_ENTRIES = 4096
 MAX_TOKENS = 1 << 21  # 8 MiB of ids
@@ -122,8 +125,12 @@ class NamespaceReplies:
     def record(self, engine: Any, output: RequestOutput) -> None:
         """On the engine thread, at a request's final output: keep its ids under its prompt
         and text (the stop token it ended with, if any, is dropped when spliced)."""
-        if output.finish_reason in ("stop", "length") and output.text:
+        if output.finish_reason not in ("stop", "length") or not output.text:
+            return
+        try:
             self.store.put(self.namespace, output.prompt_token_ids, output.text, output.token_ids)
+        except Exception:  # the engine thread's hook must not raise: the reply is just not kept
+            log.exception("keeping a reply's ids failed")
 
 
 def _digest(ids: Sequence[int]) -> bytes:
