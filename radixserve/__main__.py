@@ -22,6 +22,7 @@ _CHOICES = {
     "speculative": SPECULATIVE_METHODS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "prefill_attention_dtype": PREFILL_ATTENTION_DTYPES,
     "prefill_matmul_dtype": PREFILL_MATMUL_DTYPES, "weight_dtype": WEIGHT_DTYPES, "kv_events_hash": KV_EVENT_HASHES,
+    "hybrid_kv": ("auto", "off"),
 }
 
 
@@ -35,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction)
             continue
-        kind = int if (f.type.startswith("int") if isinstance(f.type, str) else f.type is int) else str
+        name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        kind = int if name.startswith("int") else float if name.startswith("float") else str
         group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name), metavar=None)
 
 
