@@ -68,3 +68,16 @@ def test_anthropic_messages_render_through_the_flag_template(server, engine):
     expected = "<bos><start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     used = out.usage.input_tokens + (out.usage.cache_read_input_tokens or 0) + (out.usage.cache_creation_input_tokens or 0)
     assert used == len(engine.tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_anthropic_forced_tool_use_through_the_flag_template(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    out = client.messages.create(model=MODEL, max_tokens=60,
+                                 messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                 tools=[{"name": "get_weather", "input_schema": SCHEMA}],
+                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    (use,) = [block for block in out.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and out.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMA)

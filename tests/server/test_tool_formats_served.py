@@ -99,6 +99,21 @@ def test_named_call_under_each_template(client):
         jsonschema.validate(json.loads(call.function.arguments), ADD_SCHEMA)
 
 
+def test_auto_calls_under_each_template_parse_or_stay_text(client):
+    """tool_choice auto: free text, but a call the model opens is the format's, constrained."""
+    for family in FAMILIES:
+        for seed in (1, 2):
+            out = ask(client, family, [{"role": "user", "content": "Use a tool: what is 2 plus 3?"}],
+                      tool_choice="auto", temperature=1.0, seed=seed, max_tokens=60)
+            choice = out.choices[0]
+            assert choice.finish_reason in ("stop", "length", "tool_calls"), family
+            if choice.finish_reason == "tool_calls":
+                for call in choice.message.tool_calls:
+                    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            else:
+                assert choice.message.tool_calls is None or choice.finish_reason == "length"
+
+
 def test_a_request_template_renders_plain_chat(client, engine):
     gemma = template("gemma3")
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
