@@ -87,7 +87,8 @@ class RequestPreparer:
         """Token ids of a conversation through the model's chat template; `replies`: the
         model's own ids for its earlier replies (see reply_ids.py)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template")
+            raise ValueError(f"model {self.model_name} has no chat template: serve it with --chat-template FILE, "
+                             f"or send the text to the completions API")
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         self._check_chars(text, "the conversation")
