@@ -327,3 +327,11 @@ def test_the_ingress_subscribes_to_the_replicas_and_names_each_request(tiny_mode
         ingress.kv_feed.close()
         for e in engines.values():
             e.close()
+
+
+def test_a_hinted_body_is_keyed_as_the_same_body_without_hints():
+    from radixserve.cluster.routing_key import routing_key
+
+    body = {"model": "m", "prompt": "the same prompt", "session_id": "s1"}
+    hinted = {**body, "agent_hints": {"priority": 3}, "nvext": {"agent_hints": {"osl": 8}}}
+    assert routing_key("/v1/completions", hinted) == routing_key("/v1/completions", body) is not None
