@@ -18,6 +18,7 @@ from radixserve.server.reasoning.registry import detect_parser, parser_named, pr
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")  # the template arguments that turn thinking off
 MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their parsers detected)
+MAX_KEPT_KEY_CHARS = 4096  # template arguments longer than this (as JSON) are probed each time
 
 
 class Reasoning:
@@ -74,10 +75,11 @@ class Reasoning:
             if key in self._opened:
                 return self._opened[key]
         opened = parser.opens_in_prompt(self._probe(template_kwargs))
-        with self._lock:
-            if len(self._opened) >= 256:
-                self._opened.clear()
-            self._opened[key] = opened
+        if len(key) <= MAX_KEPT_KEY_CHARS:  # arguments are the caller's: keep only small ones
+            with self._lock:
+                if len(self._opened) >= 256:
+                    self._opened.clear()
+                self._opened[key] = opened
         return opened
 
     def _probe(self, template_kwargs: dict[str, Any]) -> str:
