@@ -16,18 +16,39 @@ from dataclasses import dataclass
 import regex
 
 from radixserve.server.tools.formats.scan_parser import Call, Piece, Text, merged
-from radixserve.server.tools.json_scan import json_value_end, partial_suffix
+from radixserve.server.tools.json_scan import JsonValueScanner, partial_suffix, skip_ws
 
 # (text, position after the header, final, tool name) -> (arguments as JSON text so far,
-# where they end in the text, None while they may still grow)
+# where they end in the text, None while they may still grow). A reader belongs to one
+# parser: the text it is given only grows, so it may go on from where it stopped.
 ArgumentsReader = Callable[[str, int, bool, str], tuple[str, int | None]]
+
+
+class JsonArguments:
+    """A JSON value, whitespace before it skipped, read on from where the last scan stopped
+    (long arguments cost their length once, not once per piece of the stream)."""
+
+    def __init__(self) -> None:
+        self._values: dict[int, tuple[JsonValueScanner, int, int | None]] = {}  # start -> scanner, read to, end
+
+    def __call__(self, text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
+        start = skip_ws(text, pos)
+        if start >= len(text):
+            return "", None
+        scanner, read, end = self._values.get(start) or (JsonValueScanner(), start, None)
+        if end is None:
+            used, done = scanner.feed(text[read:])
+            read += used
+            end = read if done else None
+            self._values[start] = (scanner, read, end)
+        return (text[start:end] if end is not None else text[start:]), end
 
 
 @dataclass(frozen=True)
 class BlockSyntax:
     open: str  # the marker that opens the calls
     header: regex.Pattern  # a call up to its arguments; group "name"
-    read_arguments: ArgumentsReader
+    arguments: Callable[[], ArgumentsReader]  # a fresh reader for one parser
     tail: regex.Pattern  # after the arguments
     between: regex.Pattern  # before the next call's header
     close: regex.Pattern | None = None  # after the last call
@@ -35,17 +56,11 @@ class BlockSyntax:
     lead: str = r"\s*"  # (start-only formats) a regex of what may come before `open`
 
 
-def json_arguments(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
-    """A JSON value, whitespace before it skipped."""
-    start = len(text) - len(text[pos:].lstrip())
-    end = json_value_end(text, start) if start < len(text) else None
-    return (text[start:end] if end is not None else text[start:]), end
-
-
 class BlockScanner:
     def __init__(self, syntax: BlockSyntax, allowed: set[str] | None):
         self.syntax = syntax
         self.allowed = allowed
+        self._read_arguments = syntax.arguments()
         self._start = regex.compile(syntax.lead + regex.escape(syntax.open))
 
     def __call__(self, text: str, final: bool) -> list[Piece]:
@@ -88,7 +103,7 @@ class BlockScanner:
                     pieces.append(Text(text[start:after]))
                     return self._rest(text, after, pieces)
                 return self._rest(text, fail_from, pieces)
-            arguments, end = self.syntax.read_arguments(text, header.end(), final, name)
+            arguments, end = self._read_arguments(text, header.end(), final, name)
             pieces.append(Call(name, arguments))
             if end is None:
                 return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import regex
 
 from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, json_arguments
+from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
 from radixserve.server.tools.formats.scan_parser import ScanParser
 from radixserve.server.tools.parser import Schemas
 
@@ -25,7 +25,7 @@ SEP = "<｜tool▁sep｜>"
 SYNTAX = BlockSyntax(
     open=CALLS_BEGIN,
     header=regex.compile(rf"\s*{CALL_BEGIN}(?:function)?{SEP}(?P<name>[^\n<]+)\n```(?:json)?\n"),
-    read_arguments=json_arguments,
+    arguments=JsonArguments,
     tail=regex.compile(rf"\s*```\s*{CALL_END}"),
     between=regex.compile(r"\s*"),
     close=regex.compile(rf"\s*{CALLS_END}"),

@@ -15,7 +15,7 @@ import json
 import regex
 
 from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, json_arguments
+from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
 from radixserve.server.tools.formats.scan_parser import Piece, ScanParser
 from radixserve.server.tools.parser import Schemas
 
@@ -24,7 +24,7 @@ MARK = "[TOOL_CALLS]"
 LIST_SYNTAX = BlockSyntax(
     open=MARK,
     header=regex.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.\-]+)"\s*,\s*"arguments"\s*:\s*'),
-    read_arguments=json_arguments,
+    arguments=JsonArguments,
     tail=regex.compile(r'\s*(?:,\s*"id"\s*:\s*"[A-Za-z0-9]*"\s*)?\}'),
     between=regex.compile(r"\s*,\s*"),
     close=regex.compile(r"\s*\]"),
@@ -32,7 +32,7 @@ LIST_SYNTAX = BlockSyntax(
 NAME_SYNTAX = BlockSyntax(
     open=MARK,
     header=regex.compile(r"(?P<name>[A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]"),
-    read_arguments=json_arguments,
+    arguments=JsonArguments,
     tail=regex.compile(r""),
     between=regex.compile(r"\s*\[TOOL_CALLS\]"),
 )

@@ -27,24 +27,72 @@ from radixserve.server.tools.parser import Schemas
 _KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)", re.S)
 
 
-def pythonic_arguments(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
-    """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole."""
-    parts: list[str] = []
-    while True:
-        pos = skip_ws(text, pos)
-        if pos < len(text) and text[pos] == ")":
-            return "{" + ", ".join(parts) + "}", pos
-        end = _argument_end(text, pos)
-        if end is None:
-            return ("{" + ", ".join(parts)) if parts else "", None
-        parts.append(_pair(text[pos:end], len(parts)))
-        pos = end + 1 if text[end] == "," else end
+class PythonicArguments:
+    """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole.
+    Read on from where the last scan stopped (the text only grows)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _CallArguments] = {}  # header end -> its arguments so far
+
+    def __call__(self, text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
+        return self._calls.setdefault(pos, _CallArguments(pos)).read(text)
+
+
+class _CallArguments:
+    def __init__(self, pos: int):
+        self.parts: list[str] = []  # `"key": value` of each whole argument
+        self.start = pos  # where the argument being read begins
+        self.at = pos  # how far it has been scanned
+        self.depth, self.quote, self.escape, self.broken = 0, "", False, False
+        self.end: int | None = None
+
+    def read(self, text: str) -> tuple[str, int | None]:
+        while self.end is None:
+            if self.at == self.start:
+                self.start = self.at = skip_ws(text, self.start)
+                if self.start < len(text) and text[self.start] == ")":
+                    self.end = self.start
+                    break
+            stop = self._scan(text)
+            if stop is None:
+                return ("{" + ", ".join(self.parts)) if self.parts else "", None
+            self.parts.append(_pair(text[self.start:stop], len(self.parts)))
+            if text[stop] == ")":
+                self.end = stop
+            else:
+                self.start = self.at = stop + 1
+        return "{" + ", ".join(self.parts) + "}", self.end
+
+    def _scan(self, text: str) -> int | None:
+        """Where the argument ends: its `,` or the call's `)` (brackets and strings aware)."""
+        while not self.broken and self.at < len(text):
+            ch, at = text[self.at], self.at
+            self.at += 1
+            if self.quote:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == self.quote:
+                    self.quote = ""
+            elif ch in "\"'":
+                self.quote = ch
+            elif ch in "([{":
+                self.depth += 1
+            elif ch in ")]}" and self.depth == 0:
+                self.broken = ch != ")"
+                return at if ch == ")" else None
+            elif ch in ")]}":
+                self.depth -= 1
+            elif ch == "," and self.depth == 0:
+                return at
+        return None
 
 
 SYNTAX = BlockSyntax(
     open="[",
     header=regex.compile(r"\s*(?P<name>[A-Za-z_][\w.\-]*)\("),
-    read_arguments=pythonic_arguments,
+    arguments=PythonicArguments,
     tail=regex.compile(r"\)"),
     between=regex.compile(r"\s*,\s*"),
     close=regex.compile(r"\s*\](?:\s*<\|python_end\|>)?"),
@@ -97,28 +145,3 @@ def _pair(text: str, index: int) -> str:
     match = _KWARG.match(text)
     key, value = (match.group(1), match.group(2)) if match else (f"_{index}", text)
     return f"{json.dumps(key)}: {json_value(value.strip())}"
-
-
-def _argument_end(text: str, pos: int) -> int | None:
-    """Where the argument at `pos` ends: its `,` or the call's `)` (brackets and strings aware)."""
-    depth, quote, escape = 0, "", False
-    for at in range(pos, len(text)):
-        ch = text[at]
-        if quote:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            if depth == 0:
-                return at if ch == ")" else None
-            depth -= 1
-        elif ch == "," and depth == 0:
-            return at
-    return None

@@ -93,7 +93,7 @@ def _syntax(schemas: Schemas) -> BlockSyntax:
     return BlockSyntax(
         open="<tool_call>",
         header=regex.compile(r"\s*<function=(?P<name>[^>\n]+)>"),
-        read_arguments=read,
+        arguments=lambda: read,
         tail=regex.compile(r"\s*</function>\s*</tool_call>"),
         between=regex.compile(r"\s*<tool_call>"),
     )
