@@ -348,7 +348,7 @@ class Engine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             blocks_total=self.pool.num_blocks,
-            blocks_free=self.pool.num_free,
+            blocks_free=self.pool.num_free_blocks,
             blocks_cached=cache.num_cached_blocks if cache is not None else 0,
             blocks_evictable=cache.num_evictable_blocks if cache is not None else 0,
             evicted_blocks=cache.evicted_blocks if cache is not None else 0,
@@ -366,8 +366,16 @@ class Engine:
             tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
             transfer=self.kv_transfer.snapshot(),
             hints=self.hint_stats.snapshot(self.kv.sessions),
+            **self._window_stats(),
             **self.timings,
         )
+
+    def _window_stats(self) -> dict[str, int]:
+        window = self.pool.window
+        if window is None:
+            return {}
+        return dict(window_pages_total=window.num_pages, window_pages_attached=window.num_attached,
+                    window_pages_trimmed=window.trimmed, window_page_bytes=self.runner.pool.window_page_bytes)
 
     # ---- agent-aware cache: sessions, pins, the second tier ------------------------
 

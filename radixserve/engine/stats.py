@@ -96,6 +96,11 @@ class EngineStats:
     tier: TierStats | None = None
     transfer: TransferStats | None = None  # an engine with a prefill or decode role (kv_transfer.py)
     hints: HintStats | None = None
+    # hybrid KV (sliding-window models): the window layers' pages (core/window_pages.py); 0 without
+    window_pages_total: int = 0
+    window_pages_attached: int = 0  # pages holding a block's window-layer KV
+    window_pages_trimmed: int = 0  # cumulative: pages dropped from blocks no window reads any more
+    window_page_bytes: int = 0  # one page's bytes over the window layers (kv_bytes_per_token: the full layers')
 
     @property
     def blocks_used(self) -> int:

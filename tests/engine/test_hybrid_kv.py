@@ -75,6 +75,10 @@ def test_greedy_equals_transformers_with_window_pages_trimmed(tiny_model_dir, ki
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(directory, prompt, 14)
     assert engine.pool.window.trimmed > 0
+    stats = engine.stats()
+    assert stats["window_pages_trimmed"] == engine.pool.window.trimmed
+    assert stats["window_pages_total"] == engine.pool.window.num_pages and stats["window_page_bytes"] > 0
+    assert stats["blocks_free"] == engine.pool.num_free_blocks
 
 
 def test_the_pages_freed_as_the_window_slides_are_exact(tiny_model_dir):
