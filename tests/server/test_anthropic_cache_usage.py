@@ -107,3 +107,41 @@ def test_a_prefix_pinned_lately_is_not_pinned_again_until_a_sixteenth_of_its_ttl
     assert recent.due(("a",), 3600.0)
     assert recent.due(("b",), 300.0) and recent.due(("c",), 300.0)
     assert recent.due(("a",), 3600.0)  # the oldest key left the bounded ledger
+
+
+@pytest.fixture(scope="module")
+def small_cache(real_model_dir):
+    """A server whose KV pool holds 48 blocks (768 tokens), so that a few prompts evict."""
+    from radixserve import Engine
+    from radixserve.server import ServerOptions, create_app
+    from radixserve.server.testing import BackgroundServer
+
+    engine = Engine(str(real_model_dir), num_kv_blocks=48, max_model_len=1024)
+    with BackgroundServer(create_app(engine, ServerOptions(enable_debug_endpoints=True))) as server:
+        yield server
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_marked_prefix_outlasts_eviction_an_unmarked_one_does_not(small_cache):
+    claude = anthropic.Anthropic(base_url=small_cache.url, api_key="unused", max_retries=0, timeout=300)
+    question = [{"role": "user", "content": "What is the capital of Spain?"}]
+
+    def run(system) -> int:
+        return claude.messages.create(model=MODEL, max_tokens=1, system=system, messages=question,
+                                      extra_body={"temperature": 0}).usage.cache_read_input_tokens
+
+    def crowd() -> None:  # other prompts, enough to evict every unprotected block
+        for topic in ("rivers", "mountains", "deserts", "oceans", "forests", "islands"):
+            text = f"Tell me about {topic}. " + " ".join(f"{topic} fact {i}." for i in range(40))
+            claude.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}],
+                                   extra_body={"temperature": 0})
+
+    plain_system = ("You are a cheerful travel agent. You suggest one city to visit for each question and say "
+                    "why in a single sentence, never more.")
+    assert run(plain_system) == 0
+    crowd()
+    assert run(plain_system) == 0  # evicted: computed again
+    marked = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert run(marked) == 0
+    crowd()
+    assert run(marked) >= BLOCK * 2  # the pinned system turn was kept ahead of the crowd
