@@ -471,3 +471,20 @@ def test_a_copied_tokenizer_template_is_left_alone(tokenizer):
     before = copy.copy(tokenizer.chat_template)
     ToolCalling(tokenizer, "auto", template("hermes")).renderer.render(conversation(), tools(WEATHER))
     assert tokenizer.chat_template == before
+
+
+@pytest.mark.parametrize("fmt", every_format(), ids=ids(every_format()))
+def test_long_arguments_stream_in_linear_time(fmt):
+    """A call with 60,000 characters of arguments, fed 4 characters at a time: scanning again
+    from the start on every piece would take minutes; reading on takes well under a second."""
+    import time
+
+    arguments = '{"a": [' + ", ".join(["7"] * 10_000) + '], "b": "' + "x" * 30_000 + '"}'
+    text = fmt.render_calls([("add", arguments)])
+    parser = ToolCallParser(fmt, {"add"})
+    started = time.perf_counter()
+    for at in range(0, len(text), 4):
+        parser.feed(text[at:at + 4])
+    parser.finish()
+    assert time.perf_counter() - started < 10
+    assert json.loads(parser.result().calls[0].arguments) == json.loads(arguments)

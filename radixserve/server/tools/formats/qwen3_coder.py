@@ -87,31 +87,41 @@ def _escaped(text: str) -> str:
 
 
 def _syntax(schemas: Schemas) -> BlockSyntax:
-    def read(text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
-        return _parameters(text, pos, (schemas.get(name) or {}).get("properties") or {})
-
     return BlockSyntax(
         open="<tool_call>",
         header=regex.compile(r"\s*<function=(?P<name>[^>\n]+)>"),
-        arguments=lambda: read,
+        arguments=lambda: _Parameters(schemas),
         tail=regex.compile(r"\s*</function>\s*</tool_call>"),
         between=regex.compile(r"\s*<tool_call>"),
     )
 
 
-def _parameters(text: str, pos: int, properties: dict[str, Any]) -> tuple[str, int | None]:
-    """Parameters up to what is not one (the tail): each joins the JSON arguments once closed."""
-    parts: list[str] = []
-    while True:
-        match = _PARAMETER.match(text, pos, partial=True)
-        if match is None:
-            return "{" + ", ".join(parts) + "}", pos
-        end = text.find(_PARAMETER_END, match.end()) if not match.partial else -1
-        if end < 0:
-            return ("{" + ", ".join(parts)) if parts else "", None
-        key = match.group("key")
-        parts.append(f"{json.dumps(key, ensure_ascii=False)}: {_typed(_unwrap(text[match.end():end]), properties.get(key))}")
-        pos = end + len(_PARAMETER_END)
+class _Parameters:
+    """Parameters up to what is not one (the tail): each joins the JSON arguments once closed.
+    Read on from where the last scan stopped (the text only grows)."""
+
+    def __init__(self, schemas: Schemas):
+        self.schemas = schemas
+        # header end -> (parameters read, where the next begins, where to look on for its close)
+        self._calls: dict[int, tuple[list[str], int, int]] = {}
+
+    def __call__(self, text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
+        header_end = pos
+        parts, pos, searched = self._calls.get(header_end, ([], pos, pos))
+        properties = (self.schemas.get(name) or {}).get("properties") or {}
+        while True:
+            match = _PARAMETER.match(text, pos, partial=True)
+            end = text.find(_PARAMETER_END, max(match.end(), searched)) if match and not match.partial else -1
+            if match is None or end < 0:
+                resume = max(match.end(), len(text) - len(_PARAMETER_END) + 1) if match and not match.partial else pos
+                self._calls[header_end] = (parts, pos, resume)
+                if match is None:
+                    return "{" + ", ".join(parts) + "}", pos
+                return ("{" + ", ".join(parts)) if parts else "", None
+            key = match.group("key")
+            value = _typed(_unwrap(text[match.end():end]), properties.get(key))
+            parts = parts + [f"{json.dumps(key, ensure_ascii=False)}: {value}"]
+            pos = searched = end + len(_PARAMETER_END)
 
 
 def _unwrap(value: str) -> str:
