@@ -92,3 +92,25 @@ def test_logprobs_are_raw_log_softmax_with_top_alternatives():
     assert [t for t, _ in lps[0].top] == [1, 2]
     _, none = Sampler()(logits.clone(), [row(temperature=0.0)])
     assert none == [None]
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat (the full sort decides) to peaked (the candidates do)
+def test_a_large_vocabulary_keeps_exactly_what_one_full_sort_keeps(spread):
+    """Gemma 3's 262k vocabulary: top-k/top-p look at the leading candidates first; the tokens
+    kept, and their logits, are exactly those of a full sort, row by row (untouched rows too)."""
+    from radixserve.execution.sampler import _cut_sorted, _top_k_top_p
+
+    torch.manual_seed(int(spread * 10))
+    vocab = 262_144
+    logits = torch.randn(6, vocab) * spread
+    rows = [row(top_p=0.9), row(top_k=50), row(), row(top_k=20, top_p=0.5), row(top_k=5000), row(top_p=0.999)]
+    got = _top_k_top_p(logits, rows)
+    values, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows])
+    kept, _ = _cut_sorted(values, top_k, top_p, None)
+    want = torch.empty_like(logits).scatter_(1, order, kept)
+    want[2] = logits[2]  # a row that asks for no cut keeps every token (a full cumsum may round past 1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    assert torch.equal(got[2], logits[2]) and int((~torch.isinf(got[1])).sum()) == 50
