@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.core.window_pages import NO_PAGE, WindowPages
@@ -169,3 +170,29 @@ def test_kv_transfer_is_refused_on_a_hybrid_pool(tiny_model_dir):
     with pytest.raises(ValueError, match="hybrid_kv off"):
         engine.kv_transfer.export([1, 2, 3, 4, 5, 6, 7, 8, 9], None, 0, 5)
     engine.check_integrity()
+
+
+def test_int8_pages_give_the_same_tokens_hybrid_or_not(tiny_model_dir):
+    """Window pages hold int8 codes and scales like blocks do: the window layers read the same
+    values whether their KV lives in window pages or in every block."""
+    directory = tiny_model_dir("gemma3")
+    prompts = prompts_of([5, 19, 38], seed=11)
+    hybrid = engine_for(directory, kv_cache_dtype="int8", chunked_prefill_size=7, max_num_batched_tokens=16)
+    full = engine_for(directory, kv_cache_dtype="int8", chunked_prefill_size=7, max_num_batched_tokens=16,
+                      hybrid_kv="off")
+    assert hybrid.runner.pool.hybrid and hybrid.runner.pool.window_kv.dtype == torch.uint8
+    got = [o.token_ids for o in run_checked(hybrid, prompts, 10)]
+    want = [o.token_ids for o in run_checked(full, prompts, 10)]
+    assert got == want and hybrid.pool.window.trimmed > 0
+
+
+def test_the_second_tier_keeps_every_layer(tiny_model_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
+        engine = engine_for(tiny_model_dir("gemma3"), kv_offload_memory=1 << 22)
+    assert not engine.runner.pool.hybrid and engine.pool.window is None
+    assert "hybrid KV off: the second KV tier copies whole blocks" in caplog.text
+    prompt = prompts_of([21], seed=12)[0]
+    out = run_checked(engine, [prompt], 6)[0]
+    assert out.token_ids == hf_greedy(tiny_model_dir("gemma3"), prompt, 6)
