@@ -49,10 +49,12 @@ class TurnMarks:
 
 
 class ReplySplicer:
-    """Encodes rendered conversations for one tokenizer; thread-safe (it only reads)."""
+    """Encodes rendered conversations for one tokenizer and chat template (None: the
+    tokenizer's own); thread-safe (it only reads)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, template: str | None = None):
         self.tokenizer = tokenizer
+        self.template = template
 
     def encode(self, text: str, replies: ReplyLookup | None = None) -> list[int]:
         """The ids of `text` (no special tokens added), stored replies spliced in."""
@@ -81,7 +83,7 @@ class ReplySplicer:
         """The template's turn marks, or None where a reply does not render as plain text
         between a generation prompt and an added token (then nothing is spliced)."""
         try:
-            return turn_marks(self.tokenizer)
+            return turn_marks(self.tokenizer, self.template)
         except Exception:  # a template that refuses the probe conversation: no splicing
             return None
 
@@ -127,22 +129,23 @@ def reply_spans(text: str, marks: TurnMarks) -> list[tuple[int, int]]:
     return spans
 
 
-def turn_marks(tokenizer: Any) -> TurnMarks | None:
-    """Read the marks off the template: render a probe conversation with and without the
-    generation prompt and with a reply, and find the reply between them."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def turn_marks(tokenizer: Any, template: str | None = None) -> TurnMarks | None:
+    """Read the marks off the template (None: the tokenizer's own): render a probe conversation
+    with and without the generation prompt and with a reply, and find the reply between them."""
+    if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
         return None
-    bare = _render(tokenizer, _PROBE_USER, False)
-    prompt = _render(tokenizer, _PROBE_USER, True)
-    answered = _render(tokenizer, _PROBE_USER + [{"role": "assistant", "content": _PROBE_REPLY}], False)
+    bare = _render(tokenizer, template, _PROBE_USER, False)
+    prompt = _render(tokenizer, template, _PROBE_USER, True)
+    answered = _render(tokenizer, template, _PROBE_USER + [{"role": "assistant", "content": _PROBE_REPLY}], False)
     if not prompt.startswith(bare) or len(prompt) == len(bare) or not answered.startswith(prompt + _PROBE_REPLY):
         return None
     closing = _leading_added_token(tokenizer, answered[len(prompt) + len(_PROBE_REPLY):])
     return TurnMarks(prompt[len(bare):], closing) if closing else None
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer: Any, template: str | None, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    own = {"chat_template": template} if template is not None else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **own)
 
 
 def _leading_added_token(tokenizer: Any, text: str) -> str | None:

@@ -66,6 +66,14 @@ def test_chatml_turn_marks(tokenizer):
     assert [text[a:b] for a, b in reply_spans(text, marks)] == ["A", "C"]
 
 
+def test_turn_marks_come_from_the_template_in_force(tokenizer):
+    template = ("{% for m in messages %}<|im_start|>{{ 'bot' if m.role == 'assistant' else m.role }}: {{ m.content }}"
+                "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>bot: {% endif %}")
+    assert turn_marks(tokenizer, template) == TurnMarks("<|im_start|>bot: ", "<|im_end|>")
+    assert ReplySplicer(tokenizer, template).marks == TurnMarks("<|im_start|>bot: ", "<|im_end|>")
+    assert turn_marks(tokenizer, "{{ messages[0].content }}") is None  # no generation prompt: nothing to splice
+
+
 def test_a_stored_reply_is_spliced_where_it_was_generated(tokenizer):
     """The reply's own split ("Hel" + "lo world", not "Hello" + " world"), after exactly the
     ids of the prompt it answered, and its stop token where the template closes the turn."""

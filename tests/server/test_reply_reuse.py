@@ -129,3 +129,27 @@ def test_one_key_never_gets_another_keys_reply_ids(engine):
         assert answers["a"].model_extra["prompt_token_ids"][: len(generated)] == generated
         assert replies.texts(ns_b) == [answers["b"].choices[0].message.content]
         assert text in replies.texts(ns_a)
+
+
+def test_a_template_in_place_of_the_models_own_reuses_the_reply_ids(engine):
+    """--chat-template (Qwen 2.5's tool template, rendered in the server): the turn marks come
+    from the template in force, and the next prompt begins with the earlier prompt and every id
+    generated."""
+    from pathlib import Path
+
+    template = (Path(__file__).parent / "templates" / "hermes.jinja").read_text()
+    ids = {"return_token_ids": True}
+    with BackgroundServer(create_app(engine, ServerOptions(chat_template=template))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        history: list[dict[str, Any]] = list(ASK)
+        earlier: list[int] | None = None
+        for turn in range(2):
+            out = chat(client, messages=history, tool_choice="required", parallel_tool_calls=False, max_tokens=48,
+                       extra_body=ids)
+            prompt = out.model_extra["prompt_token_ids"]
+            if earlier is not None:
+                assert prompt[: len(earlier)] == earlier
+            earlier = prompt + out.choices[0].model_extra["token_ids"]
+            history.append(assistant_turn(out.choices[0].message))
+            history += [{"role": "tool", "tool_call_id": c.id, "content": "{\"temperature_c\": 18}"}
+                        for c in out.choices[0].message.tool_calls]

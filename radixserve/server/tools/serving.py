@@ -44,7 +44,7 @@ class ToolCalling:
         self.fmt: ToolCallFormat = format_named(parser, chat_template or own_template(tokenizer))
         self.renderer = ChatRenderer(tokenizer, self.fmt, chat_template)
         self.tokenizer = tokenizer
-        self.splicer = ReplySplicer(tokenizer)
+        self.splicer = ReplySplicer(tokenizer, chat_template)
         self.trust_request_templates = trust_request_templates
         self._derived: dict[str, ToolCalling] = {}
 
@@ -71,6 +71,7 @@ class ToolCalling:
         derived.template = template
         derived.fmt = format_named(self.parser, template)
         derived.renderer = ChatRenderer(self.tokenizer, derived.fmt, template)
+        derived.splicer = ReplySplicer(self.tokenizer, template)
         derived._derived = {}
         return derived
 
