@@ -488,3 +488,17 @@ def test_long_arguments_stream_in_linear_time(fmt):
     parser.finish()
     assert time.perf_counter() - started < 10
     assert json.loads(parser.result().calls[0].arguments) == json.loads(arguments)
+
+
+def test_special_token_markers_stay_in_the_text(tokenizer):
+    """Where a format's markers are special tokens of the model, decoding keeps them (else the
+    parser would never see a call); where they are plain text nothing changes."""
+    from radixserve.server.tools.serving import ToolCalling
+
+    spec = tool_spec(tools(ADD), "required", None)
+    assert "skip_special_tokens" not in ToolCalling(tokenizer, "mistral").constraint(spec)
+    mistral_vocab = copy.deepcopy(tokenizer)
+    mistral_vocab.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    assert ToolCalling(mistral_vocab, "mistral").constraint(spec)["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in ToolCalling(mistral_vocab, "hermes").constraint(spec)
+    assert ToolCalling(mistral_vocab, "mistral").constraint(tool_spec(tools(ADD), "none", None)) == {}

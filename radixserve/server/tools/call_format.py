@@ -28,6 +28,7 @@ class ToolCallFormat(ABC):
     separator: str = ""  # between two calls
     call_end: str = ""  # after a call's arguments
     trigger: str = ""  # the text that opens calls under tool_choice `auto`
+    markers: tuple[str, ...] = ()  # what may be one token of a model's vocabulary (kept in the text if special)
 
     @abstractmethod
     def call_begin(self, tool_name: str) -> str:

@@ -100,9 +100,19 @@ class ToolCalling:
             raise
 
     def constraint(self, spec: ToolSpec) -> dict[str, Any]:
-        """SamplingParams fields that make the calls parse (none for `none`)."""
+        """SamplingParams fields that make the calls parse (none for `none`); where the format's
+        markers are special tokens of the model (Mistral's [TOOL_CALLS], harmony's channels...),
+        they stay in the text the parser reads."""
         tag = tool_call_structural_tag(spec, self.fmt)
-        return {"structural_tag": tag} if tag is not None else {}
+        if tag is None:
+            return {}
+        return {"structural_tag": tag, **({"skip_special_tokens": False} if self._special_markers() else {})}
+
+    def _special_markers(self) -> bool:
+        special = set(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        special |= {token.content for token in decoder.values() if getattr(token, "special", False)}
+        return any(marker in special for marker in self.fmt.markers)
 
     def _native_ids(
         self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None,

@@ -39,6 +39,7 @@ class DeepSeekV3Format(ToolCallFormat):
     separator = "\n"
     call_end = f"\n```{CALL_END}"
     trigger = CALLS_BEGIN
+    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def call_begin(self, tool_name: str) -> str:
         return f"{CALL_BEGIN}function{SEP}{tool_name}\n```json\n"

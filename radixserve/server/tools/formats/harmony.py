@@ -33,6 +33,7 @@ class HarmonyFormat(ToolCallFormat):
     separator = START
     call_end = "<|call|>"
     trigger = "<|channel|>commentary to=functions."
+    markers = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "<|end|>", "<|return|>")
 
     def call_begin(self, tool_name: str) -> str:
         return f"<|channel|>commentary to={_FUNCTIONS}{tool_name} <|constrain|>json<|message|>"

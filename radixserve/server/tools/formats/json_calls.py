@@ -37,6 +37,7 @@ class JsonCallFormat(ToolCallFormat):
         self.separator = separator
         self.anywhere = anywhere
         self.strip_prefixes = strip_prefixes  # markers a model may put before its first call
+        self.markers = tuple(m for m in (open, close) if m) + strip_prefixes
         self.call_end = f"}}\n{close}" if close else "}"
         self.trigger = open if open else '{"name": '
 

@@ -43,6 +43,7 @@ class MistralFormat(ToolCallFormat):
 
     name = "mistral"
     trigger = MARK
+    markers = (MARK, "[ARGS]", "[CALL_ID]")
 
     def __init__(self, named: bool, space: bool = False):
         self.named = named

@@ -107,6 +107,7 @@ class PythonicFormat(ToolCallFormat):
     block_close = "]"
     separator = ", "
     call_end = ")"
+    markers = ("<|python_start|>", "<|python_end|>", "<|python_tag|>")
 
     def call_begin(self, tool_name: str) -> str:
         return f"{tool_name}("

@@ -37,6 +37,7 @@ class Qwen3CoderFormat(ToolCallFormat):
     separator = "\n"
     call_end = "\n</function>\n</tool_call>"
     trigger = "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
 
     def call_begin(self, tool_name: str) -> str:
         return f"<tool_call>\n<function={tool_name}>\n"
