@@ -196,3 +196,15 @@ def test_the_second_tier_keeps_every_layer(tiny_model_dir, caplog):
     prompt = prompts_of([21], seed=12)[0]
     out = run_checked(engine, [prompt], 6)[0]
     assert out.token_ids == hf_greedy(tiny_model_dir("gemma3"), prompt, 6)
+
+
+def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
+    """Prompt-lookup drafts enter attention as single-query rows, each over the window
+    layers' own pages: the output stays transformers' greedy one."""
+    directory = tiny_model_dir("gemma3")
+    base = prompts_of([9], seed=13)[0]
+    prompt = base * 4  # repeats give the drafter n-grams to propose
+    engine = engine_for(directory, speculative="prompt-lookup")
+    out = run_checked(engine, [prompt], 16)[0]
+    assert out.token_ids == hf_greedy(directory, prompt, 16)
+    assert engine.stats()["spec_drafts"] > 0

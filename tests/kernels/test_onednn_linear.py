@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import radixserve.model.causal_lm as causal_lm
-import radixserve.model.layers as layers
+import radixserve.model.layers as model_layers
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.kernels.onednn_linear import available, bf16_available, onednn_linear, onednn_linear_bf16
@@ -99,7 +99,7 @@ def test_steps_aside_when_onednn_is_off_or_lowers_float32_precision():
 def _counting(monkeypatch, name: str = "onednn_linear") -> list[int]:
     """Record the rows of every call of the model's `name` (onednn_linear or _bf16) that ran."""
     rows: list[int] = []
-    product = getattr(layers, name)
+    product = getattr(model_layers, name)
 
     def counted(x, weight, bias):
         out = product(x, weight, bias)
@@ -107,7 +107,7 @@ def _counting(monkeypatch, name: str = "onednn_linear") -> list[int]:
             rows.append(x.shape[0])
         return out
 
-    monkeypatch.setattr(layers, name, counted)
+    monkeypatch.setattr(model_layers, name, counted)
     return rows
 
 
@@ -202,7 +202,7 @@ def test_the_model_runs_large_steps_on_bf16_weights_when_asked(tiny_model_dir, m
         assert f32_rows.count(200) == (1 if bf16 else 4 * layers + 1)  # the prompt-logprob head stays float32
         assert bf16_rows.count(150) == (4 * layers if bf16 else 0)  # the extend past the 80 cached tokens
         engine.check_integrity()
-        linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, layers.Linear)]
+        linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, model_layers.Linear)]
         assert engine.runner.model.lm_head.weight_bf16 is None  # the logits stay float32
         assert len(linears) == 4 * layers and all((m.weight_bf16 is not None) == bf16 for m in linears)
         engine.runner.model.use_bf16_matmuls(False)
