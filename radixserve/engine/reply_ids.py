@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 _PROBE_USER = [{"role": "user", "content": "Hi"}]
 _PROBE_REPLY = "radixserve reply probe"
+MAX_MISSES = 8  # turns in a row a stored reply might begin but none follows their prompt: stop looking
 
 
 class ReplyLookup(Protocol):
@@ -63,14 +64,17 @@ class ReplySplicer:
             return self._encode(text)
         ids: list[int] = []
         cursor = 0
+        misses = 0
         for start, end in reply_spans(text, marks):
             turn = text[start:end]
-            if not replies.may_begin(turn):
+            if misses >= MAX_MISSES or not replies.may_begin(turn):
                 continue
             head = ids + self._encode(text[cursor:start])  # what this text's prefix encodes to, as ever
             found = self._match(turn, replies.replies_after(head))
-            if found is not None:
-                ids, cursor = head + found, end
+            if found is None:
+                misses += 1  # each miss encodes the text since the last splice again: bounded
+                continue
+            ids, cursor, misses = head + found, end, 0
         if not cursor:
             return self._encode(text)
         ids += self._encode(text[cursor:])

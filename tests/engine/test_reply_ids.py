@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.engine.reply_ids import ReplySplicer, TurnMarks, reply_spans, turn_marks
+from radixserve.engine.reply_ids import MAX_MISSES, ReplySplicer, TurnMarks, reply_spans, turn_marks
 from tiny_models import build_tiny_model
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -110,6 +110,24 @@ def test_a_reply_is_found_only_after_the_prompt_it_answered(tokenizer):
     store.add([1, 2, 3], "Hello world", plain(tokenizer, "Hel") + plain(tokenizer, "lo world"))
     text = render(tokenizer, USER + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "x"}])
     assert ReplySplicer(tokenizer).encode(text, store) == plain(tokenizer, text)
+
+
+def test_lookups_stop_after_a_run_of_misses(tokenizer):
+    """Each miss encodes the text since the last splice again: after MAX_MISSES in a row the
+    rest is encoded as ever, so a long conversation never costs more than a few encodings."""
+    calls = []
+
+    class Misses(Replies):
+        def replies_after(self, prompt_ids):
+            calls.append(len(prompt_ids))
+            return []
+
+    messages = list(USER)
+    for turn in range(MAX_MISSES + 4):
+        messages += [{"role": "assistant", "content": f"Reply {turn}"}, {"role": "user", "content": "more"}]
+    text = render(tokenizer, messages)
+    assert ReplySplicer(tokenizer).encode(text, Misses()) == plain(tokenizer, text)
+    assert len(calls) == MAX_MISSES
 
 
 def test_ids_that_decode_to_other_text_are_not_spliced(tokenizer):

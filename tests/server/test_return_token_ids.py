@@ -119,3 +119,13 @@ def test_bad_prompt_ids_on_chat_are_refused(client, ids, fragment):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        extra_body={"prompt_token_ids": ids})
     assert fragment in str(refused.value)
+
+
+def test_streamed_forced_calls_carry_every_id(client):
+    whole = chat(client, tool_choice="required", max_tokens=48, extra_body=IDS)
+    chunks = list(chat(client, tool_choice="required", max_tokens=48, stream=True, extra_body=IDS))
+    assert extra(chunks[0], "prompt_token_ids") == extra(whole, "prompt_token_ids")
+    streamed = sum((extra(c.choices[0], "token_ids") or [] for c in chunks if c.choices), [])
+    assert streamed == extra(whole.choices[0], "token_ids")
+    names = [t.function.name for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+    assert names == [t.function.name for t in whole.choices[0].message.tool_calls]
