@@ -284,3 +284,19 @@ def test_a_schema_xgrammar_refuses_is_a_400_after_reasoning_too():
     with pytest.raises(APIError) as caught:
         with_reasoning(job, ReasoningMode(parser_named("qwen3"), False))
     assert caught.value.status == 400 and "json schema" in caught.value.message
+
+
+@pytest.mark.parametrize("family,parser", [
+    ("harmony", "gpt_oss"), ("hermes", None), ("llama3_json", None), ("pythonic", None), ("mistral", None),
+    ("qwen3_coder", None), ("deepseek_v3", None), ("gemma3", None),
+])
+def test_auto_on_each_family_template(family, parser, real_model_dir):
+    """The test templates of the tool-call families (tests/server/templates/): only harmony's
+    speaks of reasoning."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
+    found = Reasoning(AutoTokenizer.from_pretrained(real_model_dir), chat_template=template).parser
+    assert (found.name if found is not None else None) == parser
