@@ -30,6 +30,14 @@ class GroupPlans:
     window: AttentionPlan
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The engine's attention choices that a backend reads in `configure` (each its own)."""
+
+    tiled_prefill: bool = True  # cpu: prompt chunks through the tiled kernel, else torch's SDPA
+    prefill_dtype: str = "float32"  # cpu: "bfloat16" takes the tiled kernel's products in bfloat16
+
+
 def plan_for(plan: AttentionPlan | GroupPlans, window: int) -> AttentionPlan:
     """The plan a layer with this window reads."""
     if isinstance(plan, GroupPlans):
@@ -69,6 +77,19 @@ class AttentionBackend(abc.ABC):
         self.scale = scale
         self.dtype = dtype
         self.pages = pages
+
+    def configure(self, options: AttentionOptions) -> None:
+        """Take the options this backend reads; refuse (ValueError) one it cannot honour.
+        A backend that reads none refuses a prompt attention dtype other than float32."""
+        if options.prefill_dtype != "float32":
+            raise ValueError(f"prefill_attention_dtype {options.prefill_dtype} is read by the cpu attention "
+                             f"backend only; this engine runs {self.name}")
+
+    @property
+    def hosts_native_decoder(self) -> bool:
+        """Whether the model's native C decoder (model/native_decoder.py) may run beside this
+        backend: it reads and writes the pool exactly as this backend's C kernels do."""
+        return False
 
     @abc.abstractmethod
     def prepare(self, meta: AttentionMetadata) -> AttentionPlan:

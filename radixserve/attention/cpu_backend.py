@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.attention.backend import AttentionBackend, AttentionPlan
+from radixserve.attention.backend import AttentionBackend, AttentionOptions, AttentionPlan
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import (
     PrefillChunk, TorchAttentionBackend, plan_prefills, prefill_attention, store_kv,
@@ -72,6 +72,10 @@ class CpuAttentionBackend(AttentionBackend):
         self.bf16_prefill = False
         self.use_bf16_prefill(bf16_prefill)
 
+    def configure(self, options: AttentionOptions) -> None:
+        self.tiled_prefill = options.tiled_prefill
+        self.use_bf16_prefill(options.prefill_dtype == "bfloat16")
+
     def use_bf16_prefill(self, on: bool) -> None:
         """Prompt attention's products in bfloat16 (on) or float32; refused, changing nothing,
         where the tiled kernel cannot take them."""
@@ -94,6 +98,10 @@ class CpuAttentionBackend(AttentionBackend):
     def runs_kernels(self) -> bool:
         """Whether attention runs the C kernels (float32 activations) rather than the torch paths."""
         return self._torch is None
+
+    @property
+    def hosts_native_decoder(self) -> bool:
+        return self.runs_kernels
 
     def prepare(self, meta: AttentionMetadata) -> AttentionPlan:
         if self._torch is not None:

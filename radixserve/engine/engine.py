@@ -35,6 +35,7 @@ from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.agent_hints import AgentHints
 from radixserve.core.request import Request
 from radixserve.execution.runner import ModelRunner
+from radixserve.execution.runner_config import RunnerConfig
 from radixserve.execution.step_trace import StepTrace
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
@@ -131,12 +132,10 @@ class Engine:
             self.tiering.load(self.cache.load_tier_entries)
             if self.kv_events is not None:  # a restarted engine announces the tier it adopted
                 self.kv_events.publish(self.cache.events.take())
-        self.runner = ModelRunner(
-            self.loaded.model, self.loaded.spec, num_blocks, cfg.block_size, self.attention_backend,
-            self.device, self.dtype, cfg.seed, self.eos_token_ids, cfg.native_decoder, cfg.onednn_linear,
-            cfg.tiled_prefill_attention, cfg.kv_cache_dtype, cfg.prefill_attention_dtype, cfg.prefill_matmul_dtype,
-            window,
-        )
+        runner_config = RunnerConfig.from_engine(cfg, num_blocks=num_blocks, backend=self.attention_backend,
+                                                 device=self.device, dtype=self.dtype)
+        self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
+                                  stop_token_ids=self.eos_token_ids, window=window)
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         self.preparer = RequestPreparer(
             self.tokenizer, self.loaded.spec.vocab_size, self.max_model_len, cfg.block_size, num_blocks,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from radixserve.attention.backend import GroupPlans
-from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.registry import get_backend_class
@@ -17,6 +16,7 @@ from radixserve.model.spec import ModelSpec
 from radixserve.model.native_decoder import NativeDecoder
 from radixserve.kernels.native_ops import max_rows
 from radixserve.outputs import TokenLogprob
+from radixserve.execution.runner_config import RunnerConfig
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
 from radixserve.core.plan import ScheduledChunk, StepPlan
@@ -53,52 +53,46 @@ class StepResult:
 
 
 class ModelRunner:
+    """Built from a RunnerConfig (execution/runner_config.py); `window` holds the window layers'
+    pages where the engine keeps hybrid KV (core/window_pages.py), else None."""
+
     def __init__(
         self,
+        *,
         model: CausalLM,
         spec: ModelSpec,
-        num_blocks: int,
-        block_size: int,
-        backend_name: str,
-        device: torch.device,
-        dtype: torch.dtype,
-        seed: int,
+        config: RunnerConfig,
         stop_token_ids: list[int],
-        native_decoder: bool = True,
-        onednn_linear: bool = True,
-        tiled_prefill_attention: bool = True,
-        kv_cache_dtype: str = "auto",
-        prefill_attention_dtype: str = "float32",
-        prefill_matmul_dtype: str = "float32",
         window: WindowPages | None = None,
     ):
         self.model = model
         self.spec = spec
-        self.block_size = block_size
-        self.device = device
+        self.config = config
+        self.block_size = config.block_size
+        self.device = config.device
         self.window = window  # hybrid KV: window layers read pages of their own
-        window_layers = tuple(i for i, w in enumerate(spec.layer_windows) if w) if window is not None else ()
-        self.pool = KVPool(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device,
-                           kv_cache_dtype, window_layers, window.num_pages if window is not None else 0)
-        backend_class = get_backend_class(backend_name)
-        self.backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, dtype,
-                                     self.pool.pages)
-        if isinstance(self.backend, CpuAttentionBackend):
-            self.backend.tiled_prefill = tiled_prefill_attention
-            self.backend.use_bf16_prefill(prefill_attention_dtype == "bfloat16")
-        elif prefill_attention_dtype != "float32":
-            raise ValueError(f"prefill_attention_dtype {prefill_attention_dtype} is read by the cpu attention "
-                             f"backend only; this engine runs {self.backend.name}")
-        self.sampler = Sampler(seed, device)
+        self.pool = self._kv_pool(config, spec, window)
+        self.backend = get_backend_class(config.backend)(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, config.dtype, self.pool.pages
+        )
+        self.backend.configure(config.attention)
+        self.sampler = Sampler(config.seed, config.device)
         self.eos_token_ids = stop_token_ids
-        native = (native_decoder and isinstance(self.backend, CpuAttentionBackend) and self.backend.runs_kernels
-                  and not spec.windowed)
-        model.native = NativeDecoder.for_model(spec, model.layers) if native else None
-        model.use_onednn_linear(onednn_linear)
-        model.use_bf16_matmuls(prefill_matmul_dtype == "bfloat16")
+        # one block table for all layers: not over a hybrid pool's window pages
+        native = config.native_decoder and self.backend.hosts_native_decoder and window is None
+        model.native = NativeDecoder.for_model(spec, model.layers, list(spec.layer_windows)) if native else None
+        model.use_onednn_linear(config.onednn_linear)
+        model.use_bf16_matmuls(config.prefill_matmul_dtype == "bfloat16")
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
         self.row_limit = max_rows() if model.native is not None else 0
+
+    @staticmethod
+    def _kv_pool(config: RunnerConfig, spec: ModelSpec, window: WindowPages | None) -> KVPool:
+        window_layers = tuple(i for i, w in enumerate(spec.layer_windows) if w) if window is not None else ()
+        return KVPool(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                      config.dtype, config.device, config.kv_cache_dtype, window_layers,
+                      window.num_pages if window is not None else 0)
 
     def run(self, plan: StepPlan) -> StepResult:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk
