@@ -3,9 +3,10 @@
 
 A tier slot holds one block's K/V outside the pool. Slots are owned by radix nodes: every
 slot is free or held by exactly one node. The cache decides which blocks move, and records
-each move as a KVCopy; the scheduler hands the copies of a step to the runner in the plan,
-which executes them in order before the forward pass (so a block saved to the tier is read
-before anything overwrites it, and a restored block is written before attention reads it).
+each move as a KVCopy; the engine takes a step's copies from the KV manager after scheduling
+(beside the StepPlan, not in it) and Tiering runs them in order before the forward pass (so a
+block saved to the tier is read before anything overwrites it, and a restored block is written
+before attention reads it).
 """
 
 from __future__ import annotations
