@@ -153,3 +153,27 @@ def test_a_template_in_place_of_the_models_own_reuses_the_reply_ids(engine):
             history.append(assistant_turn(out.choices[0].message))
             history += [{"role": "tool", "tool_call_id": c.id, "content": "{\"temperature_c\": 18}"}
                         for c in out.choices[0].message.tool_calls]
+
+
+def test_anthropic_messages_reuse_the_reply_ids(server):
+    """Forced tool use over /v1/messages through the anthropic client, three turns: each turn
+    reads from the cache every whole block of the turn before (its prompt and its reply)."""
+    import anthropic
+
+    from test_anthropic_api import TOOLS as ANTHROPIC_TOOLS
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    history: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris? Use celsius."}]
+    earlier = None
+    for turn in range(3):
+        out = client.messages.create(model=MODEL, max_tokens=48, messages=history, tools=ANTHROPIC_TOOLS,
+                                     tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        usage = out.usage
+        prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+        if earlier is not None:
+            assert usage.cache_read_input_tokens == expected_cached(earlier[0], earlier[1], prompt)
+        earlier = (prompt, usage.output_tokens)
+        history.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in out.content]})
+        history.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": json.dumps({"temperature_c": 18 + turn})}
+            for block in out.content if block.type == "tool_use"]})

@@ -34,8 +34,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput
-from radixserve.server.api.anthropic_pins import Pin, marked_prefixes, pin_hook
-from radixserve.server.api.serving import in_namespace, serve_job, server_state
+from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.server.api.anthropic_pins import Pin, chained, marked_prefixes, pin_hook
+from radixserve.server.api.serving import caller_replies, in_namespace, serve_job, server_state
 from radixserve.server.errors import APIError, anthropic_error_body, bad_request, template_error
 from radixserve.server.output.encoder import BlockEncoder
 from radixserve.server.output.events import (
@@ -71,36 +72,40 @@ async def messages(request: Request) -> Response:
     state = server_state(request)
     engine = state.engine.engine
     block = engine.config.block_size if engine.config.enable_prefix_cache else None
+    replies = caller_replies(request, None)
     job, responder = await messages_job(await read_hinted_json(request), state.served, state.tools, state.reasoning,
-                                        block, engine)
+                                        block, engine, replies)
     job = in_namespace(request, job)
+    pins = pin_hook(responder.pins, job.cache_salt, state.cache_pins)
     return await serve_job(request, job, responder, AnthropicEventStream,
-                           on_finish=pin_hook(responder.pins, job.cache_salt, state.cache_pins))
+                           on_finish=chained(pins, replies.record if replies is not None else None))
 
 
 async def count_tokens_route(request: Request) -> Response:
     state = server_state(request)
-    counted = await count_tokens(await read_json(request), state.served, state.tools, state.engine.engine)
+    counted = await count_tokens(await read_json(request), state.served, state.tools, state.engine.engine,
+                                 caller_replies(request, None))
     return JSONResponse(counted)
 
 
 async def messages_job(
     body: Any, served: ServedModel, calling: ToolCalling, reasoning: Reasoning | None = None,
-    cache_block: int | None = None, engine: Any = None,
+    cache_block: int | None = None, engine: Any = None, replies: ReplyLookup | None = None,
 ) -> tuple[GenerationJob, MessagesResponder]:
     """The engine job of a /v1/messages body and the responder that answers it.
     `reasoning`: the server's reasoning parser; `cache_block`: the prefix cache's block size
-    (None: no prefix cache); `engine`: renders the prefixes cache_control marks (None: no pins)."""
+    (None: no prefix cache); `engine`: renders the prefixes cache_control marks (None: no pins);
+    `replies`: the caller's stored reply ids, spliced where the conversation re-sends them."""
     request: MessagesRequest = parse(MessagesRequest, body)
     request.check_continuable()
     kwargs = request.template_kwargs()
     mode = await _reasoning_mode(request, reasoning, kwargs)
-    spec, prompt = await _prompt(request, calling, kwargs)
+    spec, prompt = await _prompt(request, calling, kwargs, replies)
     job = with_reasoning(request.to_job(served, prompt, calling.constraint(spec)), mode)
     parser = ToolCallParser(calling.fmt, spec.names, spec.schemas) if spec.parses_calls else None
     pins = []
     if engine is not None and cache_block is not None:
-        render = lambda history: _conversation_prompt(request, history, spec, calling, kwargs)  # noqa: E731
+        render = lambda history: _conversation_prompt(request, history, spec, calling, kwargs, replies)  # noqa: E731
         pins = await marked_prefixes(request.cache_marks(), render, engine, kwargs or None)
     return job, MessagesResponder(job, parser, list(request.stop_sequences or []), mode, cache_block, pins)
 
@@ -120,16 +125,18 @@ async def _reasoning_mode(
     return mode
 
 
-async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, engine: Any) -> dict[str, Any]:
+async def count_tokens(
+    body: Any, served: ServedModel, calling: ToolCalling, engine: Any, replies: ReplyLookup | None = None,
+) -> dict[str, Any]:
     """{"input_tokens": n}: the prompt a /v1/messages request with this conversation would have."""
     request: CountTokensRequest = parse(CountTokensRequest, body)
     served.check_model(request.model)
     kwargs = request.template_kwargs()
-    _, prompt = await _prompt(request, calling, kwargs)
+    _, prompt = await _prompt(request, calling, kwargs, replies)
     if isinstance(prompt, ChatPrompt):
         try:
             prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
-                                             template_kwargs=kwargs or None)
+                                             template_kwargs=kwargs or None, replies=prompt.replies)
         except Exception as exc:
             if (refused := template_error(exc)) is not None:
                 raise refused from None
@@ -137,20 +144,23 @@ async def count_tokens(body: Any, served: ServedModel, calling: ToolCalling, eng
     return {"input_tokens": len(prompt)}
 
 
-async def _prompt(request: Conversation, calling: ToolCalling, kwargs: dict[str, Any]) -> tuple[ToolSpec, Prompt]:
+async def _prompt(
+    request: Conversation, calling: ToolCalling, kwargs: dict[str, Any], replies: ReplyLookup | None = None,
+) -> tuple[ToolSpec, Prompt]:
     """As chat completions builds it: plain role/content turns without tools, else the
     tool-aware rendering (which checks that every result answers an earlier call)."""
     request.check_supported()
     spec = await calling.spec(request)
-    return spec, await _conversation_prompt(request, request.history(), spec, calling, kwargs)
+    return spec, await _conversation_prompt(request, request.history(), spec, calling, kwargs, replies)
 
 
 async def _conversation_prompt(
     request: Conversation, history: list[HistoryMessage], spec: ToolSpec, calling: ToolCalling, kwargs: dict[str, Any],
+    replies: ReplyLookup | None = None,
 ) -> Prompt:
     if not request.uses_tools and calling.template is None:  # --chat-template: the server renders
-        return ChatPrompt(tuple(_plain_turn(m) for m in history), None, kwargs or None)
-    return await calling.prompt(history, spec, None, kwargs or None)
+        return ChatPrompt(tuple(_plain_turn(m) for m in history), replies, kwargs or None)
+    return await calling.prompt(history, spec, replies, kwargs or None)
 
 
 def _plain_turn(message: HistoryMessage) -> dict[str, Any]:

@@ -34,7 +34,7 @@ async def marked_prefixes(marks: list[tuple[float, list[HistoryMessage]]], rende
         prompt = await render(history)
         if isinstance(prompt, ChatPrompt):
             prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
-                                             template_kwargs=template_kwargs)
+                                             template_kwargs=template_kwargs, replies=prompt.replies)
         pins.append((ttl_s, list(prompt)))
     return pins
 
