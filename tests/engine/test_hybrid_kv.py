@@ -208,3 +208,57 @@ def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
     out = run_checked(engine, [prompt], 16)[0]
     assert out.token_ids == hf_greedy(directory, prompt, 16)
     assert engine.stats()["spec_drafts"] > 0
+
+
+def test_a_windowed_model_keeping_every_layer_decodes_in_the_native_decoder(tiny_model_dir):
+    directory = tiny_model_dir("mistral_window")
+    engine = engine_for(directory, hybrid_kv="off")
+    assert engine.runner.model.native is not None
+    prompts = prompts_of([4, 27], seed=14)
+    for prompt, out in zip(prompts, run_checked(engine, prompts, 12)):
+        assert out.token_ids == hf_greedy(directory, prompt, 12)
+    assert engine_for(directory).runner.model.native is None  # hybrid: window layers read their own tables
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_shared_prefix_traffic_matches_every_layer_kept(tiny_model_dir, seed):
+    """Agents sharing prefixes, growing turn by turn, leaving early and arriving mid-run, in
+    a pool small enough to evict and preempt: hybrid KV gives exactly the tokens of keeping
+    every layer, with every invariant checked after every step."""
+    directory = tiny_model_dir("gemma3")
+    rng = random.Random(seed)
+    system = prompts_of([rng.randrange(6, 20)], seed=seed + 100)[0]
+    prompts: list[list[int]] = []
+    for i in range(14):
+        history = system + prompts_of([rng.randrange(1, 30)], seed=seed * 50 + i)[0]
+        if prompts and rng.random() < 0.5:  # a later turn of an earlier conversation
+            history = prompts[rng.randrange(len(prompts))] + prompts_of([rng.randrange(1, 9)], seed=seed * 70 + i)[0]
+        prompts.append(history)
+    options = dict(num_kv_blocks=40, chunked_prefill_size=rng.choice([5, 8, 13]), max_num_batched_tokens=16)
+    outputs = {}
+    for mode in ("auto", "off"):
+        engine = engine_for(directory, hybrid_kv=mode, window_pages_ratio=0.3, **options)
+        assert engine.runner.pool.hybrid == (mode == "auto")
+        outputs[mode], stats = _staggered(engine, prompts, rng_seed=seed)
+        assert stats["cached_prompt_tokens"] > 0 and stats["evicted_blocks"] + stats["preemptions"] > 0
+    assert outputs["auto"] == outputs["off"]
+
+
+def _staggered(engine, prompts, rng_seed) -> tuple[list[list[int]], dict]:
+    """Add the prompts a few at a time while others run; lengths vary; check after every step."""
+    rng = random.Random(rng_seed)
+    pending = list(enumerate(prompts))
+    ids, done = {}, {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                i, prompt = pending.pop(0)
+                ids[engine.add_request(prompt, SamplingParams(max_tokens=3 + i % 7, **GREEDY))] = i
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.token_ids
+        engine.check_integrity()
+    stats = engine.stats()
+    engine.flush_cache()
+    engine.check_integrity()
+    return [done[i] for i in range(len(prompts))], stats
