@@ -573,8 +573,8 @@ class Engine:
         """Whether window layers keep their KV apart (core/window_pages.py): a model with
         window layers, hybrid_kv auto, and none of what copies whole blocks (the tier)."""
         spec, cfg = self.loaded.spec, self.config
-        if not spec.windowed or cfg.hybrid_kv == "off":
-            return False
+        if not spec.windowed or cfg.hybrid_kv == "off" or max(spec.layer_windows) >= self.max_model_len:
+            return False  # (a window as long as the context keeps everything anyway)
         if cfg.kv_offload_memory or cfg.kv_offload_dir or cfg.kv_persist_dir:
             logger.info("hybrid KV off: the second KV tier copies whole blocks; every layer keeps its KV")
             return False

@@ -262,3 +262,8 @@ def _staggered(engine, prompts, rng_seed) -> tuple[list[list[int]], dict]:
     engine.flush_cache()
     engine.check_integrity()
     return [done[i] for i in range(len(prompts))], stats
+
+
+def test_a_window_as_long_as_the_context_keeps_every_layer(tiny_model_dir):
+    engine = engine_for(tiny_model_dir("gemma3"), max_model_len=6)
+    assert not engine.runner.pool.hybrid and engine.pool.window is None
