@@ -15,18 +15,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
+from bench.cli import apply_quick, bench_parser, write_json
+from bench.harness import percentile
 from radixserve import Engine, SamplingParams
 from radixserve.core.agent_hints import AgentHints
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -61,7 +57,8 @@ def bench_priority(engine: Engine, args: argparse.Namespace) -> dict:
         plain = [engine.add_request(p, params) for p in backlog]
         hinted = [engine.add_request(p, params, hints=AgentHints(priority=priority)) for p in agents]
         times = ttfts(engine, plain + hinted)
-        result[label] = {"agent_p95_s": p95([times[i] for i in hinted]), "backlog_p95_s": p95([times[i] for i in plain])}
+        result[label] = {"agent_p95_s": percentile([times[i] for i in hinted], 95),
+                         "backlog_p95_s": percentile([times[i] for i in plain], 95)}
     result["agent_p95_ratio"] = result["without"]["agent_p95_s"] / result["with"]["agent_p95_s"]
     return result
 
@@ -125,7 +122,8 @@ def bench_speculative_prefill(engine: Engine, args: argparse.Namespace) -> dict:
                     time.sleep(args.pause_s)  # the tool runs; the warm-up runs meanwhile
                     messages = messages + [{"role": "assistant", "content": text},
                                            {"role": "user", "content": f"tool result {turn}: ok"}]
-            result[label] = {"next_turn_ttft_mean_s": statistics.mean(times), "next_turn_ttft_p95_s": p95(times),
+            result[label] = {"next_turn_ttft_mean_s": statistics.mean(times),
+                             "next_turn_ttft_p95_s": percentile(times, 95),
                              "cached_share_mean": statistics.mean(cached), "turns": len(times)}
     stats = engine.stats()
     result["speculative_prefills"] = stats["speculative_prefills"]
@@ -141,7 +139,7 @@ def engine_flush(server) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="12 backlog requests, 4 agents, a swarm of 2 x 3 turns")
     p.add_argument("--backlog", type=int, default=24)
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--flood", type=int, default=12)
@@ -149,12 +147,8 @@ def main() -> None:
     p.add_argument("--swarm", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--pause-s", type=float, default=2.0)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json")
-    p.add_argument("--plot")
     args = p.parse_args()
-    if args.quick:
-        args.backlog, args.agents, args.swarm, args.turns = 12, 4, 2, 3
+    apply_quick(p, args, backlog=12, agents=4, swarm=2, turns=3)
     engine = Engine(max_num_seqs=4)
     report = {"priority": bench_priority(engine, args)}
     pr = report["priority"]
@@ -189,8 +183,7 @@ def main() -> None:
           f"{sp['speculative_prefill_tokens']} tokens")
     served.close()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, args)
     if args.plot:
         from bench.report import plot_bars
 

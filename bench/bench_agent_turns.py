@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bench.cli import bench_parser, write_json
+
 BLOCK_SIZE = 16
 TARGET_SHARE = 0.05
 CITIES = ["Paris", "Oslo", "Lima", "Cairo", "Hanoi", "Quito", "Perth", "Dakar", "Riga", "Sapporo", "Tunis", "Porto"]
@@ -246,25 +248,23 @@ def plot(path: str, results: list[SystemResult]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.agents} agents x {QUICK.turns} turns")
+    parser = bench_parser(__doc__, quick=f"{QUICK.agents} agents x {QUICK.turns} turns",
+                          plot="write a bar chart of the shares here (PNG)",
+                          json_help="write every turn's usage and the summary here (JSON)")
     parser.add_argument("--agents", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--systems", default="on,off", help="which --reply-token-reuse settings to run, in order")
     parser.add_argument("--model", default=None, help="the model to serve (default: the server's default)")
-    parser.add_argument("--json", default=None, help="write every turn's usage and the summary here")
-    parser.add_argument("--plot", default=None, help="write a bar chart of the shares here")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
     workload = Workload(args.agents or base.agents, args.turns or base.turns)
     results = [run_system(f"reuse {s}", s, args, workload) for s in args.systems.split(",")]
     print_report(workload, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": asdict(workload), "systems": [
-                {"name": r.name, "wall_s": r.wall_s, "stopped": r.stopped, "share": r.share(),
-                 "share_by_kind": {k: r.share(k) for k in KINDS},
-                 "agents": [asdict(a) for a in r.agents]} for r in results]}, f, indent=1)
+        write_json(args.json, {"workload": asdict(workload), "systems": [
+            {"name": r.name, "wall_s": r.wall_s, "stopped": r.stopped, "share": r.share(),
+             "share_by_kind": {k: r.share(k) for k in KINDS},
+             "agents": [asdict(a) for a in r.agents]} for r in results]}, args)
     if args.plot:
         plot(args.plot, results)
     return 0 if all(r.stopped == 0 for r in results) else 1

@@ -30,15 +30,14 @@ Token ids are synthetic (no tokenizer), greedy, EOS ignored.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass, field
 
+from bench.cli import bench_parser, write_json
 from radixserve.core.hashing import extend_block_hashes
 
 BLOCK_SIZE = 16
@@ -324,8 +323,7 @@ def _cold_read_ms(store, pool, n: int, directory: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"a small swarm: {QUICK.describe()}")
+    parser = bench_parser(__doc__, quick=f"a small swarm: {QUICK.describe()}")
     parser.add_argument("--agents", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--tool-prompt", type=int, default=None)
@@ -338,8 +336,6 @@ def main() -> None:
     parser.add_argument("--measure-tier", action="store_true")
     parser.add_argument("--measure-prefetch", action="store_true",
                         help="restores from a cold tier file with and without the prefetch thread, then exit")
-    parser.add_argument("--plot", default=None)
-    parser.add_argument("--json", default=None)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     workload = QUICK if args.quick else FULL
@@ -358,8 +354,7 @@ def main() -> None:
         for label, ms in report["prefetch"].items():
             print(f"  {label:<86}{ms:>8.1f}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+            write_json(args.json, report, args)
         return
     pool_blocks = max(8, int(workload.working_set_tokens() * args.pool_share) // BLOCK_SIZE)
     token_bytes = 30 * 2 * 3 * 64 * 4  # the default model's K/V per token, float32
@@ -413,8 +408,7 @@ def main() -> None:
               f"reuse, {hinted.computed_prompt_tokens} prompt tokens computed; LRU order {plain.reuse_of_ideal:.0%}, "
               f"{plain.computed_prompt_tokens}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, args)
     if args.plot:
         _plot(args.plot, results, workload)
 

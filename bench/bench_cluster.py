@@ -21,7 +21,6 @@ throughput result.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import httpx
 
 from bench import agent_workload
 from bench.agent_workload import Workload
+from bench.cli import apply_quick, bench_parser, write_json
 from radixserve.cluster.metrics_merge import sample_total
 
 from radixserve.cluster.options import ROUTERS
@@ -64,7 +64,7 @@ class Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="4 sessions x 2 turns", plot="also draw the reuse ratios (PNG)")
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-prompts", type=int, default=2)
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, of {', '.join(ROUTERS)}")
     parser.add_argument("--num-threads", type=int, default=1, help="engine threads per replica")
     parser.add_argument("--port", type=int, default=18230)
-    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw the reuse ratios")
     args = parser.parse_args(argv)
+    apply_quick(parser, args, sessions=4, turns=2)
     routers = [r for r in args.routers.split(",") if r]
     unknown = set(routers) - set(ROUTERS)
     if unknown:
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
     _report(results)
+    if args.json:
+        write_json(args.json, results, args)
     if args.plot and results:
         from bench.report import plot_bars
 

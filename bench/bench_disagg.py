@@ -27,7 +27,6 @@ as a decode replica does).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
@@ -35,6 +34,10 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from bench.cli import apply_quick, bench_parser, write_json
+from bench.harness import percentile
+from bench.sse import stream_json
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {"num_threads": 1}
@@ -58,22 +61,13 @@ class Run:
         return self.stream_tokens / (2 * self.duration_s) if self.duration_s else 0.0
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def stream(url: str, body: dict) -> tuple[float | None, list[float]]:
     """(TTFT, the times of every token event) of one streamed completion."""
     start = time.monotonic()
     times: list[float] = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600) as answer:
-        if answer.status_code != 200:
-            raise RuntimeError(f"{answer.status_code}")
-        for line in answer.iter_lines():
-            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"]):
+    with httpx.Client(timeout=600) as client:
+        for chunk in stream_json(client, url + "/v1/completions", body):
+            if any(c.get("text") for c in chunk.get("choices", [])):
                 times.append(time.monotonic())
     return (times[0] - start if times else None), times
 
@@ -169,9 +163,9 @@ def cluster_runs(args: argparse.Namespace) -> list[Run]:
 
 
 def line(run: Run) -> str:
-    return (f"gap p50 {pct(run.gaps, .5) * 1000:.0f} ms  p95 {pct(run.gaps, .95) * 1000:.0f} ms  "
-            f"TTFT p50 {pct(run.ttfts, .5):.2f} s  p95 {pct(run.ttfts, .95):.2f} s  "
-            f"stream {run.stream_rate:.1f} tok/s, stream TTFT p95 {pct(run.stream_ttfts, .95):.2f} s "
+    return (f"gap p50 {percentile(run.gaps, 50) * 1000:.0f} ms  p95 {percentile(run.gaps, 95) * 1000:.0f} ms  "
+            f"TTFT p50 {percentile(run.ttfts, 50):.2f} s  p95 {percentile(run.ttfts, 95):.2f} s  "
+            f"stream {run.stream_rate:.1f} tok/s, stream TTFT p95 {percentile(run.stream_ttfts, 95):.2f} s "
             f"({len(run.gaps)} gaps, {len(run.ttfts)} prompts, {run.errors} errors)")
 
 
@@ -196,19 +190,27 @@ def transfer_line(url: str) -> str:
 def report(runs: list[Run]) -> None:
     by = {n: [r for r in runs if r.name == n] for n in dict.fromkeys(r.name for r in runs)}
     for name, rs in by.items():
-        g = [pct(r.gaps, .95) * 1000 for r in rs]
-        t = [pct(r.ttfts, .95) for r in rs]
+        g = [percentile(r.gaps, 95) * 1000 for r in rs]
+        t = [percentile(r.ttfts, 95) for r in rs]
         print(f"{name:10s} gap p95 ms {statistics.mean(g):.0f} (runs {', '.join(f'{x:.0f}' for x in g)})  "
               f"TTFT p95 s {statistics.mean(t):.2f} (runs {', '.join(f'{x:.2f}' for x in t)})")
     base = by.get("colocated")
     for name in by:
         if base and name != "colocated":
-            g = statistics.mean(pct(r.gaps, .95) for r in by[name]) / statistics.mean(pct(r.gaps, .95) for r in base)
-            t = statistics.mean(pct(r.ttfts, .95) for r in by[name]) / statistics.mean(pct(r.ttfts, .95) for r in base)
+            g = statistics.mean(map(_gap_p95, by[name])) / statistics.mean(map(_gap_p95, base))
+            t = statistics.mean(map(_ttft_p95, by[name])) / statistics.mean(map(_ttft_p95, base))
             print(f"{name} / colocated: gap p95 {g:.2f}x (target <= 0.5), TTFT p95 {t:.2f}x (target <= 1.5)")
             pairs = list(zip(base, by[name]))  # run k of each config: the same arrivals, back to back
-            print("  run by run: gap p95 " + ", ".join(f"{pct(r.gaps, .95) / pct(b.gaps, .95):.2f}x" for b, r in pairs)
-                  + "; TTFT p95 " + ", ".join(f"{pct(r.ttfts, .95) / pct(b.ttfts, .95):.2f}x" for b, r in pairs))
+            print("  run by run: gap p95 " + ", ".join(f"{_gap_p95(r) / _gap_p95(b):.2f}x" for b, r in pairs)
+                  + "; TTFT p95 " + ", ".join(f"{_ttft_p95(r) / _ttft_p95(b):.2f}x" for b, r in pairs))
+
+
+def _gap_p95(run: Run) -> float:
+    return percentile(run.gaps, 95)
+
+
+def _ttft_p95(run: Run) -> float:
+    return percentile(run.ttfts, 95)
 
 
 def plot(path: str, runs: list[Run]) -> None:
@@ -220,8 +222,8 @@ def plot(path: str, runs: list[Run]) -> None:
 
     names = list(dict.fromkeys(r.name for r in runs))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, title, value in ((axes[0], "streams' inter-token gap p95 (ms)", lambda r: pct(r.gaps, .95) * 1000),
-                             (axes[1], "long prompts' TTFT p95 (s)", lambda r: pct(r.ttfts, .95))):
+    for ax, title, value in ((axes[0], "streams' inter-token gap p95 (ms)", lambda r: percentile(r.gaps, 95) * 1000),
+                             (axes[1], "long prompts' TTFT p95 (s)", lambda r: percentile(r.ttfts, 95))):
         for i, name in enumerate(names):
             ys = [value(r) for r in runs if r.name == name]
             ax.scatter([i] * len(ys), ys)
@@ -286,7 +288,7 @@ def reserved_import(d, prompt: list[int], wire) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="20 s runs, one repeat", plot="also draw each run's gap and TTFT p95 (PNG)")
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rate", type=float, default=0.2, help="long prompts per second (Poisson)")
@@ -301,13 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=0,
                         help="chunked_prefill_size of every engine, both configurations (0: the default)")
     parser.add_argument("--transfer-only", action="store_true")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="also draw each run's gap and TTFT p95")
     args = parser.parse_args(argv)
+    apply_quick(parser, args, duration=20.0, repeats=1)
     if args.transfer_only:
         transfer_only(args)
         return 0
     runs = cluster_runs(args)
     report(runs)
+    if args.json:
+        write_json(args.json, runs, args)
     if args.plot:
         plot(args.plot, runs)
     return 0

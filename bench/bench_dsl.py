@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
 import radixserve.lang as rl
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.dsl_backends import MeteredBackend, NaiveTransformersBackend
 from bench.dsl_workloads import choose_ending, hellaswag_like, tot_problems, tree_of_thought
 from bench.report import plot_bars, print_header
@@ -60,7 +60,8 @@ class Result:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="8 questions of 10 shots, 2 programs of width 2",
+                          plot="write a bar chart of throughput here (PNG)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--questions", type=int, default=16, help="few-shot-select questions")
     parser.add_argument("--shots", type=int, default=20)
@@ -70,9 +71,8 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--step-tokens", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers evaluator")
-    parser.add_argument("--plot", default=None, help="write a bar chart of throughput here")
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    apply_quick(parser, args, questions=8, shots=10, problems=2, width=2)
 
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = sorted(set(names) - set(WORKLOADS))
@@ -87,9 +87,7 @@ def main() -> None:
         _print_results(results, workload["unit"])
         summary[name] = {"results": [_as_dict(r) for r in results], "ratios": _print_ratios(name, results)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "workloads": summary}, f, indent=2)
-        print(f"results written to {args.json}")
+        write_json(args.json, {"workloads": summary}, args)
     if args.plot:
         series = {s: [_find(summary[w], s).get("units_per_s", 0.0) for w in names] for s in systems}
         plot_bars(args.plot, "radixserve.lang programs: throughput", names, series, "questions or programs / s")

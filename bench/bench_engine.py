@@ -9,17 +9,16 @@ scheduler's own share of step time at full batch.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.harness import run_hf_static, run_radixserve
 from bench.report import plot_bars, print_header, print_table, ratio_line
 from bench.workloads import no_sharing
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="8 prompts")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=512)
@@ -27,9 +26,8 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--plot", default=None, help="write a bar chart to this PNG")
-    parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = parser.parse_args()
+    apply_quick(parser, args, num_prompts=8)
 
     workload = no_sharing(args.num_prompts, args.min_prompt, args.max_prompt, args.min_output, args.max_output)
     print_header(
@@ -55,8 +53,7 @@ def main() -> None:
         plot_bars(args.plot, "no-sharing workload", ["generated tok/s", "total tok/s"],
                   {r.system: [r.generated_per_s, r.total_per_s] for r in results}, "tokens / s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.__dict__ | {"records": None} for r in results], f, indent=1)
+        write_json(args.json, [r.__dict__ | {"records": None} for r in results], args)
 
 
 def _run_static(model_path, workload, batch_size):

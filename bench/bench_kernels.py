@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bench.cli import Figures, apply_quick, bench_parser
+
 # (substring of the device name, peak HBM bandwidth in GB/s)
 PEAK_BANDWIDTH_GBPS = [("H200", 4800.0), ("H100 80GB HBM3", 3350.0), ("H100 SXM", 3350.0), ("A100-SXM4-80GB", 2039.0),
                        ("A100 80GB PCIe", 1935.0)]
@@ -109,7 +111,8 @@ def sdpa(q, k, v, **kwargs) -> torch.Tensor:
 # ---- decode ------------------------------------------------------------------------------
 
 
-def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, peak: float | None) -> None:
+def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, peak: float | None,
+                 figures: Figures) -> None:
     from radixserve.kernels.triton.decode_attention import _block_n, _choose_num_splits, decode_attention
 
     data = paged_batch(batch, context, heads, device)
@@ -140,6 +143,7 @@ def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, p
     ]:
         graph, eager = time_ms(fn)
         results[label] = graph
+        figures.add(f"decode, {heads.name}", label, graph, eager_ms=eager)
         print(f"  {label:36s} graph {graph * 1e3:8.1f} us {bandwidth_text(num_bytes, graph, peak)}"
               f" | eager {eager * 1e3:8.1f} us {bandwidth_text(num_bytes, eager, peak)}")
     auto, baseline = results[f"triton paged, auto split ({splits})"], results["torch SDPA, dense contiguous"]
@@ -150,7 +154,8 @@ def bench_decode(heads: Heads, batch: int, context: int, device: torch.device, p
 # ---- prefix extend -----------------------------------------------------------------------
 
 
-def bench_extend(heads: Heads, batch: int, prefix: int, new: int, device: torch.device, peak: float | None) -> None:
+def bench_extend(heads: Heads, batch: int, prefix: int, new: int, device: torch.device, peak: float | None,
+                 figures: Figures) -> None:
     from torch.nn.attention.bias import causal_lower_right
 
     from radixserve.kernels.triton.extend_attention import extend_attention
@@ -188,6 +193,7 @@ def bench_extend(heads: Heads, batch: int, prefix: int, new: int, device: torch.
     for label, fn in [("triton paged", run), ("torch SDPA, dense contiguous", baseline)]:
         graph, eager = time_ms(fn)
         results[label] = graph
+        figures.add(f"extend, {heads.name}", label, graph, eager_ms=eager)
         print(f"  {label:36s} graph {graph * 1e3:8.1f} us {flops / graph / 1e9:6.1f} TFLOP/s "
               f"{bandwidth_text(num_bytes, graph, peak)} | eager {eager * 1e3:8.1f} us")
     print(f"  ratio: triton is {results['torch SDPA, dense contiguous'] / results['triton paged']:.2f}x "
@@ -198,7 +204,7 @@ def bench_extend(heads: Heads, batch: int, prefix: int, new: int, device: torch.
 # ---- engine ------------------------------------------------------------------------------
 
 
-def bench_engine(args: argparse.Namespace) -> None:
+def bench_engine(args: argparse.Namespace, figures: Figures) -> None:
     from radixserve import Engine, SamplingParams
 
     generator = torch.Generator().manual_seed(0)
@@ -219,6 +225,7 @@ def bench_engine(args: argparse.Namespace) -> None:
         outputs[backend] = [o.token_ids for o in outs]
         produced = sum(len(t) for t in outputs[backend])
         total = produced + args.prompts * args.prompt_len
+        figures.add("engine", backend, seconds[backend] * 1e3, output_tokens=produced, total_tokens=total)
         print(f"  {backend:6s} backend: {seconds[backend]:6.2f} s, {produced / seconds[backend]:8.0f} output tok/s, "
               f"{total / seconds[backend]:8.0f} total tok/s")
         del engine
@@ -231,7 +238,7 @@ def bench_engine(args: argparse.Namespace) -> None:
 # ---- CPU: the tiled prefill kernel beside SDPA and the matmuls ------------------------------
 
 
-def bench_cpu(args: argparse.Namespace) -> None:
+def bench_cpu(args: argparse.Namespace, figures: Figures) -> None:
     """GFLOP/s of prompt-chunk attention at the default model's heads (float32, block size
     16, blocks shuffled through the pool): the tiled C kernel reading the pool in place, and
     torch's SDPA over the gathered pages (the cpu backend's path with tiled_prefill off), and
@@ -277,6 +284,7 @@ def bench_cpu(args: argparse.Namespace) -> None:
         label = f"{new} new over {prefix} cached" if prefix else f"{new}-token prompt"
         print(f"  attention, {label} ({flops / 1e9:.2f} GFLOP, causal):")
         for name, seconds in results.items():
+            figures.add(f"attention, {label}", name, seconds * 1e3)
             print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
     rows, hidden, inter = 512, 576, 1536
     q_size, kv_size = heads.num_heads * heads.head_dim, heads.kv_heads * heads.head_dim
@@ -305,10 +313,12 @@ def bench_cpu(args: argparse.Namespace) -> None:
     for name, seconds in results.items():
         n_in, n_out = matmuls[name.removesuffix(", bf16")]
         flops = 2 * rows * n_in * n_out
+        figures.add(f"matmul {name.removesuffix(', bf16')}", "bf16" if name.endswith(", bf16") else "float32",
+                    seconds * 1e3)
         print(f"    {name:32s} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:7.1f} GFLOP/s")
 
 
-def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
+def bench_cpu_decode_rows(args: argparse.Namespace, figures: Figures) -> None:
     """The C decode kernel on several query rows of one request (a speculative verify, a small
     prompt chunk: row i sees the context up to its own position), float32 and int8 pages, at
     the default model's heads: the rows in one call, which reads each K/V tile once for all of
@@ -345,11 +355,13 @@ def bench_cpu_decode_rows(args: argparse.Namespace) -> None:
                     "rows of R requests": lambda: kernels.decode(q, k, v, apart, full, scale, pages),
                 }, args.cpu_repeats)
                 one = one or times["one call"]
+                for name, t in times.items():
+                    figures.add(f"{'int8' if int8 else 'float32'} {context} R={rows}", name, t * 1e3)
                 cells = "  ".join(f"{name} {t * 1e3:6.2f} ms ({t / one:4.1f}x)" for name, t in times.items())
                 print(f"    {'int8' if int8 else 'float32':7s} context {context:5d} R={rows}: {cells}")
 
 
-def bench_cpu_routing(args: argparse.Namespace) -> None:
+def bench_cpu_routing(args: argparse.Namespace, figures: Figures) -> None:
     """Where the runner's ROWS_ATTENTION_WORK should sit: 8 decoding requests plus one
     --routing-prompt-token prompt computed in chunks (chunked_prefill_size), on two engines of
     the default model stepping in turns, one that always lays a small step's prompt chunk out
@@ -385,6 +397,8 @@ def bench_cpu_routing(args: argparse.Namespace) -> None:
         for bucket in sorted(times["rows"]):
             ms = {name: statistics.median(times[name][bucket]) * 1e3 for name in work}
             mid = bucket * 1024 + 512
+            for name in work:
+                figures.add(f"chunk {chunk}, context {bucket * 1024}+", name, ms[name])
             print(f"  chunk {chunk:3d} context {bucket * 1024:5d}-{bucket * 1024 + 1023:5d} (work ~{chunk * mid:7d}): "
                   f"rows {ms['rows']:6.1f} ms  tiled {ms['tiled']:6.1f} ms  rows/tiled {ms['rows'] / ms['tiled']:.2f}")
         del engines
@@ -403,7 +417,7 @@ def _best_cpu_times(calls: dict, repeats: int) -> dict[str, float]:
     return best
 
 
-def bench_cpu_quantized(args: argparse.Namespace) -> None:
+def bench_cpu_quantized(args: argparse.Namespace, figures: Figures) -> None:
     """The default model's layer matmul shapes with quantized weights, side by side: radixserve's
     integer kernel (kernels/quant_linear.py) on int8 per-channel and int4 groups-of-32 weights,
     torch's weight-only ops on the same values (_weight_int8pack_mm; _weight_int4pack_mm_for_cpu),
@@ -446,6 +460,8 @@ def bench_cpu_quantized(args: argparse.Namespace) -> None:
             "float32": run(lambda x, w, *_: dense(x, w)),
         }, args.cpu_repeats)
         us = {name: t * 1e6 for name, t in best.items()}
+        for name, t in best.items():
+            figures.add(f"{rows} rows", name, t * 1e3)
         print(f"  {rows:>5} {us['ours int8']:>10.0f} {us['torch int8']:>11.0f} {us['ours int4']:>10.0f} "
               f"{us['torch int4']:>11.0f} {us['float32']:>9.0f}")
 
@@ -454,7 +470,9 @@ def bench_cpu_quantized(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="smaller batches and contexts, 2 CPU repeats, a 1024-token routing prompt",
+                          json_help="write every time measured here (JSON, ms)",
+                          plot="write a bar chart of the times here (PNG)")
     parser.add_argument("--engine", action="store_true", help="run the engine throughput comparison instead")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -472,17 +490,25 @@ def main() -> None:
     parser.add_argument("--routing-chunks", type=int, nargs="+", default=[16, 40, 100])
     parser.add_argument("--routing-prompt", type=int, default=4096)
     args = parser.parse_args()
+    apply_quick(parser, args, prompts=16, decode_batch=16, decode_context=1024, extend_batch=2, cpu_repeats=2,
+                routing_prompt=1024)
+    figures = Figures()
+    _run(args, figures)
+    figures.finish(args, "kernel times", "ms")
+
+
+def _run(args: argparse.Namespace, figures: Figures) -> None:
     if args.cpu:
         with torch.inference_mode():
             if args.cpu_routing:
-                bench_cpu_routing(args)
+                bench_cpu_routing(args, figures)
                 return
             if args.cpu_quantized:
-                bench_cpu_quantized(args)
+                bench_cpu_quantized(args, figures)
                 return
             if not args.cpu_rows:
-                bench_cpu(args)
-            bench_cpu_decode_rows(args)
+                bench_cpu(args, figures)
+            bench_cpu_decode_rows(args, figures)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU")
@@ -492,15 +518,15 @@ def main() -> None:
     print(f"device: {name}; peak HBM bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown (GB/s printed alone)'}")
     print(f"torch {torch.__version__}")
     if args.engine:
-        bench_engine(args)
+        bench_engine(args, figures)
         return
     import triton
 
     print(f"triton {triton.__version__}")
     for heads in HEAD_CONFIGS:
-        bench_decode(heads, args.decode_batch, args.decode_context, device, peak)
+        bench_decode(heads, args.decode_batch, args.decode_context, device, peak, figures)
     for heads in HEAD_CONFIGS:
-        bench_extend(heads, args.extend_batch, 2048, 256, device, peak)
+        bench_extend(heads, args.extend_batch, 2048, 256, device, peak, figures)
     print("\ntarget: decode attention (auto split, graph time) at >= 60% of peak bandwidth")
 
 

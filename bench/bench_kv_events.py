@@ -11,8 +11,6 @@ every step stores blocks and evicts others: the most events a step can make.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import threading
@@ -20,6 +18,7 @@ import time
 
 import zmq
 
+from bench.cli import apply_quick, bench_parser, write_json
 from radixserve import Engine, SamplingParams
 
 
@@ -50,15 +49,11 @@ def subscribe(endpoint: str, stop: threading.Event, counts: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="32 prompts")
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json")
-    p.add_argument("--plot")
     args = p.parse_args()
-    if args.quick:
-        args.prompts = 32
+    apply_quick(p, args, prompts=32)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(96, 161))] for _ in range(args.prompts)]
     off = Engine(num_kv_blocks=args.blocks)
@@ -88,8 +83,7 @@ def main() -> None:
           f"({report['events_per_s']:.0f} events/s of stepping), a subscriber received {counts['batches']} batches; "
           f"{report['evicted_blocks']} blocks evicted")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, args)
     if args.plot:
         from bench.report import plot_bars
 

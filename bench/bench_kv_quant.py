@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.kv_quant_prompts import CHAT, RAW
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
@@ -60,6 +61,8 @@ def main() -> None:
     if "speed" in args.parts:
         report["speed"] = speed(model, spec, args.batches, args.contexts, args.reps, args.pool_mb, clock)
     _print(report, args)
+    if args.json:
+        write_json(args.json, report, args)
     if args.plot:
         _plot(args.plot, report)
 
@@ -287,8 +290,7 @@ def _plot(path: str, report: dict) -> None:
 
 
 def _args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="20 prompts, 64-token forcing, batch 1/8 x 512/6144")
+    parser = bench_parser(__doc__, quick="20 prompts, 64-token forcing, batch 1/8 x 512/6144")
     parser.add_argument("--prompts", type=int, default=len(RAW) + len(CHAT))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--tf-tokens", type=int, default=200, help="continuation each prompt is forced through")
@@ -300,12 +302,10 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--parts", nargs="+", choices=["accuracy", "speed"], default=["accuracy", "speed"],
                         help="what to measure (capacity is always reported)")
-    parser.add_argument("--plot", default=None)
     parser.add_argument("--kv-dtypes", nargs="+", choices=list(ACCURACY_BACKENDS), default=["int8"],
                         help="quantized KV dtypes whose accuracy is measured (fp8_e4m3: through the torch backend)")
     args = parser.parse_args()
-    if args.quick:
-        args.prompts, args.tf_tokens, args.batches, args.contexts = 20, 64, [1, 8], [512, 6144]
+    apply_quick(parser, args, prompts=20, tf_tokens=64, batches=[1, 8], contexts=[512, 6144])
     args.prompts = min(args.prompts, len(RAW) + len(CHAT))
     if args.reps < 1:
         parser.error("--reps must be >= 1")

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 import httpx
 
 from bench import workloads
-from bench.bench_server import Record, _arrivals, _complete, _pct, served
+from bench.bench_server import Record, _arrivals, _complete, served
+from bench.cli import apply_quick, bench_parser, write_json
+from bench.harness import percentile
 
 TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
 
@@ -63,9 +65,9 @@ class RunResult:
         gaps = [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:])]
         e2e = [s.end - s.sent for s in ok]
         return {
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p95_s": _pct(ttft, 95),
-            "gap_p50_ms": _pct(gaps, 50) * 1000, "gap_p95_ms": _pct(gaps, 95) * 1000,
-            "e2e_p50_s": _pct(e2e, 50), "e2e_p95_s": _pct(e2e, 95),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+            "gap_p50_ms": percentile(gaps, 50) * 1000, "gap_p95_ms": percentile(gaps, 95) * 1000,
+            "e2e_p50_s": percentile(e2e, 50), "e2e_p95_s": percentile(e2e, 95),
             "output_tok_s": sum(s.completion_tokens for s in ok) / self.duration_s,
             "failed": float(len(self.streams) - len(ok)),
         }
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         _plot(args.plot, args, [label for label, _ in systems], results)
         print(f"\nplot written to {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"config": r.config, "workload": r.workload, **r.summary()} for r in results], f, indent=1)
+        write_json(args.json, [{"config": r.config, "workload": r.workload, **r.summary()} for r in results], args)
     return 0
 
 
@@ -212,8 +213,8 @@ def _report_anatomy(results: list[RunResult], traces: dict[str, list[dict]]) -> 
             continue
         print(f"  {r.workload} on {r.config}: {a['long']} of {a['gaps']} gaps over the target, {a['with_prompt']} of "
               f"them overlapping a step with prompt tokens; {a['steps']} steps: decodes only "
-              f"{_pct(a['plain_ms'], 50):.0f} / {_pct(a['plain_ms'], 95):.0f} ms ({len(a['plain_ms'])}), decodes + "
-              f"prompt {_pct(a['mixed_ms'], 50):.0f} / {_pct(a['mixed_ms'], 95):.0f} ms ({len(a['mixed_ms'])})")
+              f"{percentile(a['plain_ms'], 50):.0f} / {percentile(a['plain_ms'], 95):.0f} ms ({len(a['plain_ms'])}), decodes + "
+              f"prompt {percentile(a['mixed_ms'], 50):.0f} / {percentile(a['mixed_ms'], 95):.0f} ms ({len(a['mixed_ms'])})")
 
 
 def tail_anatomy(run: RunResult, steps: list[dict], limit_s: float) -> dict | None:
@@ -237,7 +238,7 @@ def tail_anatomy(run: RunResult, steps: list[dict], limit_s: float) -> dict | No
 
 
 def _median(values: list[float]) -> float:
-    return _pct(values, 50)
+    return percentile(values, 50)
 
 
 def _plot(path: str, args: argparse.Namespace, labels: list[str], results: list[RunResult]) -> None:
@@ -258,7 +259,15 @@ def _plot(path: str, args: argparse.Namespace, labels: list[str], results: list[
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, workloads=["no-sharing"], prompts=16, repeats=1)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = bench_parser(__doc__, quick="no-sharing only, 16 prompts, one run each",
+                     plot="write a PNG of the gap distributions here", json_help="write every run's summary here")
     p.add_argument("--configs", nargs="+", default=["--max-step-ms 0", "--max-step-ms 120"],
                    help="server flags of each configuration (the first is the baseline of the ratios)")
     p.add_argument("--server-args", default="", help="flags for every server")
@@ -267,18 +276,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=0.8)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="no-sharing only, 16 prompts, one run each")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--plot", help="write a PNG of the gap distributions")
-    p.add_argument("--json", help="write every run's summary here")
     p.add_argument("--trace", help="a directory for the servers' step traces: adds the gap tail's anatomy")
     p.add_argument("--llama-server", help="a llama.cpp `llama-server` binary: run it side by side too")
     p.add_argument("--llama-model", help="the GGUF file the llama.cpp server loads")
     p.add_argument("--llama-args", default="-np 8 -c 8192 -t 2", help="its flags (slots, context, threads)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.workloads, args.prompts, args.repeats = ["no-sharing"], 16, 1
-    return args
+    return p
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ a descheduled thread (--threads 1 avoids that, for all three alike).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench.cli import Figures, apply_quick, bench_parser, write_json
 from radixserve.kernels import native_ops
 
 
@@ -127,7 +127,8 @@ def measure(make_inputs: Callable, c_fn: Callable, eager_fn: Callable, repeats: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="rows 1 and 32, best of 5", json_help="also write the figures here (JSON)",
+                          plot="write a bar chart of each op's C / eager / compiled ms here (PNG)")
     parser.add_argument("--rows", default="1,8,32,512", help="token rows per call (decode sizes, a prefill size)")
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--heads", type=int, default=9)
@@ -136,8 +137,8 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch (and so OpenMP) threads; default: torch's own")
-    parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
+    apply_quick(parser, args, rows="1,32", repeats=5)
     if args.threads:
         torch.set_num_threads(args.threads)
     if native_ops._load("rms_norm_f32") is None:
@@ -170,8 +171,18 @@ def main() -> None:
     wins = sum(1 for r in results if r["c_ms"] <= min(r["eager_ms"], r.get("compiled_ms", float("inf"))))
     print(f"C fastest in {wins} of {len(results)} cases (ratios > 1: the C kernel is faster)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results, args)
+    if args.plot:
+        _plot(args.plot, results)
+
+
+def _plot(path: str, results: list[dict]) -> None:
+    figures = Figures()
+    for row in results:
+        for series, key in (("C", "c_ms"), ("eager", "eager_ms"), ("compiled", "compiled_ms")):
+            if row.get(key) is not None:
+                figures.add(f"{row['op']} x{row['rows']}", series, row[key])
+    figures.finish(argparse.Namespace(json=None, plot=path), "layer ops, float32 on CPU", "ms")
 
 
 if __name__ == "__main__":

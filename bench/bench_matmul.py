@@ -20,9 +20,7 @@ Every system's output is checked against MKL's first. Run it alone (see bench_la
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.cli import apply_quick, bench_parser, write_json
+from bench.report import plot_bars
 from radixserve.kernels.native_build import CSRC, SIGNATURES, build_native
 from radixserve.kernels.native_ops import max_rows
 from radixserve.kernels.onednn_linear import available as onednn_available, onednn_linear
@@ -83,12 +83,13 @@ def _timed(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="rows 1 and 8, 3 passes", json_help="write the medians here (JSON)",
+                     plot="write a bar chart of the medians here (PNG)")
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--against", type=Path, help="another skinny_linear.c to compare (built with the same flags)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--json", help="write the medians here")
     args = p.parse_args(argv)
+    apply_quick(p, args, rows="1,8", repeats=3)
     torch.manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(n, k) for n, k in shapes]
@@ -120,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         results[rows] = med
     if args.json:
-        Path(args.json).write_text(json.dumps({"floor_ms": floor_ms, "ms": results}, indent=1))
+        write_json(args.json, {"floor_ms": floor_ms, "ms": results}, args)
+    if args.plot:
+        series = {name: [results[r].get(name, 0.0) for r in results] for name in systems}
+        plot_bars(args.plot, f"one pass of the model's matmuls (floor {floor_ms:.1f} ms)", [f"{r} rows" for r in results],
+                  series, "ms")
     return 0
 
 

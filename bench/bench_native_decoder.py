@@ -16,10 +16,10 @@ whether the greedy tokens of the two engines agree. Run it alone: two cores, one
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.harness import progress
 from bench.report import plot_bars
 from radixserve import Engine, SamplingParams
@@ -77,15 +77,16 @@ def mixed_steps(chunk: int, prompt_len: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="batches 1 and 8, 10 steps, 40-token chunks, one prompt",
+                     plot="write a bar chart of ms per step here (PNG)")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--chunks", type=int, nargs="*", default=[16, 40, 100])
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2, help="prompts per chunk size in the mixed runs")
-    p.add_argument("--plot", help="write a bar chart of ms per step here")
     args = p.parse_args(argv)
+    apply_quick(p, args, batches=[1, 8], steps=10, chunks=[40], repeats=1)
     print("native decoder vs layer-by-layer path, default model, two engines stepping in turns")
     groups, series, rows = [], {name: [] for name in NAMES}, []
     bar = progress(len(args.batches) + len(args.chunks), "configurations")
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         record(f"8 + {chunk}", f"mixed   8 decodes + {chunk:3d}-token chunks of a {args.prompt}-token prompt", ms)
     bar.close()
     print("\n".join(rows))
+    if args.json:
+        write_json(args.json, {"groups": groups, "ms_per_step": series}, args)
     if args.plot:
         plot_bars(args.plot, "ms per step: native decoder vs layer path", groups, series, "ms per step")
     return 0

@@ -15,14 +15,13 @@ model, not detokenizing).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.report import plot_bars
 from radixserve import outputs as engine_outputs
 from radixserve.core.request import Request
@@ -155,22 +154,18 @@ def measure(lengths: list[int], repeats: int) -> dict[str, dict[int, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="two runs per point",
+                          plot="write a bar chart (us per token by API and length) here (PNG)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[500, 1000, 2000], help="tokens per stream")
     parser.add_argument("--repeats", type=int, default=5, help="runs per point; the best is kept")
-    parser.add_argument("--quick", action="store_true", help="two runs per point")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--plot", default=None, help="write a bar chart (us per token by API and length) here")
     args = parser.parse_args(argv)
-    repeats = 2 if args.quick else args.repeats
-    results = measure(args.lengths, repeats)
+    apply_quick(parser, args, repeats=2)
+    results = measure(args.lengths, args.repeats)
+    _print_table(results, args.lengths, args.repeats)
     if args.json:
-        json.dump({"unit": "us_per_token", "lengths": args.lengths, "repeats": repeats,
-                   "results": {api: {str(k): round(v, 2) for k, v in r.items()} for api, r in results.items()}},
-                  sys.stdout)
-        print()
-    else:
-        _print_table(results, args.lengths, repeats)
+        write_json(args.json, {"unit": "us_per_token", "lengths": args.lengths, "repeats": args.repeats,
+                               "results": {api: {str(k): round(v, 2) for k, v in r.items()}
+                                           for api, r in results.items()}}, args)
     if args.plot:
         plot_bars(args.plot, "output path: microseconds per token", [f"{n} tokens" for n in args.lengths],
                   {api: [r[n] for n in args.lengths] for api, r in results.items()}, "us per token")

@@ -39,6 +39,7 @@ import argparse
 import random
 import time
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.harness import progress
 from bench.report import plot_bars
 from radixserve import Engine, SamplingParams
@@ -55,7 +56,8 @@ PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="the two shortest lengths, one repeat, no extend",
+                     plot="write a bar chart of ms per prompt token here (PNG)")
     p.add_argument("--compare", choices=sorted(OPTIONS), default="attention")
     p.add_argument("--lengths", type=int, nargs="*", help="prompt lengths (default: 512-8191, or 128-1024)")
     p.add_argument("--repeats", type=int, default=2)
@@ -64,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extend-prefix", type=int, default=7920, help="tokens of the cached prefix (whole blocks)")
     p.add_argument("--threads", type=int, help="torch CPU threads of each engine (default: torch's)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cpu: the process's CPU time")
-    p.add_argument("--plot", help="write a bar chart of ms per prompt token here")
     p.add_argument("--accuracy", action="store_true", help="the two engines' agreement on real text (see above)")
     args = p.parse_args(argv)
+    apply_quick(p, args, lengths=LENGTHS[args.compare][:2], repeats=1, extend=0)
     lengths = args.lengths or LENGTHS[args.compare]
     extend = args.extend if args.compare != "matmul" and args.repeats > 0 else 0
     timed = lengths if args.repeats > 0 else []  # --repeats 0: --accuracy alone
@@ -87,12 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill, default model, one prompt at a time: {' vs '.join(names)}, two engines in turns; "
           f"{args.clock} clock, {args.threads or 'default'} threads")
     bar = progress(len(timed) * args.repeats + (args.repeats + 1) * bool(extend), "prompts")
-    groups, series, first_cost = [], {name: [] for name in names}, {}
+    groups, series, first_cost, rows = [], {name: [] for name in names}, {}, []
     for length in timed:
         best, same = _best_of(engines, lambda: [rng.randrange(100, 40000) for _ in range(length)], args.repeats, bar,
                               clock)
         first_cost = first_cost or {name: best[name] / length for name in names}
         print(_row(f"{length:5d} tokens", best, length, names, same, first_cost), flush=True)
+        rows.append({"tokens": length, "seconds": best, "same_first_token": same})
         groups.append(str(length))
         for name in names:
             series[name].append(best[name] * 1000 / length)
@@ -104,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         best, same = _best_of(engines, lambda: prefix + [rng.randrange(100, 40000) for _ in range(extend)],
                               args.repeats, bar, clock)
         print(_row(f"{extend} new over {args.extend_prefix} cached", best, extend, names, same, None), flush=True)
+        rows.append({"tokens": extend, "cached_prefix": args.extend_prefix, "seconds": best, "same_first_token": same})
     bar.close()
     if args.accuracy:
         _accuracy(engines, lengths)
+    if args.json:
+        write_json(args.json, rows, args)
     if args.plot and timed:
         plot_bars(args.plot, f"prefill ms per prompt token: {' vs '.join(names)}", groups, series, "ms per token")
     return 0

@@ -15,10 +15,9 @@ first (lazy loading, first allocations).
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 
+from bench.cli import apply_quick, bench_parser, write_json
 from bench.harness import ideal_cached_tokens, run_hf_static, run_radixserve
 from bench.report import plot_bars, print_header, print_table, ratio_line
 from bench.workloads import WORKLOADS
@@ -28,7 +27,7 @@ TARGETS = {"shared-prefix": (3.0, 5.0), "few-shot": (3.0, 5.0)}  # x cache-off, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="a quarter of the sessions (--scale 0.25), transformers and dfs left out")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of sessions (smoke: 0.25)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
@@ -38,9 +37,8 @@ def main() -> None:
                         help="run each radixserve configuration this many times (interleaved) and keep the best")
     parser.add_argument("--hf-repeats", type=int, default=1,
                         help="run transformers this many times per workload and keep the best")
-    parser.add_argument("--plot", default=None)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    apply_quick(parser, args, scale=0.25, skip_hf=True, skip_dfs=True)
 
     from radixserve import Engine
 
@@ -97,8 +95,7 @@ def main() -> None:
         series = {s: [_gen_rate(summary[n], s) for n in summary] for s in systems}
         plot_bars(args.plot, "generated tokens/s by workload", list(summary), series, "generated tokens / s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json(args.json, summary, args)
 
 
 def _scaled(name: str, scale: float):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shlex
@@ -34,6 +33,10 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
+
+from bench.cli import apply_quick, bench_parser, write_json
+from bench.harness import percentile
+from bench.sse import StreamRefused, astream_json
 
 # Common words that are one token each (with their leading space) in most BPE vocabularies.
 WORDS = (
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     with _server(args) as url:
         phases = asyncio.run(_run_all(url, args))
     _print_report(args, url, phases)
+    if args.json:
+        write_json(args.json, phases, args)
     if args.plot:
         _plot(args.plot, phases)
         print(f"\nplot written to {args.plot}")
@@ -190,26 +195,22 @@ async def _complete(client: httpx.AsyncClient, model: str, prompt: str | list[in
     """One streaming greedy completion (EOS ignored) to `url` (default: the client's base URL)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True},
     }
     record = Record(label, time.monotonic())
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"{response.status_code}: {(await response.aread())[:200]!r}"
-                return record
-            async for line in response.aiter_lines():
-                _on_event(record, line)
+        async for chunk in astream_json(client, url + "/v1/completions", body):
+            _on_event(record, chunk)
+    except StreamRefused as exc:
+        record.error = str(exc)
+        return record
     except httpx.HTTPError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.end = time.monotonic()
     return record
 
 
-def _on_event(record: Record, line: str) -> None:
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return
-    chunk = json.loads(line[len("data: "):])
+def _on_event(record: Record, chunk: dict) -> None:
     if "error" in chunk:
         record.error = chunk["error"]["message"]
         return
@@ -349,15 +350,15 @@ def _print_phase(phase: Phase) -> None:
           f"{len(ok) / phase.duration_s:.2f} req/s, {out_tokens / phase.duration_s:.1f} output tok/s, "
           f"{(prompt_tokens + out_tokens) / phase.duration_s:.1f} total tok/s")
     print(f"   prompt tokens {prompt_tokens}, mean {prompt_tokens / max(1, len(ok)):.0f} per request")
-    print(f"   TTFT p50 {_pct([r.ttft for r in ok], 50):.3f} s, p99 {_pct([r.ttft for r in ok], 99):.3f} s;  "
-          f"TPOT p50 {_pct([r.tpot for r in ok], 50) * 1000:.1f} ms, p99 {_pct([r.tpot for r in ok], 99) * 1000:.1f} ms")
+    print(f"   TTFT p50 {percentile([r.ttft for r in ok], 50):.3f} s, p99 {percentile([r.ttft for r in ok], 99):.3f} s;  "
+          f"TPOT p50 {percentile([r.tpot for r in ok], 50) * 1000:.1f} ms, p99 {percentile([r.tpot for r in ok], 99) * 1000:.1f} ms")
     metric_rate = phase.metrics_cached / phase.metrics_prompt if phase.metrics_prompt else 0.0
     print(f"   cache hit rate {cached / max(1, prompt_tokens):.1%} of prompt tokens (usage), "
           f"{metric_rate:.1%} (/metrics)")
     hits, misses = [r for r in ok if r.hit], [r for r in ok if not r.hit]
     if hits and misses:
-        print(f"   TTFT p50 of {len(hits)} requests with most of the prompt cached {_pct([r.ttft for r in hits], 50):.3f} s"
-              f" vs {len(misses)} without {_pct([r.ttft for r in misses], 50):.3f} s")
+        print(f"   TTFT p50 of {len(hits)} requests with most of the prompt cached {percentile([r.ttft for r in hits], 50):.3f} s"
+              f" vs {len(misses)} without {percentile([r.ttft for r in misses], 50):.3f} s")
     for r in phase.records:
         if r.error is not None:
             print(f"   failed ({r.label}): {r.error}")
@@ -368,7 +369,7 @@ def _print_probe(phase: Phase) -> None:
     hit = [r for r in phase.records if r.label == "hit" and r.error is None]
     if not miss or not hit:
         return
-    miss_ttft, hit_ttft = _pct([r.ttft for r in miss], 50), _pct([r.ttft for r in hit], 50)
+    miss_ttft, hit_ttft = percentile([r.ttft for r in miss], 50), percentile([r.ttft for r in hit], 50)
     ratio = hit_ttft / miss_ttft
     print("\n== cached prefix vs miss, same run, idle server")
     print(f"   prompts: miss {_mean([r.prompt_tokens for r in miss]):.0f} tokens "
@@ -376,16 +377,6 @@ def _print_probe(phase: Phase) -> None:
           f"tokens ({_mean([r.cached_tokens for r in hit]):.0f} cached)")
     print(f"   TTFT p50: miss {miss_ttft:.3f} s, hit {hit_ttft:.3f} s -> hit/miss = {ratio:.1%} "
           f"(target < 20%: {'met' if ratio < 0.2 else 'NOT met'})")
-
-
-def _pct(values: list[float | None], q: float) -> float:
-    data = sorted(v for v in values if v is not None)
-    if not data:
-        return float("nan")
-    rank = (len(data) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(data) - 1)
-    return data[low] + (data[high] - data[low]) * (rank - low)
 
 
 def _mean(values: list[float]) -> float:
@@ -412,7 +403,16 @@ def _plot(path: str, phases: list[Phase]) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, groups=2, prompts_per_group=3, agents=2, steps=2, probe_pairs=2)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = bench_parser(__doc__, quick="2 groups of 3 prompts, 2 agents x 2 steps, 2 probe pairs",
+                     plot="write a TTFT plot (hit vs miss per phase) here (PNG)",
+                     json_help="write every phase and request here (JSON)")
     p.add_argument("--url", help="a running server; without it one is started")
     p.add_argument("--model", help="model for the started server (default: the default model)")
     p.add_argument("--server-args", default="", help="extra flags for the started server")
@@ -433,8 +433,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-prefix-tokens", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--plot", help="write a TTFT plot (hit vs miss per phase) to this PNG")
-    return p.parse_args(argv)
+    return p
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ SmolLM2-135M's heads (9 query, 3 KV, head_dim 64) and Gemma 3 270M's (4 query, 1
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
 
 import torch
 
+from bench.cli import Figures, apply_quick, bench_parser
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.kernels.native_attention import load_native_attention
@@ -60,13 +60,15 @@ def _request(context: int, heads: int, kv_heads: int, head_dim: int, int8: bool)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="20 repeats")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch (and the kernels') threads")
     args = parser.parse_args()
+    apply_quick(parser, args, repeats=20)
     torch.set_num_threads(args.threads)
+    figures = Figures()
     kernels = load_native_attention()
     print(f"decode attention, 1 request, context {args.context}, window {args.window} vs 0, block size {BLOCK_SIZE}, "
           f"{args.threads} thread(s), median of {args.repeats}; ms")
@@ -88,6 +90,9 @@ def main() -> None:
                          for w in (0, args.window)}
             full, windowed = (_median_ms(timed[w], args.repeats) for w in (0, args.window))
             print(f"{name:<14} {path:<22} {full:8.3f} {windowed:8.3f} {windowed / full:7.3f}")
+            figures.add(f"{name}, {path}", "full", full)
+            figures.add(f"{name}, {path}", f"window {args.window}", windowed)
+    figures.finish(args, f"decode attention ms, context {args.context}", "ms")
 
 
 if __name__ == "__main__":

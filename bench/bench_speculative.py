@@ -22,13 +22,13 @@ speedup, the acceptance rate, and whether greedy outputs are equal token for tok
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 
+from bench.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 NAMES = ["Ada", "Grace", "Linus", "Barbara", "Ken", "Margaret", "Dennis", "Frances"]
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speculative decoding (prompt lookup, up to k={k} tokens) on {args.tasks} copy-the-context agent "
           f"tasks ({args.workload}: {WORKLOAD_NOTES[args.workload]}), greedy, max_tokens {args.max_tokens}, "
           f"model {engines['off'].model_name}")
-    results = {}
+    results, figures = {}, Figures()
     for batch in args.batches:
         speedups, spec = [], engines["prompt-lookup"]
         for repeat in range(args.repeats):
@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             steps = after["steps"] - before["steps"]
             speedups.append(on.rate / off.rate)
+            figures.add(f"batch {batch}, run {repeat + 1}", "off", off.rate, wall_s=off.wall)
+            figures.add(f"batch {batch}, run {repeat + 1}", "prompt-lookup", on.rate, wall_s=on.wall,
+                        accepted=accepted, drafted=drafted, steps=steps)
             results[batch] = on
             equal = sum(a.token_ids == b.token_ids for a, b in zip(off.outputs, on.outputs))
             tokens = sum(len(o.token_ids) for o in off.outputs)
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         speedups.sort()
         print(f"-- batch {batch}: speedup median {speedups[len(speedups) // 2]:.2f}x [{speedups[0]:.2f}-{speedups[-1]:.2f}] "
               f"over {args.repeats} run(s)" + ("  (target >= 1.8x at batch 1)" if batch == 1 else ""))
+    figures.finish(args, "decode tokens/s, prompt lookup off / on", "decode tokens / s")
     if args.show:
         for o in results[args.batches[0]].outputs[:2]:
             print("\n---\n" + o.text)
@@ -188,7 +192,7 @@ WORKLOAD_NOTES = {"edits": "files shown fenced and asked back with one change",
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="5 tasks, batch 1 only")
     p.add_argument("--model", default=None)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="edits")
     p.add_argument("--tasks", type=int, default=10)
@@ -198,11 +202,9 @@ def _parse_args(argv):
     p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each batch size (the speedup's spread)")
-    p.add_argument("--quick", action="store_true", help="5 tasks, batch 1 only")
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)
-    if args.quick:
-        args.tasks, args.batches = 5, [1]
+    apply_quick(p, args, tasks=5, batches=[1])
     return args
 
 

@@ -7,17 +7,17 @@ cost model, for each --max-step-ms given.
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
 import sys
 import time
 
 from bench import workloads
+from bench.cli import Figures, apply_quick, bench_parser
+from bench.harness import percentile
 from radixserve import Engine, SamplingParams
 
 
-def run(max_step_ms: int, prompts: int, rate: float) -> None:
+def run(max_step_ms: int, prompts: int, rate: float) -> dict[str, float]:
     engine = Engine(max_step_ms=max_step_ms)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     w = workloads.no_sharing(num_prompts=prompts)
@@ -38,22 +38,29 @@ def run(max_step_ms: int, prompts: int, rate: float) -> None:
         t0 = time.perf_counter()
         engine.step()
         steps.append(((time.perf_counter() - t0) * 1000, engine.last_step_tokens))
-    with_decodes = sorted(ms for ms, (decode_tokens, _) in steps if decode_tokens)
-    gaps = sorted(ms for ms, (decode_tokens, _) in steps for _ in range(decode_tokens))  # one per decoded token
+    with_decodes = [ms for ms, (decode_tokens, _) in steps if decode_tokens]
+    gaps = [ms for ms, (decode_tokens, _) in steps for _ in range(decode_tokens)]  # one per decoded token
+    figures = {"decode step p50 ms": percentile(with_decodes, 50), "decode step p95 ms": percentile(with_decodes, 95),
+               "decode step max ms": max(with_decodes), "per decoded token p95 ms": percentile(gaps, 95)}
     print(f"max_step_ms {max_step_ms}: {len(steps)} steps in {time.monotonic() - start:.1f} s; steps with decodes "
-          f"p50 {statistics.median(with_decodes):.0f} / p95 {with_decodes[int(0.95 * len(with_decodes))]:.0f} / "
-          f"max {with_decodes[-1]:.0f} ms; per decoded token p95 {gaps[int(0.95 * len(gaps))]:.0f} ms; "
-          f"fitted a, b, c = {', '.join(f'{c:.2f}' for c in engine.step_cost.coefficients)}")
+          f"p50 {figures['decode step p50 ms']:.0f} / p95 {figures['decode step p95 ms']:.0f} / "
+          f"max {figures['decode step max ms']:.0f} ms; per decoded token p95 {figures['per decoded token p95 ms']:.0f} "
+          f"ms; fitted a, b, c = {', '.join(f'{c:.2f}' for c in engine.step_cost.coefficients)}")
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="6 prompts")
     p.add_argument("--max-step-ms", type=int, nargs="+", default=[0, 120])
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--rate", type=float, default=0.8)
     args = p.parse_args(argv)
+    apply_quick(p, args, prompts=6)
+    figures = Figures()
     for ms in args.max_step_ms:
-        run(ms, args.prompts, args.rate)
+        for name, value in run(ms, args.prompts, args.rate).items():
+            figures.add(name, f"max_step_ms {ms}", value)
+    figures.finish(args, "step times by --max-step-ms", "ms")
     return 0
 
 

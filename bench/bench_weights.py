@@ -23,9 +23,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_kv_quant import BLOCK, _metadata, _prompts
+from bench.cli import apply_quick, bench_parser, write_json
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
@@ -57,7 +55,7 @@ def main() -> None:
     report["layout_7b"] = layout_7b()
     _print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, args)
     if args.plot:
         _plot(args.plot, report)
 
@@ -249,10 +247,9 @@ def _plot(path: str, report: dict) -> None:
 
 
 def _args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="2,000 positions, 128 forced tokens, 64 new tokens, one repetition")
     p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
     p.add_argument("--types", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="accuracy variants")
-    p.add_argument("--quick", action="store_true", help="fewer positions, tokens and repetitions")
     p.add_argument("--positions", type=int, default=10_000, help="teacher-forced positions per variant")
     p.add_argument("--prompts", type=int, default=52)
     p.add_argument("--tf-tokens", type=int, default=256, help="float32 greedy tokens after each prompt")
@@ -262,11 +259,8 @@ def _args():
     p.add_argument("--kv-memory-mb", type=int, default=256, help="the KV budget every server gets")
     p.add_argument("--llama-server", help="a llama.cpp llama-server binary: served side by side")
     p.add_argument("--llama-threads", type=int, default=2)
-    p.add_argument("--json")
-    p.add_argument("--plot")
     args = p.parse_args()
-    if args.quick:
-        args.positions, args.tf_tokens, args.new_tokens, args.reps = 2_000, 128, 64, 1
+    apply_quick(p, args, positions=2_000, tf_tokens=128, new_tokens=64, reps=1)
     return args
 
 

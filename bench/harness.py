@@ -8,7 +8,6 @@ the requested number of tokens and throughputs compare like for like.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,12 +40,16 @@ class RunResult:
         return percentile(self.ttft_s, q)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
+def percentile(values: list[float | None], q: float) -> float:
+    """The benches' one percentile: q in [0, 100], linear between the nearest ranks (numpy's
+    default); None values are left out; nan when nothing is left."""
+    data = sorted(v for v in values if v is not None)
+    if not data:
         return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[min(98, max(0, int(q) - 1))]
+    rank = (len(data) - 1) * min(max(q, 0.0), 100.0) / 100
+    low = int(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
 
 
 def progress(total: int, desc: str):

@@ -10,13 +10,13 @@ The floor is reading the weights once: their bytes over the measured copy bandwi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
+from bench.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 
@@ -75,12 +75,13 @@ def weights_floor_ms(engine: Engine) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__, quick="batches 1 and 8, 8 steps each")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--torch-profile", type=int, default=0, help="batch to run torch's profiler at")
     args = p.parse_args(argv)
+    apply_quick(p, args, batches=[1, 8], steps=8)
     engine = Engine()
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     floor, gbs = weights_floor_ms(engine)
@@ -88,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
           f"weights-read floor {floor:.1f} ms at {gbs:.1f} GB/s")
     keys = ["step", "schedule", "prepare", "model", "sample", "post"]
     print("batch " + " ".join(f"{k:>9}" for k in keys) + "   outside model")
+    figures = Figures()
     for batch in args.batches:
         r = profile(engine, batch, args.steps, args.prompt_len)
         outside = r["step"] - r["model"]
         print(f"{batch:5d} " + " ".join(f"{r.get(k, float('nan')):9.2f}" for k in keys) + f"   {outside:9.2f}")
+        for k in keys:
+            figures.add(f"batch {batch}", k, r.get(k, float("nan")))
+    figures.finish(args, f"decode step phases (median ms; weights-read floor {floor:.1f} ms)", "ms")
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
 

@@ -13,7 +13,7 @@ blocks == the pool), its RSS within `--rss-bound` of its value after the warm-up
 threads and file descriptors no more than a few above it, every accepted request answered
 or refused with a clear error (a JSON error body, never a dropped connection or a 500), and
 no answer to key B holding key A's secret word (nor A's to B). Prints the figures, writes
-them as JSON (--out) and can plot RSS over time (--plot).
+them as JSON (--json) and can plot RSS over time (--plot).
 
     .venv/bin/python -m bench.soak --minutes 10
 """
@@ -34,6 +34,7 @@ import httpx
 import openai
 
 from bench.bench_server import served
+from bench.cli import apply_quick, bench_parser, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"A": "soak-key-a", "B": "soak-key-b"}
@@ -357,21 +358,21 @@ def print_report(report: dict, problems: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="2 minutes", plot="write RSS over time as a PNG here",
+                          json_help="write the report as JSON here")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=6, help="client threads, half per key")
     parser.add_argument("--kv-blocks", type=int, default=384, help="a small pool, so eviction runs all the time")
     parser.add_argument("--rss-bound", type=float, default=0.15, help="allowed RSS growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="write the report as JSON here")
-    parser.add_argument("--plot", default=None, help="write RSS over time as a PNG here")
+    parser.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # --json's earlier name
     args = parser.parse_args(argv)
+    apply_quick(parser, args, minutes=2.0)
     report = run(args)
     problems = verdict(report)
     print_report(report, problems)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**report, "problems": problems}, f, indent=1)
+    if args.json:
+        write_json(args.json, {**report, "problems": problems})
     if args.plot:
         import matplotlib
 
