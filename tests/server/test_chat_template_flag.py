@@ -51,12 +51,18 @@ def test_tool_calls_through_the_flag_template(client):
     assert again.usage.prompt_tokens_details.cached_tokens >= out.usage.prompt_tokens - 16
 
 
-def test_a_request_template_is_refused_without_trust(client):
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-                                       extra_body={"chat_template": GEMMA})
-    assert refused.value.body["param"] == "chat_template"
-    assert "--trust-request-chat-template" in refused.value.body["message"]
+def test_a_request_template_is_refused_without_trust(client, server):
+    """Refused before anything renders it (a template is code the server would run): neither the
+    tool calling nor the reasoning keeps a parser for it."""
+    thinking = "{{ '<think>' }}{% for m in messages %}{{ m.content }}{% endfor %}{{ '</think>' }}"
+    for template in (GEMMA.replace("<bos>", ""), thinking):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                           extra_body={"chat_template": template})
+        assert refused.value.body["param"] == "chat_template"
+        assert "--trust-request-chat-template" in refused.value.body["message"]
+    state = server.app.state.server
+    assert not state.tools._derived and not state.reasoning._derived
 
 
 def test_anthropic_messages_render_through_the_flag_template(server, engine):

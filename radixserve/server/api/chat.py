@@ -43,8 +43,9 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     body = parse(ChatCompletionRequest, await read_hinted_json(request))
     replies = caller_replies(request, body.cache_salt)
+    calling = state.tools.for_template(body.chat_template)  # a request's own template: refused before anything renders it
     reasoning = await chat_reasoning(body, state.reasoning.for_template(body.chat_template))
-    job, tools = await chat_job(body, state.served, state.tools, replies)
+    job, tools = await chat_job(body, state.served, calling, replies)
     job = in_namespace(request, with_reasoning(job, reasoning))
     return await serve_job(request, job, ChatResponder(job, state.texts, tools, reasoning),
                            on_finish=replies.record if replies is not None else None)

@@ -51,7 +51,7 @@ class ToolCalling:
     def for_template(self, template: str | None, param: str = "chat_template") -> ToolCalling:
         """This server's tool calling under a request's own template (None: this one). The
         format follows the template when the parser is `auto`."""
-        if template is None:
+        if template is None or template == self.template:
             return self
         if not self.trust_request_templates:
             raise bad_request(f"'{param}' is refused: this server does not take chat templates from requests "
