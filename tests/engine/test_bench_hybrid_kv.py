@@ -1,0 +1,27 @@
+"""bench_hybrid_kv's memory part in its smallest form, on the tiny Gemma 3 (two window layers of
+6 tokens, one full layer): a conversation whose follow-ups hit the cache exactly as with every
+layer kept, and the bytes it accounts are the blocks held plus one window page per cached node end."""
+
+from __future__ import annotations
+
+from bench.bench_hybrid_kv import BLOCK_SIZE, Conversation, measure_memory
+
+
+def test_memory_part_on_tiny_gemma3(tiny_model_dir):
+    # node ends at 32, 64 and 96 tokens (each turn's computed tokens, cut to whole blocks)
+    conversation = Conversation(turns=3, system=40, step=24, answer=4)
+    report = measure_memory(conversation, 1 << 20, progress=False, model=str(tiny_model_dir("gemma3")))
+    hybrid, full = report["systems"]
+    assert report["follow_up_cached_equal"] and report["answers_equal"]
+    assert hybrid["turn_cached_tokens"] == [0, 32, 64]  # a hit up to the previous turn's last whole block
+    assert hybrid["cached_tokens"] == full["cached_tokens"] == 96
+    assert hybrid["blocks_held"] == full["blocks_held"] == 96 // BLOCK_SIZE
+    assert hybrid["cache_nodes"] == 3
+    # a window of 6 tokens before each node end lies in the block that ends there: one page each
+    assert hybrid["window_pages_attached"] == 3
+    layer_token = full["block_bytes"] // (3 * BLOCK_SIZE)  # the tiny model: 3 layers
+    assert hybrid["block_bytes"] == layer_token * BLOCK_SIZE
+    assert hybrid["window_page_bytes"] == 2 * hybrid["block_bytes"]
+    assert hybrid["bytes_per_cached_token"] == (6 * hybrid["block_bytes"] + 3 * hybrid["window_page_bytes"]) / 96
+    assert report["bytes_per_cached_token_ratio"] == (6 + 3 * 2) / (6 * 3)
+    assert report["tokens_fit_ratio"] > 1.5  # 1 + 2 * 0.25 layers a block against 3
