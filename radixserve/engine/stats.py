@@ -111,7 +111,8 @@ class EngineStats:
         """The flat dictionary of `Engine.stats()`, keys in their documented order."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer", "hints"):
+            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer", "hints") or (
+                    f.name.startswith("window_page")):
                 continue
             out[f.name] = getattr(self, f.name)
         if self.cache is not None:
@@ -130,5 +131,8 @@ class EngineStats:
             out.update(hint_ttl_held_blocks=h.ttl_held_blocks, hint_ttl_holds=h.ttl_holds,
                        speculative_prefills=h.speculative_prefills,
                        speculative_prefill_tokens=h.speculative_prefill_tokens)
+        if self.window_pages_total:  # a hybrid KV engine
+            out.update(window_pages_total=self.window_pages_total, window_pages_attached=self.window_pages_attached,
+                       window_pages_trimmed=self.window_pages_trimmed, window_page_bytes=self.window_page_bytes)
         out.update(schedule_s=self.schedule_s, model_s=self.model_s, postprocess_s=self.postprocess_s)
         return out
