@@ -550,7 +550,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"memory: {QUICK_CONVERSATION.describe()}; swarm: {QUICK_SWARM.describe()}")
-    parser.add_argument("--parts", default="memory,swarm")
+    parser.add_argument("--parts", default="memory,swarm", help="which parts, run in the order given")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="memory part: bytes for each engine (default 256 MiB, 64 MiB with --quick)")
     parser.add_argument("--systems", default="hybrid,off,llama,llama-swa-full",
@@ -570,21 +570,23 @@ def main() -> None:
     report: dict = {"model": MODEL, "quick": args.quick}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"bench_hybrid_kv ({started}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
-    if "memory" in parts:
-        conversation = QUICK_CONVERSATION if args.quick else FULL_CONVERSATION
-        memory = args.kv_cache_memory or ((64 if args.quick else 256) * MIB)
-        print(f"memory: {conversation.describe()}", flush=True)
-        report["memory"] = measure_memory(conversation, memory, not args.quiet)
-        print_memory(report["memory"])
-        _write_json(args.json, report)
-    if "swarm" in parts:
-        workload = QUICK_SWARM if args.quick else FULL_SWARM
-        for name in ("agents", "turns"):
-            if getattr(args, name) is not None:
-                setattr(workload, name, getattr(args, name))
-        print(f"\nswarm: {workload.describe()}", flush=True)
-        report["swarm"] = measure_swarm(workload, [s.strip() for s in args.systems.split(",") if s.strip()], args)
-        print_swarm(report["swarm"])
+    for part in parts:  # in the order given
+        if part == "memory":
+            conversation = QUICK_CONVERSATION if args.quick else FULL_CONVERSATION
+            memory = args.kv_cache_memory or ((64 if args.quick else 256) * MIB)
+            print(f"\nmemory: {conversation.describe()}", flush=True)
+            report["memory"] = measure_memory(conversation, memory, not args.quiet)
+            print_memory(report["memory"])
+        elif part == "swarm":
+            workload = QUICK_SWARM if args.quick else FULL_SWARM
+            for name in ("agents", "turns"):
+                if getattr(args, name) is not None:
+                    setattr(workload, name, getattr(args, name))
+            print(f"\nswarm: {workload.describe()}", flush=True)
+            report["swarm"] = measure_swarm(workload, [s.strip() for s in args.systems.split(",") if s.strip()], args)
+            print_swarm(report["swarm"])
+        else:
+            raise SystemExit(f"unknown part {part!r} (memory, swarm)")
         _write_json(args.json, report)
     if args.json:
         print(f"\njson: {args.json}")
