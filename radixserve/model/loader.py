@@ -254,8 +254,19 @@ def _describe_weights(net: CausalLM, storage: str, dtype: torch.dtype) -> str:
 
 
 def _load_hf_config(path: Path) -> Any:
+    """The model's config; a family radixserve does not run is refused from config.json's
+    own fields first (whether or not transformers knows it), naming what it runs."""
+    from types import SimpleNamespace
+
     from transformers import AutoConfig
 
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object")
+    family_for_config(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
     try:
         return AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as exc:

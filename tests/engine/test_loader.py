@@ -27,6 +27,19 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_model_type_transformers_does_not_know_is_refused_naming_what_runs(tmp_path):
+    import time
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "frobnicator", "architectures": ["FrobLM"]}))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="unsupported model type 'frobnicator'.*radixserve runs llama"):
+        load_model(str(tmp_path))
+    assert time.monotonic() - start < 1.0
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not a JSON object"):
+        load_model(str(tmp_path))
+
+
 def test_directory_without_weights(tmp_path, tiny_model_dir):
     config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))
