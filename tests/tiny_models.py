@@ -53,6 +53,25 @@ def tiny_config(kind: str, **overrides):
     return cls(**values)
 
 
+def build_tiny_gemma3_image_text(directory: Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration (a vision tower beside the text one), saved."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    text = tiny_config("gemma3", vocab_size=300)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=299, boi_token_index=297, eoi_token_index=298, tie_word_embeddings=False)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
 def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised model of `kind` as config.json + model.safetensors."""
     from transformers import AutoModelForCausalLM

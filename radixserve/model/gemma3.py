@@ -117,9 +117,22 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_local.build(max_positions, device)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """As transformers names them: every norm's weight w is held as 1 + w (float32)."""
+        """As transformers names them (an image-text checkpoint's text tower too, its vision
+        tower left out): every norm's weight w is held as 1 + w (float32)."""
+        text = {_text_tower_name(name): t for name, t in tensors.items() if not name.startswith(_VISION_PREFIXES)}
         super().load_hf_state_dict({name: t.float() + 1.0 if name.endswith("norm.weight") else t
-                                    for name, t in tensors.items()})
+                                    for name, t in text.items()})
+
+
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_tower_name(name: str) -> str:
+    """language_model.model.X / model.language_model.X (Gemma3ForConditionalGeneration) -> model.X."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name.removeprefix("language_model.")  # language_model.lm_head.weight
 
 
 def _refuse_unsupported(config) -> None:

@@ -28,8 +28,10 @@ FAMILIES = (
                 ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
                 ("llama", "mistral", "qwen2", "qwen3"), ("silu", "swish"),
                 "radixserve.model.llama", "LlamaForCausalLM"),
-    ModelFamily("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",),
-                ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM"),
+    # gemma3 / Gemma3ForConditionalGeneration: the text tower of the image-text model (its
+    # vision tower's weights are not loaded; images are not taken)
+    ModelFamily("gemma3", ("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM"),
 )
 
 

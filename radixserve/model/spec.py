@@ -46,6 +46,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelSpec":
         family = family_for_config(config)
+        config = _text_config(config)
         model_type = getattr(config, "model_type", None)
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -77,6 +78,16 @@ class ModelSpec:
             layer_windows=_layer_windows(config, model_type),
             attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         )
+
+
+def _text_config(config: Any) -> Any:
+    """An image-text model's text tower (Gemma 3's), or the config itself."""
+    text = getattr(config, "text_config", None)
+    if getattr(config, "model_type", None) == "gemma3" and text is not None:
+        if not hasattr(text, "tie_word_embeddings") or getattr(config, "tie_word_embeddings", None) is not None:
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        return text
+    return config
 
 
 def _layer_windows(config: Any, model_type: str | None) -> tuple[int, ...]:

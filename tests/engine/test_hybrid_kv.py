@@ -267,3 +267,22 @@ def _staggered(engine, prompts, rng_seed) -> tuple[list[list[int]], dict]:
 def test_a_window_as_long_as_the_context_keeps_every_layer(tiny_model_dir):
     engine = engine_for(tiny_model_dir("gemma3"), max_model_len=6)
     assert not engine.runner.pool.hybrid and engine.pool.window is None
+
+
+def test_the_text_tower_of_an_image_text_gemma3_equals_transformers(tmp_path):
+    """A Gemma3ForConditionalGeneration directory serves its text tower (the vision tower's
+    weights are left out): greedy text equals transformers' own image-text model on text."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tiny_models import build_tiny_gemma3_image_text
+
+    directory = build_tiny_gemma3_image_text(tmp_path)
+    engine = engine_for(directory)
+    assert engine.loaded.spec.family == "gemma3" and engine.runner.pool.hybrid
+    reference = Gemma3ForConditionalGeneration.from_pretrained(directory, dtype=torch.float32).eval()
+    for prompt in prompts_of([5, 23], seed=15, vocab=290):
+        out = run_checked(engine, [prompt], 8)[0]
+        ids = torch.tensor([prompt])
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                  do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == want
