@@ -23,7 +23,7 @@ def test_missing_and_malformed_models_give_one_clear_error(tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match="unsupported model type 'gpt2'.*llama.*gemma3 \\(model types gemma3_text\\)"):
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2'.*llama.*gemma3 \\(model types gemma3_text, gemma3\\)"):
         load_model(str(tmp_path))
 
 
