@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.bench_weights --parts speed --plot weights.png
     .venv/bin/python -m bench.bench_weights --llama-server PATH  # plus llama.cpp's server on the same GGUF
     .venv/bin/python -m bench.bench_weights --json out.json
+    .venv/bin/python -m bench.bench_weights --parts speed --model gemma3-270m --llama-server PATH
 
   accuracy  teacher-forced next-token distributions over real text (bench/kv_quant_prompts.py's
             prompts and their float32 greedy continuations, >= --positions positions), fed in
@@ -238,7 +239,7 @@ def _plot(path: str, report: dict) -> None:
     if "speed" in report:
         rows = report["speed"]["rows"]
         systems = list(rows[0]["rate"])
-        plot_bars(path, "tokens/s by workload (default model)", [r["workload"] for r in rows],
+        plot_bars(path, f"tokens/s by workload ({report['speed']['model']} model)", [r["workload"] for r in rows],
                   {s: [r["rate"][s] for r in rows] for s in systems}, "tokens/s")
     elif "accuracy" in report:
         rows = report["accuracy"]
@@ -249,6 +250,8 @@ def _plot(path: str, report: dict) -> None:
 def _args():
     p = bench_parser(__doc__, quick="2,000 positions, 128 forced tokens, 64 new tokens, one repetition")
     p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
+    p.add_argument("--model", default="default", choices=["default", "gemma3-270m"],
+                   help="the model the speed part serves (accuracy runs the default model)")
     p.add_argument("--types", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="accuracy variants")
     p.add_argument("--positions", type=int, default=10_000, help="teacher-forced positions per variant")
     p.add_argument("--prompts", type=int, default=52)

@@ -13,28 +13,51 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from bench.bench_server import _complete, served_process
 from radixserve.model.default_model import default_gguf_path
+from radixserve.model.packaged_models import packaged_gguf
 
 SLOTS = 8  # llama.cpp's parallel slots; each must hold the longest prompt
 SLOT_TOKENS = 2304
-KV_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # the default model's float32 K and V, all layers
 WORKLOADS = ("decode b1", "decode b8", "prompt 512", "prompt 2048")
 
 
+@dataclass(frozen=True)
+class SpeedModel:
+    """A model the speed part serves: its GGUF file, how it is named, its float32 KV bytes a token."""
+
+    gguf: Callable[[], Path]
+    quant: str
+    kv_bytes_per_token: int  # float32 K and V, all layers
+    serve_args: tuple[str, ...]
+
+
+MODELS = {
+    "default": SpeedModel(default_gguf_path, "Q4_1", 30 * 2 * 3 * 64 * 4, ()),
+    "gemma3-270m": SpeedModel(lambda: packaged_gguf("gemma3-270m"), "Q4_K_M", 18 * 2 * 1 * 256 * 4,
+                              ("--model", "gemma3-270m")),
+}
+
+
 def speed(args) -> dict:
+    model = MODELS[args.model]
     tokens = SLOTS * SLOT_TOKENS
-    kv_bytes = tokens * KV_BYTES_PER_TOKEN_F32
-    systems = [("radixserve Q4_1", _radixserve(["--kv-cache-memory", str(kv_bytes)])),
-               ("radixserve float32", _radixserve(["--kv-cache-memory", str(kv_bytes), "--weight-dtype", "float32"]))]
+    kv_bytes = tokens * model.kv_bytes_per_token
+    memory_args = ["--kv-cache-memory", str(kv_bytes), *model.serve_args]
+    base = f"radixserve {model.quant}"
+    systems = [(base, _radixserve(memory_args)),
+               ("radixserve float32", _radixserve([*memory_args, "--weight-dtype", "float32"]))]
     if args.llama_server:
-        systems.append(("llama.cpp Q4_1", [args.llama_server, "-m", str(default_gguf_path()), "--host", "127.0.0.1",
-                                           "-c", str(tokens), "-np", str(SLOTS), "-ctk", "f32", "-ctv", "f32",
-                                           "-t", str(args.llama_threads), "-tb", str(args.llama_threads),
-                                           "-cram", "0", "--alias", "m"]))
+        systems.append((f"llama.cpp {model.quant}", [
+            args.llama_server, "-m", str(model.gguf()), "--host", "127.0.0.1", "-c", str(tokens), "-np", str(SLOTS),
+            "-ctk", "f32", "-ctv", "f32", "-t", str(args.llama_threads), "-tb", str(args.llama_threads),
+            "-cram", "0", "--alias", "m"]))
     rates: dict[str, dict[str, float]] = {w: {} for w in WORKLOADS}
     memory: dict[str, dict[str, float]] = {}
     for label, command in systems:
@@ -44,7 +67,8 @@ def speed(args) -> dict:
                 rates[workload][label] = asyncio.run(_measure(url, workload, args))
                 print(f"  speed: {label} {workload}: {rates[workload][label]:.1f} tokens/s", flush=True)
             memory[label] = _memory(process.pid)
-    return {"kv_tokens": tokens, "kv_bytes": kv_bytes, "new_tokens": args.new_tokens, "reps": args.reps,
+    return {"model": args.model, "base": base, "kv_tokens": tokens, "kv_bytes": kv_bytes,
+            "new_tokens": args.new_tokens, "reps": args.reps,
             "rows": [{"workload": w, "rate": rates[w]} for w in WORKLOADS], "memory": memory}
 
 
@@ -117,7 +141,7 @@ def _memory(pid: int) -> dict[str, float]:
 def print_speed(report: dict, targets: dict) -> None:
     rows, memory = report["rows"], report["memory"]
     systems = list(rows[0]["rate"])
-    print(f"speed: default model, the same requests to each server in turn (median of {report['reps']} runs, "
+    print(f"speed: {report['model']} model, the same requests to each server in turn (median of {report['reps']} runs, "
           f"{report['new_tokens']} new tokens, EOS ignored), KV for {report['kv_tokens']} float32 tokens "
           f"({report['kv_bytes'] >> 20} MiB) each")
     print("  " + f"{'workload':<14}" + "".join(f"{s:>22}" for s in systems))
@@ -125,7 +149,7 @@ def print_speed(report: dict, targets: dict) -> None:
         print("  " + f"{r['workload']:<14}" + "".join(f"{r['rate'][s]:>16.1f} tok/s" for s in systems))
     print("  " + f"{'RSS MiB':<14}" + "".join(f"{memory[s]['rss_mib']:>22.0f}" for s in systems))
     print("  " + f"{'peak RSS MiB':<14}" + "".join(f"{memory[s]['peak_mib']:>22.0f}" for s in systems))
-    base = "radixserve Q4_1"
+    base = report["base"]
     for other in [s for s in systems if s != base]:
         ratios = ", ".join(f"{r['workload']} {r['rate'][base] / r['rate'][other]:.2f}x" for r in rows)
         mem = memory[base]["rss_mib"] / memory[other]["rss_mib"]
