@@ -66,7 +66,9 @@ def run_agent(url: str, question: str, max_steps: int, max_tokens: int) -> tuple
     def turn(tool_choice: dict):
         reply = client.messages.create(model=model, max_tokens=max_tokens, system=SYSTEM, tools=TOOLS,
                                        tool_choice=tool_choice, messages=messages, extra_body={"temperature": 0})
-        usage["prompt"] += reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+        # Anthropic's input_tokens excludes what the cache served and what this turn wrote to it
+        usage["prompt"] += (reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0)
+                            + (reply.usage.cache_creation_input_tokens or 0))
         usage["cached"] += reply.usage.cache_read_input_tokens or 0
         usage["steps"] += 1
         return reply

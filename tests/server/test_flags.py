@@ -46,7 +46,8 @@ NEEDS = {
     "--kv-events-hash": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
 }
 VALUES = {"--device": "cpu", "--speculative": "prompt-lookup", "--kv-events-endpoint": "tcp://127.0.0.1:5557",
-          "--kv-events-replay-endpoint": "tcp://127.0.0.1:5558"}
+          "--kv-events-replay-endpoint": "tcp://127.0.0.1:5558", "--window-pages-ratio": "0.5",
+          "--chat-template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
 REFUSED_ALONE = {
     "--kv-events-replay-endpoint": "set it too",
     "--kv-events-hash": "set it too",
