@@ -116,8 +116,9 @@ class Engine:
         # the KV pool's element: the model's dtype (auto), or quantized pages (int8, fp8_e4m3)
         self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
         self.hybrid = self._hybrid_kv()
-        num_blocks = cfg.num_kv_blocks or self._blocks_from_memory()
-        window = self._window_pages(num_blocks) if self.hybrid else None
+        num_blocks, num_pages = self._kv_sizes()
+        window = WindowPages(num_pages, num_blocks, max(self.loaded.spec.layer_windows),
+                             cfg.block_size) if self.hybrid else None
         self.pool = BlockPool(num_blocks, window)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         self.cache = self._build_cache() if cfg.enable_prefix_cache else None
@@ -583,24 +584,45 @@ class Engine:
     def _window_layers(self) -> int:
         return sum(1 for w in self.loaded.spec.layer_windows if w)
 
-    def _window_pages(self, num_blocks: int) -> WindowPages:
-        """Window pages for `num_blocks` blocks: window_pages_ratio of them, but never fewer
-        than one request's window plus its largest chunk."""
+    def _kv_sizes(self) -> tuple[int, int]:
+        """(blocks, window pages): num_kv_blocks or what kv_cache_memory holds; window pages
+        (hybrid KV) window_pages_ratio of the blocks, but never fewer than one request's window
+        plus its largest chunk, inside the same memory."""
         cfg, spec = self.config, self.loaded.spec
+        if not self.hybrid:
+            return cfg.num_kv_blocks or self._blocks_from_memory(), 0
         window = max(spec.layer_windows)
         least = -(-(window + min(cfg.chunked_prefill_size, cfg.max_num_batched_tokens)) // cfg.block_size) + 2
-        pages = min(num_blocks, max(least, int(num_blocks * cfg.window_pages_ratio)))
-        return WindowPages(pages, num_blocks, window, cfg.block_size)
+        if cfg.num_kv_blocks:
+            blocks = cfg.num_kv_blocks
+            return blocks, min(blocks, max(least, int(blocks * cfg.window_pages_ratio)))
+        layer = self._layer_block_bytes()
+        full, page = (spec.num_layers - self._window_layers()) * layer, self._window_layers() * layer
+        budget = self._kv_budget()
+        blocks = int(budget // (full + cfg.window_pages_ratio * page))
+        pages = int(blocks * cfg.window_pages_ratio)
+        if pages < least:  # the least pages first, blocks in what is left
+            pages = least
+            blocks = int((budget - least * page) // full) if full else int(least / cfg.window_pages_ratio)
+        if blocks < 1 or budget < least * page:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds less than one request's window "
+                             f"({least} window pages of {page} bytes)")
+        return blocks, min(blocks, pages)
 
     def _blocks_from_memory(self) -> int:
+        per_block = self._layer_block_bytes() * self.loaded.spec.num_layers
+        budget = self._kv_budget()
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
+        return blocks
+
+    def _layer_block_bytes(self) -> int:
         spec = self.loaded.spec
-        layers = spec.num_layers
-        if self.hybrid:  # a block's full layers, and its share of a window page
-            layers = spec.num_layers - self._window_layers() * (1 - self.config.window_pages_ratio)
-        per_block = KVPool.bytes_per_block(
-            1, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
-            self.config.kv_cache_dtype,
-        ) * layers
+        return KVPool.bytes_per_block(1, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
+                                      self.config.kv_cache_dtype)
+
+    def _kv_budget(self) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":
@@ -608,10 +630,7 @@ class Engine:
                 budget = int(free * _GPU_MEMORY_SHARE)
             else:
                 budget = min(_CPU_KV_BYTES_CAP, _available_memory() // 4)
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
-        return blocks
+        return budget
 
 
 def _prefill_done(request: Request) -> bool:

@@ -286,3 +286,14 @@ def test_the_text_tower_of_an_image_text_gemma3_equals_transformers(tmp_path):
         want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                   do_sample=False)[0, len(prompt):].tolist()
         assert out.token_ids == want
+
+
+def test_a_small_budget_holds_the_least_pages_inside_it(tiny_model_dir):
+    """The window pages one request needs come out of kv_cache_memory, never on top of it."""
+    memory = 64 * 1024
+    engine = engine_for(tiny_model_dir("gemma3"), num_kv_blocks=None, kv_cache_memory=memory)
+    pool = engine.runner.pool
+    used = pool.kv.numel() * pool.kv.element_size() + pool.window_kv.numel() * pool.window_kv.element_size()
+    assert used <= memory and engine.pool.window.num_pages == 20  # (6 + 64) / 4 + 2: the least
+    with pytest.raises(ValueError, match="less than one request's window"):
+        engine_for(tiny_model_dir("gemma3"), num_kv_blocks=None, kv_cache_memory=16 * 1024)
