@@ -235,6 +235,7 @@ class KVManager:
         self._use_window(request.block_table[request.window_first:], -1)
         request.window_first = 0
         if self.pool.window is not None and node is not None:
+            self._heal_cached_path(node, request.block_table)
             self._trim_cached_path(node)
         self.pool.free(reversed(request.block_table))
         request.block_table = []
@@ -253,16 +254,22 @@ class KVManager:
             first = min(window.first_needed(request.num_computed_tokens), len(request.block_table))
             if first <= request.window_first:
                 continue
-            ends = None  # where the request's cached path's nodes end, found when needed
+            ends = cached = None  # the request's cached path: its kept ends and blocks, found when needed
             for i in range(request.window_first, first):
                 b = request.block_table[i]
                 window.users[b] -= 1
                 if window.users[b] or not window.has_page(b):
                     continue
-                if self.pool.ref_counts[b] > 1:  # shared: trimmed unless a cached node's end needs it
-                    ends = _node_ends(request.cache_node) if ends is None else ends
-                    if i >= (ends[0] if ends else 0) // self.block_size or self._tail_needs(i, ends):
+                if ends is None:
+                    ends = _kept_ends(request.cache_node)
+                    cached = [c for n in reversed(_path(request.cache_node)) for c in n.blocks]
+                needed = self._tail_needs(i, ends)
+                if self.pool.ref_counts[b] > 1:  # shared: trimmed unless a kept node end needs it
+                    if i >= (ends[0] if ends else 0) // self.block_size or needed:
                         continue
+                elif needed and i < len(cached) and not window.has_page(cached[i]):
+                    window.move(b, cached[i])  # the cache's own block for these tokens was a tombstone
+                    continue
                 window.trim(b)
             request.window_first = first
 
@@ -277,18 +284,28 @@ class KVManager:
             for b in blocks:
                 window.users[b] += delta
 
+    def _heal_cached_path(self, node: RadixNode, table: list[int]) -> None:
+        """Where the cache kept its own block for tokens the request computed again (its match
+        stopped at a tombstone), the cached block takes the request's window page."""
+        window = self.pool.window
+        cached = [b for n in reversed(_path(node)) for b in n.blocks]
+        for mine, theirs in zip(table, cached):
+            if mine != theirs and window.has_page(mine) and not window.has_page(theirs) and window.users[mine] == 0:
+                window.move(mine, theirs)
+
     def _trim_cached_path(self, node: RadixNode) -> None:
-        """Drop the pages of the cached path's blocks that no node end needs (each node keeps
-        the blocks within a window of its own end: a deeper end needs no more than that of
-        its ancestors) and no running request reads."""
+        """Drop the pages of the cached path's blocks that no kept node end needs and no
+        running request reads. Kept ends: the path's own end, and the ends where it branches
+        (a later prompt that shares the prefix diverges there); an end a conversation went on
+        from (one child) keeps no window: the conversation matches its deeper end."""
         window, bs = self.pool.window, self.block_size
-        end = sum(len(n.tokens) for n in _path(node))
+        ends = _kept_ends(node)
+        index = ends[0] // bs if ends else 0
         for n in _path(node):
-            start = (end - len(n.tokens)) // bs  # the node's first block, counted from the root
-            for b in n.blocks[: max(0, window.first_needed(end) - start)]:
-                if window.users[b] == 0:
+            for b in reversed(n.blocks):
+                index -= 1
+                if window.users[b] == 0 and window.has_page(b) and not self._tail_needs(index, ends):
                     window.trim(b)
-            end -= len(n.tokens)
 
     def flush(self, namespace: str | None = None) -> int:
         """Drop every unlocked cache entry (only under salt `namespace` and its sub-salts,
@@ -341,11 +358,13 @@ def _path(node: RadixNode) -> list[RadixNode]:
     return path
 
 
-def _node_ends(node: RadixNode | None) -> list[int]:
-    """Token counts at which node and each of its ancestors end, deepest first."""
+def _kept_ends(node: RadixNode | None) -> list[int]:
+    """Token counts at which the path to `node` keeps a window, deepest first: its own end,
+    and each ancestor's that branches (two or more children)."""
     path = _path(node) if node is not None else []
     ends, end = [], sum(len(n.tokens) for n in path)
-    for n in path:
-        ends.append(end)
+    for depth, n in enumerate(path):
+        if depth == 0 or len(n.children) > 1:
+            ends.append(end)
         end -= len(n.tokens)
     return ends

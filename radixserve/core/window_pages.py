@@ -94,6 +94,12 @@ class WindowPages:
                 dropped += 1
         return dropped
 
+    def move(self, source: int, dest: int) -> None:
+        """Give `dest` (a block without a page) the page of `source`, a block holding the same
+        tokens' KV (a request's duplicate of a cached block): a tombstone healed."""
+        page = self.page_of[source]
+        self.page_of[source], self.page_of[dest], self.block_of[page] = NO_PAGE, page, dest
+
     def has_page(self, block: int) -> bool:
         return self.page_of[block] != NO_PAGE
 

@@ -130,9 +130,9 @@ def test_a_cached_node_keeps_only_the_window_before_its_end(tiny_model_dir):
     # two nodes: the prompt's 7 full blocks (inserted once computed) and the reply's block
     assert [len(node.parent.blocks), len(node.blocks)] == [7, 1]
     blocks = node.parent.blocks + node.blocks
-    # ends at 28 and 32: windows from 22 (block 5) and 26 (block 6)
-    assert [window.page_of[b] != NO_PAGE for b in blocks] == [False] * 5 + [True] * 3
-    assert window.num_attached == 3
+    # ends at 28 (the conversation went on from it: no window kept) and 32: window from 26 (block 6)
+    assert [window.page_of[b] != NO_PAGE for b in blocks] == [False] * 6 + [True] * 2
+    assert window.num_attached == 2
     engine.flush_cache()
     assert window.num_attached == 0
     engine.check_integrity()
@@ -297,3 +297,19 @@ def test_a_small_budget_holds_the_least_pages_inside_it(tiny_model_dir):
     assert used <= memory and engine.pool.window.num_pages == 20  # (6 + 64) / 4 + 2: the least
     with pytest.raises(ValueError, match="less than one request's window"):
         engine_for(tiny_model_dir("gemma3"), num_kv_blocks=None, kv_cache_memory=16 * 1024)
+
+
+def test_a_shared_prefix_becomes_a_branch_that_keeps_its_window(tiny_model_dir):
+    """A's prompt runs alone: its system prefix's end is no node end then, so its window is
+    dropped. B shares the prefix: its match stops there (a tombstone), it computes the prefix
+    again, and its own pages heal the cached blocks, now a branch end that keeps its window.
+    C, a third prompt sharing the prefix, hits all of it."""
+    directory = tiny_model_dir("gemma3")
+    engine = engine_for(directory)
+    system = prompts_of([24], seed=16)[0]  # six whole blocks
+    a, b, c = (system + p for p in prompts_of([9, 11, 7], seed=17))
+    assert run_checked(engine, [a], 4)[0].cached_tokens == 0
+    assert run_checked(engine, [b], 4)[0].cached_tokens == 0  # the window before 24 is gone
+    out = run_checked(engine, [c], 4)[0]
+    assert out.cached_tokens == 24
+    assert out.token_ids == hf_greedy(directory, c, 4)
