@@ -14,42 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.attention.backend import AttentionBackend, AttentionPlan, plan_for
+from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.kernels.key_basis import rotate_heads
 from radixserve.model.causal_lm import CausalLM
-from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from radixserve.model.llama import Attention
 from radixserve.model.spec import ModelSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-class Gemma3Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int):
-        super().__init__()
-        self.layer_index = layer_index
-        self.window = spec.layer_windows[layer_index]
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-
-    def forward(self, x, rope: Rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        if pool.rotate_keys:
-            q, k = rotate_heads(q), rotate_heads(k)
-        k_cache, v_cache = pool.layer(self.layer_index)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
-                              plan_for(plan, self.window), window=self.window)
-        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class Gemma3MLP(nn.Module):
@@ -69,7 +41,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         size, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(size, eps)
-        self.self_attn = Gemma3Attention(spec, layer_index)
+        self.self_attn = Attention(spec, layer_index)  # q/k norms: spec.qk_norm
         self.post_attention_layernorm = RMSNorm(size, eps)
         self.pre_feedforward_layernorm = RMSNorm(size, eps)
         self.mlp = Gemma3MLP(spec)
