@@ -3,16 +3,17 @@
 Every request goes to one replica through the deployment handle, whose request router picks
 the replica from the request's RoutingKey; the replica's own app answers it (see
 forwarding.py). Disaggregated, that is a decode replica (session, then prefix affinity), and the
-ingress also picks the prefill replica for the request's prompt (prefix affinity over its own
-trees for that role, prefill_picker.py), which the request carries to the decode replica. Cluster-wide endpoints are broadcast to every replica and merged: /health
+ingress also picks the prefill replica for the request's prompt (prefix affinity for that role,
+prefill_picker.py), which the request carries to the decode replica. Cluster-wide endpoints are broadcast to every replica and merged: /health
 (each replica's health), /metrics (every replica's series, labelled by replica),
 /flush_cache, /abort_request (a rid lives on one replica), /v1/sessions/{id}/close and the
 debug endpoints.
 
-With KV events on (--kv-events-endpoint and the affinity router, colocated), the ingress
-subscribes to every replica's event stream (kv_feed.py) and names each request's prompt
-blocks as the replicas do (request_blocks.py), so the router matches what the replicas
-really hold; the shadow trees stay the fallback (replicas not tracked, routes not named).
+With KV events on (--kv-events-endpoint and the affinity router), the ingress subscribes to
+every replica's event stream (kv_feed.py; disaggregated, those of both roles) and names each
+request's prompt blocks as the replicas do (request_blocks.py), so the router (and the
+prefill picker) match what the replicas really hold; the shadow trees stay the fallback
+(replicas not tracked yet, requests not named).
 
 A replica that dies while serving a request fails that request with a 503
 (code "replica_failed"; not retried: generation may already have streamed to the client);
@@ -92,10 +93,11 @@ class ClusterIngress:
         self.kv_feed: KVEventFeed | None = None
         self.request_blocks: RequestBlocks | None = None
         self._kv_synced = 0.0
+        self.kv_index: KVBlockIndex | None = None
         if options.kv_events is not None:
             self._start_kv_events(options.kv_events)
         if prefill is not None and options.prefill_affinity is not None:
-            self.prefill_picker = PrefillPicker(options.prefill_affinity)
+            self.prefill_picker = PrefillPicker(options.prefill_affinity, self.kv_index)
             register_picker(options.app_name, self.prefill_picker)  # before the handle's router starts
             _start_router(prefill)  # it tells the picker the live prefill replicas
 
@@ -132,15 +134,18 @@ class ClusterIngress:
         _start_router(self.replicas)
 
     async def _sync_kv_events(self) -> None:
-        """Every few seconds: the replicas' event endpoints, to subscribe to new ones."""
+        """Every few seconds: the replicas' event endpoints (of both roles, disaggregated), to
+        subscribe to new ones and drop gone ones."""
         if self.kv_feed is None or time.monotonic() - self._kv_synced < _KV_SYNC_S:
             return
         self._kv_synced = time.monotonic()
-        try:
-            answers = await self.replicas.broadcast("kv_events").results_async(
-                timeout_s=self.options.broadcast_timeout_s, return_exceptions=True)
-        except Exception:
-            return
+        answers: list[Any] = []
+        for handle in [self.replicas] + ([self.prefill] if self.prefill is not None else []):
+            try:
+                answers += await handle.broadcast("kv_events").results_async(
+                    timeout_s=self.options.broadcast_timeout_s, return_exceptions=True)
+            except Exception:
+                return  # a partial answer would drop the other role's subscriptions
         self.kv_feed.sync({a[0]: (a[1], a[2]) for a in answers if isinstance(a, tuple) and a[1]})
 
     def _tenant(self, request: Request) -> str | None:

@@ -8,6 +8,11 @@ router in the ingress process (routers.py feeds them in); until they have, no ch
 and the decode replica's handle router picks. The choice travels in the ForwardedRequest to the
 decode replica, whose PrefillJob names it (pd_jobs.py). Plain Python, no Ray; thread-safe (Ray
 runs routers on a loop of their own).
+
+With KV events on, the picker matches the request's block names (RoutingKey.blocks) against
+what each prefill replica's event stream says it holds (the ingress's KVBlockIndex, reason
+"kv_prefix"), as the decode choice does; the trees stay the fallback (a replica whose stream
+is not tracked yet, a request not named).
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import time
 from collections.abc import Iterable
 
 from radixserve.cluster.affinity import AffinityConfig, AffinityPolicy
+from radixserve.cluster.kv_index import KVBlockIndex
 from radixserve.cluster.routing_key import RoutingKey
 
 
 class PrefillPicker:
-    def __init__(self, config: AffinityConfig | None = None):
-        self.policy = AffinityPolicy(config)
+    def __init__(self, config: AffinityConfig | None = None, kv_index: KVBlockIndex | None = None):
+        self.policy = AffinityPolicy(config, kv_index=kv_index)
         self.reasons: dict[str, int] = {}  # choices by reason (metrics)
         self._lock = threading.Lock()
 
@@ -44,7 +50,7 @@ class PrefillPicker:
             if not live:
                 return None
             now = time.monotonic()
-            choice = self.policy.choose(live, routing.key, None, now)
+            choice = self.policy.choose(live, routing.key, None, now, routing.blocks)
             chosen = choice.ranking[0]
             self.policy.routed(chosen, routing.key, None, chosen, now)
             self.reasons[choice.reason] = self.reasons.get(choice.reason, 0) + 1

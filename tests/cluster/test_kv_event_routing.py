@@ -335,3 +335,158 @@ def test_a_hinted_body_is_keyed_as_the_same_body_without_hints():
     body = {"model": "m", "prompt": "the same prompt", "session_id": "s1"}
     hinted = {**body, "agent_hints": {"priority": 3}, "nvext": {"agent_hints": {"osl": 8}}}
     assert routing_key("/v1/completions", hinted) == routing_key("/v1/completions", body) is not None
+
+
+def test_the_prefill_picker_routes_on_the_prefill_replicas_events(tiny_model_dir):
+    """Disaggregated: the ingress's prefill choice follows what each prefill replica's stream
+    says it holds: a prompt computed on p2 goes to p2, though the picker's own tree puts it on
+    p1 (where it routed it unnamed); once p2 flushed, nothing matches anywhere (the tree would
+    still say p1)."""
+    from radixserve.cluster.affinity import AffinityConfig
+    from radixserve.cluster.prefill_picker import PrefillPicker
+    from radixserve.cluster.routing_key import RoutingKey
+
+    path = str(tiny_model_dir("llama"))
+    engines = {n: Engine(path, num_kv_blocks=16, kv_events_endpoint="tcp://127.0.0.1:*",
+                         kv_events_replay_endpoint="tcp://127.0.0.1:*") for n in ("p1", "p2")}
+    index = KVBlockIndex(BS)
+    subs = {n: KVEventSubscriber(index, n, e.kv_events.endpoint, e.kv_events.replay_endpoint)
+            for n, e in engines.items()}
+    picker = PrefillPicker(AffinityConfig(), index)
+    picker.set_replicas(["p1", "p2"])
+    prompt = [(5 * i) % 90 + 3 for i in range(80)]  # 5 blocks
+    key = RoutingKey(tuple(prompt), blocks=tuple(wire_hashes(prompt, BS)))
+
+    def sync():
+        for n, e in engines.items():
+            e.kv_events.flush()
+            subs[n].catch_up()
+            subs[n].poll(100)
+
+    try:
+        engines["p2"].generate([prompt], GREEDY)
+        sync()
+        assert picker.pick(RoutingKey(tuple(prompt))) == "p1"  # unnamed: the trees, empty yet
+        picker.done("p1")
+        assert picker.policy.trees["p1"].match_length(tuple(prompt)) == len(prompt)
+        assert picker.pick(key) == "p2"
+        picker.done("p2")
+        assert picker.reasons == {"new": 1, "kv_prefix": 1}
+        engines["p2"].flush_cache()
+        sync()
+        picker.pick(key)
+        assert picker.reasons == {"new": 2, "kv_prefix": 1}
+    finally:
+        for sub in subs.values():
+            sub.close()
+        for engine in engines.values():
+            engine.close()
+
+
+class _EngineHandle:
+    """A stand-in deployment handle over engines: `broadcast("kv_events")` reports each one's
+    endpoints (as RadixReplica.kv_events does); `forward` answers through a stub app."""
+
+    def __init__(self, engines: dict[str, Engine]):
+        self.engines = engines
+        self.requests: list = []
+
+    def options(self, **kwargs):
+        return self
+
+    @property
+    def forward(self):
+        return self
+
+    def remote(self, request):
+        from radixserve.cluster.forwarding import serve_forwarded
+
+        self.requests.append(request)
+        return _Stream(serve_forwarded(_stub_app(), request, next(iter(self.engines))))
+
+    def broadcast(self, method):
+        assert method == "kv_events"
+        engines = self.engines
+
+        class Answers:
+            async def results_async(self, timeout_s, return_exceptions):
+                return [(n, e.kv_events.endpoint, e.kv_events.replay_endpoint) for n, e in engines.items()]
+
+        return Answers()
+
+
+class _Stream:
+    def __init__(self, items):
+        self.items = items
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.items.__anext__()
+
+    def cancel(self):
+        pass
+
+
+def _stub_app():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def answer(request):
+        return JSONResponse({"ok": True})
+
+    return Starlette(routes=[Route(p, answer, methods=["POST"]) for p in ("/generate", "/v1/completions")])
+
+
+def _post(ingress, path: str, body: dict):
+    import asyncio
+
+    import httpx
+    from starlette.requests import Request
+
+    async def asgi(scope, receive, send):
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://cluster") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+def test_a_disaggregated_ingress_follows_both_roles_events_and_picks_prefill_on_them(tiny_model_dir):
+    """Prefill and decode replicas: the ingress subscribes to both deployments' streams, and its
+    prefill picker routes a request to the prefill replica that holds its prompt (kv_prefix)."""
+    from radixserve.cluster.affinity import AffinityConfig
+    from radixserve.cluster.ingress import ClusterIngress, IngressOptions, KVEventRouting
+
+    path = str(tiny_model_dir("llama"))
+    kwargs = dict(num_kv_blocks=16, kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    engines = {n: Engine(path, **kwargs) for n in ("d", "p1", "p2")}
+    decode, prefill = _EngineHandle({"d": engines["d"]}), _EngineHandle({n: engines[n] for n in ("p1", "p2")})
+    options = IngressOptions("kv-pd-app", 3, prefill_affinity=AffinityConfig(), kv_events=KVEventRouting(BS, model=path))
+    ingress = ClusterIngress(decode, options, prefill)
+    ingress.prefill_picker.set_replicas(["p1", "p2"])  # what the prefill router in the ingress tells it
+    prompt = [(3 * i) % 90 + 3 for i in range(48)]
+    try:
+        assert ingress.prefill_picker.policy.kv_index is ingress.kv_index
+        engines["p2"].generate([prompt], GREEDY)
+        engines["p2"].kv_events.flush()
+        assert _post(ingress, "/generate", {"input_ids": prompt}).status_code == 200  # subscribes to all three
+        deadline = time.monotonic() + 30
+        while not all(ingress.kv_index.tracks(n) for n in engines) or ingress.kv_index.match("p2", wire_hashes(prompt, BS)) != 3:
+            assert time.monotonic() < deadline, "the ingress did not follow both roles' streams"
+            time.sleep(0.05)
+        before = dict(ingress.prefill_picker.reasons)
+        assert _post(ingress, "/generate", {"input_ids": prompt + [5]}).status_code == 200
+        forwarded = decode.requests[-1]
+        assert forwarded.routing.blocks == tuple(wire_hashes(prompt + [5], BS))
+        assert forwarded.prefill_replica == "p2"
+        assert ingress.prefill_picker.reasons.get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1
+    finally:
+        ingress.kv_feed.close()
+        for e in engines.values():
+            e.close()
