@@ -33,10 +33,10 @@ from radixserve.server.request_group import GenerationInput, RequestGroup
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.sse import EventStream
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.tools import HERMES
-from radixserve.server.tools.definitions import FunctionDefinition, ToolDefinition, ToolSpec
-from radixserve.server.tools.parser import ToolCallParser
-from radixserve.server.tools.serving import ToolCalling, ToolOutput
+from radixserve.tools import HERMES
+from radixserve.tools.definitions import FunctionDefinition, ToolDefinition, ToolSpec
+from radixserve.tools.parser import ToolCallParser
+from radixserve.server.tool_calling import ToolCalling, ToolOutput
 
 try:  # each API's module in server/api/
     from radixserve.server.api.anthropic import AnthropicEventStream, MessagesResponder

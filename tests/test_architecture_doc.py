@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "radixserve"
 TOP = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-# a path into the package as the doc spells it: `engine/loop.py`, `server/tools/`, `radixserve/config.py`
+# a path into the package as the doc spells it: `engine/loop.py`, `tools/`, `radixserve/config.py`
 PATH = re.compile(rf"(?<![\w./-])(?:radixserve/)?((?:{'|'.join(TOP)})/(?:[\w]+/)*(?:[\w]+\.py)?)")
 
 

@@ -21,15 +21,16 @@ from radixserve.engine.protocol import EngineProtocol
 from radixserve.server.api import anthropic, chat, completions, native, responses, sessions, sglang
 from radixserve.server.api.serving import ServerState, server_state
 from radixserve.server.async_engine import AsyncEngine
-from radixserve.server.errors import APIError, error_response, server_error
+from radixserve.request_error import InvalidRequest
+from radixserve.server.errors import APIError, error_response, invalid_request, server_error
 from radixserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.server.middleware import ApiKeyAuth, StatusCounter, may_act_for_all
 from radixserve.server.openapi import openapi_schema
 from radixserve.server.options import ServerOptions
 from radixserve.server.protocol import ServedModel
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.reasoning.serving import Reasoning
-from radixserve.server.tools.serving import ToolCalling
+from radixserve.server.reasoning import Reasoning
+from radixserve.server.tool_calling import ToolCalling
 
 log = logging.getLogger("radixserve.server")
 
@@ -64,7 +65,8 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        exception_handlers={APIError: _api_error, InvalidRequest: _invalid_request, HTTPException: _http_error,
+                            Exception: _unexpected_error},
     )
     app.state.server = state
     return app
@@ -176,6 +178,11 @@ def _server_gauges(engine: AsyncEngine) -> dict[str, float]:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return error_response(request.url.path, exc)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, InvalidRequest)
+    return error_response(request.url.path, invalid_request(exc))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from radixserve.engine.loop import EngineBrokenError, EngineLoop, EngineStoppedError, Listener
 from radixserve.outputs import RequestOutput
 from radixserve.engine.inputs import PreparedRequest
-from radixserve.server.errors import APIError, bad_request, server_error, template_error, unavailable
+from radixserve.request_error import InvalidRequest
+from radixserve.server.errors import APIError, bad_request, invalid_request, server_error, template_error, unavailable
 from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
 from radixserve.server.speculative_prefill import warmup_input
 
@@ -329,6 +330,8 @@ def _template_args(prompt: ChatPrompt) -> dict[str, Any]:
 def _client_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InvalidRequest):
+        return invalid_request(exc)
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     if isinstance(exc, EngineBrokenError):

@@ -11,6 +11,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from radixserve.request_error import InvalidRequest
+
 
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
@@ -42,6 +44,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def invalid_request(exc: InvalidRequest) -> APIError:
+    """The 400 of a request the layers below refused, naming the field they named."""
+    return bad_request(exc.message, param=exc.param, code=exc.code)
 
 
 def server_error(message: str) -> APIError:

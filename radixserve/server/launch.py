@@ -11,8 +11,8 @@ from typing import Any
 
 from radixserve.server.options import ServerOptions
 from radixserve.server.chat_template import load_chat_template
-from radixserve.server.tools.formats import PARSER_CHOICES
-from radixserve.server.reasoning.registry import CHOICES as REASONING_CHOICES
+from radixserve.tools.formats import PARSER_CHOICES
+from radixserve.reasoning.registry import CHOICES as REASONING_CHOICES
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
 FINAL_WRITE_TIMEOUT_S = 5  # after the drain: time for responses to write their last event

@@ -32,11 +32,11 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        from radixserve.server.tools.formats import PARSER_CHOICES
+        from radixserve.tools.formats import PARSER_CHOICES
 
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, got {self.tool_call_parser!r}")
-        from radixserve.server.reasoning.registry import CHOICES as REASONING_CHOICES
+        from radixserve.reasoning.registry import CHOICES as REASONING_CHOICES
 
         if self.reasoning_parser not in REASONING_CHOICES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_CHOICES)}, got {self.reasoning_parser!r}")

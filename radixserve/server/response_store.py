@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from radixserve.server.tools.history import HistoryMessage
+from radixserve.tools.history import HistoryMessage
 
 MAX_ENTRIES = 1024
 TTL_S = 3600.0

@@ -8,8 +8,8 @@ from dataclasses import replace
 from radixserve.outputs import OutputDelta, RequestOutput
 from radixserve.server.output.events import CallArguments, CallEnd, CallStart, Finish, OutputEvents, TextDelta
 from radixserve.server.output.usage import Usage
-from radixserve.server.tools import HERMES
-from radixserve.server.tools.parser import ToolCallParser
+from radixserve.tools import HERMES
+from radixserve.tools.parser import ToolCallParser
 
 TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')

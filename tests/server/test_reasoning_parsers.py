@@ -11,11 +11,11 @@ import pytest
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest, parse
-from radixserve.server.reasoning.base import Span
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.registry import CHOICES, detect_parser, parser_named
-from radixserve.server.reasoning.serving import Reasoning
-from radixserve.server.reasoning.tokens import reasoning_tokens
+from radixserve.reasoning.base import Span
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.reasoning.registry import CHOICES, detect_parser, parser_named
+from radixserve.server.reasoning import Reasoning
+from radixserve.reasoning.tokens import reasoning_tokens
 
 HARMONY = ("<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>"
            "It is 4.<|return|>")
@@ -246,8 +246,8 @@ def test_a_call_written_inside_the_reasoning_is_reasoning_and_the_call_after_it_
 
     from radixserve.outputs import OutputDelta, RequestOutput
     from radixserve.server.output.events import CallArguments, CallStart, Finish, OutputEvents, ReasoningDelta, TextDelta
-    from radixserve.server.tools import HERMES
-    from radixserve.server.tools.parser import ToolCallParser
+    from radixserve.tools import HERMES
+    from radixserve.tools.parser import ToolCallParser
 
     thought = 'maybe <tool_call>\n{"name": "add", "arguments": {"a": 9}}\n</tool_call>'
     text = thought + '</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
@@ -278,7 +278,7 @@ def test_a_call_written_inside_the_reasoning_is_reasoning_and_the_call_after_it_
 
 def test_a_schema_xgrammar_refuses_is_a_400_after_reasoning_too():
     from radixserve.server.protocol.jobs import GenerationJob
-    from radixserve.server.reasoning.serving import with_reasoning
+    from radixserve.server.reasoning import with_reasoning
 
     job = GenerationJob("m", [[1]], [SamplingParams(json_schema={"type": "object", "minProperties": "x"})], 1, False, False)
     with pytest.raises(APIError) as caught:

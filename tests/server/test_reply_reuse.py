@@ -15,7 +15,7 @@ from radixserve.server import ServerOptions, create_app
 from radixserve.server.middleware import key_digest
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.testing import BackgroundServer
-from radixserve.server.tools.rendering import fallback_messages
+from radixserve.tools.rendering import fallback_messages
 from test_tools import ASK, TOOLS, chat
 
 pytestmark = pytest.mark.real_model

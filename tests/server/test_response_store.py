@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixserve.server.response_store import ResponseStore
-from radixserve.server.tools.history import HistoryCall, HistoryMessage
+from radixserve.tools.history import HistoryCall, HistoryMessage
 
 
 class Clock:

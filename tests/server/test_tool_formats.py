@@ -1,4 +1,4 @@
-"""The tool-call formats (server/tools/formats/), each without a server: a chat template per
+"""The tool-call formats (tools/formats/), each without a server: a chat template per
 family (tests/server/templates/) renders that family's documented prompt byte for byte;
 parsing streamed in token-sized pieces (markers split anywhere) equals parsing whole;
 rendering what was parsed gives back the generated text; the grammar of forced and auto
@@ -15,12 +15,12 @@ import jsonschema
 import pytest
 
 from radixserve.server.chat_template import load_chat_template
-from radixserve.server.tools import (
+from radixserve.tools import (
     ArgumentsDelta, CallStarted, ChatRenderer, ContentDelta, HistoryCall, HistoryMessage, NamedToolChoice,
     ParsedCall, ToolCallParser, ToolDefinition, parse_tool_calls, tool_call_structural_tag, tool_spec,
 )
-from radixserve.server.tools.formats import FORMATS, PARSER_CHOICES, detect_format, format_named
-from radixserve.server.tools.formats.mistral import MistralFormat
+from radixserve.tools.formats import FORMATS, PARSER_CHOICES, detect_format, format_named
+from radixserve.tools.formats.mistral import MistralFormat
 
 TEMPLATES = Path(__file__).parent / "templates"
 FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
@@ -443,7 +443,7 @@ def test_the_template_in_force_picks_format_and_rendering(tokenizer):
 
     from radixserve.server.errors import APIError
     from radixserve.server.request_group import ChatPrompt
-    from radixserve.server.tools.serving import ToolCalling
+    from radixserve.server.tool_calling import ToolCalling
 
     spec = tool_spec(tools(WEATHER), None, None)
     own = ToolCalling(tokenizer, "auto")
@@ -466,7 +466,7 @@ def test_the_template_in_force_picks_format_and_rendering(tokenizer):
 
 def test_a_copied_tokenizer_template_is_left_alone(tokenizer):
     """--chat-template never changes the tokenizer (the engine's template stays the model's)."""
-    from radixserve.server.tools.serving import ToolCalling
+    from radixserve.server.tool_calling import ToolCalling
 
     before = copy.copy(tokenizer.chat_template)
     ToolCalling(tokenizer, "auto", template("hermes")).renderer.render(conversation(), tools(WEATHER))
@@ -493,7 +493,7 @@ def test_long_arguments_stream_in_linear_time(fmt):
 def test_special_token_markers_stay_in_the_text(tokenizer):
     """Where a format's markers are special tokens of the model, decoding keeps them (else the
     parser would never see a call); where they are plain text nothing changes."""
-    from radixserve.server.tools.serving import ToolCalling
+    from radixserve.server.tool_calling import ToolCalling
 
     spec = tool_spec(tools(ADD), "required", None)
     assert "skip_special_tokens" not in ToolCalling(tokenizer, "mistral").constraint(spec)

@@ -10,15 +10,16 @@ import random
 
 import pytest
 
+from radixserve.request_error import InvalidRequest
 from radixserve.server.errors import APIError
 from radixserve.server.protocol.common import parse
-from radixserve.server.tools import (
+from radixserve.tools import (
     HERMES, LLAMA3, MAX_PARALLEL_CALLS, MAX_TOOLS, ArgumentsDelta, CallStarted, ChatRenderer, ContentDelta,
     HistoryCall, HistoryMessage, NamedToolChoice, ParsedCall, ToolCallParser, ToolDefinition, check_history,
     detect_format, parse_tool_calls, tool_call_structural_tag, tool_spec,
 )
-from radixserve.server.tools.definitions import ToolList
-from radixserve.server.tools.history import parsed_arguments
+from radixserve.tools.definitions import ToolList
+from radixserve.tools.history import parsed_arguments
 
 WEATHER = {
     "type": "function",
@@ -78,9 +79,9 @@ def test_tool_spec_modes():
 )
 def test_tool_spec_refuses_naming_the_field(raw_tools, choice, param):
     choice = named(choice.split(":")[1]) if isinstance(choice, str) and choice.startswith("named:") else choice
-    with pytest.raises(APIError) as err:
+    with pytest.raises(InvalidRequest) as err:
         tool_spec(tools(*raw_tools), choice, None)
-    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert err.value.param == param, err.value.message
 
 
 def test_too_many_tools_and_bad_names_are_400s():
@@ -110,7 +111,7 @@ def test_history_checks():
     ]
     assert set(check_history(good)) == {"call_1"}
     orphan = good[:2] + [HistoryMessage("tool", "3", tool_call_id="call_9", tool_call_id_param="messages[2].tool_call_id")]
-    with pytest.raises(APIError) as err:
+    with pytest.raises(InvalidRequest) as err:
         check_history(orphan)
     assert err.value.param == "messages[2].tool_call_id"
     cut = HistoryCall("call_1", "add", '{"a": 1,', "messages[1].tool_calls[0].function.arguments")
@@ -285,7 +286,7 @@ def test_a_native_template_that_refuses_the_messages_is_a_400_naming_them(tokeni
     client's error, not the server's: 400 on param messages."""
     import asyncio
 
-    from radixserve.server.tools.serving import ToolCalling
+    from radixserve.server.tool_calling import ToolCalling
 
     native = copy.copy(tokenizer)
     native.chat_template = ("{% for m in messages %}{% if m.tool_calls and m.tool_calls | length > 1 %}"

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from radixserve.server.tools import MAX_TOOLS
+from radixserve.tools import MAX_TOOLS
 
 pytestmark = pytest.mark.real_model
 

@@ -8,7 +8,7 @@ The answer, a "message" object or its stream of events: one MessageBuilder turns
 output events (server/output/events.py) into content blocks (thinking, text, tool_use) for
 both, so a stream always assembles to the body. `thinking` enabled renders the template with
 enable_thinking and bounds the reasoning by budget_tokens (the end marker is forced once
-they are spent, server/reasoning/mode.py); disabled renders it with enable_thinking false.
+they are spent, reasoning/mode.py); disabled renders it with enable_thinking false.
 The stream follows Anthropic's sequence, framed as Anthropic's API frames it (`event: <type>`
 then `data: <json>`, an error as `event: error`, no closing [DONE]):
 
@@ -49,14 +49,14 @@ from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.serving import Reasoning, with_reasoning
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning import Reasoning, with_reasoning
 from radixserve.server.request_group import ChatPrompt, RequestGroup
 from radixserve.server.sse import EventStream
-from radixserve.server.tools.definitions import ToolSpec
-from radixserve.server.tools.history import HistoryMessage
-from radixserve.server.tools.parser import ToolCallParser
-from radixserve.server.tools.serving import ToolCalling
+from radixserve.tools.definitions import ToolSpec
+from radixserve.tools.history import HistoryMessage
+from radixserve.tools.parser import ToolCallParser
+from radixserve.server.tool_calling import ToolCalling
 
 PING = {"type": "ping"}
 

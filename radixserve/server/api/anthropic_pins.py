@@ -18,7 +18,7 @@ from radixserve.outputs import RequestOutput
 from radixserve.server.async_engine import FinishHook
 from radixserve.server.protocol.jobs import Prompt
 from radixserve.server.request_group import ChatPrompt
-from radixserve.server.tools.history import HistoryMessage
+from radixserve.tools.history import HistoryMessage
 
 log = logging.getLogger("radixserve.server")
 

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the route, the job a request becomes (tools rendered and
-constrained, see radixserve/server/tools/), and the encoder of each choice's output events as
+constrained, see radixserve/tools/), and the encoder of each choice's output events as
 a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from radixserve.server.protocol import ChatCompletionRequest, parse
 from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.serving import Reasoning, with_reasoning
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning import Reasoning, with_reasoning
 from radixserve.server.request_group import ChatPrompt, RequestGroup
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.tools.parser import ToolCallParser
-from radixserve.server.tools.serving import ToolCalling, ToolOutput
+from radixserve.tools.parser import ToolCallParser
+from radixserve.server.tool_calling import ToolCalling, ToolOutput
 
 
 def routes() -> list[Route]:

@@ -42,14 +42,14 @@ from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.common import ServedModel, parse
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.responses import ResponsesRequest
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.serving import Reasoning, with_reasoning
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.server.reasoning import Reasoning, with_reasoning
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.response_store import OwnedResponses
-from radixserve.server.tools.definitions import ToolSpec
-from radixserve.server.tools.history import HistoryCall, HistoryMessage
-from radixserve.server.tools.parser import ToolCallParser
-from radixserve.server.tools.serving import ToolCalling
+from radixserve.tools.definitions import ToolSpec
+from radixserve.tools.history import HistoryCall, HistoryMessage
+from radixserve.tools.parser import ToolCallParser
+from radixserve.server.tool_calling import ToolCalling
 
 
 def routes() -> list[Route]:

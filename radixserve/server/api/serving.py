@@ -16,14 +16,14 @@ from radixserve.server.middleware import cache_namespace, owned_session_id
 from radixserve.server.options import ServerOptions
 from radixserve.server.protocol import GenerationJob, NativeJob, ServedModel
 from radixserve.server.api.anthropic_pins import RecentPins
-from radixserve.server.reasoning.serving import Reasoning
+from radixserve.server.reasoning import Reasoning
 from radixserve.server.reply_store import NamespaceReplies, ReplyIdStore
 from radixserve.server.request_group import RequestGroup
 from radixserve.server.output.token_ids import TokenIdsResponder
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.sse import EventStream, wait_for_disconnect
 from radixserve.server.token_text import TokenTexts
-from radixserve.server.tools.serving import ToolCalling
+from radixserve.server.tool_calling import ToolCalling
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
 

@@ -1,6 +1,6 @@
 """OutputEvents: one engine request's answer as typed events, built once from the engine
 loop's per-step deltas (RequestOutput.delta): text, reasoning (read by a reasoning parser,
-server/reasoning/, ahead of the tool-call parser, which sees only the content), tool calls
+reasoning/, ahead of the tool-call parser, which sees only the content), tool calls
 (start with their id, argument pieces, end with the whole arguments) and the finish with usage. The streamed and
 the whole answer come from the same events, so a stream always assembles to the body."""
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from radixserve.outputs import RequestOutput
 from radixserve.server.output.ids import call_hex
 from radixserve.server.output.usage import Usage
-from radixserve.server.reasoning.base import Piece
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, text_events
+from radixserve.reasoning.base import Piece
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, ToolCallParser, text_events
 
 
 @dataclass(frozen=True)

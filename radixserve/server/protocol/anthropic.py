@@ -33,10 +33,10 @@ from radixserve.server.errors import APIError, bad_request
 from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel, expects, validation_error
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
 from radixserve.server.protocol.sampling import MAX_STOP_STRINGS, NonEmptyString, SessionId
-from radixserve.server.tools.definitions import (
+from radixserve.tools.definitions import (
     MAX_TOOLS, NAME_PATTERN, FunctionDefinition, ToolDefinition, ToolSpec, arguments_grammar,
 )
-from radixserve.server.tools.history import HistoryCall, HistoryMessage
+from radixserve.tools.history import HistoryCall, HistoryMessage
 
 TAG = "block:"  # pydantic names a union member in an error's location; parse() drops it
 ERROR_PREFIX = "Error: "

@@ -3,7 +3,7 @@
 Fields the OpenAI API has but this server does not implement are refused when they would
 change the answer (logit_bias, non-text content parts, audio, the legacy
 functions/function_call, any field it does not know) and ignored when they would not (store,
-metadata, user, service_tier...: sampling.NO_EFFECT_FIELDS). Tools: see radixserve/server/tools/.
+metadata, user, service_tier...: sampling.NO_EFFECT_FIELDS). Tools: see radixserve/tools/.
 `chat_template_kwargs` and `reasoning_effort` reach the chat template (template_args.py).
 """
 
@@ -19,8 +19,8 @@ from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields, TokenId
 from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
 from radixserve.server.request_group import ChatPrompt
-from radixserve.server.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
-from radixserve.server.tools.history import HistoryCall, HistoryMessage
+from radixserve.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
+from radixserve.tools.history import HistoryCall, HistoryMessage
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 

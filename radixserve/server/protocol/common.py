@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from radixserve.server.body_models import NativeModel, OpenAIBody, OpenAIModel, expects  # noqa: F401 - their home for callers
+from radixserve.body_models import NativeModel, OpenAIBody, OpenAIModel, expects  # noqa: F401 - their home for callers
 from radixserve.server.errors import APIError, bad_request
 
 Model = TypeVar("Model", bound=BaseModel)

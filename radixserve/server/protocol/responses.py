@@ -14,11 +14,11 @@ from radixserve.server.protocol.common import MAX_SEED, OpenAIBody, OpenAIModel,
 from radixserve.server.protocol.sampling import NO_EFFECT_FIELDS
 from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
 from radixserve.server.response_store import OwnedResponses
-from radixserve.server.tools.definitions import (
+from radixserve.tools.definitions import (
     MAX_TOOLS, FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition, ToolSpec, tool_spec,
 )
-from radixserve.server.tools.history import HistoryCall, HistoryMessage
-from radixserve.server.tools.serving import ToolCalling
+from radixserve.tools.history import HistoryCall, HistoryMessage
+from radixserve.server.tool_calling import ToolCalling
 
 
 class TextPart(OpenAIModel):

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from radixserve.request_error import InvalidRequest
 from radixserve.server.errors import APIError
 from radixserve.server.protocol.agent_hints import without_hints
 from radixserve.server.protocol.anthropic import MessagesRequest
@@ -26,8 +27,8 @@ from radixserve.server.protocol.completions import CompletionRequest
 from radixserve.server.protocol.generate import GenerateRequest
 from radixserve.server.protocol.responses import ResponsesRequest, input_history
 from radixserve.server.protocol.sessions import PinPrefixRequest
-from radixserve.server.tools.definitions import ToolDefinition
-from radixserve.server.tools.history import HistoryMessage
+from radixserve.tools.definitions import ToolDefinition
+from radixserve.tools.history import HistoryMessage
 
 Prompt = str | tuple[int, ...]
 
@@ -48,7 +49,7 @@ def routed_request(path: str, body: Any) -> RoutedRequest | None:
         return None
     try:
         return read(without_hints(body))
-    except (ValidationError, APIError):
+    except (ValidationError, APIError, InvalidRequest):
         return None
 
 

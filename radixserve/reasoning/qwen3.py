@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.reasoning.think import THINK_START, ThinkSplitter, prompt_opens_think, think_prefix
+from radixserve.reasoning.think import THINK_START, ThinkSplitter, prompt_opens_think, think_prefix
 
 
 class Qwen3:

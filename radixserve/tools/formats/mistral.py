@@ -14,10 +14,10 @@ import json
 
 import regex
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
-from radixserve.server.tools.formats.scan_parser import Piece, ScanParser
-from radixserve.server.tools.parser import Schemas
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
+from radixserve.tools.formats.scan_parser import Piece, ScanParser
+from radixserve.tools.parser import Schemas
 
 MARK = "[TOOL_CALLS]"
 

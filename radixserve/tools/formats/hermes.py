@@ -5,7 +5,7 @@
     </tool_call>
 """
 
-from radixserve.server.tools.formats.json_calls import JsonCallFormat
+from radixserve.tools.formats.json_calls import JsonCallFormat
 
 HERMES = JsonCallFormat(
     name="hermes", open="<tool_call>", close="</tool_call>", args_key="arguments", separator="\n", anywhere=True

@@ -12,9 +12,9 @@ from typing import Any
 
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol.jobs import GenerationJob
-from radixserve.server.reasoning.base import ReasoningParser
-from radixserve.server.reasoning.mode import ReasoningMode
-from radixserve.server.reasoning.registry import detect_parser, parser_named, probe
+from radixserve.reasoning.base import ReasoningParser
+from radixserve.reasoning.mode import ReasoningMode
+from radixserve.reasoning.registry import detect_parser, parser_named, probe
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")  # the template arguments that turn thinking off
 MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their parsers detected)

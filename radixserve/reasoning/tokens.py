@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixserve.server.reasoning.base import Span
+from radixserve.reasoning.base import Span
 
 Decode = Callable[[list[int]], str]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.reasoning.think import ThinkSplitter, think_prefix
+from radixserve.reasoning.think import ThinkSplitter, think_prefix
 
 
 class DeepSeekR1:

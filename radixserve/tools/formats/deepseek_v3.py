@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import regex
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
-from radixserve.server.tools.formats.scan_parser import ScanParser
-from radixserve.server.tools.parser import Schemas
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.formats.block_scan import BlockScanner, BlockSyntax, JsonArguments
+from radixserve.tools.formats.scan_parser import ScanParser
+from radixserve.tools.parser import Schemas
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

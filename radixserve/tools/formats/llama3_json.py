@@ -4,7 +4,7 @@
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 """
 
-from radixserve.server.tools.formats.json_calls import JsonCallFormat
+from radixserve.tools.formats.json_calls import JsonCallFormat
 
 LLAMA3_JSON = JsonCallFormat(
     name="llama3_json", open="", close="", args_key="parameters", separator="; ", anywhere=False,

@@ -13,12 +13,12 @@ from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
 from radixserve.server.chat_template import check_chat_template
 from radixserve.server.errors import bad_request, template_error
 from radixserve.server.request_group import ChatPrompt
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats import format_named
-from radixserve.server.tools.definitions import ToolSpec
-from radixserve.server.tools.history import HistoryMessage, check_history
-from radixserve.server.tools.rendering import ChatRenderer, fallback_messages, own_template
-from radixserve.server.tools.grammar import tool_call_structural_tag
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.formats import format_named
+from radixserve.tools.definitions import ToolSpec
+from radixserve.tools.history import HistoryMessage, check_history
+from radixserve.tools.rendering import ChatRenderer, fallback_messages, own_template
+from radixserve.tools.grammar import tool_call_structural_tag
 
 Prompt = ChatPrompt | list[int]
 MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their formats detected)

@@ -1,6 +1,6 @@
 """ToolCallParser: generated text -> content and tool calls, incrementally or all at once.
 
-Each call format (server/tools/formats/) brings its own machine; this is the seam the APIs
+Each call format (tools/formats/) brings its own machine; this is the seam the APIs
 use. One left-to-right machine serves both the streamed and the complete answer, so the
 deltas of a stream always assemble to exactly what `parse_tool_calls` returns for the same
 text. A call is recognised once its header (its name, a declared tool) is complete; its

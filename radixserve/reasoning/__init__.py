@@ -5,5 +5,5 @@ stream's ReasoningDelta events, which each API spells its own way (chat's
 
 One module per format (deepseek_r1, qwen3, gpt_oss), registered in registry.py by vLLM's
 names; mode.py puts the reasoning block ahead of a constrained answer (and bounds it by a
-token budget); tokens.py counts the tokens it took; serving.py is the server's one
-`Reasoning` (--reasoning-parser, or `auto` from the chat template in force)."""
+token budget); tokens.py counts the tokens it took. The server's one `Reasoning`
+(--reasoning-parser, or `auto` from the chat template in force) is server/reasoning.py."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.reasoning.base import Piece, Span
-from radixserve.server.reasoning.think import _partial_suffix
+from radixserve.reasoning.base import Piece, Span
+from radixserve.reasoning.think import _partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")

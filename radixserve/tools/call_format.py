@@ -1,14 +1,14 @@
 """ToolCallFormat: how one model family writes tool calls in its output text.
 
 A format is shared by the three places that must agree on it: the parser that reads calls
-back out of generated text, the grammar that constrains generation (server/tools/grammar.py
+back out of generated text, the grammar that constrains generation (tools/grammar.py
 builds it from the pieces below), and the fallback rendering of an assistant's earlier calls
 into the prompt. Calls are written in one canonical shape, the one the grammar forces:
 
     block_open  call_begin(name) arguments call_end  separator  call_begin(...) ...  block_close
 
 so a history re-sent by an agent renders to exactly the bytes the model generated. Each
-format is one module in server/tools/formats/, registered in formats/__init__.py.
+format is one module in tools/formats/, registered in formats/__init__.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixserve.server.tools.definitions import ToolDefinition
-    from radixserve.server.tools.parser import CallParser, Schemas
+    from radixserve.tools.definitions import ToolDefinition
+    from radixserve.tools.parser import CallParser, Schemas
 
 
 class ToolCallFormat(ABC):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.server.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ParsedCall, ParsedOutput
+from radixserve.tools.parser import ArgumentsDelta, CallStarted, ContentDelta, Event, ParsedCall, ParsedOutput
 
 
 @dataclass(frozen=True)

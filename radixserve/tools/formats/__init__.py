@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.deepseek_v3 import DEEPSEEK_V3
-from radixserve.server.tools.formats.harmony import HARMONY
-from radixserve.server.tools.formats.hermes import HERMES
-from radixserve.server.tools.formats.llama3_json import LLAMA3_JSON
-from radixserve.server.tools.formats.mistral import mistral_for
-from radixserve.server.tools.formats.pythonic import PYTHONIC
-from radixserve.server.tools.formats.qwen3_coder import QWEN3_CODER
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.formats.deepseek_v3 import DEEPSEEK_V3
+from radixserve.tools.formats.harmony import HARMONY
+from radixserve.tools.formats.hermes import HERMES
+from radixserve.tools.formats.llama3_json import LLAMA3_JSON
+from radixserve.tools.formats.mistral import mistral_for
+from radixserve.tools.formats.pythonic import PYTHONIC
+from radixserve.tools.formats.qwen3_coder import QWEN3_CODER
 
 Factory = Callable[[str | None], ToolCallFormat]  # the chat template in force -> the format
 

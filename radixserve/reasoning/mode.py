@@ -10,8 +10,8 @@ from typing import Any
 
 from radixserve.execution.constrained import choices_regex
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.reasoning.base import ReasoningParser, Span, Splitter
-from radixserve.server.reasoning.tokens import Decode, reasoning_tokens
+from radixserve.reasoning.base import ReasoningParser, Span, Splitter
+from radixserve.reasoning.tokens import Decode, reasoning_tokens
 
 
 @dataclass(frozen=True)

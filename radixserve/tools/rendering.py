@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.definitions import ToolDefinition
-from radixserve.server.tools.history import HistoryCall, HistoryMessage, parsed_arguments
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.definitions import ToolDefinition
+from radixserve.tools.history import HistoryCall, HistoryMessage, parsed_arguments
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to help with the user's request. "

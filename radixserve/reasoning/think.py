@@ -8,7 +8,7 @@ later markers are content."""
 
 from __future__ import annotations
 
-from radixserve.server.reasoning.base import Piece, Span
+from radixserve.reasoning.base import Piece, Span
 
 THINK_START = "<think>"
 THINK_END = "</think>"

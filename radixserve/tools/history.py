@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from radixserve.server.errors import bad_request
+from radixserve.request_error import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,10 @@ def parsed_arguments(call: HistoryCall) -> object:
 def _check_result(message: HistoryMessage, calls: dict[str, HistoryCall]) -> None:
     param = message.tool_call_id_param
     if not message.tool_call_id:
-        raise bad_request(f"'{param}' is required for a tool result", param=param)
+        raise InvalidRequest(f"'{param}' is required for a tool result", param=param)
     if message.tool_call_id not in calls:
         known = ", ".join(calls) or "none"
-        raise bad_request(
+        raise InvalidRequest(
             f"'{param}' is '{message.tool_call_id}', which matches no earlier tool call (calls so far: {known})",
             param=param,
         )

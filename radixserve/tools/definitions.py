@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from radixserve.server.errors import bad_request
-from radixserve.server.body_models import OpenAIModel, expects
+from radixserve.request_error import InvalidRequest
+from radixserve.body_models import OpenAIModel, expects
 
 MAX_TOOLS = 128  # OpenAI's own bound on functions per request
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -118,7 +118,7 @@ def tool_spec(
     inner = "" if flat else ".function"
     tools = list(tools or [])
     if len(tools) > MAX_TOOLS:
-        raise bad_request(f"'{tools_param}' takes at most {MAX_TOOLS} tools, got {len(tools)}", param=tools_param)
+        raise InvalidRequest(f"'{tools_param}' takes at most {MAX_TOOLS} tools, got {len(tools)}", param=tools_param)
     _check_unique(tools, tools_param, inner)
     grammars = tuple(
         arguments_grammar(tool.parameters, f"{tools_param}[{index}]{inner}.parameters")
@@ -131,13 +131,13 @@ def tool_spec(
         name = tool_choice.function.name
         if name not in {t.name for t in tools}:
             declared = ", ".join(t.name for t in tools) or "none"
-            raise bad_request(
+            raise InvalidRequest(
                 f"'{choice_param}' names the function '{name}', which is not among the tools (declared: {declared})",
                 param=choice_param,
             )
         return ToolSpec(tuple(tools), "named", name, parallel, grammars)
     if tool_choice == "required" and not tools:
-        raise bad_request(f"'{choice_param}' 'required' needs at least one tool in '{tools_param}'", param=choice_param)
+        raise InvalidRequest(f"'{choice_param}' 'required' needs at least one tool in '{tools_param}'", param=choice_param)
     return ToolSpec(tuple(tools), tool_choice, None, parallel, grammars)
 
 
@@ -149,9 +149,9 @@ def arguments_grammar(schema: dict[str, Any], param: str) -> str:
     try:
         return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise bad_request(f"'{param}' is not a JSON schema this server can enforce: {_first_line(exc)}", param=param)
+        raise InvalidRequest(f"'{param}' is not a JSON schema this server can enforce: {_first_line(exc)}", param=param)
     except RecursionError:
-        raise bad_request(f"'{param}' nests too deeply", param=param) from None
+        raise InvalidRequest(f"'{param}' nests too deeply", param=param) from None
 
 
 def _check_unique(tools: list[ToolDefinition], param: str, inner: str) -> None:
@@ -159,7 +159,7 @@ def _check_unique(tools: list[ToolDefinition], param: str, inner: str) -> None:
     for index, tool in enumerate(tools):
         if tool.name in seen:
             where = f"{param}[{index}]{inner}.name"
-            raise bad_request(
+            raise InvalidRequest(
                 f"'{where}': the name '{tool.name}' is already used by {param}[{seen[tool.name]}]", param=where
             )
         seen[tool.name] = index

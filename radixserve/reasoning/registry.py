@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.reasoning.base import ReasoningParser
-from radixserve.server.reasoning.deepseek_r1 import DeepSeekR1
-from radixserve.server.reasoning.gpt_oss import CHANNEL, GptOss
-from radixserve.server.reasoning.qwen3 import Qwen3
-from radixserve.server.reasoning.think import THINK_END, prompt_opens_think
+from radixserve.reasoning.base import ReasoningParser
+from radixserve.reasoning.deepseek_r1 import DeepSeekR1
+from radixserve.reasoning.gpt_oss import CHANNEL, GptOss
+from radixserve.reasoning.qwen3 import Qwen3
+from radixserve.reasoning.think import THINK_END, prompt_opens_think
 
 PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1, "qwen3": Qwen3, "gpt_oss": GptOss}
 CHOICES = ("none", "auto", *PARSERS)

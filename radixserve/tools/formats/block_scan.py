@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import regex
 
-from radixserve.server.tools.formats.scan_parser import Call, Piece, Text, merged
-from radixserve.server.tools.json_scan import JsonValueScanner, partial_suffix, skip_ws
+from radixserve.tools.formats.scan_parser import Call, Piece, Text, merged
+from radixserve.tools.json_scan import JsonValueScanner, partial_suffix, skip_ws
 
 # (text, position after the header, final, tool name) -> (arguments as JSON text so far,
 # where they end in the text, None while they may still grow). A reader belongs to one

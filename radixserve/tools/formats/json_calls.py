@@ -12,9 +12,9 @@ import json
 
 import regex
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.json_scan import JsonValueScanner, decode_name, partial_suffix
-from radixserve.server.tools.parser import (
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.json_scan import JsonValueScanner, decode_name, partial_suffix
+from radixserve.tools.parser import (
     ArgumentsDelta, CallStarted, ContentDelta, Event, ParsedCall, ParsedOutput, Schemas,
 )
 

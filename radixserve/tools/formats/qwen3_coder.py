@@ -20,13 +20,13 @@ from typing import Any
 
 import regex
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.definitions import ToolDefinition
-from radixserve.server.tools.formats.block_scan import BlockScanner, BlockSyntax
-from radixserve.server.tools.formats.literals import json_value
-from radixserve.server.tools.formats.scan_parser import ScanParser
-from radixserve.server.tools.json_scan import object_items
-from radixserve.server.tools.parser import Schemas
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.definitions import ToolDefinition
+from radixserve.tools.formats.block_scan import BlockScanner, BlockSyntax
+from radixserve.tools.formats.literals import json_value
+from radixserve.tools.formats.scan_parser import ScanParser
+from radixserve.tools.json_scan import object_items
+from radixserve.tools.parser import Schemas
 
 _PARAMETER = regex.compile(r"\s*<parameter=(?P<key>[^>\n]+)>")
 _PARAMETER_END = "</parameter>"

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import regex
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.formats.scan_parser import Call, Piece, ScanParser, Text, merged
-from radixserve.server.tools.json_scan import partial_suffix
-from radixserve.server.tools.parser import Schemas
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.formats.scan_parser import Call, Piece, ScanParser, Text, merged
+from radixserve.tools.json_scan import partial_suffix
+from radixserve.tools.parser import Schemas
 
 START = "<|start|>assistant"
 _HEADER = regex.compile(

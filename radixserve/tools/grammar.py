@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.server.tools.call_format import ToolCallFormat
-from radixserve.server.tools.definitions import ToolDefinition, ToolSpec
+from radixserve.tools.call_format import ToolCallFormat
+from radixserve.tools.definitions import ToolDefinition, ToolSpec
 
 MAX_PARALLEL_CALLS = 8  # bounds `required` with parallel calls: a small model may not stop on its own
 
