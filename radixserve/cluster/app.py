@@ -27,7 +27,7 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
     options = IngressOptions(cluster.app_name, cluster.total_replicas, server.shared_cache_across_keys,
                              api_keys=server.all_api_keys)
     if engine_kwargs.get("kv_events_endpoint") and cluster.router == "affinity":  # route on the replicas' events
-        options = dataclasses.replace(options, kv_events=KVEventRouting.of(engine_kwargs))
+        options = dataclasses.replace(options, kv_events=KVEventRouting.of(engine_kwargs, server))
     if not cluster.disaggregated:
         replica = _deployment(RadixReplica, "RadixReplica", cluster.replicas, server, cluster)
         return ingress.bind(replica.bind(engine_kwargs, server), options)

@@ -43,11 +43,12 @@ from radixserve.cluster.kv_index import KVBlockIndex
 from radixserve.cluster.metrics_merge import merge_metrics
 from radixserve.cluster.prefill_picker import PrefillPicker
 from radixserve.cluster.registry import register_kv_index, register_picker, router_for
-from radixserve.cluster.request_blocks import RequestBlocks
+from radixserve.cluster.request_blocks import MAX_NAMED_BYTES, RequestBlocks
 from radixserve.cluster.routing_key import BROADCAST_PATHS, response_session, routing_key
 from radixserve.server.errors import APIError, error_response
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.middleware import KeyRing
+from radixserve.server.options import ServerOptions
 from radixserve.server.protocol.body import MAX_BODY_BYTES, read_body
 
 _SUMMED = {"/flush_cache": "freed_blocks", "/abort_request": "aborted", "/v1/sessions/release": "released"}  # answers added up over replicas
@@ -65,11 +66,12 @@ class KVEventRouting:
     hash_scheme: str = "chained"
     model: str | None = None  # the replicas' model: its tokenizer names the requests' blocks
     model_cache_dir: str | None = None
+    server: ServerOptions | None = None  # the replicas' (chat template, tool-call and reasoning parsers)
 
     @classmethod
-    def of(cls, engine_kwargs: dict[str, Any]) -> "KVEventRouting":
+    def of(cls, engine_kwargs: dict[str, Any], server: ServerOptions | None = None) -> "KVEventRouting":
         return cls(engine_kwargs.get("block_size", 16), engine_kwargs.get("kv_events_hash", "chained"),
-                   engine_kwargs.get("model"), engine_kwargs.get("model_cache_dir"))
+                   engine_kwargs.get("model"), engine_kwargs.get("model_cache_dir"), server)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class ClusterIngress:
                         exc_info=True)
             tokenizer = None
         self.request_blocks = RequestBlocks(tokenizer, routing.block_size, routing.hash_scheme,
-                                            self.options.shared_cache_across_keys)
+                                            self.options.shared_cache_across_keys, routing.server)
         _start_router(self.replicas)
 
     async def _sync_kv_events(self) -> None:
@@ -204,8 +206,8 @@ class ClusterIngress:
             except (ValueError, RecursionError):
                 parsed = None  # the replica answers with its own 400
         key = routing_key(request.url.path, parsed, tenant, self.options.shared_cache_across_keys)
-        if key is not None and self.request_blocks is not None:
-            key = dataclasses.replace(key, blocks=self.request_blocks.names(request.url.path, parsed, tenant))
+        if key is not None and self.request_blocks is not None and len(body) <= MAX_NAMED_BYTES:
+            key = dataclasses.replace(key, blocks=await self.request_blocks.names(request.url.path, parsed, tenant))
         return ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
             list(request.scope["headers"]), body, key, tenant=tenant,

@@ -5,8 +5,10 @@ fills a gap and a late join; routing follows what replicas really hold after an 
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -179,37 +181,113 @@ def test_wire_hashes_name_blocks_as_the_replica_does(tiny_model_dir, scheme):
         engine.close()
 
 
-def test_the_ingress_names_a_requests_blocks_as_the_replica_publishes_them(real_model_dir):
-    """/generate token ids and text, a completion's text and a chat conversation, in a key's
-    namespace: the names the ingress computes are the replica's own blocks for that prompt."""
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SYSTEM = "You are a routing assistant. Answer in one short sentence, and call a tool when it helps. " * 3
+TEXT = "The radix tree keeps every shared prefix once, and the router sends each prompt to its prefix. " * 3
+
+
+def _route_requests(model: str) -> list[tuple[str, dict, Any]]:
+    """(path, body, the prompt's token count from the answer) for every route the cluster routes
+    by prompt: chat with and without tools (a call and its result in the history), Anthropic's
+    messages with tools, a Responses conversation with instructions and tools, a completion in a
+    cache_salt, /generate as text and as ids, and a pin of the completion's text."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat_tools = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    anthropic_tools = [{"name": "get_weather", "description": "Current weather in a city",
+                        "input_schema": TOOLS[0]["function"]["parameters"]}]
+    usage = lambda a: a["usage"]["prompt_tokens"]  # noqa: E731
+    return [
+        ("/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where does this go?"}]}, usage),
+        ("/v1/chat/completions", {"model": model, "max_tokens": 2, "tools": TOOLS, "messages": chat_tools}, usage),
+        ("/v1/messages", {"model": model, "max_tokens": 2, "system": SYSTEM, "tools": anthropic_tools, "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]}]},
+         lambda a: sum(a["usage"][k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))),
+        ("/v1/responses", {"model": model, "max_output_tokens": 2, "instructions": SYSTEM, "tools": [
+            {"type": "function", **TOOLS[0]["function"]}], "input": [
+            {"type": "message", "role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
+         lambda a: a["usage"]["input_tokens"]),
+        ("/v1/completions", {"model": model, "max_tokens": 2, "prompt": TEXT, "cache_salt": "team-a"}, usage),
+        ("/generate", {"text": TEXT + "Again.", "sampling_params": {"max_new_tokens": 2}},
+         lambda a: a["meta_info"]["prompt_tokens"]),
+        ("/generate", {"input_ids": list(range(200, 250)), "sampling_params": {"max_new_tokens": 2}},
+         lambda a: a["meta_info"]["prompt_tokens"]),
+        ("/v1/sessions/pin", {"text": TEXT, "ttl_s": 60, "cache_salt": "team-a"}, None),  # the completion's prompt
+    ]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("template", [None, "hermes"])
+def test_every_routed_route_is_named_as_the_replica_publishes_its_blocks(real_model_dir, template):
+    """A replica (the server's own app, an API key, KV events on) serves one request of every
+    route the cluster routes by prompt; the ingress's names for each body (RequestBlocks: the
+    server's rendering without an engine) are exactly the whole blocks of the prompt the replica
+    computed (as many as its prompt tokens make) and every one of them is in the replica's
+    published stream, in order; the router then sends the request to that replica on events
+    (kv_prefix). Under the model's own template (tools rendered as text) and a template that
+    takes tools (hermes: `tools=`)."""
+    import asyncio
+    from pathlib import Path
+
+    import httpx
     from transformers import AutoTokenizer
 
     from radixserve.cluster.request_blocks import RequestBlocks
+    from radixserve.cluster.routing_key import ROUTED_PATHS, routing_key
+    from radixserve.server import ServerOptions, create_app
+    from radixserve.server.middleware import key_digest
+    from radixserve.server.testing import BackgroundServer
 
-    engine = Engine(str(real_model_dir), num_kv_blocks=64, kv_events_endpoint="tcp://127.0.0.1:*")
-    namer = RequestBlocks(AutoTokenizer.from_pretrained(real_model_dir), engine.config.block_size)
-    messages = [{"role": "system", "content": "You route requests. " * 8}, {"role": "user", "content": "Where?"}]
-    text = "The radix tree keeps every shared prefix once. " * 4
+    chat_template = None
+    if template is not None:
+        chat_template = (Path(__file__).parents[1] / "server" / "templates" / f"{template}.jinja").read_text()
+    options = ServerOptions(api_keys=("key-a",), chat_template=chat_template)
+    engine = Engine(str(real_model_dir), num_kv_blocks=512, kv_events_endpoint="tcp://127.0.0.1:*",
+                    kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    namer = RequestBlocks(AutoTokenizer.from_pretrained(real_model_dir), BS, server=options)
+    tenant = key_digest("key-a")
+    index = KVBlockIndex(BS)
+    index.apply("idle", 0, [])  # a second replica, tracked, holding nothing
+    sub = KVEventSubscriber(index, "r", engine.kv_events.endpoint, engine.kv_events.replay_endpoint)
+    policy = AffinityPolicy(kv_index=index)
+    policy.set_replicas(["idle", "r"])
+    requests = _route_requests(engine.model_name)
+    assert {path for path, _, _ in requests} == set(ROUTED_PATHS)  # a new routed route must be named here too
+    headers = {"Authorization": "Bearer key-a"}
     try:
-        cases = [
-            ("/generate", {"input_ids": list(range(100, 140))}, list(range(100, 140)), None),
-            ("/generate", {"text": text}, engine.preparer.tokenizer.encode(text), None),
-            ("/v1/completions", {"model": "m", "prompt": text, "cache_salt": "s"}, engine.preparer.tokenizer.encode(text),
-             "key:t1/s"),
-            ("/v1/chat/completions", {"model": "m", "messages": messages}, engine.apply_chat_template(messages),
-             "key:t1"),
-        ]
-        for path, body, ids, salt in cases:
-            engine.generate([ids], SamplingParams(max_tokens=1)) if salt is None else engine.add_request(
-                ids, SamplingParams(max_tokens=1), cache_salt=salt)
-            while engine.has_unfinished_requests():
-                engine.step()
-            held = {d.to_bytes(16, "big") for node in engine.cache.nodes() for d in node.digests}
-            names = namer.names(path, body, "t1" if salt else None)
-            assert names and len(names) == len(ids) // engine.config.block_size and set(names) <= held, path
-        assert namer.names("/v1/chat/completions", {"messages": messages, "tools": [{}]}, None) is None
-        assert namer.names("/v1/messages", {"messages": messages}, None) is None
+        with BackgroundServer(create_app(engine, options)) as server:
+            named = {}
+            for path, body, prompt_tokens in requests:
+                answer = httpx.post(server.url + path, json=body, headers=headers, timeout=300)
+                assert answer.status_code == 200, (path, answer.text)
+                names = asyncio.run(namer.names(path, body, tenant))
+                assert names, path
+                if prompt_tokens is not None:
+                    assert len(names) == prompt_tokens(answer.json()) // BS, path
+                deadline = time.monotonic() + 30
+                while index.match("r", names) < len(names):
+                    assert time.monotonic() < deadline, f"{path}: the replica did not publish the blocks named"
+                    sub.catch_up() if not index.tracks("r") else sub.poll(100)
+                key = routing_key(path, body, tenant)
+                choice = policy.choose(["idle", "r"], key.key, key.session_id, time.monotonic(), list(names))
+                assert (choice.ranking[0], choice.reason, choice.match_length) == ("r", "kv_prefix", len(names)), path
+                named[path, json.dumps(body, sort_keys=True)] = names
+            assert named["/v1/sessions/pin", json.dumps(requests[-1][1], sort_keys=True)] == named[
+                "/v1/completions", json.dumps(requests[4][1], sort_keys=True)]
+            later = {"model": engine.model_name, "input": "And tomorrow?", "previous_response_id": "resp_x"}
+            assert asyncio.run(namer.names("/v1/responses", later, tenant)) is None  # only its replica has the turns
+            assert asyncio.run(namer.names("/v1/chat/completions", {"messages": []}, tenant)) is None  # refused
     finally:
+        sub.close()
         engine.close()
 
 
@@ -490,3 +568,10 @@ def test_a_disaggregated_ingress_follows_both_roles_events_and_picks_prefill_on_
         ingress.kv_feed.close()
         for e in engines.values():
             e.close()
+
+
+def test_every_path_the_cluster_routes_by_prompt_is_named():
+    from radixserve.cluster.routing_key import ROUTED_PATHS
+    from radixserve.server.prompt_ids import PATHS
+
+    assert set(PATHS) == set(ROUTED_PATHS)
