@@ -363,10 +363,12 @@ def _served(command: list[str], log):
 
 
 def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bool, max_num_seqs: int,
-                   progress: bool) -> SwarmResult:
+                   progress: bool, window_pages_ratio: float | None = None) -> SwarmResult:
     command = [sys.executable, "-m", "radixserve", "serve", "--model", MODEL, "--log-level", "warning",
                "--served-model-name", "m", "--kv-cache-memory", str(kv_bytes), "--block-size", str(BLOCK_SIZE),
                "--hybrid-kv", "auto" if hybrid else "off", "--max-num-seqs", str(max_num_seqs)]
+    if hybrid and window_pages_ratio is not None:
+        command += ["--window-pages-ratio", str(window_pages_ratio)]
     with tempfile.TemporaryFile() as log:
         try:
             with _served(command, log) as (url, _):
@@ -393,7 +395,9 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
                 m = _radixserve_metrics(url)
                 result.notes = (f"{blocks} blocks" + (f" + {pages} window pages" if pages else "")
                                 + f"; {int(m.get('radixserve_evicted_blocks_total', 0))} blocks evicted, "
-                                f"{int(m.get('radixserve_preemptions_total', 0))} preemptions")
+                                f"{int(m.get('radixserve_preemptions_total', 0))} preemptions"
+                                + (f", {int(m.get('radixserve_kv_window_pages_trimmed_total', 0))} window pages trimmed"
+                                   if pages else ""))
                 return result
         except BaseException:
             log.seek(0)
@@ -463,10 +467,11 @@ def measure_swarm(workload: SwarmWorkload, systems: list[str], args) -> dict:
         if key == "hybrid":
             kv = int(args.hybrid_memory_share * full_kv)
             label = f"radixserve hybrid ({args.hybrid_memory_share:g}x memory)"
-            results.append(run_radixserve(label, workload, kv, True, args.max_num_seqs, not args.quiet))
+            results.append(run_radixserve(label, workload, kv, True, args.max_num_seqs, not args.quiet,
+                                          args.window_pages_ratio))
         elif key == "hybrid-same":
             results.append(run_radixserve("radixserve hybrid (1x memory)", workload, full_kv, True, args.max_num_seqs,
-                                          not args.quiet))
+                                          not args.quiet, args.window_pages_ratio))
         elif key == "off":
             results.append(run_radixserve("radixserve hybrid_kv off", workload, full_kv, False, args.max_num_seqs,
                                           not args.quiet))
@@ -558,6 +563,8 @@ def main() -> None:
     parser.add_argument("--hybrid-memory-share", type=float, default=0.4,
                         help="swarm: radixserve hybrid's kv_cache_memory as a share of the full-caching systems'")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="swarm: radixserve's max_num_seqs, llama.cpp's -np")
+    parser.add_argument("--window-pages-ratio", type=float, default=None,
+                        help="swarm: radixserve hybrid's --window-pages-ratio (default: the engine's)")
     parser.add_argument("--agents", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--llama-server", default=LLAMA_SERVER)

@@ -119,36 +119,111 @@ class KVManager:
         if match is not None:
             self.cache.unlock(match.node)
 
-    def fits(self, request: Request, match: MatchResult | None, output_tokens: int = 1, reserved: int = 0) -> bool:
+    def fits(self, request: Request, match: MatchResult | None, output_tokens: int = 1, reserved: int = 0,
+             alone: bool = False) -> bool:
         """Whether the rest of the request plus `output_tokens` generated tokens fits in what
         is free or evictable beside `reserved` blocks (admission control: an admitted
-        request is not preempted at once)."""
+        request is not preempted at once). `alone`: no other request runs (hybrid KV: the
+        windows on cached paths in use may go too, else nothing could ever run)."""
         matched = len(match.blocks) if match is not None else 0
         need = -(-(request.num_tokens + max(output_tokens, 1)) // self.block_size) - matched
         evictable = self.cache.num_evictable_blocks if self.cache is not None else 0
-        if self.pool.window is not None and not self._window_room(request, match):
+        if self.pool.window is not None and not self._window_room(request, match, alone):
             return False
         return need + reserved <= self.pool.num_free_blocks + evictable
 
-    def _window_room(self, request: Request, match: MatchResult | None) -> bool:
+    def _window_room(self, request: Request, match: MatchResult | None, alone: bool = False) -> bool:
         """Hybrid KV: whether the window pages the request's first chunk allocates are free,
-        evicting cached entries for them if not (the pool's blocks are checked apart)."""
+        trimming cached windows for them if not (the pool's blocks are checked apart)."""
         matched = len(match.blocks) if match is not None else 0
         chunk = min(request.num_tokens, matched * self.block_size + self.max_chunk_tokens)
         need = -(-chunk // self.block_size) - matched
         keep = set(match.blocks[self.pool.window.first_needed(matched * self.block_size):]) if matched else set()
-        return self._free_pages(need, keep)
+        return self._free_pages(need, keep, in_use=alone)
 
-    def _free_pages(self, need: int, keep: set[int] = frozenset()) -> bool:
-        """Hybrid KV: make `need` window pages free: evict cached entries, then drop the
-        pages that no running request reads (other than `keep`'s)."""
+    def _free_pages(self, need: int, keep: set[int] = frozenset(), in_use: bool = False) -> bool:
+        """Hybrid KV: make `need` window pages free by trimming cached windows (their ends
+        become tombstones for the window layers; their full-layer KV stays cached), never by
+        evicting an entry: that would free no page more, since every page left is read by a
+        running request, kept for the one being admitted (`keep`), or kept on the path of a
+        request in use (a locked node: a shared prefix's branch, which every later turn
+        that lost its own end's window matches to). Those last go too only with `in_use`
+        (nothing else runs); otherwise a running request that finds no page is preempted
+        (the newest first) and a waiting one waits."""
         window = self.pool.window
-        while need > window.num_free and self.cache is not None:
-            if not self.cache.evict(need - window.num_free):
-                break
-        if need > window.num_free:
-            window.reclaim(need - window.num_free, keep)
+        if need > window.num_free and self.cache is not None:
+            self._trim_cached_windows(need - window.num_free, keep, in_use)
         return need <= window.num_free
+
+    def _trim_cached_windows(self, need: int, keep: set[int] = frozenset(), in_use: bool = False) -> int:
+        """Drop at least `need` pages of the cache's blocks that no running request reads
+        (none of `keep`): first pages that serve no resident window at all, then whole
+        cached windows node by node in eviction order (rank, least recently used, deepest
+        first: an end goes before the shorter prefixes it passes through, which stay valid),
+        unlocked nodes only unless `in_use` (then locked ones after them), then the pages
+        that trimming left serving nothing. Returns how many were dropped."""
+        window = self.pool.window
+        dropped = self._trim_orphan_pages(keep)
+        if dropped >= need:
+            return dropped
+        candidates = []
+        for node, depth in _pool_nodes(self.cache):
+            if (node.lock_ref == 0 or in_use) and any(
+                    window.users[b] == 0 and window.has_page(b) and b not in keep for b in node.blocks):
+                candidates.append((node.lock_ref > 0, node.rank, node.last_access, -depth, node.node_id, node))
+        candidates.sort(key=lambda c: c[:5])
+        for *_, node in candidates:
+            for b in node.blocks:
+                if window.users[b] == 0 and b not in keep and window.trim(b):
+                    dropped += 1
+            if dropped >= need:
+                break
+        return dropped + self._trim_orphan_pages(keep)
+
+    def _trim_orphan_pages(self, keep: set[int] = frozenset()) -> int:
+        """Drop the pages of cached blocks that lie in no resident window: a match can stop
+        at a block boundary only where the window before it is all resident, so a page
+        serves something only inside a run of resident blocks, along some path of the tree,
+        at least a window long or reaching back to the root. Returns how many were dropped."""
+        window, bs = self.pool.window, self.block_size
+        span = -(-window.window // bs)  # blocks in the window before a block-aligned end
+        order = _pool_nodes(self.cache)
+        up: dict[int, tuple[int, bool]] = {}  # node id -> (resident run ending at its last block, from the root)
+        for node, _ in order:
+            parent = node.parent
+            run, rooted = up.get(parent.node_id, (0, True)) if not parent.is_root else (0, True)
+            for b in node.blocks:
+                run, rooted = (run + 1, rooted) if window.has_page(b) else (0, False)
+            up[node.node_id] = (run, rooted)
+        down: dict[int, int] = {}  # node id -> resident run from its first block down some path
+        for node, _ in reversed(order):
+            below = max((down.get(c.node_id, 0) for c in node.children.values()), default=0)
+            run = 0
+            for b in reversed(node.blocks):
+                run = run + 1 if window.has_page(b) else 0
+                if run == 0:
+                    below = 0
+            down[node.node_id] = run + below if run == len(node.blocks) else run
+        dropped = 0
+        for node, _ in order:
+            parent = node.parent
+            run, rooted = up.get(parent.node_id, (0, True)) if not parent.is_root else (0, True)
+            below = max((down.get(c.node_id, 0) for c in node.children.values()), default=0)
+            after = [0] * len(node.blocks)  # resident run after each block, down some path
+            tail = below
+            for k in range(len(node.blocks) - 1, -1, -1):
+                after[k] = tail
+                tail = tail + 1 if window.has_page(node.blocks[k]) else 0
+            for k, b in enumerate(node.blocks):
+                if not window.has_page(b):
+                    run, rooted = 0, False
+                    continue
+                run += 1
+                if rooted or run + after[k] >= span or window.users[b] or b in keep:
+                    continue
+                window.trim(b)
+                dropped += 1
+        return dropped
 
     def adopt_match(self, request: Request, match: MatchResult | None) -> None:
         """Give the request the match's blocks (restoring its tier-only part into the pool
@@ -170,11 +245,11 @@ class KVManager:
         need = -(-num_tokens // self.block_size) - len(request.block_table)
         if need <= 0:
             return True
-        while need > self.pool.num_free and self.cache is not None:
-            if not self.cache.evict(need - self.pool.num_free):  # hybrid: a block may free no page
-                break
         if self.pool.window is not None and need > self.pool.window.num_free:
-            self._free_pages(need)
+            self._free_pages(need)  # hybrid: cached windows go, never an entry for a page
+        while need > self.pool.num_free_blocks and self.cache is not None:
+            if not self.cache.evict(need - self.pool.num_free_blocks):
+                break
         if need > self.pool.num_free:
             return False
         self._extend(request, self.pool.allocate(need))
@@ -356,6 +431,17 @@ def _path(node: RadixNode) -> list[RadixNode]:
         path.append(node)
         node = node.parent
     return path
+
+
+def _pool_nodes(cache: RadixCache) -> list[tuple[RadixNode, int]]:
+    """The cache's nodes with pool blocks and their depth in blocks, parents before children."""
+    out, ends = [], {}
+    for node in cache.nodes():  # parents before children
+        if node.blocks:
+            depth = ends.get(node.parent.node_id, 0)
+            ends[node.node_id] = depth + len(node.blocks)
+            out.append((node, depth))
+    return out
 
 
 def _kept_ends(node: RadixNode | None) -> list[int]:

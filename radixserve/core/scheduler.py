@@ -229,7 +229,7 @@ class Scheduler:
         tier_blocks = match.num_tier_blocks if match is not None else 0
         cached = (len(match.blocks) + tier_blocks) * bs if match is not None else 0
         n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
-        if not self.kv.fits(request, match, self._expected_output(request), reserved):
+        if not self.kv.fits(request, match, self._expected_output(request), reserved, alone=not self.running):
             self.kv.unlock(match)
             return None
         if match is not None and self.kv.sessions is not None:

@@ -313,3 +313,115 @@ def test_a_shared_prefix_becomes_a_branch_that_keeps_its_window(tiny_model_dir):
     out = run_checked(engine, [c], 4)[0]
     assert out.cached_tokens == 24
     assert out.token_ids == hf_greedy(directory, c, 4)
+
+
+# ---- page pressure: cached windows go before entries -------------------------------------------
+
+
+def _cached_path(engine, tokens):
+    """The cache's blocks for the leading full blocks of `tokens` (a tombstone's too)."""
+    from radixserve.core.kv_manager import _path
+
+    node = engine.cache.match_prefix(tokens, None).node
+    return [b for n in reversed(_path(node)) for b in n.blocks]
+
+
+def test_page_pressure_trims_the_least_recently_used_window_and_evicts_nothing(tiny_model_dir):
+    """Three prompts leave three cached ends, each keeping the window before it (two pages);
+    a fourth finds no page free: the least recently used end's window is trimmed (its blocks
+    stay cached as tombstones, nothing is evicted), the others keep theirs. A follow-up to the
+    trimmed end recomputes it, equal to transformers, still without evicting anything."""
+    directory = tiny_model_dir("gemma3")
+    engine = engine_for(directory, num_kv_blocks=64, window_pages_ratio=0.125, chunked_prefill_size=8,
+                        max_num_batched_tokens=16)
+    window = engine.pool.window
+    assert window.num_pages == 8
+    a, b, c, d = prompts_of([14, 14, 14, 10], seed=21)
+    outs = {}
+    for name, prompt in zip("abc", (a, b, c)):
+        outs[name] = run_checked(engine, [prompt], 3)[0]  # 16 computed: 4 blocks, an end at 16
+    paths = {name: _cached_path(engine, p + outs[name].token_ids[:2]) for name, p in zip("abc", (a, b, c))}
+    assert paths == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9, 10, 11]}
+    pages = lambda: {k: [window.page_of[x] for x in v] for k, v in paths.items()}  # noqa: E731
+    assert pages() == {"a": [NO_PAGE, NO_PAGE, 2, 3], "b": [NO_PAGE, NO_PAGE, 6, 7], "c": [NO_PAGE, NO_PAGE, 4, 5]}
+    assert window.num_free == 2
+    engine.add_request(d, SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()  # d's first chunk (8 tokens) takes the two free pages
+    engine.check_integrity()
+    assert window.num_free == 0 and pages()["a"] == [NO_PAGE, NO_PAGE, 2, 3]
+    trimmed = window.trimmed
+    engine.step()  # d's third block finds no page: a's window (least recently used) goes, whole
+    engine.check_integrity()
+    assert pages() == {"a": [NO_PAGE] * 4, "b": [NO_PAGE, NO_PAGE, 6, 7], "c": [NO_PAGE, NO_PAGE, 4, 5]}
+    assert window.trimmed == trimmed + 2 and window.num_free == 1
+    assert engine.cache.evicted_blocks == 0 and _cached_path(engine, a + outs["a"].token_ids[:2]) == [0, 1, 2, 3]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    follow = a + outs["a"].token_ids + [7, 8, 9]
+    again = run_checked(engine, [follow], 4)[0]
+    assert again.cached_tokens == 0  # the window before a's end was trimmed: recomputed
+    assert again.token_ids == hf_greedy(directory, follow, 4)
+    assert _cached_path(engine, follow)[:4] == [0, 1, 2, 3]  # the tree kept its own blocks for a's tokens
+    assert engine.cache.evicted_blocks == 0 and engine.stats()["preemptions"] == 0
+
+
+def test_a_window_on_a_running_requests_path_outlasts_the_unlocked_ones(tiny_model_dir):
+    """A shared prefix S is a branch (two prompts went on from it) and keeps its window. While
+    R, a third prompt on S, runs (S is locked), a newcomer Q under page pressure takes the
+    unlocked ends' windows, never S's: when that is not enough it waits (or is preempted)
+    until R is done. Outputs equal transformers; nothing is evicted."""
+    directory = tiny_model_dir("gemma3")
+    engine = engine_for(directory, num_kv_blocks=64, window_pages_ratio=0.125, chunked_prefill_size=8,
+                        max_num_batched_tokens=16)
+    window = engine.pool.window
+    s, x, y, r, q = prompts_of([8, 6, 6, 9, 9], seed=23)
+    for prompt in (s + x, s + y):
+        run_checked(engine, [prompt], 1)
+    s_blocks = engine.cache.match_prefix(s, None).blocks
+    assert s_blocks == [0, 1] and [window.page_of[b] for b in s_blocks] == [4, 1]
+    ends = [2, 6]  # the last blocks of s + x and s + y: their ends' windows (with S's block 1)
+    assert all(window.has_page(b) for b in ends)
+    rid = engine.add_request(s + r, SamplingParams(max_tokens=12, **GREEDY))
+    for _ in range(4):
+        engine.step()
+        engine.check_integrity()
+    running = engine.scheduler.running[0]
+    assert running.block_table[:2] == s_blocks and running.window_first == 2  # S is on R's path, out of its window
+    qid = engine.add_request(q, SamplingParams(max_tokens=2, **GREEDY))
+    done = {}
+    while engine.has_unfinished_requests():
+        r_running = any(req.request_id == rid for req in engine.scheduler.running)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        engine.check_integrity()
+        if r_running:
+            assert [window.page_of[b] for b in s_blocks] == [4, 1]
+    assert not any(window.has_page(b) for b in ends)  # the unlocked ends' windows went
+    assert done[rid] == hf_greedy(directory, s + r, 12) and done[qid] == hf_greedy(directory, q, 2)
+    assert engine.cache.evicted_blocks == 0
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_heavy_page_pressure_trims_windows_and_matches_every_layer_kept(tiny_model_dir, seed):
+    """Shared-prefix traffic with few window pages and enough blocks: page pressure only trims
+    windows (no entry is evicted) and the tokens equal keeping every layer's KV."""
+    directory = tiny_model_dir("gemma3")
+    rng = random.Random(seed)
+    system = prompts_of([14], seed=seed + 200)[0]
+    prompts: list[list[int]] = []
+    for i in range(16):
+        history = system + prompts_of([rng.randrange(2, 20)], seed=seed * 90 + i)[0]
+        if prompts and rng.random() < 0.6:
+            history = prompts[rng.randrange(len(prompts))] + prompts_of([rng.randrange(1, 9)], seed=seed * 30 + i)[0]
+        prompts.append(history)
+    options = dict(num_kv_blocks=160, window_pages_ratio=0.08, chunked_prefill_size=8, max_num_batched_tokens=16)
+    outputs = {}
+    for mode in ("auto", "off"):
+        engine = engine_for(directory, hybrid_kv=mode, **options)
+        outputs[mode], stats = _staggered(engine, prompts, rng_seed=seed)
+        if mode == "auto":
+            assert stats["window_pages_trimmed"] > 0 and stats["evicted_blocks"] == 0
+            assert stats["cached_prompt_tokens"] > 0
+    assert outputs["auto"] == outputs["off"]
