@@ -1,7 +1,10 @@
 """The cluster's ingress routing on its replicas' KV events, on a local Ray (loopback): 2
 replicas of the default model publishing their events; a prompt computed on one replica is
 routed back to it by what that replica reports holding (reason kv_prefix), and after a flush
-nothing is held anywhere (reason new). Slow: two engines under Ray."""
+nothing is held anywhere (reason new); an Anthropic conversation with tools is named too and
+its next turn routed on events. Disaggregated (1 prefill + 1 decode), the ingress follows both
+roles' streams: the prefill choice and the decode choice are made on them. Slow: two engines
+under Ray, twice."""
 
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ from subprocess_server import free_port  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
 APP = "radixserve-kv"
+MODEL = "SmolLM2-135M-Instruct"
+PREFILL_DECISIONS = "radixserve_cluster_prefill_routing_decisions_total"
 
 
-def _reasons(url: str) -> dict[str, float]:
+def _reasons(url: str, family: str = "radixserve_cluster_routing_decisions_total") -> dict[str, float]:
     out = {}
     for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
-        if line.startswith("radixserve_cluster_routing_decisions_total{"):
+        if line.startswith(family + "{"):
             reason = line.split('reason="')[1].split('"')[0]
             out[reason] = float(line.rsplit(" ", 1)[1])
     return out
@@ -59,5 +64,45 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
         httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 1}}, timeout=120)
         after = _reasons(url)
         assert after.get("new", 0) == before.get("new", 0) + 1 and after.get("kv_prefix") == before.get("kv_prefix")
+
+        tools = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+        turns = [{"role": "user", "content": "What is the weather in Paris? " * 6}]
+        body = {"model": MODEL, "max_tokens": 2, "system": "You answer with tools. " * 10, "tools": tools}
+        asked = httpx.post(url + "/v1/messages", json={**body, "messages": turns}, timeout=120)
+        assert asked.status_code == 200, asked.text
+        time.sleep(1)  # its blocks' events reach the ingress
+        before = _reasons(url)
+        turns += [{"role": "assistant", "content": "Let me look."}, {"role": "user", "content": "And in Rome?"}]
+        follow = httpx.post(url + "/v1/messages", json={**body, "messages": turns}, timeout=120)
+        assert follow.status_code == 200 and follow.headers[REPLICA_HEADER] == asked.headers[REPLICA_HEADER]
+        assert _reasons(url).get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1  # named: routed on events
+    finally:
+        serve.shutdown()
+
+
+def test_a_disaggregated_ingress_picks_both_roles_on_their_events(local_ray):
+    from radixserve.cluster.app import deploy
+    from radixserve.cluster.options import ClusterOptions, PDOptions
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = {"num_threads": 1, "kv_events_endpoint": "tcp://127.0.0.1:5557"}
+    system = "You are a careful assistant for a cluster of replicas. " * 8
+    try:
+        options = ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name=APP + "-pd",
+                                 pd=PDOptions(local_prefill_tokens=0, transfer_timeout_s=120.0))
+        deploy(engine, ServerOptions(), options, "127.0.0.1", port)
+        deadline = time.monotonic() + 90
+        turn = 0
+        while not (_reasons(url).get("kv_prefix") and _reasons(url, PREFILL_DECISIONS).get("kv_prefix")):
+            assert time.monotonic() < deadline, "the ingress never picked both roles on KV events"
+            body = {"model": MODEL, "max_tokens": 2, "messages": [  # the decode side steps (and publishes)
+                {"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}]}
+            answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
+            assert answer.status_code == 200, answer.text
+            turn += 1
+            time.sleep(1)
+        assert turn >= 2  # the first prompt was cached nowhere
     finally:
         serve.shutdown()
