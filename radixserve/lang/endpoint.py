@@ -144,9 +144,12 @@ class Endpoint(Backend):
 
 
 def _load_tokenizer(path: str | os.PathLike) -> Any:
-    from transformers import AutoTokenizer
+    from radixserve.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer files")
+    return tokenizer
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:

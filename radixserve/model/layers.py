@@ -204,6 +204,8 @@ def _rope_inv_freq(spec: ModelSpec, layer_type: str | None = None) -> tuple[torc
         raise ValueError("dynamic NTK RoPE scaling is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if hasattr(config, "transformers_config"):  # read back from JSON: transformers computes this variant
+        config = config.transformers_config()
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported RoPE type {rope_type!r}")
     extra = {} if layer_type is None else {"layer_type": layer_type}

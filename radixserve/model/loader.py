@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from radixserve.kernels.heap import return_freed_memory
 from radixserve.kernels.quant_linear import QuantWeight, quantize
 from radixserve.model.default_model import (
     DEFAULT_MODEL_NAME, default_gguf_path, ensure_converted_gguf, ensure_default_model,
 )
 from radixserve.model.causal_lm import CausalLM, _map_weight_name
+from radixserve.model.hf_config import load_hf_config
+from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.packaged_models import PACKAGED_MODELS, packaged_gguf
 from radixserve.model.registry import family_for_config, model_class
 from radixserve.model.spec import ModelSpec
@@ -135,14 +138,14 @@ def load_model(
     with torch.device("meta"):
         net = model_class(family_for_config(config))(spec, context)
     net.drop_float_weights({_map_weight_name(name)[0] for name in quantized})
-    net = net.to(torch_dtype).to_empty(device=torch_device)
+    _allocate(net, torch_dtype, torch_device)
     net.build_rotary(context, torch_device)
     net.load_hf_state_dict({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)})
     net.load_quantized(quantized)
     del tensors, quantized
-    _return_freed_memory()
+    return_freed_memory()
     net.eval()
-    tokenizer = _load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else path.name
     described = _describe_weights(net, storage, torch_dtype)
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
@@ -150,18 +153,20 @@ def load_model(
                        described, net.weight_bytes())
 
 
-def _return_freed_memory() -> None:
-    """Hand the heap that loading freed (unfused parts, copies) back to the system (glibc)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is not None:
-        trim(0)
+def _allocate(net: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a model built on the meta device real, uninitialized storage: floating tensors in
+    `dtype`, others as they are. (Module.to_empty would do it through torch's reference
+    implementations, which import sympy: ~33 MiB resident for nothing.)"""
+    for module in net.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                kind = dtype if param.is_floating_point() else param.dtype
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=kind, device=device), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                kind = dtype if buffer.is_floating_point() else buffer.dtype
+                module._buffers[name] = torch.empty(buffer.shape, dtype=kind, device=device)
 
 
 def _gguf_source(model: str | None, cache_dir: str | None = None) -> Path | None:
@@ -258,8 +263,6 @@ def _load_hf_config(path: Path) -> Any:
     own fields first (whether or not transformers knows it), naming what it runs."""
     from types import SimpleNamespace
 
-    from transformers import AutoConfig
-
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -268,7 +271,7 @@ def _load_hf_config(path: Path) -> Any:
         raise ValueError(f"{path / 'config.json'} is not a JSON object")
     family_for_config(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
     try:
-        return AutoConfig.from_pretrained(path)
+        return load_hf_config(path)
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from None
 
@@ -289,14 +292,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             tensors.update(torch.load(f, map_location="cpu", weights_only=True))
         return tensors
     raise ValueError(f"model directory {path} has no *.safetensors or pytorch_model*.bin weights: {_HINT}")
-
-
-def _load_tokenizer(path: Path) -> Any | None:
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def _eos_token_ids(path: Path, spec: ModelSpec, tokenizer: Any | None) -> list[int]:

@@ -1,0 +1,32 @@
+"""A model directory's tokenizer.
+
+A directory with tokenizer.json loads it through transformers' generic fast-tokenizer class
+(the file says everything: its model, pre-tokenizer, post-processor with BOS, decoder and
+special tokens; tokenizer_config.json adds the chat template and the special tokens' roles).
+AutoTokenizer would pick a family's class by name instead, which costs resident memory the
+file itself does not need: GemmaTokenizer rebuilds its 262k vocabulary and merges in Python
+(~250 MiB more), and resolving any class by name imports transformers' model configs
+(torch.distributed and sympy with them). A directory without tokenizer.json (only a
+sentencepiece model) goes through AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str | Path) -> Any | None:
+    """The directory's tokenizer, or None where it has no tokenizer files."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    if (path / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
