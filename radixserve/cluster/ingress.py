@@ -321,11 +321,11 @@ class ClusterIngress:
 
 
 def _tokenizer(model: str | None, cache_dir: str | None) -> Any:
-    from transformers import AutoTokenizer
-
+    """The replicas' tokenizer, loaded as a replica loads it (model/tokenizer.py)."""
     from radixserve.model.loader import resolve_model_path
+    from radixserve.model.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(model, cache_dir, float_weights=False))
+    return load_tokenizer(resolve_model_path(model, cache_dir, float_weights=False))
 
 
 def _start_router(handle: Any) -> None:
