@@ -239,12 +239,11 @@ def test_every_routed_route_is_named_as_the_replica_publishes_its_blocks(real_mo
     from pathlib import Path
 
     import httpx
-    from transformers import AutoTokenizer
-
     from radixserve.cluster.request_blocks import RequestBlocks
     from radixserve.cluster.routing_key import ROUTED_PATHS, routing_key
     from radixserve.server import ServerOptions, create_app
     from radixserve.server.middleware import key_digest
+    from radixserve.model.tokenizer import load_tokenizer
     from radixserve.server.testing import BackgroundServer
 
     chat_template = None
@@ -253,7 +252,7 @@ def test_every_routed_route_is_named_as_the_replica_publishes_its_blocks(real_mo
     options = ServerOptions(api_keys=("key-a",), chat_template=chat_template)
     engine = Engine(str(real_model_dir), num_kv_blocks=512, kv_events_endpoint="tcp://127.0.0.1:*",
                     kv_events_replay_endpoint="tcp://127.0.0.1:*")
-    namer = RequestBlocks(AutoTokenizer.from_pretrained(real_model_dir), BS, server=options)
+    namer = RequestBlocks(load_tokenizer(real_model_dir), BS, server=options)  # as the ingress loads it
     tenant = key_digest("key-a")
     index = KVBlockIndex(BS)
     index.apply("idle", 0, [])  # a second replica, tracked, holding nothing
