@@ -67,26 +67,45 @@ class KVPool:
         shape = self.kv.shape
         return (shape[0], shape[1], *shape[3:])
 
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one window page's K/V over the window layers (hybrid KV)."""
+        shape = self.window_kv.shape
+        return (shape[0], shape[1], *shape[3:])
+
     def copy_blocks_out(self, blocks: list[int], dest: torch.Tensor, slots: list[int]) -> None:
         """dest[slot] = the K/V of pool block `block`, pairwise (dest: [slots, *block_shape],
         on the pool's device)."""
-        if self._numpy_copies:  # numpy copies in this thread: torch's intra-op
-            pool, out = self.kv.numpy(), dest.numpy()  # threads cost 10x more on a busy machine
-            for b, s in zip(blocks, slots):
-                out[s] = pool[:, :, b]
-            return
-        for b, s in zip(blocks, slots):
-            dest[s].copy_(self.kv[:, :, b], non_blocking=True)
+        self._copy_out(self.kv, blocks, dest, slots)
 
     def copy_blocks_in(self, slots: list[int], src: torch.Tensor, blocks: list[int]) -> None:
         """The K/V of pool block `block` = src[slot], pairwise."""
+        self._copy_in(self.kv, slots, src, blocks)
+
+    def copy_pages_out(self, pages: list[int], dest: torch.Tensor, slots: list[int]) -> None:
+        """dest[slot] = the window layers' K/V of window page `page`, pairwise (hybrid KV)."""
+        self._copy_out(self.window_kv, pages, dest, slots)
+
+    def copy_pages_in(self, slots: list[int], src: torch.Tensor, pages: list[int]) -> None:
+        """The window layers' K/V of window page `page` = src[slot], pairwise (hybrid KV)."""
+        self._copy_in(self.window_kv, slots, src, pages)
+
+    def _copy_out(self, kv: torch.Tensor, ids: list[int], dest: torch.Tensor, slots: list[int]) -> None:
+        if self._numpy_copies:  # numpy copies in this thread: torch's intra-op
+            pool, out = kv.numpy(), dest.numpy()  # threads cost 10x more on a busy machine
+            for b, s in zip(ids, slots):
+                out[s] = pool[:, :, b]
+            return
+        for b, s in zip(ids, slots):
+            dest[s].copy_(kv[:, :, b], non_blocking=True)
+
+    def _copy_in(self, kv: torch.Tensor, slots: list[int], src: torch.Tensor, ids: list[int]) -> None:
         if self._numpy_copies:
-            pool, tier = self.kv.numpy(), src.numpy()
-            for s, b in zip(slots, blocks):
+            pool, tier = kv.numpy(), src.numpy()
+            for s, b in zip(slots, ids):
                 pool[:, :, b] = tier[s]
             return
-        for s, b in zip(slots, blocks):
-            self.kv[:, :, b].copy_(src[s], non_blocking=True)
+        for s, b in zip(slots, ids):
+            kv[:, :, b].copy_(src[s], non_blocking=True)
 
     @staticmethod
     def geometry(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

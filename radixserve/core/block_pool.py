@@ -40,15 +40,18 @@ class BlockPool:
         """Free block ids (on a hybrid pool, pages may be scarcer: num_free)."""
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (ref count 1 each). Raises if fewer than n are free."""
-        if n > self.num_free:
-            raise MemoryError(f"asked for {n} KV blocks, only {self.num_free} free")
+    def allocate(self, n: int, windows: list[bool] | None = None) -> list[int]:
+        """Take n free blocks (ref count 1 each). Raises if fewer than n are free. On a hybrid
+        pool each takes a window page, or (`windows`) only those marked True: the others are
+        tombstones from the start (a tier restore whose window did not come back)."""
+        pages = n if windows is None or self.window is None else sum(windows)
+        if n > len(self._free) or (self.window is not None and pages > self.window.num_free):
+            raise MemoryError(f"asked for {n} KV blocks ({pages} window pages), only {self.num_free} free")
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
         if self.window is not None:
-            self.window.attach(blocks)
+            self.window.attach(blocks if windows is None else [b for b, w in zip(blocks, windows) if w])
         return blocks
 
     def share(self, blocks: Iterable[int]) -> None:

@@ -108,9 +108,12 @@ class KVManager:
         tokens = request.token_ids[: request.reusable_prefix_len()]
         match = self.cache.match_prefix(tokens, request.cache_salt)
         window = self.pool.window
-        if window is not None and match.blocks:
-            valid = window.valid_prefix(match.blocks)
-            if valid < len(match.blocks) + match.num_tier_blocks:
+        if window is not None and (match.blocks or match.num_tier_blocks):
+            resident = [window.has_page(b) for b in match.blocks]
+            if match.num_tier_blocks:
+                resident += self.cache.tier_windows(match)  # where a restore brings the window back
+            valid = window.valid_length(resident)
+            if valid < len(resident):
                 match = self.cache.match_prefix(tokens[: valid * self.block_size], request.cache_salt)
         self.cache.lock(match.node)
         return match
@@ -136,9 +139,13 @@ class KVManager:
         """Hybrid KV: whether the window pages the request's first chunk allocates are free,
         trimming cached windows for them if not (the pool's blocks are checked apart)."""
         matched = len(match.blocks) if match is not None else 0
-        chunk = min(request.num_tokens, matched * self.block_size + self.max_chunk_tokens)
-        need = -(-chunk // self.block_size) - matched
-        keep = set(match.blocks[self.pool.window.first_needed(matched * self.block_size):]) if matched else set()
+        tier = match.num_tier_blocks if match is not None else 0
+        chunk = min(request.num_tokens, (matched + tier) * self.block_size + self.max_chunk_tokens)
+        need = -(-chunk // self.block_size) - matched - tier
+        if tier:
+            need += sum(self.cache.tier_windows(match))  # the pages a restore brings back
+        first = self.pool.window.first_needed((matched + tier) * self.block_size)
+        keep = set(match.blocks[first:]) if matched else set()
         return self._free_pages(need, keep, in_use=alone)
 
     def _free_pages(self, need: int, keep: set[int] = frozenset(), in_use: bool = False) -> bool:

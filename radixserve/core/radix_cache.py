@@ -39,7 +39,7 @@ RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
 
 class RadixNode:
     __slots__ = (
-        "node_id", "parent", "children", "tokens", "blocks", "slots", "digests", "salt", "lock_ref",
+        "node_id", "parent", "children", "tokens", "blocks", "slots", "window_slots", "digests", "salt", "lock_ref",
         "last_access", "protect", "demoted", "alive", "sort_key", "ev_count",
     )
 
@@ -50,6 +50,7 @@ class RadixNode:
         self.tokens = tokens
         self.blocks = blocks  # pool block ids; [] when the node is only in the tier
         self.slots: list[int] = []  # tier slot ids; [] when the node has no tier copy
+        self.window_slots: list[int] = []  # hybrid KV: each tier block's window-page slot (-1: none), or []
         self.digests: list[int] = []  # chained hash of each block's prefix (tier on)
         self.salt: str | None = None
         self.lock_ref = 0
@@ -94,8 +95,12 @@ class RadixCache:
     def __init__(
         self, pool: BlockPool, block_size: int, tier: KVTier | None = None,
         write_through: bool = False, record_entries: bool = False, events: KVEventLog | None = None,
+        window_tier: KVTier | None = None,
     ):
         self.pool = pool
+        # hybrid KV: tier slots for window pages; a block saved while it has a page keeps it in one
+        # (if one is free), and a restored block has a page only where its window came back
+        self.window_tier = window_tier if tier is not None and pool.window is not None else None
         self.events = events  # every block stored and removed, medium by medium (KV events)
         self._digests = tier is not None or events is not None  # nodes name their blocks by chained hash
         self.block_size = block_size
@@ -186,6 +191,20 @@ class RadixCache:
                 slots.extend(node.slots[:take])
         return slots
 
+    def tier_windows(self, match: MatchResult) -> list[bool]:
+        """Hybrid KV: for each block of the match's tier-only tail, in order, whether its
+        window page is in the tier too (a restore brings it back; the others come back as
+        tombstones)."""
+        path = []
+        node = match.node
+        while not node.is_root and not node.in_pool:
+            path.append(node)
+            node = node.parent
+        return [w >= 0 for n in reversed(path) for w in self._window_slots(n)]
+
+    def _window_slots(self, node: RadixNode) -> list[int]:
+        return node.window_slots or [-1] * len(node.slots)
+
     def restore(self, match: MatchResult) -> list[int]:
         """Bring the tier-only tail of a (locked) match into the pool, top down, evicting
         other entries as needed; returns the pool blocks of the whole match. The copies are
@@ -198,14 +217,22 @@ class RadixCache:
             path.append(node)
             node = node.parent
         need = sum(self._size(n) for n in path)
-        if need > self.pool.num_free:
-            self.evict(need - self.pool.num_free)
-        if need > self.pool.num_free:
-            raise MemoryError(f"restoring {need} blocks: only {self.pool.num_free} free")
+        pages = sum(s >= 0 for n in path for s in self._window_slots(n)) if self.pool.window is not None else need
+        if need > self.pool.num_free_blocks:
+            self.evict(need - self.pool.num_free_blocks)
+        if need > self.pool.num_free_blocks or (self.pool.window is not None and pages > self.pool.window.num_free):
+            raise MemoryError(f"restoring {need} blocks ({pages} window pages): only {self.pool.num_free} free")
         blocks = list(match.blocks)
         for node in reversed(path):
-            node.blocks = self.pool.allocate(len(node.slots))
-            self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
+            if self.pool.window is None:
+                node.blocks = self.pool.allocate(len(node.slots))
+                self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
+            else:  # a window page only where one was saved: the others are tombstones
+                windows = self._window_slots(node)
+                node.blocks = self.pool.allocate(len(node.slots), [w >= 0 for w in windows])
+                page_of = self.pool.window.page_of
+                self.copies.extend(KVCopy(False, b, s, page_of[b] if w >= 0 else -1, w)
+                                   for b, s, w in zip(node.blocks, node.slots, windows))
             self._stored(node, POOL)
             self.num_cached_blocks += len(node.blocks)
             blocks.extend(node.blocks)
@@ -405,7 +432,9 @@ class RadixCache:
             raise AssertionError(f"tier eviction set {sorted(got_tier)} != candidates {sorted(want_tier)}")
         if self.tier is not None:
             self.tier.check_integrity(self.held_slots())
-        elif tier_blocks:
+        if self.window_tier is not None:
+            self.window_tier.check_integrity([w for node in self.nodes() for w in node.window_slots if w >= 0])
+        if self.tier is None and tier_blocks:
             raise AssertionError("tier slots held without a tier")
 
     # ---- helpers ----------------------------------------------------------------
@@ -437,6 +466,7 @@ class RadixCache:
         parent = node.parent
         upper = RadixNode(next(self._ids), parent, node.tokens[:n_blocks * bs], node.blocks[:n_blocks])
         upper.slots = node.slots[:n_blocks]
+        upper.window_slots = node.window_slots[:n_blocks]
         upper.digests = node.digests[:n_blocks]
         for attr in ("salt", "lock_ref", "last_access", "protect", "demoted"):
             setattr(upper, attr, getattr(node, attr))
@@ -444,6 +474,7 @@ class RadixCache:
         node.tokens = node.tokens[n_blocks * bs:]
         node.blocks = node.blocks[n_blocks:]
         node.slots = node.slots[n_blocks:]
+        node.window_slots = node.window_slots[n_blocks:]
         node.digests = node.digests[n_blocks:]
         node.parent = upper
         upper.children[tuple(node.tokens[:bs])] = node
@@ -513,7 +544,13 @@ class RadixCache:
         node.slots = self.tier.allocate(len(node.blocks))
         self._stored(node, TIER)
         self.num_tier_blocks += len(node.slots)
-        self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
+        if self.window_tier is None:
+            self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
+        else:  # each window page goes too while a window slot is free (else the tier copy is a tombstone)
+            page_of, wt = self.pool.window.page_of, self.window_tier
+            node.window_slots = [wt.allocate(1)[0] if page_of[b] >= 0 and wt.num_free else -1 for b in node.blocks]
+            self.copies.extend(KVCopy(True, b, s, page_of[b] if w >= 0 else -1, w)
+                               for b, s, w in zip(node.blocks, node.slots, node.window_slots))
         if self.record_entries:
             parents = [node.parent.digests[-1]] + node.digests[:-1]
             bs = self.block_size
@@ -539,6 +576,9 @@ class RadixCache:
 
     def _free_slots(self, node: RadixNode) -> None:
         self.tier.free(node.slots)
+        if node.window_slots:
+            self.window_tier.free([w for w in node.window_slots if w >= 0])
+            node.window_slots = []
         self._removed(node, TIER)
         if self.record_entries:
             self.tier_events.extend(("free", s) for s in node.slots)
@@ -614,6 +654,8 @@ class RadixCache:
         size = self._size(node)
         if len(node.tokens) != size * self.block_size or size == 0:
             raise AssertionError(f"{node}: {len(node.tokens)} tokens is not a positive number of blocks")
+        if len(node.window_slots) not in (0, len(node.slots)):
+            raise AssertionError(f"{node}: {len(node.window_slots)} window slots for {len(node.slots)} tier blocks")
         if len(node.blocks) not in (0, size) or len(node.slots) not in (0, size):
             raise AssertionError(f"{node}: {size} blocks but {len(node.blocks)} in pool, {len(node.slots)} in tier")
         if not node.blocks and not node.slots:

@@ -107,10 +107,15 @@ class WindowPages:
         """How many of a cached prefix's leading blocks a request may reuse: the longest
         j <= len(blocks) whose window (the blocks from first_needed(j * block_size) to j)
         all have pages."""
-        j = len(blocks)
+        return self.valid_length([self.page_of[b] != NO_PAGE for b in blocks])
+
+    def valid_length(self, resident: list[bool]) -> int:
+        """valid_prefix over each block's window residency (a pool block's page, or a tier
+        block's saved window page)."""
+        j = len(resident)
         while j > 0:
             start = self.first_needed(j * self.block_size)
-            hole = next((i for i in range(j - 1, start - 1, -1) if self.page_of[blocks[i]] == NO_PAGE), None)
+            hole = next((i for i in range(j - 1, start - 1, -1) if not resident[i]), None)
             if hole is None:
                 return j
             j = hole  # every end past the hole but within a window of it sees the hole too

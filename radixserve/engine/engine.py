@@ -518,14 +518,21 @@ class Engine:
 
     def _build_tiering(self) -> Tiering:
         spec, cfg = self.loaded.spec, self.config
-        block_shape, storage = KVPool.geometry(spec.num_layers, cfg.block_size, spec.num_kv_heads, spec.head_dim,
+        full_layers = spec.num_layers - self._window_layers() if self.hybrid else spec.num_layers
+        block_shape, storage = KVPool.geometry(full_layers, cfg.block_size, spec.num_kv_heads, spec.head_dim,
                                                self.dtype, cfg.kv_cache_dtype)
+        if self.hybrid:  # a slot holds a block's full layers; window pages get slots of their own
+            page_shape, _ = KVPool.geometry(self._window_layers(), cfg.block_size, spec.num_kv_heads, spec.head_dim,
+                                            self.dtype, cfg.kv_cache_dtype)
+            ratio = self.pool.window.num_pages / self.pool.num_blocks
         layout = {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
                   "block_size": cfg.block_size, "kv_layout": "layer,kv,block,token,head,dim",
                   "kv_cache_dtype": self.kv_cache_dtype}
         code = page_code(cfg.kv_cache_dtype)
         if code:
             layout.update(kv_layout="layer,kv,block,page", kv_scheme=code.scheme, kv_key_basis=KEY_BASIS)
+        if self.hybrid:
+            return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout, page_shape, ratio)
         return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
     def _after_cache_changes(self) -> None:
@@ -568,16 +575,19 @@ class Engine:
             events = KVEventLog()
             events.cleared()  # a (re)started engine holds nothing, whatever a subscriber knew of it
         return RadixCache(self.pool, cfg.block_size, self.tiering.slots, write_through=persisted,
-                          record_entries=persisted, events=events)
+                          record_entries=persisted, events=events, window_tier=self.tiering.window_slots)
 
     def _hybrid_kv(self) -> bool:
         """Whether window layers keep their KV apart (core/window_pages.py): a model with
-        window layers, hybrid_kv auto, and none of what copies whole blocks (the tier)."""
+        window layers, hybrid_kv auto, and no persistence across restarts (its index and
+        file hold whole blocks). The second tier keeps hybrid KV (a block's full layers and,
+        where it has one, its window page)."""
         spec, cfg = self.loaded.spec, self.config
         if not spec.windowed or cfg.hybrid_kv == "off" or max(spec.layer_windows) >= self.max_model_len:
             return False  # (a window as long as the context keeps everything anyway)
-        if cfg.kv_offload_memory or cfg.kv_offload_dir or cfg.kv_persist_dir:
-            logger.info("hybrid KV off: the second KV tier copies whole blocks; every layer keeps its KV")
+        if cfg.kv_persist_dir:
+            logger.info("hybrid KV off: kv_persist_dir persists whole blocks of every layer across restarts; "
+                        "every layer keeps its KV (the second tier without persistence keeps hybrid KV)")
             return False
         return True
 

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVCopy:
-    """Copy pool block `block` to tier slot `slot` (to_tier) or back (not to_tier)."""
+    """Copy pool block `block` to tier slot `slot` (to_tier) or back (not to_tier). Hybrid KV:
+    with `page` and `window_slot` (both >= 0), the block's window page too, to or from that
+    slot of the tier's window part."""
 
     to_tier: bool
     block: int
     slot: int
+    page: int = -1
+    window_slot: int = -1
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,16 @@ TIER_FILE = "kv_tier.bin"
 
 
 class TierStore:
-    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, directory: str | None):
+    def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, directory: str | None,
+                 num_window_slots: int = 0, page_shape: tuple[int, ...] = ()):
         element = torch.empty((), dtype=dtype).element_size()
         self.num_slots = num_slots
         self.slot_bytes = element * int(torch.Size(block_shape).numel())
         size = num_slots * self.slot_bytes
+        # hybrid KV: window pages in slots of their own, in memory (never persisted)
+        self.window_slot_bytes = element * int(torch.Size(page_shape).numel()) if num_window_slots else 0
+        self.window_data = (torch.zeros((num_window_slots, *page_shape), dtype=dtype) if num_window_slots
+                            else None)
         self.path = os.path.join(directory, TIER_FILE) if directory else None
         self._memory, self._fd = _map(self.path, size)
         self._close_fd = weakref.finalize(self, os.close, self._fd) if self._fd is not None else None
@@ -45,15 +50,21 @@ class TierStore:
     def run(self, pool: KVPool, copies: list[KVCopy]) -> None:
         """Execute tier copies in order (the engine thread, before the forward pass): runs
         of the same direction touching distinct slots and blocks go in one batch."""
-        for to_tier, blocks, slots in _batches(copies):
+        for to_tier, batch in _batches(copies):
+            blocks, slots = [c.block for c in batch], [c.slot for c in batch]
+            windows = [c for c in batch if c.page >= 0 and c.window_slot >= 0]
             if to_tier:
                 for s in slots:
                     self.seq[s] += 1  # odd: being written
                 pool.copy_blocks_out(blocks, self.data, slots)
                 for s in slots:
                     self.seq[s] += 1
+                if windows:
+                    pool.copy_pages_out([c.page for c in windows], self.window_data, [c.window_slot for c in windows])
             else:
                 pool.copy_blocks_in(slots, self.data, blocks)
+                if windows:
+                    pool.copy_pages_in([c.window_slot for c in windows], self.window_data, [c.page for c in windows])
 
     def slot_view(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes
@@ -122,15 +133,18 @@ def slot_runs(slots: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def _batches(copies: list[KVCopy]):
-    """(to_tier, blocks, slots) runs of consecutive copies that can run as one batch."""
+    """(to_tier, copies) runs of consecutive copies that can run as one batch (no slot, block,
+    window page or window slot twice)."""
     batch: list[KVCopy] = []
     for c in copies:
-        if batch and (c.to_tier != batch[0].to_tier or any(c.slot == b.slot or c.block == b.block for b in batch)):
-            yield batch[0].to_tier, [b.block for b in batch], [b.slot for b in batch]
+        if batch and (c.to_tier != batch[0].to_tier or any(
+                c.slot == b.slot or c.block == b.block or (c.page >= 0 and c.page == b.page)
+                or (c.window_slot >= 0 and c.window_slot == b.window_slot) for b in batch)):
+            yield batch[0].to_tier, batch
             batch = []
         batch.append(c)
     if batch:
-        yield batch[0].to_tier, [b.block for b in batch], [b.slot for b in batch]
+        yield batch[0].to_tier, batch
 
 
 def _map(path: str | None, size: int) -> tuple[mmap.mmap, int | None]:

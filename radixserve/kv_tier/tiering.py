@@ -44,6 +44,7 @@ class TierStats:
 @dataclasses.dataclass
 class Tiering:
     slots: KVTier | None = None
+    window_slots: KVTier | None = None  # hybrid KV: slots of window pages (store.window_data)
     store: TierStore | None = None
     persister: TierPersister | None = None
     prefetch: TierPrefetcher | None = None
@@ -52,9 +53,12 @@ class Tiering:
 
     @classmethod
     def build(cls, config: EngineConfig, model: torch.nn.Module, block_shape: tuple[int, ...],
-              dtype: torch.dtype, layout: dict[str, Any]) -> "Tiering":
+              dtype: torch.dtype, layout: dict[str, Any], page_shape: tuple[int, ...] = (),
+              window_ratio: float = 0.0) -> "Tiering":
         """A tier of slots of one pool block each: block_shape elements of dtype (the pool's
-        storage: int8 pages are uint8 bytes to the tier)."""
+        storage: int8 pages are uint8 bytes to the tier). Hybrid KV (`page_shape`): beside
+        them, window_ratio window-page slots per block slot (page_shape each), in memory, in
+        the same kv_offload_memory; persistence keeps every layer (the engine turns hybrid off)."""
         size = config.kv_offload_memory
         if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
@@ -63,24 +67,29 @@ class Tiering:
             log.info("KV tier: kv_offload_memory not set, so the tier takes the default %.2f GiB", size / 2**30)
         element = torch.empty((), dtype=dtype).element_size()
         per_block = element * int(torch.Size(block_shape).numel())
-        num_slots = size // per_block
+        per_page = element * int(torch.Size(page_shape).numel()) if page_shape else 0
+        num_slots = int(size // (per_block + window_ratio * per_page))
+        num_window_slots = max(1, int(num_slots * window_ratio)) if per_page else 0
         if num_slots < 1:
             return cls._degrade(f"kv_offload_memory of {size} bytes holds no block ({per_block} bytes each)")
         directory = config.kv_persist_dir or config.kv_offload_dir
         try:
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            store = TierStore(num_slots, block_shape, dtype, directory)
+            store = TierStore(num_slots, block_shape, dtype, directory, num_window_slots, page_shape)
         except (OSError, ValueError) as exc:
             return cls._degrade(f"cannot create a {size}-byte tier in {directory}: {type(exc).__name__}: {exc}")
-        tiering = cls(KVTier(num_slots), store, prefetch=TierPrefetcher.start(store))
+        tiering = cls(KVTier(num_slots), KVTier(num_window_slots) if num_window_slots else None, store,
+                      prefetch=TierPrefetcher.start(store))
         if config.kv_persist_dir:
             header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size,
                       "kv_cache_dtype": layout.get("kv_cache_dtype")}  # named apart, so a log says it differs
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
             atexit.register(tiering.close)  # the last index write, also when nobody calls close()
-        log.info("KV tier: %d blocks (%.2f GiB) in %s%s", num_slots, num_slots * per_block / 2**30,
-                 store.path or "memory", ", persisted" if tiering.persister else "")
+        log.info("KV tier: %d blocks (%.2f GiB) in %s%s%s", num_slots, num_slots * per_block / 2**30,
+                 store.path or "memory", ", persisted" if tiering.persister else "",
+                 f", {num_window_slots} window pages ({num_window_slots * per_page / 2**30:.2f} GiB) in memory"
+                 if num_window_slots else "")
         return tiering
 
     @classmethod

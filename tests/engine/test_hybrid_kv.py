@@ -186,16 +186,78 @@ def test_int8_pages_give_the_same_tokens_hybrid_or_not(tiny_model_dir):
     assert got == want and hybrid.pool.window.trimmed > 0
 
 
-def test_the_second_tier_keeps_every_layer(tiny_model_dir, caplog):
+def test_the_second_tier_keeps_hybrid_kv_and_a_restore_equals_recompute(tiny_model_dir):
+    """A block leaving the pool for the tier takes its full layers and, where it has one, its
+    window page: a follow-up restores both (a hit of the whole turn, counted as restored) and
+    its tokens equal transformers' (recomputing everything). Integrity (the tier's block and
+    window slots too) holds after every step."""
+    directory = tiny_model_dir("gemma3")
+    engine = engine_for(directory, num_kv_blocks=12, window_pages_ratio=1.0, chunked_prefill_size=8,
+                        max_num_batched_tokens=16, kv_offload_memory=1 << 16)
+    assert engine.runner.pool.hybrid and engine.tiering.window_slots is not None
+    a, b, c, d = prompts_of([14, 14, 14, 14], seed=31)
+    outs = [run_checked(engine, [p], 3)[0] for p in (a, b, c, d)]  # d's blocks push a's to the tier
+    match = engine.cache.match_prefix(a + outs[0].token_ids[:2], None)
+    assert match.blocks == [] and match.num_tier_blocks == 4
+    assert engine.cache.tier_windows(match) == [False, False, True, True]  # the window before a's end went too
+    follow = a + outs[0].token_ids + [5, 6, 7]
+    out = run_checked(engine, [follow], 4)[0]
+    assert out.cached_tokens == 16 and engine.stats()["restored_prompt_tokens"] == 16
+    assert out.token_ids == hf_greedy(directory, follow, 4)
+    engine.flush_cache()
+    engine.check_integrity()
+    assert engine.tiering.window_slots.num_free == engine.tiering.window_slots.num_slots
+
+
+def test_a_restored_block_has_a_window_only_where_its_page_came_back():
+    """Saving a node whose last two blocks have pages, with one window slot in the tier: the
+    first of them keeps its window in the tier, the other is saved as a tombstone. Restored,
+    only the first gets a page (its saved one copied back), so no end of it is valid."""
+    from radixserve.core.block_pool import BlockPool
+    from radixserve.core.radix_cache import RadixCache
+    from radixserve.kv_tier.index import KVCopy, KVTier
+
+    window = WindowPages(8, 8, window=6, block_size=4)
+    pool = BlockPool(8, window)
+    cache = RadixCache(pool, 4, KVTier(8), window_tier=KVTier(1))
+    tokens = list(range(16))
+    blocks = pool.allocate(4)
+    window.trim(blocks[0]), window.trim(blocks[1])
+    cache.insert(tokens, blocks)
+    pool.free(reversed(blocks))
+    pages = [window.page_of[b] for b in blocks]
+    assert pages == [NO_PAGE, NO_PAGE, 2, 3]
+    assert cache.evict(4) == 4 and window.num_free == 8
+    node = cache.match_prefix(tokens).node
+    assert node.slots == [0, 1, 2, 3] and node.window_slots == [-1, -1, 0, -1]
+    assert cache.take_copies() == [KVCopy(True, 0, 0), KVCopy(True, 1, 1), KVCopy(True, 2, 2, 2, 0),
+                                   KVCopy(True, 3, 3)]
+    match = cache.match_prefix(tokens)
+    assert cache.tier_windows(match) == [False, False, True, False]
+    assert window.valid_length([False, False, True, False]) == 0
+    cache.lock(match.node)
+    restored = cache.restore(match)
+    assert [window.has_page(b) for b in restored] == [False, False, True, False]
+    page = window.page_of[restored[2]]
+    assert cache.take_copies() == [KVCopy(False, restored[0], 0), KVCopy(False, restored[1], 1),
+                                   KVCopy(False, restored[2], 2, page, 0), KVCopy(False, restored[3], 3)]
+    cache.unlock(match.node)
+    cache.check_integrity()
+    window.check_integrity(pool.ref_counts, [])
+
+
+def test_persistence_across_restarts_keeps_every_layer(tiny_model_dir, caplog, tmp_path):
     import logging
 
     with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
-        engine = engine_for(tiny_model_dir("gemma3"), kv_offload_memory=1 << 22)
-    assert not engine.runner.pool.hybrid and engine.pool.window is None
-    assert "hybrid KV off: the second KV tier copies whole blocks" in caplog.text
-    prompt = prompts_of([21], seed=12)[0]
-    out = run_checked(engine, [prompt], 6)[0]
-    assert out.token_ids == hf_greedy(tiny_model_dir("gemma3"), prompt, 6)
+        engine = engine_for(tiny_model_dir("gemma3"), kv_persist_dir=str(tmp_path / "kv"), kv_offload_memory=1 << 16)
+    try:
+        assert not engine.runner.pool.hybrid and engine.pool.window is None
+        assert "hybrid KV off: kv_persist_dir persists whole blocks" in caplog.text
+        prompt = prompts_of([21], seed=12)[0]
+        assert run_checked(engine, [prompt], 6)[0].token_ids == hf_greedy(tiny_model_dir("gemma3"), prompt, 6)
+    finally:
+        engine.close()
 
 
 def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
