@@ -148,6 +148,11 @@ class KVManager:
         keep = set(match.blocks[first:]) if matched else set()
         return self._free_pages(need, keep, in_use=alone)
 
+    def make_window_room(self, need: int) -> bool:
+        """Hybrid KV: whether `need` window pages are free, trimming unlocked cached windows
+        for them if not (a KV import's reserve); True on a pool without window pages."""
+        return self.pool.window is None or self._free_pages(need)
+
     def _free_pages(self, need: int, keep: set[int] = frozenset(), in_use: bool = False) -> bool:
         """Hybrid KV: make `need` window pages free by trimming cached windows (their ends
         become tombstones for the window layers; their full-layer KV stays cached), never by

@@ -58,6 +58,7 @@ class PendingImport:
     state: str = "reserved"
     error: str | None = None
     copy_ms: float = 0.0
+    pages: list[int] = field(default_factory=list)  # hybrid KV: the window pages of the reserved blocks sent with one
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -71,7 +72,7 @@ class PendingImport:
         t0 = time.perf_counter()
         try:
             if self.block_table:
-                _write_blocks(self.pool, self.block_table, self.handoff, self.skip)
+                _write_blocks(self.pool, self.block_table, self.handoff, self.skip, self.pages)
             outcome = "copied"
         except Exception as exc:  # the request computes its prompt instead
             self.error = f"copying the blocks in failed: {type(exc).__name__}: {exc}"
@@ -108,13 +109,21 @@ def reserve(engine: "Engine", handoff: Handoff, hold_id: str, deadline: float) -
         pending.state = "copied"  # nothing to copy, nothing held
         return pending
     cache.lock(match.node)  # the matched prefix must not be evicted to make room, nor until commit
-    if todo > engine.pool.num_free:
-        cache.evict(todo - engine.pool.num_free)
-    todo = min(todo, engine.pool.num_free)
+    if todo > engine.pool.num_free_blocks:
+        cache.evict(todo - engine.pool.num_free_blocks)
+    todo = min(todo, engine.pool.num_free_blocks)
+    windows = None
+    if engine.pool.window is not None:  # hybrid KV: a page for each block whose window page came
+        windows = handoff.window_mask[skip:skip + todo]
+        if not engine.kv.make_window_room(sum(windows)):
+            todo = 0
     if todo <= 0:
         cache.unlock(match.node)
         return ImportResult(0, skip, failed="no free block for the handoff")
-    pending.block_table = engine.pool.allocate(todo)
+    pending.block_table = engine.pool.allocate(todo, windows)
+    if windows is not None:
+        page_of = engine.pool.window.page_of
+        pending.pages = [page_of[b] for b, w in zip(pending.block_table, windows) if w]
     pending.cache_node = match.node
     return pending
 
@@ -156,6 +165,18 @@ def incompatible(engine: "Engine", handoff: Handoff) -> str | None:
         return f"block layout {handoff.block_shape} {handoff.dtype} != {pool.block_shape()} {pool.kv.dtype}"
     if not isinstance(handoff.data, np.ndarray) or handoff.data.shape != (handoff.num_blocks, block_bytes(pool)):
         return "the handoff carries no block data of this pool's block size"
+    page_shape = getattr(handoff, "page_shape", None)
+    if pool.hybrid != (page_shape is not None):
+        return ("the handoff keeps window layers apart (hybrid KV) and this engine does not" if page_shape is not None
+                else "this engine keeps window layers apart (hybrid KV) and the handoff does not")
+    if pool.hybrid:
+        mask = handoff.window_mask
+        if tuple(page_shape) != tuple(pool.page_shape()):
+            return f"window page layout {page_shape} != {pool.page_shape()}"
+        if (not isinstance(mask, list) or len(mask) != handoff.num_blocks
+                or not isinstance(handoff.window_data, np.ndarray)
+                or handoff.window_data.shape != (sum(mask), page_bytes(pool))):
+            return "the handoff's window pages do not match its blocks"
     bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
     tokens = handoff.token_ids[:(start + n) * bs]
     if len(tokens) < (start + n) * bs:
@@ -169,18 +190,34 @@ def block_bytes(pool: Any) -> int:
     return int(torch.Size(pool.block_shape()).numel()) * pool.kv.element_size()
 
 
+def page_bytes(pool: Any) -> int:
+    return int(torch.Size(pool.page_shape()).numel()) * pool.window_kv.element_size()
+
+
 def _drop(engine: "Engine", pending: PendingImport) -> None:
     engine.kv.external_holds.pop(pending.hold_id, None)
     engine.pool.free(reversed(pending.block_table))
     engine.cache.unlock(pending.cache_node)
 
 
-def _write_blocks(pool: Any, blocks: list[int], handoff: Handoff, skip: int) -> None:
+def _write_blocks(pool: Any, blocks: list[int], handoff: Handoff, skip: int, pages: list[int]) -> None:
     data = np.ascontiguousarray(handoff.data[skip:skip + len(blocks)])
     with warnings.catch_warnings():  # a read-only view of Ray's object store: only read here,
         warnings.simplefilter("ignore", UserWarning)  # so no copy is made of it first
         src = torch.from_numpy(data).to(pool.kv.device)
     src = src.view(pool.kv.dtype).view(len(blocks), *pool.block_shape())
     pool.copy_blocks_in(list(range(len(blocks))), src, blocks)
+    if pool.hybrid:  # the window pages of the blocks that brought one (reserve gave exactly those a page)
+        window = handoff.window_mask[skip:skip + len(blocks)]
+        first = sum(handoff.window_mask[:skip])
+        if len(pages) != sum(window):
+            raise RuntimeError(f"{len(pages)} window pages reserved for {sum(window)} sent")
+        if pages:
+            data = np.ascontiguousarray(handoff.window_data[first:first + len(pages)])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                psrc = torch.from_numpy(data).to(pool.window_kv.device)
+            psrc = psrc.view(pool.window_kv.dtype).view(len(pages), *pool.page_shape())
+            pool.copy_pages_in(list(range(len(pages))), psrc, pages)
     if pool.kv.device.type == "cuda":  # the engine thread's next step reads them on its own stream
         torch.cuda.synchronize(pool.kv.device)

@@ -11,7 +11,10 @@ and goes on from the first token, computing the tail that is not a full block it
     decode computes:                        | tail + first token | -> second token ...
 
 A block moves as the pool's own per-block storage (KVPool.copy_blocks_out / in, the seam the
-second tier uses), viewed as bytes: any KV dtype moves the same way. Blocks are named by
+second tier uses), viewed as bytes: any KV dtype moves the same way. Hybrid KV (both engines
+keep window layers apart): a block's bytes are its full layers, and each block that has a
+window page sends it too (window_mask, window_data), so the window before the prompt's end
+arrives with it; the decode side never skips those blocks (cached_blocks). Blocks are named by
 their chained hashes (core/hashing.py); the decode side checks them against the token ids.
 The prefill side holds the exported blocks (one reference each and a lock, like a running
 request) until `release` or until `hold_s` passes, whichever comes first.
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from radixserve.core.hashing import chain_hashes, root_hash
-from radixserve.engine.kv_import import ImportResult, PendingImport, block_bytes, cancel, commit, reserve
+from radixserve.engine.kv_import import ImportResult, PendingImport, block_bytes, cancel, commit, page_bytes, reserve
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
@@ -60,6 +63,10 @@ class KVHandoff:
     first_logprob: Any = None
     source: str | None = None  # the replica that holds the blocks (where `release` goes)
     export_ms: float = 0.0
+    # hybrid KV: the window layers' page of each block sent that has one (window_mask), in order
+    page_shape: tuple[int, ...] | None = None
+    window_mask: list[bool] | None = None
+    window_data: Any = None  # uint8 array [sum(window_mask), bytes per page]
 
     @property
     def num_blocks(self) -> int:
@@ -71,7 +78,8 @@ class KVHandoff:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes) if isinstance(self.data, np.ndarray) else 0
+        window = int(self.window_data.nbytes) if isinstance(self.window_data, np.ndarray) else 0
+        return (int(self.data.nbytes) if isinstance(self.data, np.ndarray) else 0) + window
 
 
 class TransferFailed:
@@ -151,21 +159,26 @@ class KVTransfer:
     # ---- both sides ---------------------------------------------------------------------
 
     def cached_blocks(self, token_ids: list[int], salt: str | None) -> int:
-        """Leading full blocks of the prompt this engine's tree holds in its pool (read-only)."""
+        """Leading full blocks of the prompt this engine's tree holds in its pool (read-only).
+        Hybrid KV: never the last window's blocks before the prompt's full blocks end (their
+        window pages come with the handoff, so the decode side's match reaches its end)."""
         cache = self.engine.cache
         if cache is None:
             return 0
         bs = cache.block_size
-        tokens, node = cache.peek_prefix(token_ids[:_full_blocks(token_ids, bs) * bs], salt)
+        full = _full_blocks(token_ids, bs)
+        tokens, node = cache.peek_prefix(token_ids[:full * bs], salt)
         if node is None or node.is_root or node.in_pool:
-            return tokens // bs  # residency is top-connected: the whole match is in the pool
-        while not node.is_root and not node.in_pool:
-            node = node.parent  # the tier-only tail would need restoring: it does not count
-        blocks = 0
-        while not node.is_root:
-            blocks += len(node.tokens) // bs
-            node = node.parent
-        return blocks
+            blocks = tokens // bs  # residency is top-connected: the whole match is in the pool
+        else:
+            while not node.is_root and not node.in_pool:
+                node = node.parent  # the tier-only tail would need restoring: it does not count
+            blocks = 0
+            while not node.is_root:
+                blocks += len(node.tokens) // bs
+                node = node.parent
+        window = self.engine.pool.window
+        return min(blocks, window.first_needed(full * bs)) if window is not None else blocks
 
     # ---- prefill side -------------------------------------------------------------------
 
@@ -175,8 +188,8 @@ class KVTransfer:
     ) -> KVHandoff:
         """The handoff of a computed prompt: the bytes of its full blocks from `skip_blocks`
         on, held (referenced and locked) until release() or hold_s. Blocks the tree no
-        longer holds (evicted meanwhile) end the handoff early: the decode side computes them."""
-        _refuse_hybrid(self.engine)
+        longer holds (evicted meanwhile) end the handoff early: the decode side computes them.
+        Hybrid KV: each block's full layers, and the window page of each that has one."""
         t0 = time.perf_counter()
         self.enabled = True
         now = time.monotonic() if now is None else now
@@ -199,6 +212,11 @@ class KVTransfer:
             handoff_id, list(token_ids), first_token, salt, bs, skip_blocks, hashes, tuple(pool.block_shape()),
             str(pool.kv.dtype), _read_blocks(pool, blocks), first_logprob,
         )
+        if pool.hybrid:
+            window = engine.pool.window
+            handoff.page_shape = tuple(pool.page_shape())
+            handoff.window_mask = [window.has_page(b) for b in blocks]
+            handoff.window_data = _read_pages(pool, [window.page_of[b] for b in blocks if window.has_page(b)])
         handoff.export_ms = (time.perf_counter() - t0) * 1000.0
         self.stats.exports += 1
         self.stats.sent_blocks += len(blocks)
@@ -269,7 +287,6 @@ class KVTransfer:
         this thread (reserve, copy, commit). The tree is matched again first: blocks it gained
         since are not copied; a tree that lost blocks before the handoff's start (a gap) cannot
         take it (`failed`)."""
-        _refuse_hybrid(self.engine)
         pending = self.reserve(handoff)
         if isinstance(pending, ImportResult):
             return pending
@@ -280,7 +297,6 @@ class KVTransfer:
     def reserve(self, handoff: KVHandoff, now: float | None = None) -> PendingImport | ImportResult:
         """Reserve the blocks the tree lacks for the handoff's bytes (PendingImport.copy fills
         them on any thread; then commit or cancel here), or a failed ImportResult. Engine thread."""
-        _refuse_hybrid(self.engine)
         t0 = time.perf_counter()
         self.enabled = True
         now = time.monotonic() if now is None else now
@@ -330,7 +346,10 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     return dest.view(torch.uint8).reshape(len(blocks), block_bytes(pool)).cpu().numpy()
 
 
-def _refuse_hybrid(engine: Any) -> None:
-    if engine.runner.pool.hybrid:
-        raise ValueError("KV transfer moves whole blocks of every layer; this engine keeps its sliding-window "
-                         "layers' KV apart (hybrid KV): start it with hybrid_kv off to hand KV between replicas")
+def _read_pages(pool: Any, pages: list[int]) -> np.ndarray:
+    """Window pages' bytes, [len(pages), bytes per page] (hybrid KV)."""
+    shape = pool.page_shape()
+    dest = torch.empty((len(pages), *shape), dtype=pool.window_kv.dtype, device=pool.window_kv.device)
+    if pages:
+        pool.copy_pages_out(pages, dest, list(range(len(pages))))
+    return dest.view(torch.uint8).reshape(len(pages), page_bytes(pool)).cpu().numpy()

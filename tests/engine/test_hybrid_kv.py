@@ -165,11 +165,64 @@ def test_the_same_memory_holds_more_blocks_and_off_keeps_every_layer(tiny_model_
             == full.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids)
 
 
-def test_kv_transfer_is_refused_on_a_hybrid_pool(tiny_model_dir):
-    engine = engine_for(tiny_model_dir("gemma3"))
-    with pytest.raises(ValueError, match="hybrid_kv off"):
-        engine.kv_transfer.export([1, 2, 3, 4, 5, 6, 7, 8, 9], None, 0, 5)
-    engine.check_integrity()
+def _prefill_and_decode(p, d, prompt, max_tokens):
+    """The prefill role computes the prompt and exports what d lacks; d goes on from it."""
+    import pickle
+
+    skip = d.kv_transfer.cached_blocks(prompt, None)
+    rid = p.add_request(prompt, SamplingParams(max_tokens=1, **GREEDY))
+    [first] = run_checked_ids(p, rid)
+    handoff = pickle.loads(pickle.dumps(p.kv_transfer.export(prompt, None, skip, first)))
+    prepared = d.prepare(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    rid, _ = d.admit_handoff(prepared, handoff)
+    out = run_checked_ids(d, rid)
+    p.kv_transfer.release(handoff.handoff_id)
+    p.check_integrity()
+    return out, handoff, skip
+
+
+def run_checked_ids(engine, rid):
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+        engine.check_integrity()
+    return out.token_ids
+
+
+def test_kv_transfer_moves_hybrid_blocks_with_their_window_pages(tiny_model_dir):
+    """Prefill and decode engines both keep hybrid KV: a handoff carries each block's full
+    layers and the window pages of those that have one (the window before the prompt's end);
+    the decode side hits all of it and its tokens equal transformers'. A later turn's handoff
+    skips what the decode side holds, but never the last window's blocks."""
+    directory = tiny_model_dir("gemma3")
+    p, d = engine_for(directory), engine_for(directory)
+    prompt = prompts_of([30], seed=41)[0]  # 7 full blocks; the window before 28 starts at block 5
+    out, handoff, skip = _prefill_and_decode(p, d, prompt, 6)
+    assert out == hf_greedy(directory, prompt, 6)
+    assert skip == 0 and handoff.num_blocks == 7 and handoff.window_mask == [False] * 5 + [True] * 2
+    stats = d.stats()
+    assert stats["kv_received_blocks"] == 7 and stats["cached_prompt_tokens"] == 28
+    follow = prompt + out + prompts_of([9], seed=42)[0]  # 45 tokens: 11 full blocks
+    out2, handoff2, skip2 = _prefill_and_decode(p, d, follow, 5)
+    assert out2 == hf_greedy(directory, follow, 5)
+    # d holds 8 blocks of it (the first turn's 35 computed tokens); the window before 44 (blocks 9, 10)
+    # comes with the handoff's pages
+    assert skip2 == 8 and handoff2.start_block == 8 and handoff2.window_mask == [False, True, True]
+    # asking again with all 11 blocks held: the last window's blocks are asked for all the same
+    assert d.kv_transfer.cached_blocks(follow, None) == 9
+    assert d.stats()["cached_prompt_tokens"] == 28 + 44
+    d.check_integrity()
+
+
+def test_a_hybrid_handoff_into_an_engine_keeping_every_layer_is_computed_there(tiny_model_dir):
+    directory = tiny_model_dir("gemma3")
+    p, d = engine_for(directory), engine_for(directory, hybrid_kv="off")
+    prompt = prompts_of([22], seed=43)[0]
+    out, _, _ = _prefill_and_decode(p, d, prompt, 4)
+    assert out == hf_greedy(directory, prompt, 4)
+    assert d.stats()["kv_fallback_recomputes"] == 1
 
 
 def test_int8_pages_give_the_same_tokens_hybrid_or_not(tiny_model_dir):
