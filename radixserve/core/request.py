@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from radixserve.core.agent_hints import NO_HINTS, AgentHints
+from radixserve.outputs import GrowingText
 from radixserve.sampling_params import SamplingParams
 
 
@@ -24,7 +25,9 @@ class Request:
     `num_computed_tokens` of them have their K/V in the blocks of `block_table`
     (block i holds tokens [i*block_size, (i+1)*block_size)). While running, the request
     holds one pool reference per block of its table, and `cache_node` is the radix node
-    it has locked (the end of the cached prefix it reuses), or None.
+    it has locked (the end of the cached prefix it reuses), or None. `token_ids`, `logprobs`
+    and `text` only grow while it runs (a stop cuts the text once, at the finish): each step's
+    output is a view of them fixed at its lengths (engine/output.py), never a copy.
     """
 
     def __init__(
@@ -61,7 +64,7 @@ class Request:
         )
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.output_text = ""
+        self.text = GrowingText()  # the generated text (engine/output.py extends it a token's piece at a time)
         self.num_preemptions = 0
         self.waited_steps = 0
         self.admitted_once = False
@@ -83,6 +86,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_text(self) -> str:
+        """The generated text as one string (joined when read)."""
+        return self.text.value()
+
+    @output_text.setter
+    def output_text(self, value: str) -> None:
+        self.text.set(value)
 
     @property
     def finished(self) -> bool:

@@ -233,7 +233,8 @@ class Engine:
         if taken is None:
             return request_id, None
         request = self._requests[request_id]
-        return request_id, self._append_token(request, taken.first_token, taken.first_logprob)
+        self._append_token(request, taken.first_token, taken.first_logprob)
+        return request_id, self._output(request)
 
     @_one_thread
     def step(self) -> list[RequestOutput]:
@@ -251,10 +252,11 @@ class Engine:
         t2 = time.perf_counter()
         self.scheduler.commit(plan)
         for request, index, logprob in result.prompt_logprobs:
-            request.prompt_logprobs[index] = logprob
-        outputs = [
-            self._append_token(c.request, t, lp) for c, t, lp in zip(result.sampled, result.tokens, result.logprobs)
-        ]
+            self.outputs.set_prompt_logprob(request, index, logprob)
+        outputs = []
+        for c, token, logprob in zip(result.sampled, result.tokens, result.logprobs):
+            self._append_token(c.request, token, logprob)
+            outputs.append(self._output(c.request))
         outputs += [self._append_verified(chunk, tokens) for chunk, tokens in result.speculative]
         outputs += [self._finish_prefill_only(c.request) for c in plan.chunks if _prefill_done(c.request)]
         self._after_cache_changes()  # what finished requests moved to the tier
@@ -471,7 +473,8 @@ class Engine:
         self.outputs.register(request)
         self.scheduler.add(request)
 
-    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        """Append a token (its text, its stop checks); a stop finishes the request."""
         request.token_ids.append(token)
         self.generated_tokens += 1
         if request.first_token_time is None:
@@ -481,25 +484,30 @@ class Engine:
         reason, stop = self.outputs.add_token(request, token)
         if reason is not None:
             self.scheduler.finish(request, reason, stop)
-            output = self.outputs.output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's output for this step (its delta: every token the step appended);
+        a finished request is forgotten after it."""
+        output = self.outputs.output(request)
+        if request.finished:
             self._forget(request)
-            return output
-        return self.outputs.output(request)
+        return output
 
     def _append_verified(self, chunk, tokens: list[int]) -> RequestOutput:
         """Append a verified draft's tokens one by one, with every stop check between them;
         a stop drops the rest. Accepted draft tokens' K/V count as computed only once they are
-        appended, and blocks only rejected tokens used go back to the pool."""
+        appended, and blocks only rejected tokens used go back to the pool. One output for
+        all of them."""
         request = chunk.request
         self.drafter.record(request, len(chunk.draft), len(tokens) - 1)
         for i, token in enumerate(tokens):
             if i:
                 self.scheduler.accept_draft_token(request)
-            output = self._append_token(request, token, None)
+            self._append_token(request, token, None)
             if request.finished:
-                return output
+                return self._output(request)
         self.scheduler.release_unverified(request)
-        return output
+        return self._output(request)
 
     def _finish_prefill_only(self, request: Request) -> RequestOutput:
         """A max_tokens=0 request whose prompt is computed: it finishes without a token, its
@@ -507,9 +515,7 @@ class Engine:
         self.scheduler.finish(request, "length")
         if request.hints.warmup:
             self.hint_stats.warmed(request.num_prompt_tokens - request.cached_tokens)
-        output = self.outputs.output(request)
-        self._forget(request)
-        return output
+        return self._output(request)
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

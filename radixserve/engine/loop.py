@@ -3,9 +3,9 @@
 Other threads post work to an inbox that the loop drains before every step: prepared
 requests to admit (`submit`), functions to run on the engine (`call`), aborts. Outputs go
 back through each submission's listener, called on the engine thread (it must only hand
-the output over, e.g. put it in a queue), each carrying its delta: what it adds to the
-previous output that listener got (a step may append several tokens; a speculative step's
-intermediate outputs are never handed out). With no work the thread sleeps on an Event.
+the output over, e.g. put it in a queue), each carrying its delta as the engine built it:
+what the step added to the request's previous output (a step may append several tokens: a
+speculative step's are one output). With no work the thread sleeps on an Event.
 
 One recovery rule: when a step (or an admission) fails, every request in flight is
 aborted and its listener gets the error; then the engine's integrity is checked. If the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from radixserve.kernels.openmp_pool import release_thread_pool
-from radixserve.outputs import OutputDelta, RequestOutput
+from radixserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from radixserve.engine.protocol import EngineProtocol
@@ -57,27 +57,6 @@ class _Task:
     fail: Callable[[BaseException], None]  # when the loop is broken before the task runs
 
 
-@dataclass
-class _Subscriber:
-    """A request's listener, and how much of its output that listener has been handed."""
-
-    listener: Listener
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    started: bool = False
-
-    def hand(self, output: RequestOutput) -> None:
-        """Hand `output` over with its delta: O(what it adds), never a copy of the whole."""
-        tokens, logprobs = output.token_ids, output.logprobs
-        output.delta = OutputDelta(
-            tokens[self.sent_tokens:], logprobs[self.sent_tokens:] if logprobs is not None else None,
-            output.text[self.sent_chars:], not self.started,
-        )
-        self.sent_tokens, self.started = len(tokens), True
-        self.sent_chars = max(self.sent_chars, len(output.text))
-        _notify(self.listener, output)
-
-
 _live_loops: "weakref.WeakSet[EngineLoop]" = weakref.WeakSet()
 
 
@@ -92,7 +71,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closing = False  # set under _lock; once set nothing more is posted
-        self._listeners: dict[str, _Subscriber] = {}  # engine thread only
+        self._listeners: dict[str, Listener] = {}  # engine thread only
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         release_thread_pool()  # the parallel work moves to the loop's thread (openmp_pool.py)
         self._thread.start()
@@ -212,8 +191,8 @@ class EngineLoop:
                 self._abort(list(self._listeners), EngineStoppedError("the engine loop shut down"))
             else:  # the engine is not to be touched any more
                 left, self._listeners = self._listeners, {}
-                for subscriber in left.values():
-                    _notify(subscriber.listener, self._refusal())
+                for listener in left.values():
+                    _notify(listener, self._refusal())
 
     def _drain(self) -> None:
         while True:
@@ -269,20 +248,22 @@ class EngineLoop:
                 self._check_or_break(f"{type(exc).__name__}: {exc}")
             raise
         for request_id in added:
-            self._listeners[request_id] = _Subscriber(listener)
+            self._listeners[request_id] = listener
         self._refresh_stats()
         if firsts:  # after the caller learns the ids: the next task, before the next step
             self._post(_Task(lambda: self._emit(firsts), lambda exc: None))
         return added
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output (with the delta the engine gave it: O(what the step added)) to
+        its request's listener."""
         for output in outputs:
-            subscriber = self._listeners.get(output.request_id)
-            if subscriber is None:
+            listener = self._listeners.get(output.request_id)
+            if listener is None:
                 continue
             if output.finished:
                 del self._listeners[output.request_id]
-            subscriber.hand(output)
+            _notify(listener, output)
 
     def _recover(self, exc: BaseException) -> None:
         """The one recovery rule: fail and abort what is in flight, then check integrity."""
@@ -306,8 +287,8 @@ class EngineLoop:
             message = f"the engine failed: {self.broken_reason}"
         error = RequestFailedError(message)
         error.__cause__ = exc
-        for subscriber in failed.values():
-            _notify(subscriber.listener, error)
+        for listener in failed.values():
+            _notify(listener, error)
 
     def _check_or_break(self, reason: str) -> bool:
         try:
@@ -327,15 +308,15 @@ class EngineLoop:
 
     def _abort(self, request_ids: list[str], reason: BaseException | None) -> None:
         for request_id in request_ids:
-            subscriber = self._listeners.pop(request_id, None)
-            if subscriber is None:
+            listener = self._listeners.pop(request_id, None)
+            if listener is None:
                 continue
             try:
                 self.engine.abort(request_id)
             except Exception:
                 log.exception("aborting %s failed", request_id)
             if reason is not None:
-                _notify(subscriber.listener, reason)
+                _notify(listener, reason)
         self._refresh_stats()
 
     @property

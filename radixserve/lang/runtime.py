@@ -89,14 +89,12 @@ class Runtime(Backend):
 
 
 def _follow(outputs: queue.SimpleQueue, on_text: TextCallback | None) -> RequestOutput:
-    sent = 0
     while True:
         item = outputs.get()
         if isinstance(item, BaseException):
             raise item
-        if on_text is not None and len(item.text) > sent:
-            on_text(item.text[sent:])
-            sent = len(item.text)
+        if on_text is not None and item.delta.text:  # what this output adds (never the whole text)
+            on_text(item.delta.text)
         if item.finished:
             if item.finish_reason == "abort":
                 raise RuntimeError(f"request {item.request_id} was aborted")

@@ -121,7 +121,7 @@ class Answer:
             "prompt_tokens": output.prompt_tokens,
             "completion_tokens": output.completion_tokens,
             "cached_tokens": output.cached_tokens,
-            "ttft_s": timing.ttft_s if output.token_ids else None,
+            "ttft_s": timing.ttft_s if output.completion_tokens else None,
             "e2e_latency": timing.e2e_s if finished else None,
         }
         meta.update(self._logprobs(output))

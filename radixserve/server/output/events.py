@@ -70,7 +70,7 @@ class OutputEvents:
 
     def step(self, output: RequestOutput) -> list[Event]:
         """The events of what this output adds (its delta)."""
-        assert output.delta is not None, "outputs reach the server through the EngineLoop, which sets their delta"
+        assert output.delta is not None, "the engine builds every output with its delta (Engine.step)"
         return self._events(output.delta.text, output)
 
     def whole(self, output: RequestOutput) -> list[Event]:

@@ -36,7 +36,6 @@ class TokenIdsResponder:
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
         observed = _ObservedGroup(group)
-        sent = [0] * len(group.members)
         held: list[dict[str, Any]] = []  # chat's opening chunks, until the prompt's ids are known
         prompt_sent = False
         async for chunk in self.inner.chunks(observed):
@@ -45,7 +44,7 @@ class TokenIdsResponder:
                 held.append(chunk)
                 continue
             for choice in chunk["choices"]:
-                self._add_ids(choice, observed.latest.get(choice["index"]), sent, not chat)
+                self._add_ids(choice, observed, not chat)
             if chat and not prompt_sent:
                 prompt_sent = True
                 first = held[0] if held else chunk
@@ -57,24 +56,27 @@ class TokenIdsResponder:
         for opening in held:
             yield opening
 
-    def _add_ids(self, choice: dict[str, Any], output: RequestOutput | None, sent: list[int], with_prompt: bool) -> None:
+    def _add_ids(self, choice: dict[str, Any], observed: "_ObservedGroup", with_prompt: bool) -> None:
         index = choice["index"]
+        output = observed.latest.get(index)
         if output is None:
             choice["token_ids"] = []
             return
-        if with_prompt and sent[index] == 0 and "prompt_token_ids" not in choice:
+        if with_prompt and not observed.num_sent(index) and "prompt_token_ids" not in choice:
             choice["prompt_token_ids"] = list(output.prompt_token_ids)
-        choice["token_ids"] = list(output.token_ids[sent[index]:])
-        sent[index] = len(output.token_ids)
+        choice["token_ids"] = observed.take(index)
 
 
 class _ObservedGroup:
     """A RequestGroup as a responder sees it, remembering the latest output handed to it per
-    member: a chunk yielded right after an output was read belongs to that output."""
+    member (a chunk yielded right after an output was read belongs to that output) and the
+    ids its deltas added since that member's previous chunk."""
 
     def __init__(self, group: RequestGroup):
         self._group = group
         self.latest: dict[int, RequestOutput] = {}
+        self._unsent: dict[int, list[int]] = {}
+        self._sent: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._group, name)
@@ -82,7 +84,17 @@ class _ObservedGroup:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         async for index, output in self._group.outputs():
             self.latest[index] = output
+            self._unsent.setdefault(index, []).extend(output.delta.token_ids)
             yield index, output
+
+    def num_sent(self, index: int) -> int:
+        return self._sent.get(index, 0)
+
+    def take(self, index: int) -> list[int]:
+        """The member's ids not in a chunk yet (what its outputs' deltas added since)."""
+        ids = self._unsent.pop(index, [])
+        self._sent[index] = self._sent.get(index, 0) + len(ids)
+        return ids
 
 
 def _is_chat(body: dict[str, Any]) -> bool:
