@@ -37,8 +37,6 @@ def build_app(engine_kwargs: dict[str, Any], server: ServerOptions, cluster: Clu
                           cluster.prefill_resource)
     decode = _deployment(DecodeReplica, DECODE_DEPLOYMENT, cluster.decode_replicas, server, cluster,
                          cluster.decode_resource)
-    # KV handoffs move whole blocks of every layer: a sliding-window model keeps every layer's KV here
-    engine_kwargs = {**engine_kwargs, "hybrid_kv": "off"}
     prefill_app = prefill.bind(engine_kwargs, server, cluster.pd)
     if cluster.router == "affinity":  # the ingress picks the prefill replica too (prefill_picker.py)
         options = dataclasses.replace(options, prefill_affinity=cluster.affinity)
