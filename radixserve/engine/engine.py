@@ -30,6 +30,9 @@ from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats, HintCounters
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.engine.chat_output import ChatOutput, chat_output
+from radixserve.engine.prompt_builder import BuiltPrompt, ChatPrompt, PromptBuilder
+from radixserve.tools.definitions import checked_tools
 from radixserve.engine.kv_import import PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.core.agent_hints import AgentHints
@@ -142,6 +145,8 @@ class Engine:
             self.tokenizer, self.loaded.spec.vocab_size, self.max_model_len, cfg.block_size, num_blocks,
             self.grammars, self.model_name,
         )
+        # chat prompts: the template, tools and the grammar of their calls
+        self.prompts = PromptBuilder(self.tokenizer, self.model_name, self.preparer.check_chars)
         self._busy = threading.RLock()
         self._requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -291,16 +296,72 @@ class Engine:
     @_one_thread
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | ChatPrompt | Sequence[Prompt | ChatPrompt | list[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        *,
+        tools: list[Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. All prompts are checked
-        before any is queued, so one bad prompt raises without starting the others."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt; outputs in input order. A prompt is a text, token ids,
+        a conversation (a list of message dicts, through the chat template) or a ChatPrompt.
+        `tools` (OpenAI's function tools as dicts), `tool_choice` ("auto", "none", "required"
+        or {"type": "function", "function": {"name": ...}}) and `parallel_tool_calls` apply
+        to every prompt: a conversation renders them through the template, and every answer
+        is constrained (required or a named tool forces a call valid under its schema) and
+        read for calls. A conversation's or a prompt with tools' output is a ChatOutput (its
+        `content` and `tool_calls`). All prompts are checked before any is queued, so one bad
+        prompt raises without starting the others."""
+        if isinstance(prompts, (str, ChatPrompt)) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params_list = _broadcast_params(params, len(prompts))
-        prepared = [self.prepare(p, sp) for p, sp in zip(prompts, params_list)]
+        spec = checked_tools(tools, tool_choice, parallel_tool_calls) if tools is not None or tool_choice else None
+        chats = [self.prompts.chat_prompt(p, spec) for p in prompts]
+        return self._generate(prompts, chats, params_list, use_tqdm)
+
+    @_one_thread
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str = "auto",
+        template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[ChatOutput]:
+        """Answer a conversation (a list of message dicts: role, content, an assistant's
+        tool_calls, a tool result's tool_call_id), or each of a list of them, as chat
+        completions do: through the chat template (`chat_template`: another Jinja template
+        than the model's own) with `tools` and `tool_choice` as in `generate`; the tool-call
+        format is the one the template speaks of (`tool_call_parser` names another, as
+        --tool-call-parser does). `template_kwargs`: more arguments for the template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("chat needs a conversation")
+        spec = checked_tools(tools, tool_choice, parallel_tool_calls) if tools is not None or tool_choice else None
+        renderer = self.prompts.renderer_for(chat_template, tool_call_parser)
+        chats = [self.prompts.chat_prompt(c, spec, renderer, template_kwargs) for c in conversations]
+        if any(c is None for c in chats):
+            raise ValueError("chat takes conversations: lists of message dicts")
+        return self._generate(conversations, chats, _broadcast_params(params, len(chats)), use_tqdm)
+
+    def build_prompt(self, prompt: ChatPrompt) -> BuiltPrompt:
+        """A conversation's token ids and the constraint of its tools (engine/prompt_builder.py);
+        thread-safe, touches no engine state (the server builds on its prepare workers)."""
+        return self.prompts.build(prompt)
+
+    def _generate(
+        self, prompts: Sequence[Any], chats: list[ChatPrompt | None], params_list: list[SamplingParams],
+        use_tqdm: bool | None,
+    ) -> list[RequestOutput]:
+        built = [self.build_prompt(c) if c is not None else None for c in chats]
+        prepared = [self.prepare(p, sp) if b is None else self.prepare(b.token_ids, b.params(sp))
+                    for p, b, sp in zip(prompts, built, params_list)]
         ids = [self.admit(p) for p in prepared]
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
@@ -314,7 +375,7 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [done[i] for i in ids]
+        return [done[i] if b is None else chat_output(done[i], b.tools, b.fmt) for i, b in zip(ids, built)]
 
     # ---- chat and text ----------------------------------------------------------
 
@@ -325,7 +386,7 @@ class Engine:
         """Token ids of a conversation through the model's chat template; thread-safe.
         `replies`: the model's own ids for its earlier replies, spliced in (reply_ids.py);
         `template_kwargs`: more arguments for the template (e.g. enable_thinking)."""
-        return self.preparer.chat_token_ids(messages, add_generation_prompt, replies, template_kwargs)
+        return self.prompts.chat_token_ids(messages, add_generation_prompt, replies, template_kwargs)
 
     # ---- accounting -------------------------------------------------------------
 

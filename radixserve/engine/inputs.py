@@ -1,9 +1,10 @@
 """Preparing a request: everything about it that needs no engine state.
 
-Tokenizing a text, checking token ids, rendering a conversation through the chat template,
-checking lengths against the context and the KV pool, and compiling a constraint's grammar
-all happen here, on whatever thread asks (the server runs them on a worker pool, a DSL
-program on its own thread), so that a huge prompt or schema never stalls the engine thread.
+Tokenizing a text, checking token ids, checking lengths against the context and the KV pool,
+and compiling a constraint's grammar all happen here (a conversation becomes token ids and a
+constraint beside it, in prompt_builder.py), on whatever thread asks (the server runs them on
+a worker pool, a DSL program on its own thread), so that a huge prompt or schema never stalls
+the engine thread.
 What comes out, a PreparedRequest, the engine admits in microseconds.
 """
 
@@ -14,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
 from radixserve.execution.constrained import GrammarFactory, GrammarMatcher
 from radixserve.sampling_params import SamplingParams
 
@@ -63,7 +63,6 @@ class RequestPreparer:
         self.num_blocks = num_blocks
         self.grammars = grammars
         self.model_name = model_name
-        self.splicer = ReplySplicer(tokenizer)
         per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         # A text longer than this cannot fit in the context: refused without tokenizing it.
         self.max_prompt_chars = per_token * max_model_len if per_token is not None else None
@@ -80,27 +79,13 @@ class RequestPreparer:
         grammar = self.grammars.matcher(params)
         return PreparedRequest(text, token_ids, params, total, cache_salt, grammar)
 
-    def chat_token_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, replies: ReplyLookup | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token ids of a conversation through the model's chat template; `replies`: the
-        model's own ids for its earlier replies (see reply_ids.py)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name} has no chat template: serve it with --chat-template FILE, "
-                             f"or send the text to the completions API")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
-        self._check_chars(text, "the conversation")
-        return self.splicer.encode(text, replies)
-
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.model_name} has no tokenizer; pass token ids instead of text")
-            self._check_chars(prompt, "prompt")
+            self.check_chars(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -114,7 +99,8 @@ class RequestPreparer:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
         return None, list(prompt)
 
-    def _check_chars(self, text: str, what: str) -> None:
+    def check_chars(self, text: str, what: str) -> None:
+        """ValueError for a text too long to fit in the context, before it is tokenized."""
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise ValueError(
                 f"{what} has {len(text)} characters, more than the {self.max_prompt_chars} that can fit in "

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from radixserve.core.block_pool import BlockPool
     from radixserve.engine.inputs import PreparedRequest, Prompt
     from radixserve.engine.kv_import import PendingImport
+    from radixserve.engine.prompt_builder import BuiltPrompt, ChatPrompt
     from radixserve.engine.reply_ids import ReplyLookup
     from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
     from radixserve.engine.stats import EngineStats
@@ -38,6 +39,8 @@ class EngineProtocol(Protocol):
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             replies: ReplyLookup | None = None,
                             template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
+
+    def build_prompt(self, prompt: ChatPrompt) -> BuiltPrompt: ...  # a conversation with tools -> ids, constraint
 
     # ---- the engine thread ----------------------------------------------------------
 

@@ -23,7 +23,8 @@ from radixserve.outputs import RequestOutput
 from radixserve.engine.inputs import PreparedRequest
 from radixserve.request_error import InvalidRequest
 from radixserve.server.errors import APIError, bad_request, invalid_request, server_error, template_error, unavailable
-from radixserve.server.request_group import ChatPrompt, GenerationInput, MemberTiming, RequestGroup
+from radixserve.engine.prompt_builder import BuiltPrompt, ChatPrompt
+from radixserve.server.request_group import GenerationInput, MemberTiming, RequestGroup
 from radixserve.server.speculative_prefill import warmup_input
 
 if TYPE_CHECKING:
@@ -299,32 +300,23 @@ class AsyncEngine:
 
 
 def _prepare_inputs(engine: EngineProtocol, inputs: list[GenerationInput]) -> list[PreparedRequest]:
-    """On a prepare worker: every member's PreparedRequest (a conversation shared by the
-    n samples of one prompt is templated once)."""
-    templated: dict[int, list[int]] = {}
+    """On a prepare worker: every member's PreparedRequest. A conversation is built here, in
+    the same hop (engine/prompt_builder.py: the template, the tools and the grammar of their
+    calls), once for the n samples that share it."""
+    built: dict[int, BuiltPrompt] = {}
     prepared = []
     for item in inputs:
-        prompt = item.prompt
+        prompt, params = item.prompt, item.params
         if isinstance(prompt, ChatPrompt):
-            if id(prompt) not in templated:
-                templated[id(prompt)] = engine.apply_chat_template(list(prompt.messages), **_template_args(prompt))
-            prompt = templated[id(prompt)]
-        prepared.append(engine.prepare(prompt, item.params, item.cache_salt, item.session_id, item.hints))
+            if id(prompt) not in built:
+                built[id(prompt)] = engine.build_prompt(prompt)
+            prompt, params = built[id(prompt)].token_ids, built[id(prompt)].params(params)
+        prepared.append(engine.prepare(prompt, params, item.cache_salt, item.session_id, item.hints))
     return prepared
 
 
 def _is_warmup(item: GenerationInput) -> bool:
     return item.hints is not None and item.hints.warmup
-
-
-def _template_args(prompt: ChatPrompt) -> dict[str, Any]:
-    """apply_chat_template's optional arguments this prompt uses (a stand-in engine may take none)."""
-    args: dict[str, Any] = {}
-    if prompt.replies is not None:
-        args["replies"] = prompt.replies
-    if prompt.template_kwargs:
-        args["template_kwargs"] = prompt.template_kwargs
-    return args
 
 
 def _client_error(exc: BaseException) -> APIError:

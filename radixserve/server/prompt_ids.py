@@ -4,8 +4,8 @@
 A chat-like body goes through its route's own job builder (chat_job, messages_job,
 responses_job: the chat template with tools, Anthropic's and the Responses API's
 conversions), a completion, /generate or a pin through its request model (the first prompt
-of a batch); a conversation is then templated and tokenized by the engine's own preparer
-(engine/inputs.py's RequestPreparer, on the tokenizer alone), with the server's own options
+of a batch); a conversation is then templated and tokenized by the engine's own prompt builder
+(engine/prompt_builder.py, on the tokenizer alone), with the server's own options
 (chat template, tool-call parser, reasoning parser). So the ids are the replica's, except where only a replica knows more: the ids of its
 own earlier replies that it splices into a conversation re-sending them (--reply-token-reuse;
 they differ from the reply's text tokenized again only now and then), and the stored
@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.engine.inputs import RequestPreparer
+from radixserve.engine.prompt_builder import ChatPrompt, PromptBuilder
 from radixserve.server.api.anthropic import messages_job
 from radixserve.server.api.chat import chat_job
 from radixserve.server.api.responses import responses_job
@@ -30,7 +30,6 @@ from radixserve.server.protocol.jobs import Prompt
 from radixserve.server.protocol.responses import ResponsesRequest
 from radixserve.server.protocol.sessions import PinPrefixRequest
 from radixserve.server.reasoning import Reasoning
-from radixserve.server.request_group import ChatPrompt
 from radixserve.server.response_store import ResponseStore
 from radixserve.server.tool_calling import ToolCalling
 
@@ -52,9 +51,8 @@ class PromptIds:
         self.calling = ToolCalling(tokenizer, options.tool_call_parser, options.chat_template,
                                    options.trust_request_chat_template)
         self.reasoning = Reasoning(tokenizer, options.reasoning_parser, options.chat_template)
-        # the engine's preparer on the tokenizer alone: no context, pool or grammar limits (the replica checks them)
-        self.preparer = RequestPreparer(tokenizer, vocab_size=_UNBOUNDED, max_model_len=_UNBOUNDED, block_size=1,
-                                        num_blocks=_UNBOUNDED, grammars=None, model_name="the model")
+        # the engine's prompt builder on the tokenizer alone: no context limit (the replica checks it)
+        self.builder = PromptBuilder(tokenizer)
 
     async def of(self, path: str, body: Any) -> PromptTokens | None:
         """The prompt of `body` sent to `path`; None for a path that is not a prompt's, a body
@@ -70,9 +68,9 @@ class PromptIds:
         return PromptTokens(ids, salt) if ids else None
 
     def token_ids(self, prompt: Prompt) -> list[int]:
-        """A job's prompt as the engine prepares it (Engine.apply_chat_template, Engine.prepare)."""
+        """A job's prompt as the engine prepares it (Engine.build_prompt, Engine.prepare)."""
         if isinstance(prompt, ChatPrompt):
-            return self.preparer.chat_token_ids(list(prompt.messages), template_kwargs=prompt.template_kwargs)
+            return self.builder.token_ids(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("no tokenizer: only token ids are named")

@@ -4,12 +4,14 @@ own, else the model's) and, per request, the ReasoningMode its template argument
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import threading
 from dataclasses import replace
 from typing import Any
 
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.server.errors import bad_request
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.reasoning.base import ReasoningParser
@@ -63,6 +65,21 @@ class Reasoning:
             return None
         return ReasoningMode(parser, self._opens(parser, template_kwargs), budget, self._decoder(parser))
 
+    async def mode_async(self, template_kwargs: dict[str, Any], budget: int | None = None) -> ReasoningMode | None:
+        """`mode` from the event loop: on a worker thread only when it must render a probe (the
+        first time a set of template arguments is seen), else at once (no thread hop)."""
+        parser = self.parser
+        if parser is not None and not self._known(parser, template_kwargs):
+            return await asyncio.to_thread(self.mode, template_kwargs, budget)
+        return self.mode(template_kwargs, budget)
+
+    def _known(self, parser: ReasoningParser, template_kwargs: dict[str, Any]) -> bool:
+        if parser.follows_enable_thinking and any(template_kwargs.get(k) is False for k in THINKING_SWITCHES):
+            return True
+        key = json.dumps(template_kwargs, sort_keys=True, default=str)
+        with self._lock:
+            return key in self._opened
+
     def _decoder(self, parser: ReasoningParser):
         if self._own is None:
             return None
@@ -87,10 +104,14 @@ class Reasoning:
 
 
 def with_reasoning(job: GenerationJob, mode: ReasoningMode | None) -> GenerationJob:
-    """The job with each sample's params reading (and constraining) the reasoning block; a
-    400 for a constraint that cannot follow it."""
+    """The job whose conversations read (and constrain) the reasoning block: the prompt
+    builder puts it ahead of the answer's constraint, the tools' grammar included, where the
+    prompt is built (a constraint that cannot follow it is a 400 then); other prompts' params
+    get it here (a 400 for a constraint that cannot follow it)."""
     if mode is None:
         return job
+    if all(isinstance(p, ChatPrompt) for p in job.prompts):
+        return replace(job, prompts=[replace(p, reasoning=mode) for p in job.prompts])
     try:
         return replace(job, params=[mode.apply(p) for p in job.params])
     except ValueError as exc:

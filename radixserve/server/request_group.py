@@ -9,26 +9,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.agent_hints import AgentHints
-from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server.errors import APIError
 
 
-@dataclass(frozen=True, eq=False)
-class ChatPrompt:
-    """A conversation a prepare worker turns into token ids with the model's chat template
-    (compared by identity: the n samples of one request share one ChatPrompt, templated once).
-    `replies`: the caller's namespace of stored reply ids, spliced in (None: tokenize the text)."""
-
-    messages: tuple[dict[str, Any], ...]
-    replies: ReplyLookup | None = None
-    template_kwargs: dict[str, Any] | None = None  # more arguments for the template (chat_template_kwargs)
-
-
 @dataclass(frozen=True)
 class GenerationInput:
-    """One engine request: a prompt (text, token ids or a conversation) and its sampling params."""
+    """One engine request: a prompt (text, token ids or a conversation, which a prepare worker
+    builds: engine/prompt_builder.py) and its sampling params."""
 
     prompt: str | list[int] | ChatPrompt
     params: SamplingParams

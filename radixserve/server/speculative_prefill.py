@@ -10,12 +10,11 @@ computed for the original request's ttl_s if it gave one.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from radixserve.core.agent_hints import WARMUP_PRIORITY, AgentHints
 from radixserve.outputs import RequestOutput
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.request_group import ChatPrompt, GenerationInput
+from radixserve.engine.prompt_builder import ChatPrompt
+from radixserve.server.request_group import GenerationInput
 
 
 def warmup_input(item: GenerationInput, output: RequestOutput) -> GenerationInput | None:
@@ -24,9 +23,8 @@ def warmup_input(item: GenerationInput, output: RequestOutput) -> GenerationInpu
     hints = item.hints
     if hints is None or not hints.speculative_prefill or output.finish_reason in (None, "abort"):
         return None
-    if isinstance(item.prompt, ChatPrompt):
-        reply = {"role": "assistant", "content": output.text}
-        prompt: str | list[int] | ChatPrompt = replace(item.prompt, messages=item.prompt.messages + (reply,))
+    if isinstance(item.prompt, ChatPrompt) and item.prompt.token_ids is None:
+        prompt: str | list[int] | ChatPrompt = item.prompt.with_reply(output.text)
     else:
         prompt = list(output.prompt_token_ids) + list(output.token_ids)
     warm = AgentHints(priority=WARMUP_PRIORITY, ttl_s=hints.ttl_s, warmup=True)

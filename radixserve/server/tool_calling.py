@@ -1,26 +1,25 @@
 """ToolCalling: what the server needs to serve tools for one model: the chat template in force
-(--chat-template, a request's `chat_template`, else the model's own), its call format
-(--tool-call-parser, or `auto`: detected from that template) and how its prompts render."""
+(--chat-template, a request's `chat_template` when trusted, else the model's own) and its call
+format (--tool-call-parser, or `auto`: detected from that template). A request's conversation
+becomes a ChatPrompt, which the engine's PromptBuilder (engine/prompt_builder.py) builds into
+token ids and the calls' grammar on a prepare worker, one hop from the event loop."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from radixserve.engine.reply_ids import ReplyLookup, ReplySplicer
+from radixserve.engine.prompt_builder import ChatPrompt
+from radixserve.engine.reply_ids import ReplyLookup
 from radixserve.server.chat_template import check_chat_template
-from radixserve.server.errors import bad_request, template_error
-from radixserve.server.request_group import ChatPrompt
+from radixserve.server.errors import bad_request
 from radixserve.tools.call_format import ToolCallFormat
-from radixserve.tools.formats import format_named
 from radixserve.tools.definitions import ToolSpec
-from radixserve.tools.history import HistoryMessage, check_history
-from radixserve.tools.rendering import ChatRenderer, fallback_messages, own_template
-from radixserve.tools.grammar import tool_call_structural_tag
+from radixserve.tools.formats import format_named
+from radixserve.tools.history import HistoryMessage
+from radixserve.tools.rendering import ChatRenderer, own_template
 
-Prompt = ChatPrompt | list[int]
 MAX_REQUEST_TEMPLATES = 16  # requests' own templates kept ready (their formats detected)
 
 
@@ -44,7 +43,6 @@ class ToolCalling:
         self.fmt: ToolCallFormat = format_named(parser, chat_template or own_template(tokenizer))
         self.renderer = ChatRenderer(tokenizer, self.fmt, chat_template)
         self.tokenizer = tokenizer
-        self.splicer = ReplySplicer(tokenizer, chat_template)
         self.trust_request_templates = trust_request_templates
         self._derived: dict[str, ToolCalling] = {}
 
@@ -71,55 +69,25 @@ class ToolCalling:
         derived.template = template
         derived.fmt = format_named(self.parser, template)
         derived.renderer = ChatRenderer(self.tokenizer, derived.fmt, template)
-        derived.splicer = ReplySplicer(self.tokenizer, template)
         derived._derived = {}
         return derived
 
-    async def spec(self, request: ToolRequest) -> ToolSpec:
-        """The request's checked tools. Checking compiles each tool's schema: with tools it
-        runs on a worker thread, off the event loop."""
-        return await asyncio.to_thread(request.tool_spec) if request.tools else request.tool_spec()
+    def spec(self, request: ToolRequest) -> ToolSpec:
+        """The request's checked tools (names and tool_choice; their schemas compile where the
+        prompt is built, on a prepare worker)."""
+        return request.tool_spec()
 
-    async def prompt(
+    def prompt(
         self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None = None,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> Prompt:
-        """The prompt of a conversation with tools. The fallback rendering under the model's own
-        template is plain messages, templated where every chat prompt is; a template that knows
-        tools (with `tools=`), or any template other than the model's own (--chat-template, a
-        request's), is rendered here, on a worker thread, into token ids. `replies`: stored reply ids to
-        splice in (engine/reply_ids.py)."""
-        check_history(history)
-        if not self.renderer.native and self.template is None:
-            return ChatPrompt(tuple(fallback_messages(history, list(spec.tools), self.fmt)), replies, template_kwargs)
-        try:
-            return await asyncio.to_thread(self._native_ids, history, spec, replies, template_kwargs)
-        except Exception as exc:
-            if (refused := template_error(exc)) is not None:
-                raise refused from None
-            raise
+    ) -> ChatPrompt:
+        """The prompt of a conversation with tools (rendered tool-aware where it is built).
+        `replies`: stored reply ids to splice in (engine/reply_ids.py)."""
+        return ChatPrompt(tuple(history), spec, self.renderer, replies, template_kwargs)
 
-    def constraint(self, spec: ToolSpec) -> dict[str, Any]:
-        """SamplingParams fields that make the calls parse (none for `none`); where the format's
-        markers are special tokens of the model (Mistral's [TOOL_CALLS], harmony's channels...),
-        they stay in the text the parser reads."""
-        tag = tool_call_structural_tag(spec, self.fmt)
-        if tag is None:
-            return {}
-        return {"structural_tag": tag, **({"skip_special_tokens": False} if self._special_markers() else {})}
-
-    def _special_markers(self) -> bool:
-        special = set(getattr(self.tokenizer, "all_special_tokens", None) or ())
-        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
-        special |= {token.content for token in decoder.values() if getattr(token, "special", False)}
-        return any(marker in special for marker in self.fmt.markers)
-
-    def _native_ids(
-        self, history: list[HistoryMessage], spec: ToolSpec, replies: ReplyLookup | None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        text = self.renderer.render(history, list(spec.tools), template_kwargs)
-        return self.splicer.encode(text, replies)
+    def given(self, token_ids: list[int], spec: ToolSpec) -> ChatPrompt:
+        """The client's own prompt ids; the tools still constrain and parse the answer."""
+        return ChatPrompt((), spec, self.renderer, token_ids=tuple(token_ids))
 
 
 @dataclass(frozen=True)

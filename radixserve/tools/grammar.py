@@ -34,6 +34,24 @@ def tool_call_structural_tag(spec: ToolSpec, fmt: ToolCallFormat) -> dict[str, A
     return {"type": "structural_tag", "format": body}
 
 
+def tool_constraint(spec: ToolSpec, fmt: ToolCallFormat, tokenizer: Any = None) -> dict[str, Any]:
+    """SamplingParams fields that make the calls parse (none for tool_choice `none`): the
+    structural tag, and, where the format's markers are special tokens of the model's
+    `tokenizer` (Mistral's [TOOL_CALLS], harmony's channels...), skip_special_tokens off so
+    that they stay in the text the parser reads."""
+    tag = tool_call_structural_tag(spec, fmt)
+    if tag is None:
+        return {}
+    return {"structural_tag": tag, **({"skip_special_tokens": False} if _special_markers(fmt, tokenizer) else {})}
+
+
+def _special_markers(fmt: ToolCallFormat, tokenizer: Any) -> bool:
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {token.content for token in decoder.values() if getattr(token, "special", False)}
+    return any(marker in special for marker in fmt.markers)
+
+
 def _auto(tools: list[tuple[ToolDefinition, str]], calls: list[dict[str, Any]], fmt: ToolCallFormat,
           parallel: bool) -> dict[str, Any]:
     triggers = list(dict.fromkeys(fmt.triggers([tool.name for tool, _ in tools])))

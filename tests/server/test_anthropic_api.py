@@ -21,7 +21,7 @@ from radixserve.server import ServerOptions, create_app
 from radixserve.server.api.anthropic import messages_job
 from radixserve.server.api.chat import chat_job
 from radixserve.server.protocol import ChatCompletionRequest
-from radixserve.server.request_group import ChatPrompt
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.server.testing import BackgroundServer
 
 pytestmark = pytest.mark.real_model
@@ -311,7 +311,7 @@ def test_count_tokens_refuses_like_messages(client):
 def _prompt_ids(state, job) -> list[int]:
     (prompt,) = job.prompts
     if isinstance(prompt, ChatPrompt):
-        return state.engine.engine.apply_chat_template(list(prompt.messages))
+        return state.engine.engine.build_prompt(prompt).token_ids
     return list(prompt)
 
 

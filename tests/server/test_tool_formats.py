@@ -439,17 +439,18 @@ def test_flags(tmp_path):
 
 
 def test_the_template_in_force_picks_format_and_rendering(tokenizer):
-    import asyncio
-
+    from radixserve.engine.prompt_builder import ChatPrompt, PromptBuilder
     from radixserve.server.errors import APIError
-    from radixserve.server.request_group import ChatPrompt
     from radixserve.server.tool_calling import ToolCalling
 
+    builder = PromptBuilder(tokenizer)  # the engine's: builds what a prepare worker builds
     spec = tool_spec(tools(WEATHER), None, None)
     own = ToolCalling(tokenizer, "auto")
-    assert own.fmt.name == "hermes" and isinstance(asyncio.run(own.prompt(conversation(), spec)), ChatPrompt)
+    prompt = own.prompt(conversation(), spec)
+    assert own.fmt.name == "hermes" and isinstance(prompt, ChatPrompt) and not own.renderer.native
+    assert "# Tools" in tokenizer.decode(builder.token_ids(prompt))  # the fallback, through the model's own template
     served = ToolCalling(tokenizer, "auto", template("deepseek_v3"))
-    ids = asyncio.run(served.prompt(conversation(), spec))
+    ids = builder.token_ids(served.prompt(conversation(), spec))
     assert served.fmt.name == "deepseek_v3" and tokenizer.decode(ids) == EXPECTED["deepseek_v3"]
     with pytest.raises(APIError) as refused:
         own.for_template(template("harmony"))
@@ -458,7 +459,7 @@ def test_the_template_in_force_picks_format_and_rendering(tokenizer):
     per_request = trusting.for_template(template("harmony"))
     assert per_request.fmt.name == "harmony" and trusting.fmt.name == "hermes"
     assert trusting.for_template(template("harmony")) is per_request and trusting.for_template(None) is trusting
-    assert tokenizer.decode(asyncio.run(per_request.prompt(conversation(), spec))) == EXPECTED["harmony"]
+    assert tokenizer.decode(builder.token_ids(per_request.prompt(conversation(), spec))) == EXPECTED["harmony"]
     assert ToolCalling(tokenizer, "mistral", template("mistral")).fmt.named
     with pytest.raises(APIError, match="not a valid Jinja template"):
         trusting.for_template("{% if %}")
@@ -493,12 +494,13 @@ def test_long_arguments_stream_in_linear_time(fmt):
 def test_special_token_markers_stay_in_the_text(tokenizer):
     """Where a format's markers are special tokens of the model, decoding keeps them (else the
     parser would never see a call); where they are plain text nothing changes."""
-    from radixserve.server.tool_calling import ToolCalling
+    from radixserve.tools.grammar import tool_constraint
 
     spec = tool_spec(tools(ADD), "required", None)
-    assert "skip_special_tokens" not in ToolCalling(tokenizer, "mistral").constraint(spec)
+    mistral, hermes = format_named("mistral"), format_named("hermes")
+    assert "skip_special_tokens" not in tool_constraint(spec, mistral, tokenizer)
     mistral_vocab = copy.deepcopy(tokenizer)
     mistral_vocab.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
-    assert ToolCalling(mistral_vocab, "mistral").constraint(spec)["skip_special_tokens"] is False
-    assert "skip_special_tokens" not in ToolCalling(mistral_vocab, "hermes").constraint(spec)
-    assert ToolCalling(mistral_vocab, "mistral").constraint(tool_spec(tools(ADD), "none", None)) == {}
+    assert tool_constraint(spec, mistral, mistral_vocab)["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in tool_constraint(spec, hermes, mistral_vocab)
+    assert tool_constraint(tool_spec(tools(ADD), "none", None), mistral, mistral_vocab) == {}

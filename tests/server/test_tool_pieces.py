@@ -284,8 +284,7 @@ def test_native_template_gets_tools_and_calls(tokenizer):
 def test_a_native_template_that_refuses_the_messages_is_a_400_naming_them(tokenizer):
     """A template's own raise_exception (as Llama 3.1's "single tool-calls only") is the
     client's error, not the server's: 400 on param messages."""
-    import asyncio
-
+    from radixserve.engine.prompt_builder import PromptBuilder
     from radixserve.server.tool_calling import ToolCalling
 
     native = copy.copy(tokenizer)
@@ -295,10 +294,11 @@ def test_a_native_template_that_refuses_the_messages_is_a_400_naming_them(tokeni
     calling = ToolCalling(native, "hermes")
     assert calling.renderer.native
     spec = tool_spec(tools(WEATHER, ADD), None, None)
-    assert asyncio.run(calling.prompt(conversation(0), spec))  # one call per turn renders
-    with pytest.raises(APIError) as refused:
-        asyncio.run(calling.prompt(conversation(1), spec))  # two calls in one assistant turn
-    assert refused.value.status == 400 and refused.value.param == "messages"
+    builder = PromptBuilder(native)  # the engine's, as a prepare worker builds the prompt
+    assert builder.token_ids(calling.prompt(conversation(0), spec))  # one call per turn renders
+    with pytest.raises(InvalidRequest) as refused:  # the server answers it as a 400 naming the param
+        builder.build(calling.prompt(conversation(1), spec))  # two calls in one assistant turn
+    assert refused.value.param == "messages"
     assert "only supports single tool-calls" in refused.value.message
 
 

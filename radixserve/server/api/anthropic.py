@@ -34,7 +34,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from radixserve.outputs import RequestOutput
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.engine.reply_ids import ReplyLookup
+from radixserve.request_error import InvalidRequest
 from radixserve.server.api.anthropic_pins import Pin, chained, marked_prefixes, pin_hook
 from radixserve.server.api.serving import caller_replies, in_namespace, serve_job, server_state
 from radixserve.server.errors import APIError, anthropic_error_body, bad_request, template_error
@@ -48,10 +50,10 @@ from radixserve.server.protocol.anthropic import Conversation, CountTokensReques
 from radixserve.server.protocol.agent_hints import read_hinted_json
 from radixserve.server.protocol.body import read_json
 from radixserve.server.protocol.common import ServedModel
-from radixserve.server.protocol.jobs import GenerationJob, Prompt
+from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.reasoning.mode import ReasoningMode
 from radixserve.server.reasoning import Reasoning, with_reasoning
-from radixserve.server.request_group import ChatPrompt, RequestGroup
+from radixserve.server.request_group import RequestGroup
 from radixserve.server.sse import EventStream
 from radixserve.tools.definitions import ToolSpec
 from radixserve.tools.history import HistoryMessage
@@ -100,13 +102,13 @@ async def messages_job(
     request.check_continuable()
     kwargs = request.template_kwargs()
     mode = await _reasoning_mode(request, reasoning, kwargs)
-    spec, prompt = await _prompt(request, calling, kwargs, replies)
-    job = with_reasoning(request.to_job(served, prompt, calling.constraint(spec)), mode)
+    spec, prompt = _prompt(request, calling, kwargs, replies)
+    job = with_reasoning(request.to_job(served, prompt), mode)
     parser = ToolCallParser(calling.fmt, spec.names, spec.schemas) if spec.parses_calls else None
     pins = []
     if engine is not None and cache_block is not None:
         render = lambda history: _conversation_prompt(request, history, spec, calling, kwargs, replies)  # noqa: E731
-        pins = await marked_prefixes(request.cache_marks(), render, engine, kwargs or None)
+        pins = await marked_prefixes(request.cache_marks(), render, engine)
     return job, MessagesResponder(job, parser, list(request.stop_sequences or []), mode, cache_block, pins)
 
 
@@ -114,7 +116,7 @@ async def _reasoning_mode(
     request: MessagesRequest, reasoning: Reasoning | None, kwargs: dict[str, Any],
 ) -> ReasoningMode | None:
     """How the answer reasons; thinking enabled needs a reasoning parser and a budget below max_tokens."""
-    mode = await asyncio.to_thread(reasoning.mode, kwargs, request.thinking_budget) if reasoning is not None else None
+    mode = await reasoning.mode_async(kwargs, request.thinking_budget) if reasoning is not None else None
     budget = request.thinking_budget
     if budget is not None and mode is None:
         raise bad_request("'thinking' needs a model whose reasoning the server reads: start it with "
@@ -132,35 +134,35 @@ async def count_tokens(
     request: CountTokensRequest = parse(CountTokensRequest, body)
     served.check_model(request.model)
     kwargs = request.template_kwargs()
-    _, prompt = await _prompt(request, calling, kwargs, replies)
-    if isinstance(prompt, ChatPrompt):
-        try:
-            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
-                                             template_kwargs=kwargs or None, replies=prompt.replies)
-        except Exception as exc:
-            if (refused := template_error(exc)) is not None:
-                raise refused from None
-            raise
-    return {"input_tokens": len(prompt)}
+    _, prompt = _prompt(request, calling, kwargs, replies)
+    try:
+        built = await asyncio.to_thread(engine.build_prompt, prompt)  # one hop, as a prepare worker builds it
+    except InvalidRequest:
+        raise
+    except Exception as exc:
+        if (refused := template_error(exc)) is not None:
+            raise refused from None
+        raise
+    return {"input_tokens": len(built.token_ids)}
 
 
-async def _prompt(
+def _prompt(
     request: Conversation, calling: ToolCalling, kwargs: dict[str, Any], replies: ReplyLookup | None = None,
-) -> tuple[ToolSpec, Prompt]:
+) -> tuple[ToolSpec, ChatPrompt]:
     """As chat completions builds it: plain role/content turns without tools, else the
     tool-aware rendering (which checks that every result answers an earlier call)."""
     request.check_supported()
-    spec = await calling.spec(request)
-    return spec, await _conversation_prompt(request, request.history(), spec, calling, kwargs, replies)
+    spec = calling.spec(request)
+    return spec, _conversation_prompt(request, request.history(), spec, calling, kwargs, replies)
 
 
-async def _conversation_prompt(
+def _conversation_prompt(
     request: Conversation, history: list[HistoryMessage], spec: ToolSpec, calling: ToolCalling, kwargs: dict[str, Any],
     replies: ReplyLookup | None = None,
-) -> Prompt:
-    if not request.uses_tools and calling.template is None:  # --chat-template: the server renders
-        return ChatPrompt(tuple(_plain_turn(m) for m in history), replies, kwargs or None)
-    return await calling.prompt(history, spec, replies, kwargs or None)
+) -> ChatPrompt:
+    if not request.uses_tools and calling.template is None:  # --chat-template: the tool-aware rendering
+        return ChatPrompt(tuple(_plain_turn(m) for m in history), replies=replies, template_kwargs=kwargs or None)
+    return calling.prompt(history, spec, replies, kwargs or None)
 
 
 def _plain_turn(message: HistoryMessage) -> dict[str, Any]:

@@ -11,31 +11,28 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.outputs import RequestOutput
 from radixserve.server.async_engine import FinishHook
-from radixserve.server.protocol.jobs import Prompt
-from radixserve.server.request_group import ChatPrompt
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.tools.history import HistoryMessage
 
 log = logging.getLogger("radixserve.server")
 
 Pin = tuple[float, list[int]]  # (TTL in seconds, the marked prefix's token ids as rendered alone)
-RenderPrompt = Callable[[list[HistoryMessage]], Awaitable[Prompt]]
+RenderPrompt = Callable[[list[HistoryMessage]], ChatPrompt]
 
 
-async def marked_prefixes(marks: list[tuple[float, list[HistoryMessage]]], render: RenderPrompt, engine: Any,
-                          template_kwargs: dict[str, Any] | None) -> list[Pin]:
-    """The token ids of each marked prefix (rendered as the whole conversation is)."""
+async def marked_prefixes(marks: list[tuple[float, list[HistoryMessage]]], render: RenderPrompt,
+                          engine: Any) -> list[Pin]:
+    """The token ids of each marked prefix (rendered as the whole conversation is), each built
+    in one hop, as a prepare worker builds a prompt."""
     pins: list[Pin] = []
     for ttl_s, history in marks:
-        prompt = await render(history)
-        if isinstance(prompt, ChatPrompt):
-            prompt = await asyncio.to_thread(engine.apply_chat_template, list(prompt.messages),
-                                             template_kwargs=template_kwargs, replies=prompt.replies)
-        pins.append((ttl_s, list(prompt)))
+        built = await asyncio.to_thread(engine.build_prompt, render(history))
+        pins.append((ttl_s, list(built.token_ids)))
     return pins
 
 

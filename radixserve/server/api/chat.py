@@ -4,7 +4,6 @@ a "chat.completion" or "chat.completion.chunk"s (the body: protocol/chat.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -29,8 +28,9 @@ from radixserve.server.protocol.common import ServedModel
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.reasoning.mode import ReasoningMode
 from radixserve.server.reasoning import Reasoning, with_reasoning
-from radixserve.server.request_group import ChatPrompt, RequestGroup
+from radixserve.server.request_group import RequestGroup
 from radixserve.server.token_text import TokenTexts
+from radixserve.tools.definitions import NO_TOOLS, ToolSpec
 from radixserve.tools.parser import ToolCallParser
 from radixserve.server.tool_calling import ToolCalling, ToolOutput
 
@@ -55,23 +55,24 @@ async def chat_job(
     body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling, replies: ReplyLookup | None = None,
 ) -> tuple[GenerationJob, ToolOutput | None]:
     """The job of a chat request, and how to read tool calls out of its outputs (None:
-    the request has no tools, its text is all content). `replies`: the caller's stored
-    reply ids, spliced into the prompt where it re-sends them."""
+    the request has no tools, its text is all content). Its prompt is a ChatPrompt that a
+    prepare worker builds (the template, the tools' grammar: engine/prompt_builder.py).
+    `replies`: the caller's stored reply ids, spliced into the prompt where it re-sends them."""
     calling = calling.for_template(body.chat_template)
-    spec = await calling.spec(body)
+    spec = calling.spec(body)
     kwargs = body.template_kwargs() or None
     if body.prompt_token_ids is not None:
         return _given_ids(body, served, calling, spec)
-    if not body.uses_tools and calling.template is None:
-        return _with_replies(body.to_job(served), replies, kwargs), None
-    prompt = await calling.prompt(body.history(), spec, replies, kwargs)
-    job = body.to_job(served, prompt, calling.constraint(spec))
+    if not body.uses_tools and calling.template is None:  # plain turns through the model's own template
+        job = body.to_job(served)
+        return replace(job, prompts=[replace(p, replies=replies, template_kwargs=kwargs) for p in job.prompts]), None
+    job = body.to_job(served, calling.prompt(body.history(), spec, replies, kwargs), spec.parses_calls)
     return job, ToolOutput(spec, calling.fmt) if spec.parses_calls else None
 
 
 async def chat_reasoning(body: ChatCompletionRequest, reasoning: Reasoning) -> ReasoningMode | None:
     """How the request's answer reasons (None: all of it is content)."""
-    mode = await asyncio.to_thread(reasoning.mode, body.template_kwargs(), body.thinking_token_budget)
+    mode = await reasoning.mode_async(body.template_kwargs(), body.thinking_token_budget)
     if mode is None and body.thinking_token_budget is not None:
         raise bad_request("'thinking_token_budget' needs a model whose reasoning the server reads: start it with "
                           "--reasoning-parser (or a chat template that reasons)", param="thinking_token_budget")
@@ -79,18 +80,13 @@ async def chat_reasoning(body: ChatCompletionRequest, reasoning: Reasoning) -> R
 
 
 def _given_ids(
-    body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling, spec: Any,
+    body: ChatCompletionRequest, served: ServedModel, calling: ToolCalling, spec: ToolSpec,
 ) -> tuple[GenerationJob, ToolOutput | None]:
     """The client's prompt ids in place of the rendered messages (a trainer's tokens in, tokens
     out); the request's tools still constrain and parse the answer, its reasoning still splits."""
-    tools = body.uses_tools and spec.parses_calls
-    job = body.to_job(served, list(body.prompt_token_ids), calling.constraint(spec) if body.uses_tools else None)
-    return job, ToolOutput(spec, calling.fmt) if tools else None
-
-
-def _with_replies(job: GenerationJob, replies: ReplyLookup | None, template_kwargs: dict | None = None) -> GenerationJob:
-    prompts = [ChatPrompt(p.messages, replies, template_kwargs) if isinstance(p, ChatPrompt) else p for p in job.prompts]
-    return replace(job, prompts=prompts)
+    spec = spec if body.uses_tools else NO_TOOLS
+    job = body.to_job(served, calling.given(list(body.prompt_token_ids), spec), spec.parses_calls)
+    return job, ToolOutput(spec, calling.fmt) if spec.parses_calls else None
 
 
 class ChatResponder:

@@ -20,7 +20,6 @@ server does not know.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -77,19 +76,19 @@ async def responses_job(
     reasoning parser (None: none)."""
     model = served.check_model(body.model)
     body.check_supported()
-    spec = await calling.spec(body)
+    spec = calling.spec(body)
     kwargs = body.template_kwargs()
     budget = body.thinking_token_budget
-    mode = await asyncio.to_thread(reasoning.mode, kwargs, budget) if reasoning is not None else None
+    mode = await reasoning.mode_async(kwargs, budget) if reasoning is not None else None
     if mode is None and budget is not None:
         raise bad_request("'thinking_token_budget' needs a model whose reasoning the server reads: start it with "
                           "--reasoning-parser (or a chat template that reasons)", param="thinking_token_budget")
     head, conversation = body.history(store)
-    prompt = await calling.prompt(head + conversation, spec, replies, kwargs or None)
+    prompt = calling.prompt(head + conversation, spec, replies, kwargs or None)
     try:
         params = SamplingParams(
             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            **body.constraint(spec, calling),
+            **body.constraint(spec),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

@@ -34,7 +34,7 @@ from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel,
 from radixserve.server.protocol.jobs import GenerationJob, Prompt
 from radixserve.server.protocol.sampling import MAX_STOP_STRINGS, NonEmptyString, SessionId
 from radixserve.tools.definitions import (
-    MAX_TOOLS, NAME_PATTERN, FunctionDefinition, ToolDefinition, ToolSpec, arguments_grammar,
+    MAX_TOOLS, NAME_PATTERN, FunctionDefinition, ToolDefinition, ToolSpec,
 )
 from radixserve.tools.history import HistoryCall, HistoryMessage
 
@@ -350,7 +350,7 @@ class Conversation(AnthropicModel):
         return turns
 
     def tool_spec(self) -> ToolSpec:
-        """The checked tools; compiles each input_schema (call off the event loop)."""
+        """The checked tools; their input_schemas compile where the prompt is built."""
         tools = self.tools or []
         seen: dict[str, int] = {}
         for index, tool in enumerate(tools):
@@ -358,12 +358,11 @@ class Conversation(AnthropicModel):
                 raise bad_request(f"'tools[{index}].name': '{tool.name}' is already the name of tools[{seen[tool.name]}]",
                                   param=f"tools[{index}].name")
             seen[tool.name] = index
-        grammars = tuple(arguments_grammar(t.definition().parameters, f"tools[{i}].input_schema")
-                         for i, t in enumerate(tools))
+        params = tuple(f"tools[{i}].input_schema" for i in range(len(tools)))
         definitions = tuple(t.definition() for t in tools)
         choice = self.tool_choice
         if choice is None:
-            return ToolSpec(definitions, "auto" if tools else "none", None, True, grammars)
+            return ToolSpec(definitions, "auto" if tools else "none", None, True, schema_params=params)
         if choice.type in ("any", "tool") and not tools:
             raise bad_request(f"'tool_choice' '{choice.type}' needs at least one tool in 'tools'", param="tool_choice")
         named = choice.name if isinstance(choice, ToolChoiceTool) else None
@@ -371,7 +370,7 @@ class Conversation(AnthropicModel):
             raise bad_request(f"'tool_choice.name' is '{named}', which is not among the tools (declared: "
                               f"{', '.join(seen) or 'none'})", param="tool_choice.name")
         parallel = not getattr(choice, "disable_parallel_tool_use", False)
-        return ToolSpec(definitions, MODES[choice.type], named, parallel, grammars)
+        return ToolSpec(definitions, MODES[choice.type], named, parallel, schema_params=params)
 
 
 class CountTokensRequest(Conversation):
@@ -414,13 +413,13 @@ class MessagesRequest(Conversation):
             raise bad_request(f"'{where}': a conversation that ends with an assistant turn (prefill, to be "
                               "continued) is not supported; end it with a user turn", param=where)
 
-    def to_job(self, served: ServedModel, prompt: Prompt, constraint: dict[str, Any]) -> GenerationJob:
+    def to_job(self, served: ServedModel, prompt: Prompt) -> GenerationJob:
         model = served.check_model(self.model)
         try:
             params = SamplingParams(
                 max_tokens=self.max_tokens, temperature=self.temperature,
                 top_p=self.top_p if self.top_p is not None else 1.0, top_k=self.top_k or 0,
-                stop=list(self.stop_sequences or []), **constraint,
+                stop=list(self.stop_sequences or []),
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

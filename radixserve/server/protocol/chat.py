@@ -18,7 +18,7 @@ from radixserve.server.protocol.common import Integer, OpenAIModel, ServedModel,
 from radixserve.server.protocol.jobs import GenerationJob
 from radixserve.server.protocol.sampling import Logprobs, OpenAISamplingFields, TokenId
 from radixserve.server.protocol.template_args import ReasoningEffort, template_kwargs
-from radixserve.server.request_group import ChatPrompt
+from radixserve.engine.prompt_builder import ChatPrompt
 from radixserve.tools.definitions import ToolChoice, ToolList, ToolSpec, tool_spec
 from radixserve.tools.history import HistoryCall, HistoryMessage
 
@@ -175,16 +175,15 @@ class ChatCompletionRequest(OpenAISamplingFields):
         for legacy, new in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, legacy) is not None:
                 raise bad_request(f"'{legacy}' (deprecated by OpenAI) is not supported; use '{new}'", param=legacy)
-        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls, compile=False)
 
     def history(self) -> list[HistoryMessage]:
         return [m.history_entry(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
-    def to_job(
-        self, served: ServedModel, prompt: ChatPrompt | list[int] | None = None, constraint: dict[str, Any] | None = None
-    ) -> GenerationJob:
-        """`prompt` and `constraint` (the tool-call grammar) come from the tool-aware path
-        when the request uses tools; otherwise the messages are templated as they are."""
+    def to_job(self, served: ServedModel, prompt: ChatPrompt | None = None, calls: bool = False) -> GenerationJob:
+        """`prompt` comes from the tool-aware path when the request uses tools (otherwise the
+        messages are templated as they are); `calls`: the tools constrain the answer (their
+        grammar joins the params where the prompt is built)."""
         model = served.check_model(self.model)
         if prompt is None:
             prompt = ChatPrompt(tuple(m.template_entry(f"messages[{i}]") for i, m in enumerate(self.messages)))
@@ -193,12 +192,11 @@ class ChatCompletionRequest(OpenAISamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         served.check_group(1, self.n, "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        constraint = dict(constraint or {})
         formatted = self.response_format.constraint() if self.response_format is not None else {}
-        if constraint and formatted:
+        if calls and formatted:
             raise bad_request("'response_format' cannot be combined with tool calls; set tool_choice 'none' "
                               "to constrain the text instead", param="response_format")
-        params = self.sampling_params(served, max_tokens, logprobs, **constraint, **formatted)
+        params = self.sampling_params(served, max_tokens, logprobs, **formatted)
         stream, include_usage = self.stream_flags()
         return GenerationJob(
             model, [prompt], self.samples(params), self.n, stream, include_usage, False, logprobs, self.cache_salt,

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 
 from radixserve.core.agent_hints import AgentHints
 from radixserve.sampling_params import SamplingParams
-from radixserve.server.request_group import ChatPrompt, GenerationInput
+from radixserve.engine.prompt_builder import ChatPrompt
+from radixserve.server.request_group import GenerationInput
 
 Prompt = str | list[int] | ChatPrompt
 

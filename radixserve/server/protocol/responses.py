@@ -18,7 +18,6 @@ from radixserve.tools.definitions import (
     MAX_TOOLS, FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition, ToolSpec, tool_spec,
 )
 from radixserve.tools.history import HistoryCall, HistoryMessage
-from radixserve.server.tool_calling import ToolCalling
 
 
 class TextPart(OpenAIModel):
@@ -192,7 +191,7 @@ class ResponsesRequest(OpenAIBody):
         if isinstance(choice, FunctionChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
         definitions = [t.definition() for t in self.tools or []]
-        return tool_spec(definitions, choice, self.parallel_tool_calls, flat=True)
+        return tool_spec(definitions, choice, self.parallel_tool_calls, flat=True, compile=False)
 
     def history(self, store: OwnedResponses) -> tuple[list[HistoryMessage], list[HistoryMessage]]:
         """(instructions as a system turn, the conversation: stored turns, then this input)."""
@@ -209,12 +208,13 @@ class ResponsesRequest(OpenAIBody):
             earlier = stored
         return head, earlier + input_history(self.input)
 
-    def constraint(self, spec: ToolSpec, calling: ToolCalling) -> dict[str, Any]:
-        tools = calling.constraint(spec)
+    def constraint(self, spec: ToolSpec) -> dict[str, Any]:
+        """The text format's constraint (the tools' grammar joins the params where the prompt
+        is built)."""
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type == "text":
-            return tools
-        if tools:
+            return {}
+        if spec.parses_calls:
             raise bad_request("'text.format' cannot be combined with tool calls; set tool_choice 'none'",
                               param="text.format")
         if fmt.type == "json_object":
