@@ -22,23 +22,26 @@ class ChatTemplate:
             raise ValueError("this model has no chat template; write the prompt as plain text instead of roles")
         self.tokenizer = tokenizer
 
-    def markers(self, messages: list[dict[str, str]], role: str) -> tuple[str, str]:
-        """(text before, text after) the content of a `role` message that follows `messages`."""
-        prior = self.render(messages)
-        wrapped = self._suffix(prior, self.render(messages + [{"role": role, "content": _PLACEHOLDER}]))
+    def markers(self, messages: list[dict[str, str]], role: str, tools: list[dict] | None = None) -> tuple[str, str]:
+        """(text before, text after) the content of a `role` message that follows `messages`;
+        `tools`: the conversation's tools, for a template that renders them."""
+        prior = self.render(messages, tools=tools)
+        wrapped = self._suffix(prior, self.render(messages + [{"role": role, "content": _PLACEHOLDER}], tools=tools))
         before, found, after = wrapped.partition(_PLACEHOLDER)
         if not found:
             raise ValueError(f"the chat template drops the content of a {role} message")
         if role == "assistant" and messages:
-            before = self._suffix(prior, self.render(messages, add_generation_prompt=True))
+            before = self._suffix(prior, self.render(messages, add_generation_prompt=True, tools=tools))
         return before, after
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> str:
         if not messages:
             return ""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
             )
         except Exception as exc:  # jinja errors, raise_exception() in the template
             raise ValueError(f"the chat template refused these messages: {exc}") from None

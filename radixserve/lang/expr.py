@@ -2,7 +2,7 @@
 
 An expression is text, a `gen`, a `select`, a role wrapping other expressions, or a
 concatenation of these (`"Q: " + rl.gen("a")`). The interpreter runs the flat op list
-Text / Gen / Select / RoleBegin / RoleEnd in order.
+Text / Tools / Gen / Select / RoleBegin / RoleEnd in order.
 """
 
 from __future__ import annotations
@@ -44,10 +44,19 @@ class Concat(Expr):
 
 @dataclass(frozen=True)
 class Gen(Expr):
-    """Generate into the state; `sampling` holds only the options the program gave."""
+    """Generate into the state; `sampling` holds only the options the program gave; `calls`:
+    tool_choice (and parallel_tool_calls) when the gen calls the state's tools."""
 
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
+    calls: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Tools(Expr):
+    """Declare the conversation's tools (checked definitions), before its first message."""
+
+    definitions: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ def as_expr(value: Any) -> Expr:
 
 
 def to_ops(value: Any) -> list[Expr]:
-    """The flat list of Text, Gen, Select, RoleBegin and RoleEnd ops that `value` stands for."""
+    """The flat list of Text, Tools, Gen, Select, RoleBegin and RoleEnd ops that `value` stands for."""
     expr = as_expr(value)
     if isinstance(expr, Concat):
         return [op for part in expr.parts for op in to_ops(part)]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.lang.expr import CHOICES_METHODS, Expr, Gen, Role, RoleBegin, RoleEnd, Select, Text, as_expr
+from radixserve.lang.expr import CHOICES_METHODS, Expr, Gen, Role, RoleBegin, RoleEnd, Select, Text, Tools, as_expr
 from radixserve.sampling_params import SamplingParams
+from radixserve.tools.definitions import checked_tools
 
 
 def gen(
@@ -31,6 +32,8 @@ def gen(
     regex: str | None = None,
     json_schema: dict | str | Any | None = None,
     choices: list[str] | None = None,
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> Gen:
     """Generate text at the end of the state and store it as variable `name`.
 
@@ -38,14 +41,37 @@ def gen(
     max_tokens is 128 and the rest are SamplingParams' defaults. `regex`, `json_schema` (a dict, a JSON string or a
     pydantic model class) and `choices` constrain the output token by token: it always
     matches (unless max_tokens cuts it). Bad values raise ValueError here.
+
+    `tool_choice` ("auto", "required", "none" or {"type": "function", "function": {"name":
+    ...}}) makes the gen call the tools `rl.tools(...)` declared: required or a named tool
+    forces a call valid under its schema (`parallel_tool_calls=False`: exactly one), auto
+    lets the model choose. The text is the variable, as ever; `state.tool_calls(name)` has
+    the calls read out of it (name, arguments as JSON).
     """
-    given = {k: v for k, v in locals().items() if k != "name" and v is not None}
+    calls = None if tool_choice is None else {"tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+    if tool_choice is not None and tool_choice not in ("none", "auto", "required") and not isinstance(tool_choice, dict):
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a dict naming a function, got {tool_choice!r}")
+    if tool_choice is None and parallel_tool_calls is not None:
+        raise ValueError("parallel_tool_calls needs tool_choice")
+    given = {k: v for k, v in locals().items() if k not in ("name", "tool_choice", "parallel_tool_calls", "calls")
+             and v is not None}
     if "json_schema" in given:
         given["json_schema"] = _schema_of(given["json_schema"])
     if "choices" in given:
         given["choices"] = list(given["choices"])
     SamplingParams(**given)  # validates now rather than when the program runs
-    return Gen(_check_name(name), given)
+    if calls is not None and any(k in given for k in ("regex", "json_schema", "choices")):
+        raise ValueError("a gen that calls tools takes no regex, json_schema or choices: the calls are its constraint")
+    return Gen(_check_name(name), given, calls)
+
+
+def tools(definitions: list[dict[str, Any]]) -> Tools:
+    """Declare the conversation's tools (OpenAI's function tools: {"type": "function",
+    "function": {"name", "description", "parameters"}}), before its first message. A chat
+    template that knows tools renders them as it does; with one that does not (the default
+    model's), the system message carries them, as the server's chat completions write them.
+    A gen with `tool_choice` then calls them."""
+    return Tools(checked_tools(definitions, compile=False).tools)
 
 
 def select(name: str | None = None, choices: list[str] | None = None, choices_method: str = "total") -> Select:

@@ -37,6 +37,7 @@ class StateRecord:
         self.text = ""
         self.messages: list[dict[str, str]] = []
         self.open: OpenMessage | None = None
+        self.tools: tuple[Any, ...] = ()  # the conversation's tools (rl.tools), as ToolDefinitions
         self.variables: dict[str, Any] = {}
         self.meta: dict[str, dict[str, Any]] = {}
         self.scores: dict[str, SelectResult] = {}
@@ -75,6 +76,7 @@ class StateRecord:
             child.text = self.text
             child.messages = copy.deepcopy(self.messages)
             child.open = copy.copy(self.open)
+            child.tools = self.tools
             child.variables = dict(self.variables)
             child.meta = dict(self.meta)
             child.scores = dict(self.scores)

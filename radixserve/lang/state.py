@@ -109,6 +109,11 @@ class ProgramState:
         with self._cond:
             return dict(self._record.meta[name])
 
+    def tool_calls(self, name: str) -> list[Any]:
+        """The tool calls gen `name` made (a gen with tool_choice): each a ToolCall with its
+        `name`, `arguments` as the JSON text written and `parsed`, that text as a value."""
+        return list(self.get_meta_info(name).get("tool_calls", []))
+
     def scores(self, name: str) -> SelectResult:
         """The scores of select `name`: per-choice total and normalized log-probabilities."""
         self.sync()

@@ -53,6 +53,8 @@ class GenerateSamplingParams(NativeModel):
     json_schema: Annotated[dict[str, Any] | str, expects("an object or a JSON string")] | None = None
     json_object: bool = False
     choices: Annotated[list[NonEmptyString], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    structural_tag: Annotated[dict[str, Any] | str, expects("an object or a JSON string")] | None = Field(
+        None, description="an xgrammar structural tag (SGLang's field; the DSL's tool calls send their grammar in it)")
     stop_regex: StopStrings | None = Field(None, description="stop at the earliest match of a regex (or of any of a list)")
     speculative: bool | None = Field(
         None, description="prompt-lookup speculative decoding for this request (same output); null: the server's --speculative"
