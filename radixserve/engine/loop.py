@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from radixserve.kernels.heap import return_freed_memory
 from radixserve.kernels.openmp_pool import release_thread_pool
 from radixserve.outputs import RequestOutput
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixserve.engine.loop")
 
 T = TypeVar("T")
+IDLE_TRIM_S = 1.0  # idle this long after working: the freed heap goes back to the system
 Listener = Callable[[RequestOutput | BaseException], None]
 
 
@@ -72,6 +74,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._closing = False  # set under _lock; once set nothing more is posted
         self._listeners: dict[str, Listener] = {}  # engine thread only
+        self._worked = False  # engine thread: stepped since the heap was last trimmed
+        self.heap_trims = 0  # times an idle loop handed freed heap back
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         release_thread_pool()  # the parallel work moves to the loop's thread (openmp_pool.py)
         self._thread.start()
@@ -177,9 +181,9 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self._worked = True
                 else:
-                    self._wake.wait()
-                    self._wake.clear()
+                    self._idle()
         except BaseException as exc:  # a bug in the loop itself: nothing can be trusted now
             log.exception("the engine loop failed")
             self._break(f"the engine loop failed: {type(exc).__name__}: {exc}")
@@ -193,6 +197,15 @@ class EngineLoop:
                 left, self._listeners = self._listeners, {}
                 for listener in left.values():
                     _notify(listener, self._refusal())
+
+    def _idle(self) -> None:
+        """Wait for work. Once the engine has sat idle for IDLE_TRIM_S after working, the heap
+        its steps freed goes back to the system first (kernels/heap.py)."""
+        if self._worked and not self._wake.wait(IDLE_TRIM_S):
+            self._worked = False
+            self.heap_trims += return_freed_memory()
+        self._wake.wait()
+        self._wake.clear()
 
     def _drain(self) -> None:
         while True:

@@ -195,3 +195,27 @@ def test_shutdown_fails_pending_listeners_and_refuses_later_work(engine):
     assert not engine.has_unfinished_requests()
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))[0].token_ids) == 3
 
+
+
+def test_an_idle_loop_hands_the_freed_heap_back_once_after_working(engine, monkeypatch):
+    import radixserve.engine.loop as loop_module
+
+    trims = []
+    monkeypatch.setattr(loop_module, "IDLE_TRIM_S", 0.05)
+    monkeypatch.setattr(loop_module, "return_freed_memory", lambda: trims.append(1) or True)
+    loop = EngineLoop(engine, name="test-trim")
+    try:
+        threading.Event().wait(0.3)
+        assert trims == []  # never worked: nothing to hand back
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        loop.submit([engine.prepare([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))], outputs.put, ["t"]).result(TIMEOUT)
+        finals(outputs, 1)
+        for _ in range(100):
+            if trims:
+                break
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.3)
+        assert trims == [1] and loop.heap_trims == 1  # once per idle spell, not every IDLE_TRIM_S
+        idle_and_intact(loop)
+    finally:
+        loop.shutdown(TIMEOUT)
