@@ -239,7 +239,9 @@ class Engine:
             return request_id, None
         request = self._requests[request_id]
         self._append_token(request, taken.first_token, taken.first_logprob)
-        return request_id, self._output(request)
+        output = self._output(request)
+        self._after_cache_changes()  # the imported blocks (and a request done at once) are announced now, not a step late
+        return request_id, output
 
     @_one_thread
     def step(self) -> list[RequestOutput]:
