@@ -353,9 +353,20 @@ class RadixCache:
     def load_tier_entries(self, entries: list[TierEntry]) -> list[TierEntry]:
         """Rebuild tier-only nodes from persisted block entries (before any request runs).
         An entry is adopted only if its digest chain from its namespace's root checks out
-        and its slot is unused; returns the entries adopted."""
+        and its slot is unused; returns the entries adopted. Hybrid KV: an adopted entry keeps
+        its window slot where that is in range and unused (else it comes back as a tombstone
+        for the window layers: its entry as returned says -1)."""
         if self.tier is None:
             return []
+        windows: set[int] = set()
+
+        def window_of(e: TierEntry) -> TierEntry:
+            w = e.window_slot
+            if w < 0 or (self.window_tier is not None and 0 <= w < self.window_tier.num_slots and w not in windows):
+                windows.add(w)
+                return e
+            return TierEntry(e.slot, e.salt, e.parent, e.digest, e.tokens)
+
         by_parent: dict[tuple[str | None, int], list[TierEntry]] = {}
         for e in entries:
             if 0 <= e.slot < self.tier.num_slots and len(e.tokens) == self.block_size:
@@ -374,9 +385,12 @@ class RadixCache:
                     if chain_hashes(digest, list(e.tokens), self.block_size) != [e.digest]:
                         continue
                     used.add(e.slot)
+                    e = window_of(e)
                     adopted.append(e)
                     stack.append((self._add_tier_leaf(node, e), e.digest))
         self.tier.take(used)
+        if self.window_tier is not None:
+            self.window_tier.take(windows - {-1})
         return adopted
 
     # ---- reading the tree -----------------------------------------------------------
@@ -438,6 +452,14 @@ class RadixCache:
             raise AssertionError("tier slots held without a tier")
 
     # ---- helpers ----------------------------------------------------------------
+
+    def _path(self, node: RadixNode) -> list[RadixNode]:
+        """The nodes from `node` up to its root's child."""
+        path = []
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        return path
 
     def _size(self, node: RadixNode) -> int:
         return len(node.tokens) // self.block_size
@@ -507,6 +529,8 @@ class RadixCache:
     def _add_tier_leaf(self, parent: RadixNode, entry: TierEntry) -> RadixNode:
         node = self._new_node(parent, list(entry.tokens), [], next(self._clock))
         node.slots = [entry.slot]
+        if self.window_tier is not None:
+            node.window_slots = [entry.window_slot]
         self._stored(node, TIER)
         self.num_tier_blocks += 1
         self._refresh(node)
@@ -546,18 +570,47 @@ class RadixCache:
         self.num_tier_blocks += len(node.slots)
         if self.window_tier is None:
             self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
-        else:  # each window page goes too while a window slot is free (else the tier copy is a tombstone)
-            page_of, wt = self.pool.window.page_of, self.window_tier
-            node.window_slots = [wt.allocate(1)[0] if page_of[b] >= 0 and wt.num_free else -1 for b in node.blocks]
+        else:  # the pages of the window before the node's end (where a later match stops) go too, while a
+            # window slot is free or can be taken from an entry worth less (else the tier copy is a tombstone)
+            window, wt = self.pool.window, self.window_tier
+            end = sum(len(n.tokens) for n in self._path(node))
+            first = window.first_needed(end) - (end - len(node.tokens)) // self.block_size
+            save = [i >= first and window.has_page(b) for i, b in enumerate(node.blocks)]
+            self._make_window_room(sum(save), node)
+            node.window_slots = [wt.allocate(1)[0] if keep and wt.num_free else -1 for keep in save]
+            page_of = window.page_of
             self.copies.extend(KVCopy(True, b, s, page_of[b] if w >= 0 else -1, w)
                                for b, s, w in zip(node.blocks, node.slots, node.window_slots))
-        if self.record_entries:
-            parents = [node.parent.digests[-1]] + node.digests[:-1]
-            bs = self.block_size
-            for i, slot in enumerate(node.slots):
-                entry = TierEntry(slot, node.salt, parents[i], node.digests[i], tuple(node.tokens[i * bs:(i + 1) * bs]))
-                self.tier_events.append(("set", entry))
+        self._record(node)
         self._refresh(node)
+
+    def _record(self, node: RadixNode) -> None:
+        """Report what the node's tier slots hold (persistence): its entries, set anew."""
+        if not self.record_entries:
+            return
+        parents = [node.parent.digests[-1]] + node.digests[:-1]
+        windows = self._window_slots(node)
+        bs = self.block_size
+        for i, slot in enumerate(node.slots):
+            entry = TierEntry(slot, node.salt, parents[i], node.digests[i], tuple(node.tokens[i * bs:(i + 1) * bs]),
+                              windows[i])
+            self.tier_events.append(("set", entry))
+
+    def _make_window_room(self, n: int, node: RadixNode) -> None:
+        """Hybrid KV: free window slots until n are free (or none is left to take), taking the
+        saved windows of tier entries worth less than `node` (eviction order). Those entries
+        keep their full layers, as tombstones for the window layers. Without this, a tier
+        written through (persistence) would fill its window slots with old windows and save
+        every later block as a tombstone."""
+        wt = self.window_tier
+        for victim in self._tier_evictable:  # in eviction order; taking windows leaves the order as it is
+            if wt.num_free >= n or victim.sort_key > node.sort_key:
+                return
+            held = [w for w in victim.window_slots if w >= 0]
+            if held and victim is not node:
+                wt.free(held)
+                victim.window_slots = []
+                self._record(victim)
 
     def _make_tier_room(self, n: int, worth: tuple[int, int, int]) -> bool:
         """Free tier slots until n are free, taking tier entries that are worth less than

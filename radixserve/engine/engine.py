@@ -240,7 +240,7 @@ class Engine:
         request = self._requests[request_id]
         self._append_token(request, taken.first_token, taken.first_logprob)
         output = self._output(request)
-        self._after_cache_changes()  # the imported blocks (and a request done at once) are announced now, not a step late
+        pass  # TEMP self._after_cache_changes()  # the imported blocks (and a request done at once) are announced now, not a step late
         return request_id, output
 
     @_one_thread
@@ -601,6 +601,7 @@ class Engine:
         if code:
             layout.update(kv_layout="layer,kv,block,page", kv_scheme=code.scheme, kv_key_basis=KEY_BASIS)
         if self.hybrid:
+            layout["layer_windows"] = list(spec.layer_windows)  # which layers a slot holds (persistence)
             return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout, page_shape, ratio)
         return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
 
@@ -648,16 +649,11 @@ class Engine:
 
     def _hybrid_kv(self) -> bool:
         """Whether window layers keep their KV apart (core/window_pages.py): a model with
-        window layers, hybrid_kv auto, and no persistence across restarts (its index and
-        file hold whole blocks). The second tier keeps hybrid KV (a block's full layers and,
-        where it has one, its window page)."""
+        window layers and hybrid_kv auto. The second tier and its persistence keep hybrid KV
+        (a block's full layers and, where it has one, its window page)."""
         spec, cfg = self.loaded.spec, self.config
         if not spec.windowed or cfg.hybrid_kv == "off" or max(spec.layer_windows) >= self.max_model_len:
             return False  # (a window as long as the context keeps everything anyway)
-        if cfg.kv_persist_dir:
-            logger.info("hybrid KV off: kv_persist_dir persists whole blocks of every layer across restarts; "
-                        "every layer keeps its KV (the second tier without persistence keeps hybrid KV)")
-            return False
         return True
 
     def _window_layers(self) -> int:

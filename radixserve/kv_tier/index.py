@@ -33,13 +33,15 @@ class KVCopy:
 class TierEntry:
     """What a tier slot holds, for the on-disk index: one block of a prefix, named by the
     chained hash of the prefix it ends (core/hashing.py), with its parent's hash and its own
-    token ids."""
+    token ids. Hybrid KV: `window_slot`, the window slot holding its window page (-1: none,
+    a tombstone for the window layers)."""
 
     slot: int
     salt: str | None
     parent: int
     digest: int
     tokens: tuple[int, ...]
+    window_slot: int = -1
 
 
 class KVTier:

@@ -7,6 +7,13 @@ KV layout, block size, slot size) and one entry per slot: [slot, salt, parent ha
 hash (core/hashing.py), token ids, CRC-32 of the slot's bytes]. An index of another format
 version is ignored with a log line: the engine starts with a cold tier.
 
+Hybrid KV (a tier with window slots): the header says so (`hybrid_kv`: the window layers,
+the window slots' count, size and offset in the file), and each entry goes on with
+[window slot (-1: none), CRC-32 of its bytes]. A slot then holds a block's full layers
+only, so an index whose header differs in `hybrid_kv` (written with hybrid KV and read
+without, or the other way round) is ignored like another layout's; a window slot that fails
+its checksum leaves its block a tombstone for the window layers (its full layers are kept).
+
 Writes never stall a step: the engine thread only enqueues what changed in a step (and the
 slot sequence numbers after its copies); a background thread checksums the slots, writes
 the slots set since its last index back to disk (msync of their range, through ctypes so
@@ -18,6 +25,7 @@ logged and ignored, so a torn write or another model's cache is never used as KV
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -43,11 +51,18 @@ class TierPersister:
         self.directory = directory
         self.store = store
         self.header = {"version": FORMAT_VERSION, **header, "slot_bytes": store.slot_bytes}
+        self.hybrid = store.num_window_slots > 0
+        if self.hybrid:
+            self.header["hybrid_kv"] = {**header.get("hybrid_kv", {}), "window_slots": store.num_window_slots,
+                                        "window_slot_bytes": store.window_slot_bytes,
+                                        "window_offset": store.window_offset}
         self.index_path = os.path.join(directory, INDEX_FILE)
         self.failed: str | None = None
         self.index_writes = 0
-        self._entries: dict[int, tuple[TierEntry, int, bytes]] = {}  # slot -> (entry, crc, its JSON)
+        # slot -> (entry, crc, window crc, its JSON)
+        self._entries: dict[int, tuple[TierEntry, int, int, bytes]] = {}
         self._unsynced: set[int] = set()  # slots set since the last index write
+        self._unsynced_windows: set[int] = set()  # window slots likewise
         self._queue: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -77,30 +92,47 @@ class TierPersister:
             log.warning("KV persist: %s was written for another model or layout (%s differ); ignored",
                         self.index_path, ", ".join(diff))
             return []
-        entries, bad = [], 0
-        for slot, salt, parent, digest, tokens, crc in body.get("entries", []):
+        entries, bad, bad_windows = [], 0, 0
+        for item in body.get("entries", []):
+            slot, salt, parent, digest, tokens, crc = item[:6]
+            window, window_crc = item[6:8] if self.hybrid and len(item) == 8 else (-1, 0)
             if not (0 <= slot < self.store.num_slots) or zlib.crc32(self.store.slot_view(slot)) != crc:
                 bad += 1
                 continue
-            entry = TierEntry(slot, salt, int(parent, 16), int(digest, 16), tuple(tokens))
+            if window >= 0 and not (window < self.store.num_window_slots
+                                    and zlib.crc32(self.store.window_view(window)) == window_crc):
+                bad_windows += 1  # its full layers stand; the window layers' KV does not
+                window, window_crc = -1, 0
+            entry = TierEntry(slot, salt, int(parent, 16), int(digest, 16), tuple(tokens), window)
             entries.append(entry)
-            self._entries[slot] = (entry, crc, _encode(entry, crc))
+            self._entries[slot] = (entry, crc, window_crc, self._encode(entry, crc, window_crc))
         if bad:
             log.warning("KV persist: %d block(s) in %s failed their checksum; ignored", bad, self.index_path)
+        if bad_windows:
+            log.warning("KV persist: %d window page(s) in %s failed their checksum; their blocks are tombstones "
+                        "for the window layers", bad_windows, self.index_path)
         return entries
 
     def adopt(self, kept: list[TierEntry]) -> None:
-        """Only these loaded entries are in the tree: forget the rest."""
-        keep = {e.slot for e in kept}
-        self._entries = {s: v for s, v in self._entries.items() if s in keep}
+        """Only these loaded entries are in the tree, as the tree took them (a window slot
+        it refused is gone from its entry): forget the rest."""
+        entries = {}
+        for e in kept:
+            loaded, crc, window_crc, encoded = self._entries[e.slot]
+            if e.window_slot != loaded.window_slot:
+                window_crc, encoded = 0, self._encode(e, crc, 0)
+            entries[e.slot] = (e, crc, window_crc, encoded)
+        self._entries = entries
 
     def submit(self, events: list[tuple[str, Any]]) -> None:
         """What a step changed, after its copies ran: ("set", TierEntry) / ("free", slot)."""
         if not events or self.failed:
             return
         seqs = {e.slot: self.store.seq[e.slot] for kind, e in events if kind == "set"}
+        window_seqs = {e.window_slot: self.store.window_seq[e.window_slot]
+                       for kind, e in events if kind == "set" and e.window_slot >= 0}
         self._idle.clear()
-        self._queue.put((events, seqs))
+        self._queue.put((events, seqs, window_seqs))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything submitted is on disk (index included); False on timeout."""
@@ -136,7 +168,7 @@ class TierPersister:
             if self._queue.empty() and (not dirty or self.failed):
                 self._idle.set()
 
-    def _apply(self, events: list[tuple[str, Any]], seqs: dict[int, int]) -> None:
+    def _apply(self, events: list[tuple[str, Any]], seqs: dict[int, int], window_seqs: dict[int, int]) -> None:
         final: dict[int, TierEntry | None] = {}
         for kind, value in events:
             if kind == "set":
@@ -149,17 +181,26 @@ class TierPersister:
                 continue
             seq = seqs[slot]
             crc = zlib.crc32(self.store.slot_view(slot))
-            if self.store.seq[slot] == seq and seq % 2 == 0:  # not rewritten while summed
-                self._entries[slot] = (entry, crc, _encode(entry, crc))
-                self._unsynced.add(slot)
+            if self.store.seq[slot] != seq or seq % 2:  # rewritten while summed: a later event says what it holds
+                continue
+            window_crc = 0
+            if entry.window_slot >= 0:
+                wseq = window_seqs[entry.window_slot]
+                window_crc = zlib.crc32(self.store.window_view(entry.window_slot))
+                if self.store.window_seq[entry.window_slot] != wseq or wseq % 2:
+                    entry, window_crc = dataclasses.replace(entry, window_slot=-1), 0  # kept as a tombstone
+                else:
+                    self._unsynced_windows.add(entry.window_slot)
+            self._entries[slot] = (entry, crc, window_crc, self._encode(entry, crc, window_crc))
+            self._unsynced.add(slot)
 
     def _write_index(self) -> None:
         try:
-            self.store.sync(self._unsynced)
-            self._unsynced = set()
+            self.store.sync(self._unsynced, self._unsynced_windows)
+            self._unsynced, self._unsynced_windows = set(), set()
             body = b"".join([
                 b'{"header":', json.dumps(self.header, separators=(",", ":")).encode(), b',"entries":[',
-                b",".join(encoded for _, _, encoded in self._entries.values()), b"]}",
+                b",".join(encoded for *_, encoded in self._entries.values()), b"]}",
             ])
             tmp = self.index_path + ".tmp"
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # its salts and tokens
@@ -173,11 +214,13 @@ class TierPersister:
             log.error("KV persist: cannot write %s (%s); the cache will not survive a restart",
                       self.index_path, self.failed)
 
-
-def _encode(e: TierEntry, crc: int) -> bytes:
-    """One index entry: [slot, salt, parent hash, hash (32 hex digits), token ids, CRC-32]."""
-    return json.dumps([e.slot, e.salt, f"{e.parent:032x}", f"{e.digest:032x}", list(e.tokens), crc],
-                      separators=(",", ":")).encode()
+    def _encode(self, e: TierEntry, crc: int, window_crc: int) -> bytes:
+        """One index entry: [slot, salt, parent hash, hash (32 hex digits), token ids, CRC-32],
+        and with hybrid KV [window slot, its CRC-32] after them."""
+        item = [e.slot, e.salt, f"{e.parent:032x}", f"{e.digest:032x}", list(e.tokens), crc]
+        if self.hybrid:
+            item += [e.window_slot, window_crc]
+        return json.dumps(item, separators=(",", ":")).encode()
 
 
 def _checked_body(raw: bytes) -> dict[str, Any] | None:

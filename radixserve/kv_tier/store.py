@@ -4,9 +4,13 @@ On CPU the pool already is RAM, so the tier is a file on local disk mapped into 
 (the OS pages it in and out): restoring a block is a copy out of the page cache, or a
 disk read when it was paged out (README: restore vs recompute, measured). Without a
 directory it is anonymous memory. Slot s holds tensor data[s] of the pool's block shape.
+Hybrid KV: after the block slots, in the same mapping (so in the same file, persisted
+with it), window slot w holds window_data[w], one window page (the window layers' K/V of
+a block).
 
-Every slot has a sequence counter, odd while the engine thread writes the slot, so the
-persistence thread can tell whether the bytes it checksummed are the ones it was told of.
+Every slot (and window slot) has a sequence counter, odd while the engine thread writes
+it, so the persistence thread can tell whether the bytes it checksummed are the ones it
+was told of.
 Other threads may fault slots in (prefetch.py), checksum them and write them back
 (persist.py); only the engine thread writes their bytes, in run().
 """
@@ -33,18 +37,21 @@ class TierStore:
         element = torch.empty((), dtype=dtype).element_size()
         self.num_slots = num_slots
         self.slot_bytes = element * int(torch.Size(block_shape).numel())
-        size = num_slots * self.slot_bytes
-        # hybrid KV: window pages in slots of their own, in memory (never persisted)
+        # hybrid KV: window pages in slots of their own, after the block slots
+        self.num_window_slots = num_window_slots
         self.window_slot_bytes = element * int(torch.Size(page_shape).numel()) if num_window_slots else 0
-        self.window_data = (torch.zeros((num_window_slots, *page_shape), dtype=dtype) if num_window_slots
-                            else None)
+        self.window_offset = num_slots * self.slot_bytes  # where the window slots start
+        size = self.window_offset + num_window_slots * self.window_slot_bytes
         self.path = os.path.join(directory, TIER_FILE) if directory else None
         self._memory, self._fd = _map(self.path, size)
         self._close_fd = weakref.finalize(self, os.close, self._fd) if self._fd is not None else None
         flat = torch.frombuffer(self._memory, dtype=torch.uint8, count=size)
-        self.data = flat.view(dtype).view(num_slots, *block_shape)
+        self.data = flat[:self.window_offset].view(dtype).view(num_slots, *block_shape)
+        self.window_data = (flat[self.window_offset:].view(dtype).view(num_window_slots, *page_shape)
+                            if num_window_slots else None)
         self._base = self.data.data_ptr()  # the mapping's address, for page calls
         self.seq = [0] * num_slots
+        self.window_seq = [0] * num_window_slots
         self.pages = MappedPages()
 
     def run(self, pool: KVPool, copies: list[KVCopy]) -> None:
@@ -54,13 +61,18 @@ class TierStore:
             blocks, slots = [c.block for c in batch], [c.slot for c in batch]
             windows = [c for c in batch if c.page >= 0 and c.window_slot >= 0]
             if to_tier:
+                wslots = [c.window_slot for c in windows]
                 for s in slots:
                     self.seq[s] += 1  # odd: being written
+                for w in wslots:
+                    self.window_seq[w] += 1
                 pool.copy_blocks_out(blocks, self.data, slots)
+                if windows:
+                    pool.copy_pages_out([c.page for c in windows], self.window_data, wslots)
                 for s in slots:
                     self.seq[s] += 1
-                if windows:
-                    pool.copy_pages_out([c.page for c in windows], self.window_data, [c.window_slot for c in windows])
+                for w in wslots:
+                    self.window_seq[w] += 1
             else:
                 pool.copy_blocks_in(slots, self.data, blocks)
                 if windows:
@@ -70,17 +82,31 @@ class TierStore:
         start = slot * self.slot_bytes
         return memoryview(self._memory)[start:start + self.slot_bytes]
 
+    def window_view(self, window_slot: int) -> memoryview:
+        start = self.window_offset + window_slot * self.window_slot_bytes
+        return memoryview(self._memory)[start:start + self.window_slot_bytes]
+
     def slot_span(self, slot: int, count: int = 1) -> tuple[int, int]:
         """(address, length) of `count` slots from `slot` in this process's mapping."""
         return self._base + slot * self.slot_bytes, count * self.slot_bytes
 
+    def window_span(self, window_slot: int, count: int = 1) -> tuple[int, int]:
+        """(address, length) of `count` window slots from `window_slot` in this process's mapping."""
+        return self._base + self.window_offset + window_slot * self.window_slot_bytes, count * self.window_slot_bytes
+
+    def read_span(self, addr: int, length: int, buf: bytearray) -> None:
+        """Read a file-backed span (slot_span, window_span) with pread (into the page cache,
+        and `buf`, at least `length` bytes, discarded)."""
+        os.preadv(self._fd, [memoryview(buf)[:length]], addr - self._base)
+
     def read_slot(self, slot: int, buf: bytearray) -> None:
         """Read a file-backed slot with pread (into the page cache, and `buf`, discarded)."""
-        os.preadv(self._fd, [buf], slot * self.slot_bytes)
+        self.read_span(*self.slot_span(slot), buf)
 
-    def sync(self, slots: Iterable[int] | None = None) -> None:
-        """Write dirty pages of a file-backed tier to disk and wait: those of `slots`, or the
-        whole file. Releases the GIL while it waits (mmap.flush would hold it)."""
+    def sync(self, slots: Iterable[int] | None = None, window_slots: Iterable[int] = ()) -> None:
+        """Write dirty pages of a file-backed tier to disk and wait: those of `slots` and
+        `window_slots`, or the whole file. Releases the GIL while it waits (mmap.flush would
+        hold it)."""
         if self.path is None:
             return
         if slots is None or not self.pages.available:
@@ -88,6 +114,8 @@ class TierStore:
             return
         for first, count in slot_runs(slots):
             self.pages.sync(*self.slot_span(first, count))
+        for first, count in slot_runs(window_slots):
+            self.pages.sync(*self.window_span(first, count))
 
     def drop_cached_pages(self) -> int:
         """Write a file-backed tier to disk and drop its pages from memory (this process's
@@ -112,7 +140,7 @@ class TierStore:
 
     def close(self) -> None:
         """Unmap (callers stop the threads that use the store first)."""
-        self.data = None
+        self.data = self.window_data = None
         if self._close_fd is not None:
             self._close_fd()
         try:

@@ -57,8 +57,10 @@ class Tiering:
               window_ratio: float = 0.0) -> "Tiering":
         """A tier of slots of one pool block each: block_shape elements of dtype (the pool's
         storage: int8 pages are uint8 bytes to the tier). Hybrid KV (`page_shape`): beside
-        them, window_ratio window-page slots per block slot (page_shape each), in memory, in
-        the same kv_offload_memory; persistence keeps every layer (the engine turns hybrid off)."""
+        them, window_ratio window-page slots per block slot (page_shape each), in the same
+        mapping (the file, where there is one) and the same kv_offload_memory; `layout`'s
+        layer_windows (each layer's window, 0 for a full layer) then goes into a persisted
+        index's header (hybrid_kv), so an index is read only under the same split."""
         size = config.kv_offload_memory
         if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
@@ -82,13 +84,17 @@ class Tiering:
         tiering = cls(KVTier(num_slots), KVTier(num_window_slots) if num_window_slots else None, store,
                       prefetch=TierPrefetcher.start(store))
         if config.kv_persist_dir:
+            layout = dict(layout)
+            layer_windows = layout.pop("layer_windows", None)
             header = {"fingerprint": model_fingerprint(model, dtype, layout), "block_size": config.block_size,
                       "kv_cache_dtype": layout.get("kv_cache_dtype")}  # named apart, so a log says it differs
+            if num_window_slots:  # a slot holds the full layers only: named apart too
+                header["hybrid_kv"] = {"layer_windows": layer_windows}
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
             atexit.register(tiering.close)  # the last index write, also when nobody calls close()
         log.info("KV tier: %d blocks (%.2f GiB) in %s%s%s", num_slots, num_slots * per_block / 2**30,
                  store.path or "memory", ", persisted" if tiering.persister else "",
-                 f", {num_window_slots} window pages ({num_window_slots * per_page / 2**30:.2f} GiB) in memory"
+                 f", {num_window_slots} window pages ({num_window_slots * per_page / 2**30:.2f} GiB)"
                  if num_window_slots else "")
         return tiering
 

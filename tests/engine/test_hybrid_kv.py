@@ -299,18 +299,181 @@ def test_a_restored_block_has_a_window_only_where_its_page_came_back():
     window.check_integrity(pool.ref_counts, [])
 
 
-def test_persistence_across_restarts_keeps_every_layer(tiny_model_dir, caplog, tmp_path):
+# ---- persistence across restarts (kv_persist_dir) -----------------------------------------------
+
+
+def persisted(directory, kv_dir, **options):
+    return engine_for(directory, kv_persist_dir=str(kv_dir), kv_offload_memory=1 << 16, **options)
+
+
+FIRST_TURN = prompts_of([37], seed=5)[0]
+
+
+def first_turn(directory, kv_dir, **options):
+    """A 37-token prompt and 9 greedy tokens on an engine that persists its tier; flushed, closed.
+    44 tokens computed: a node for the prompt's 9 full blocks, one for the reply's 2."""
+    engine = persisted(directory, kv_dir, **options)
+    out = run_checked(engine, [FIRST_TURN], 9)[0]
+    assert engine.flush_tier()
+    engine.check_integrity()
+    engine.close()
+    return out
+
+
+def index_of(kv_dir):
+    import json
+
+    from radixserve.kv_tier.persist import INDEX_FILE
+
+    return json.loads((kv_dir / INDEX_FILE).read_bytes().partition(b"\n")[2])
+
+
+def tier_path(engine, tokens):
+    match = engine.cache.match_prefix(tokens, None)
+    return match, engine.cache.tier_windows(match)
+
+
+def test_a_restarted_hybrid_engine_adopts_full_layers_and_saved_windows_exactly(tiny_model_dir, tmp_path):
+    """Persistence keeps hybrid KV: a slot holds a block's full layers, and the window pages
+    before each saved node's end (the prompt's at 36 tokens, the turn's at 44) have window slots
+    of their own, named in the index. A restarted engine adopts both; the next turn's hit is the
+    whole first turn, restored, and its tokens equal transformers' and a recompute. The index the
+    second run writes is good for a third."""
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv)
+    body = index_of(kv)
+    assert body["header"]["hybrid_kv"]["layer_windows"] == [6, 6, 0]
+    windows = {entry[0]: entry[6] >= 0 for entry in body["entries"]}  # slot -> has a window slot
+    assert [windows[s] for s in range(11)] == [False] * 7 + [True] * 4  # blocks 7, 8 and 9, 10
+    engine = persisted(directory, kv)
+    assert engine.runner.pool.hybrid and engine.tiering.loaded_blocks == 11
+    engine.check_integrity()
+    assert engine.tiering.window_slots.num_slots - engine.tiering.window_slots.num_free == 4
+    match, saved = tier_path(engine, FIRST_TURN + out.token_ids[:7])
+    assert match.blocks == [] and match.num_tier_blocks == 11 and saved == [False] * 7 + [True] * 4
+    assert engine.pool.window.valid_length(saved) == 11
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 8)[0]
+    assert second.cached_tokens == second.restored_tokens == 44
+    assert second.token_ids == hf_greedy(directory, follow, 8)
+    recompute = run_checked(engine_for(directory, enable_prefix_cache=False), [follow], 8)[0]
+    assert second.token_ids == recompute.token_ids
+    assert engine.flush_tier()
+    engine.close()
+    third = persisted(directory, kv)
+    turn = follow + second.token_ids + [21, 22]
+    out3 = run_checked(third, [turn], 5)[0]
+    assert out3.cached_tokens == out3.restored_tokens == (len(follow) + 8 - 1) // BS * BS
+    assert out3.token_ids == hf_greedy(directory, turn, 5)
+    third.close()
+
+
+def test_a_match_after_a_restart_reaches_only_as_far_as_the_restored_windows(tiny_model_dir, tmp_path, caplog):
+    """The window page saved for block 10 is corrupted on disk: its full layers are adopted,
+    its window is not (a tombstone), so the follow-up's hit stops at 40 tokens, the last end
+    whose window (blocks 8, 9) came back; a prompt that leaves the cached one at 20 tokens finds
+    no window there and computes everything. Tokens equal transformers' throughout."""
     import logging
 
-    with caplog.at_level(logging.INFO, logger="radixserve.engine.engine"):
-        engine = engine_for(tiny_model_dir("gemma3"), kv_persist_dir=str(tmp_path / "kv"), kv_offload_memory=1 << 16)
-    try:
-        assert not engine.runner.pool.hybrid and engine.pool.window is None
-        assert "hybrid KV off: kv_persist_dir persists whole blocks" in caplog.text
-        prompt = prompts_of([21], seed=12)[0]
-        assert run_checked(engine, [prompt], 6)[0].token_ids == hf_greedy(tiny_model_dir("gemma3"), prompt, 6)
-    finally:
-        engine.close()
+    from radixserve.kv_tier.store import TIER_FILE
+
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv)
+    header = index_of(kv)["header"]["hybrid_kv"]
+    window_slot = {entry[0]: entry[6] for entry in index_of(kv)["entries"]}[10]
+    raw = bytearray((kv / TIER_FILE).read_bytes())
+    raw[header["window_offset"] + window_slot * header["window_slot_bytes"] + 5] ^= 0xFF
+    (kv / TIER_FILE).write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="radixserve.kv_persist"):
+        engine = persisted(directory, kv)
+    assert "1 window page(s)" in caplog.text and "tombstones" in caplog.text
+    assert engine.tiering.loaded_blocks == 11
+    engine.check_integrity()
+    _, saved = tier_path(engine, FIRST_TURN + out.token_ids[:7])
+    assert saved == [False] * 7 + [True] * 3 + [False]
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 6)[0]
+    assert second.cached_tokens == second.restored_tokens == 40
+    assert second.token_ids == hf_greedy(directory, follow, 6)
+    early = FIRST_TURN[:20] + [1, 2, 3, 4, 5]
+    third = run_checked(engine, [early], 4)[0]
+    assert third.cached_tokens == 0 and third.token_ids == hf_greedy(directory, early, 4)
+    engine.close()
+
+
+def test_a_torn_hybrid_index_is_ignored(tiny_model_dir, tmp_path, caplog):
+    import logging
+
+    from radixserve.kv_tier.persist import INDEX_FILE
+
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv)
+    index = kv / INDEX_FILE
+    index.write_bytes(index.read_bytes()[:-40])
+    with caplog.at_level(logging.WARNING, logger="radixserve.kv_persist"):
+        engine = persisted(directory, kv)
+    assert "torn or corrupt" in caplog.text and engine.tiering.loaded_blocks == 0
+    assert engine.tiering.window_slots.num_free == engine.tiering.window_slots.num_slots
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 6)[0]
+    assert second.cached_tokens == 0 and second.token_ids == hf_greedy(directory, follow, 6)
+    engine.close()
+
+
+@pytest.mark.parametrize("writer, reader", [("auto", "off"), ("off", "auto"), ("auto", "other split")])
+def test_a_tier_persisted_under_another_kv_split_is_ignored(tiny_model_dir, tmp_path, caplog, writer, reader):
+    """A slot of a hybrid tier holds the full layers only, one of a tier keeping every layer
+    holds all: an index written by one is never read by the other (nor under another split of
+    the layers), and says which part of the header differs."""
+    import hashlib
+    import json
+    import logging
+
+    from radixserve.kv_tier.persist import INDEX_FILE
+
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv, hybrid_kv=writer)
+    if reader == "other split":  # as if the model's layer_types had changed under the same weights
+        body = index_of(kv)
+        body["header"]["hybrid_kv"]["layer_windows"] = [6, 0, 6]
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        (kv / INDEX_FILE).write_bytes(hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw)
+    with caplog.at_level(logging.WARNING, logger="radixserve.kv_persist"):
+        engine = persisted(directory, kv, hybrid_kv="off" if reader == "off" else "auto")
+    assert "another model or layout" in caplog.text and "hybrid_kv" in caplog.text
+    assert engine.tiering.loaded_blocks == 0 and engine.runner.pool.hybrid == (reader != "off")
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 6)[0]
+    assert second.cached_tokens == 0 and second.token_ids == hf_greedy(directory, follow, 6)
+    engine.close()
+
+
+def test_a_saved_window_takes_the_window_slots_of_entries_worth_less():
+    """A tier written through (persistence) saves each new node's window; when the window slots
+    are all held, the new node takes those of the least valuable entries, which stay in the tier
+    as tombstones for the window layers (their entries set anew, without a window slot)."""
+    from radixserve.core.block_pool import BlockPool
+    from radixserve.core.radix_cache import RadixCache
+    from radixserve.kv_tier.index import KVTier
+
+    window = WindowPages(16, 16, window=6, block_size=4)
+    pool = BlockPool(16, window)
+    cache = RadixCache(pool, 4, KVTier(16), write_through=True, record_entries=True, window_tier=KVTier(2))
+    old, new = list(range(16)), list(range(100, 116))
+    for tokens in (old, new):
+        blocks = pool.allocate(4)
+        cache.insert(tokens, blocks)
+        pool.free(reversed(blocks))
+    old_node, new_node = cache.match_prefix(old).node, cache.match_prefix(new).node
+    assert old_node.window_slots == [] and new_node.window_slots == [-1, -1, 0, 1]
+    events = cache.take_tier_events()
+    assert [(e.slot, e.window_slot) for _, e in events] == [
+        (0, -1), (1, -1), (2, 0), (3, 1),  # the old node saved with its window
+        (0, -1), (1, -1), (2, -1), (3, -1),  # ... which the new one takes
+        (4, -1), (5, -1), (6, 0), (7, 1)]
+    assert cache.window_tier.num_free == 0
+    cache.check_integrity()
+    window.check_integrity(pool.ref_counts, [])
 
 
 def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
