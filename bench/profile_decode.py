@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.profile_decode              # phases (median ms over --steps decode steps)
     .venv/bin/python -m bench.profile_decode --torch-profile 8   # plus torch profiler's top ops at batch 8
+    .venv/bin/python -m bench.profile_decode --model gemma3-270m --batches 1   # another model
 
 Phases: schedule (scheduler), prepare (the runner's tensors), model (forward incl. attention),
-sample (sampler), post (appending tokens, detokenizing, stop checks), and step (all of them).
+head (the final norm's rows through the lm head, part of model), sample (sampler), post (appending tokens, detokenizing, stop checks), and step (all of them).
 The floor is reading the weights once: their bytes over the measured copy bandwidth.
 """
 
@@ -43,6 +44,7 @@ def profile(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict[str
     runner = engine.runner
     _wrap(runner, "_prepare", sink, "prepare")
     _wrap(runner.model, "forward", sink, "model")
+    _wrap(runner.model, "logits", sink, "head")
     sampler_class = type(runner.sampler)
     original_call = sampler_class.__call__
     _wrap(sampler_class, "__call__", sink, "sample")  # special methods are looked up on the type
@@ -55,6 +57,7 @@ def profile(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict[str
         sink.setdefault("post", []).append(timings["postprocess_s"])
     runner.__dict__.pop("_prepare")
     runner.model.__dict__.pop("forward")
+    runner.model.__dict__.pop("logits")
     sampler_class.__call__ = original_call
     for rid in engine.unfinished_request_ids():
         engine.abort(rid)
@@ -63,7 +66,7 @@ def profile(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict[str
 
 def weights_floor_ms(engine: Engine) -> tuple[float, float]:
     """(ms to read every weight once at the measured copy bandwidth, GB/s)."""
-    params = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    params = engine.runner.model.weight_bytes()  # quantized weights too
     src = torch.empty(64 << 20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -76,18 +79,19 @@ def weights_floor_ms(engine: Engine) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser(__doc__, quick="batches 1 and 8, 8 steps each")
+    p.add_argument("--model", default=None, help="a model name or path (default: the default model)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--torch-profile", type=int, default=0, help="batch to run torch's profiler at")
     args = p.parse_args(argv)
     apply_quick(p, args, batches=[1, 8], steps=8)
-    engine = Engine()
+    engine = Engine(args.model)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     floor, gbs = weights_floor_ms(engine)
     print(f"decode step phases (median ms over {args.steps} steps, {args.prompt_len}-token prompts); "
           f"weights-read floor {floor:.1f} ms at {gbs:.1f} GB/s")
-    keys = ["step", "schedule", "prepare", "model", "sample", "post"]
+    keys = ["step", "schedule", "prepare", "model", "head", "sample", "post"]
     print("batch " + " ".join(f"{k:>9}" for k in keys) + "   outside model")
     figures = Figures()
     for batch in args.batches:

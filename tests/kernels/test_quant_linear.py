@@ -50,6 +50,37 @@ def test_every_path_is_the_float64_product_of_the_rounded_activations(path, bits
     assert (got.double() - exact).abs().max() <= 2e-3 * exact.abs().max()  # ~16-bit activations
 
 
+# The GGUF types as repacked (model/gguf_repack.py): (bits, group, zero, offsets): Q8_0, Q5_0,
+# Q6_K, Q4_0 are symmetric with their zero point (folded into each chunk's product on the VNNI
+# path), Q4_1 / Q4_K / Q5_1 / Q5_K carry offsets.
+GGUF_LIKE = [(8, 32, 128, False), (8, 32, 16, False), (8, 16, 32, False), (4, 32, 8, False),
+             (4, 32, 0, True), (8, 32, 0, True), (8, 16, 0, True)]
+
+
+def _gguf_like(bits, group, zero, offsets, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
+    offset = (torch.randn(n, k // group, generator=gen) * 0.05).contiguous() if offsets else None
+    return QuantWeight(pack_nibbles(codes) if bits == 4 else codes, scale, offset, bits, group, zero, "test")
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("bits, group, zero, offsets", GGUF_LIKE)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_gguf_like_weights_on_every_path_match_float64(path, bits, group, zero, offsets, rows):
+    """K 640 (an odd number of 64-element chunks, as Gemma 3's hidden size), N not a multiple of
+    4 and longer than the tiles' prefetch distance, activations with an outlier channel."""
+    weight = _gguf_like(bits, group, zero, offsets, n=203, k=640, seed=rows * 7 + bits)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 640, generator=gen)
+    x[:, 17] *= 60  # one large channel: its block's dx is coarse, the others' are not
+    got = quant_linear(x, weight, None, path)
+    want = _rounded_activations(x) @ weight.dequantize().double().T
+    assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
+
+
 @needs_kernel
 def test_paths_agree_and_zero_rows_give_zero():
     weight = _weight(4, 32)

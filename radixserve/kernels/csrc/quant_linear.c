@@ -206,71 +206,119 @@ static ScaleLanes scale_lanes(int64_t group) {
     return s;
 }
 
-/* Every row's activation scales per chunk as 16 lanes, [dx(2c) x8, dx(2c+1) x8] / 256, into
- * lanes [M, K / 64, 16]: made once a call instead of once a feature quad. */
-static void expand_dx(const QActs *a, float *lanes) {
+/* Per row and 64-element chunk, 16 lanes (lane l: elements 4l..4l+3, of 32-block 2c + l / 8)
+ * into dx_lanes [M, K / 64, 16]: dx / 256; and where z_lanes is given, [M, K / 64, 16] as well:
+ * -zero * the sum of the lane's four dequantized activations, so that a symmetric weight's
+ * zero point is folded into each chunk's product (s * (dx/256 * dot + z)) instead of a pass
+ * over the groups per feature. Made once a call instead of once a feature quad. */
+static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z_lanes) {
     const __m512i index = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512 unit = _mm512_set1_ps(1.0f / 256.0f);
-    for (int64_t i = 0; i < a->M * (a->K / 64); ++i)
-        _mm512_storeu_ps(lanes + 16 * i, _mm512_mul_ps(unit, _mm512_permutexvar_ps(
-                                                                 index, _mm512_maskz_loadu_ps(0x3, a->dx + 2 * i))));
+    const __m512i ones = _mm512_set1_epi8(1);
+    const int64_t chunks = a->K / 64;
+    for (int64_t i = 0; i < a->M * chunks; ++i) {
+        const __m512 dx = _mm512_mul_ps(unit, _mm512_permutexvar_ps(index, _mm512_maskz_loadu_ps(0x3, a->dx + 2 * i)));
+        _mm512_storeu_ps(dx_lanes + 16 * i, dx);
+        if (!z_lanes) continue;
+        const int64_t r = i / chunks, c = i % chunks;
+        const __m512i xq = _mm512_loadu_si512(a->xq + r * a->K + 64 * c);
+        const __m512i xr = _mm512_loadu_si512(a->xr + r * a->K + 64 * c);
+        const __m512i sq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xq);  /* 4 codes a lane */
+        const __m512i sr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, xr);
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(sq, 8), sr);      /* in 1/256ths */
+        _mm512_storeu_ps(z_lanes + 16 * i, _mm512_mul_ps(_mm512_set1_ps(-(float)zero),
+                                                         _mm512_mul_ps(dx, _mm512_cvtepi32_ps(sum))));
+    }
 }
 
-#define DEFINE_QTILE(R)                                                                                          \
-    static void qtile4x##R(const QWeight *w, const QActs *a, const float *dx_lanes, int64_t n, int64_t m,      \
-                           float *out, int64_t ldo, const float *bias, ScaleLanes lanes) {                      \
-        const int64_t rb = row_bytes(w), groups = a->groups, chunks = a->K / 64;                                \
-        __m512 acc[R][4];                                                                                       \
-        for (int r = 0; r < R; ++r)                                                                             \
-            for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_setzero_ps();                                        \
-        for (int64_t c = 0; c < chunks; ++c) {                                                                  \
-            __m512i u[4];                                                                                       \
-            __m512 s[4];                                                                                        \
-            const int64_t g = lanes.per_chunk ? c * lanes.per_chunk : 64 * c / w->group;                        \
-            _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                               \
-                const uint8_t *row = w->codes + (n + f) * rb;                                                   \
-                u[f] = chunk_codes(row, c, w->bits);                                                            \
-                _mm_prefetch((const char *)(row + 4 * rb + c * w->bits * 8), _MM_HINT_T0);                      \
-                s[f] = _mm512_permutexvar_ps(lanes.index,                                                        \
-                                             _mm512_maskz_loadu_ps(lanes.load, w->scale + (n + f) * groups + g)); \
-            }                                                                                                   \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                               \
-                const __m512i xq = _mm512_loadu_si512(a->xq + (m + r) * a->K + 64 * c);                         \
-                const __m512i xr = _mm512_loadu_si512(a->xr + (m + r) * a->K + 64 * c);                         \
-                const __m512 dx = _mm512_loadu_ps(dx_lanes + 16 * ((m + r) * chunks + c));                      \
-                _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                           \
+/* sum_g offset[g] * xsum[g] of feature n, 16 groups a step. */
+static inline float offset_term_avx512(const float *offset, const float *xsum, int64_t groups) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 m = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, offset + g), _mm512_maskz_loadu_ps(m, xsum + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* How far ahead the tiles ask for weight rows (in rows of the weight): the head of a large
+ * vocabulary streams ~190 MB a step, and one quad ahead (the first version) left most of the
+ * time waiting on loads. */
+#ifndef QUANT_PREFETCH_ROWS
+#define QUANT_PREFETCH_ROWS 16
+#endif
+
+/* A tile of 4 features x R rows. SYM: a symmetric weight (offset NULL) whose zero point comes
+ * in with z_lanes; otherwise the offsets' term is added per feature at the end. */
+#define DEFINE_QTILE(R, SYM)                                                                                     \
+    static void qtile4x##R##_##SYM(const QWeight *w, const QActs *a, const float *dx_lanes, const float *z_lanes, \
+                                    int64_t n, int64_t m, float *out, int64_t ldo, const float *bias,            \
+                                    ScaleLanes lanes) {                                                          \
+        const int64_t rb = row_bytes(w), groups = a->groups, chunks = a->K / 64, cb = w->bits * 8;              \
+        __m512 acc[R][4];                                                                                        \
+        for (int r = 0; r < R; ++r)                                                                              \
+            for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_setzero_ps();                                         \
+        const uint8_t *base = w->codes + n * rb;                                                                 \
+        const float *sbase = w->scale + n * groups;                                                              \
+        for (int64_t c = 0; c < chunks; ++c) {                                                                   \
+            __m512i u[4];                                                                                        \
+            __m512 s[4];                                                                                         \
+            const int64_t g = lanes.per_chunk ? c * lanes.per_chunk : 64 * c / w->group;                         \
+            _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                                \
+                const uint8_t *row = base + f * rb;                                                              \
+                u[f] = chunk_codes(row, c, w->bits);                                                             \
+                _mm_prefetch((const char *)(row + QUANT_PREFETCH_ROWS * rb + c * cb), _MM_HINT_T1);             \
+                s[f] = _mm512_permutexvar_ps(lanes.index, _mm512_maskz_loadu_ps(lanes.load, sbase + f * groups + g)); \
+            }                                                                                                    \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                \
+                const __m512i xq = _mm512_loadu_si512(a->xq + (m + r) * a->K + 64 * c);                          \
+                const __m512i xr = _mm512_loadu_si512(a->xr + (m + r) * a->K + 64 * c);                          \
+                const __m512 dx = _mm512_loadu_ps(dx_lanes + 16 * ((m + r) * chunks + c));                       \
+                __m512 z = _mm512_setzero_ps();                                                                  \
+                if (SYM) z = _mm512_loadu_ps(z_lanes + 16 * ((m + r) * chunks + c));                             \
+                _Pragma("GCC unroll 4") for (int f = 0; f < 4; ++f) {                                            \
                     const __m512i hi = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[f], xq), 8); \
-                    const __m512i dot = _mm512_dpbusd_epi32(hi, u[f], xr);                                      \
-                    acc[r][f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s[f], dx), acc[r][f]);   \
-                }                                                                                               \
-            }                                                                                                   \
-        }                                                                                                       \
-        for (int r = 0; r < R; ++r) {                                                                           \
-            float sums[4];                                                                                      \
-            _mm_storeu_ps(sums, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                              \
-            const float *xs = a->xsum + (m + r) * groups;                                                       \
-            for (int f = 0; f < 4; ++f)                                                                         \
-                out[(m + r) * ldo + n + f] = sums[f] + offset_term(w, n + f, xs, groups)                        \
-                                             + (bias ? bias[n + f] : 0.0f);                                     \
-        }                                                                                                       \
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(hi, u[f], xr));                    \
+                    if (SYM)                                                                                     \
+                        acc[r][f] = _mm512_fmadd_ps(s[f], _mm512_fmadd_ps(dot, dx, z), acc[r][f]);               \
+                    else                                                                                         \
+                        acc[r][f] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s[f], dx), acc[r][f]);                    \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; ++r) {                                                                            \
+            float sums[4];                                                                                       \
+            _mm_storeu_ps(sums, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                               \
+            const float *xs = a->xsum + (m + r) * groups;                                                        \
+            for (int f = 0; f < 4; ++f)                                                                          \
+                out[(m + r) * ldo + n + f] = sums[f] + (SYM ? 0.0f : offset_term_avx512(w->offset + (n + f) * groups, xs, groups)) \
+                                             + (bias ? bias[n + f] : 0.0f);                                      \
+        }                                                                                                        \
     }
-DEFINE_QTILE(1)
-DEFINE_QTILE(2)
-DEFINE_QTILE(3)
-DEFINE_QTILE(4)
+DEFINE_QTILE(1, 0)
+DEFINE_QTILE(2, 0)
+DEFINE_QTILE(3, 0)
+DEFINE_QTILE(4, 0)
+DEFINE_QTILE(1, 1)
+DEFINE_QTILE(2, 1)
+DEFINE_QTILE(3, 1)
+DEFINE_QTILE(4, 1)
 
-static void quad_vnni(const QWeight *w, const QActs *a, const float *dx_lanes, int64_t n, float *out, int64_t ldo,
-                      const float *bias) {
-    const ScaleLanes lanes = scale_lanes(w->group);
-    int64_t m = 0;
-    for (; m + 4 <= a->M; m += 4) qtile4x4(w, a, dx_lanes, n, m, out, ldo, bias, lanes);
-    switch (a->M - m) {
-        case 3: qtile4x3(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
-        case 2: qtile4x2(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
-        case 1: qtile4x1(w, a, dx_lanes, n, m, out, ldo, bias, lanes); break;
-        default: break;
+#define QUAD_VNNI(SYM)                                                                                           \
+    static void quad_vnni_##SYM(const QWeight *w, const QActs *a, const float *dx_lanes, const float *z_lanes,  \
+                                int64_t n, float *out, int64_t ldo, const float *bias) {                         \
+        const ScaleLanes lanes = scale_lanes(w->group);                                                          \
+        int64_t m = 0;                                                                                           \
+        for (; m + 4 <= a->M; m += 4) qtile4x4_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes);      \
+        switch (a->M - m) {                                                                                      \
+            case 3: qtile4x3_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
+            case 2: qtile4x2_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
+            case 1: qtile4x1_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
+            default: break;                                                                                      \
+        }                                                                                                        \
     }
-}
+QUAD_VNNI(0)
+QUAD_VNNI(1)
 #endif
 
 /* ---- entry points --------------------------------------------------------------------- */
@@ -298,8 +346,8 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
     if (path == 1) return -3;
 #endif
     QActs a = {NULL, NULL, NULL, NULL, M, K, K / group};
-    /* xq, xr, then dx, xsum and the VNNI path's dx lanes (M * K / 4 floats) */
-    void *scratch = malloc((size_t)(2 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group + K / 4)) + 64);
+    /* xq, xr, then dx, xsum and the VNNI path's dx and zero-point lanes (M * K / 4 floats each) */
+    void *scratch = malloc((size_t)(2 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group + K / 2)) + 64);
     if (!scratch) return -2;
     a.xq = (int8_t *)scratch;
     a.xr = a.xq + M * K;
@@ -310,10 +358,16 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 #if defined(HAVE_VNNI)
     if (path == 0) {
         float *dx_lanes = a.xsum + M * (K / group);
-        expand_dx(&a, dx_lanes);
+        float *z_lanes = offset ? NULL : dx_lanes + M * (K / 4);
+        expand_lanes(&a, zero, dx_lanes, z_lanes);
         const int64_t quads = N / 4;
+        if (z_lanes) {
 #pragma omp parallel for schedule(static)
-        for (int64_t q = 0; q < quads; ++q) quad_vnni(&w, &a, dx_lanes, 4 * q, out, ldo, bias);
+            for (int64_t q = 0; q < quads; ++q) quad_vnni_1(&w, &a, dx_lanes, z_lanes, 4 * q, out, ldo, bias);
+        } else {
+#pragma omp parallel for schedule(static)
+            for (int64_t q = 0; q < quads; ++q) quad_vnni_0(&w, &a, dx_lanes, NULL, 4 * q, out, ldo, bias);
+        }
         done = 4 * quads;
     }
 #endif
