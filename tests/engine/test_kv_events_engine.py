@@ -203,3 +203,29 @@ def test_publishing_never_waits_for_a_subscriber(tiny_model_dir):
         assert time.monotonic() - start < 60
     finally:
         engine.close()
+
+
+def test_a_decode_engine_announces_a_handoffs_blocks_at_admission(tiny_model_dir):
+    """The decode role: a request whose whole answer is the handoff's first token finishes at
+    admission; the blocks it imported are announced then, not at the engine's next step."""
+    directory = str(tiny_model_dir("llama"))
+    prefill_engine = Engine(directory, num_kv_blocks=32)
+    decode_engine = Engine(directory, num_kv_blocks=32, kv_events_endpoint="tcp://127.0.0.1:*",
+                           kv_events_replay_endpoint="tcp://127.0.0.1:*")
+    sub = Subscriber(decode_engine)
+    try:
+        prompt = [5 + i % 70 for i in range(40)]
+        rid = prefill_engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while prefill_engine.has_unfinished_requests():
+            outputs = [o for o in prefill_engine.step() if o.request_id == rid and o.finished]
+        handoff = prefill_engine.kv_transfer.export(prompt, None, 0, outputs[0].token_ids[0])
+        prepared = decode_engine.prepare(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        _, first = decode_engine.admit_handoff(prepared, handoff)
+        assert first is not None and first.finished and not decode_engine.has_unfinished_requests()
+        sub.catch_up(decode_engine)  # no step in between
+        assert _known(sub) == engine_view(decode_engine) and len(_known(sub)["CPU"]) == len(prompt) // 16
+        decode_engine.check_integrity()
+    finally:
+        sub.close()
+        prefill_engine.close()
+        decode_engine.close()
