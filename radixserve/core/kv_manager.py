@@ -27,9 +27,9 @@ from radixserve.kv_tier.index import KVCopy
 class TierPrefetch(Protocol):
     """Reads second-tier slots into memory off the engine thread (kv_tier/tiering.py)."""
 
-    def hold(self, key: str, slots: list[int]) -> bool:
-        """Start reading these slots if any page of them is out of memory; True when the
-        request named `key` must wait for them."""
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
+        """Start reading these slots (and window slots) if any page of them is out of memory;
+        True when the request named `key` must wait for them."""
 
     def ready(self, wait_s: float = 0.0) -> list[str]:
         """Keys whose slots are in now (or whose hold ran out); may wait up to wait_s."""
@@ -80,8 +80,10 @@ class KVManager:
         they are being read in, and the request waits until `prefetched` names it."""
         if self.prefetch is None:
             return False
-        slots = self.cache.tier_only_slots(request.token_ids[: request.reusable_prefix_len()], request.cache_salt)
-        return self.prefetch.hold(request.request_id, slots)
+        tokens = request.token_ids[: request.reusable_prefix_len()]
+        slots = self.cache.tier_only_slots(tokens, request.cache_salt)
+        windows = self.cache.tier_only_window_slots(tokens, request.cache_salt) if slots else []
+        return self.prefetch.hold(request.request_id, slots, windows)
 
     def prefetched(self, wait_s: float = 0.0) -> list[str]:
         """Ids of held requests that may run now (see TierPrefetch.ready)."""

@@ -174,22 +174,28 @@ class RadixCache:
     def tier_only_slots(self, tokens: list[int], salt: str | None = None) -> list[int]:
         """The tier slots a restore of `tokens`' cached prefix would read (its tier-only
         part), found without changing the tree (no split, no recency)."""
+        return [s for node, take in self._tier_only(tokens, salt) for s in node.slots[:take]]
+
+    def tier_only_window_slots(self, tokens: list[int], salt: str | None = None) -> list[int]:
+        """Hybrid KV: the window slots that restore would read (those of its blocks saved with
+        their window), found the same way."""
+        return [w for node, take in self._tier_only(tokens, salt) for w in node.window_slots[:take] if w >= 0]
+
+    def _tier_only(self, tokens: list[int], salt: str | None) -> list[tuple[RadixNode, int]]:
+        """(node, how many of its leading blocks) of the tier-only part of `tokens`' cached
+        prefix, top down; changes nothing."""
         matched, node = self.peek_prefix(tokens, salt)
         if node is None or node.is_root:
             return []
-        path = []
-        while not node.is_root:
-            path.append(node)
-            node = node.parent
         bs = self.block_size
         left = matched // bs
-        slots: list[int] = []
-        for node in reversed(path):
+        parts = []
+        for node in reversed(self._path(node)):
             take = min(len(node.tokens) // bs, left)
             left -= take
             if not node.blocks:
-                slots.extend(node.slots[:take])
-        return slots
+                parts.append((node, take))
+        return parts
 
     def tier_windows(self, match: MatchResult) -> list[bool]:
         """Hybrid KV: for each block of the match's tier-only tail, in order, whether its

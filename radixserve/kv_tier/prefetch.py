@@ -6,7 +6,7 @@ some of whose pages are not in memory (mincore), is held back at admission: the 
 runs it (PREFETCHING, then WAITING) once this thread has read those slots in (readahead for all of
 them, then MADV_POPULATE_READ each, or pread where the kernel has no populate), or once
 `max_hold_s` has passed. Other requests step on meanwhile. A request whose pages are in
-memory is never held.
+memory is never held. Hybrid KV: the window slots its restore reads are read in with them.
 
 Saves. The thread keeps the next slots the tier will hand out faulted in for writing
 (MADV_POPULATE_WRITE): the first write to a page costs a fault (in a file mapping, with
@@ -80,13 +80,15 @@ class TierPrefetcher:
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def hold(self, key: str, slots: list[int]) -> bool:
-        """Hold the request named `key` back if any of these tier slots (the ones its restore will read)
-        has pages out of memory, and start reading those slots; True when held."""
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
+        """Hold the request named `key` back if any of these tier slots or window slots (the
+        ones its restore will read) has pages out of memory, and start reading those; True
+        when held."""
         if self.store.path is None or not slots or self._closed:
             return False
+        spans = [self.store.slot_span(s) for s in slots] + [self.store.window_span(w) for w in window_slots]
         try:
-            missing = [s for s in slots if self.pages.missing_pages(*self.store.slot_span(s))]
+            missing = [i for i, span in enumerate(spans) if self.pages.missing_pages(*span)]
         except OSError as exc:  # no residency to go by: the restore reads the tier itself
             log.warning("KV tier prefetch: mincore failed (%s); not holding", exc)
             return False
@@ -95,7 +97,8 @@ class TierPrefetcher:
         done = threading.Event()
         self._held.append(_Held(key, done, time.monotonic() + self.max_hold_s))
         self.holds += 1
-        self._jobs.put((_READ, next(self._seq), (missing, done)))
+        blocks = sum(i < len(slots) for i in missing)
+        self._jobs.put((_READ, next(self._seq), ((blocks, [spans[i] for i in missing]), done)))
         return True
 
     def ready(self, wait_s: float = 0.0) -> list[str]:
@@ -147,10 +150,10 @@ class TierPrefetcher:
 
     # ---- prefetch thread ------------------------------------------------------------
 
-    def _do(self, kind: int, slots: list[int], done: threading.Event | None) -> None:
+    def _do(self, kind: int, slots: Any, done: threading.Event | None) -> None:
         try:
             if kind == _READ:
-                self._read(slots)
+                self._read(*slots)
             elif kind == _WARM:
                 self._warm(slots)
         except Exception as exc:  # a hint failed: the engine thread's copy will fault the pages in
@@ -163,15 +166,16 @@ class TierPrefetcher:
                 done.set()
                 self._any_done.set()
 
-    def _read(self, slots: list[int]) -> None:
-        for s in slots:
-            self.pages.will_need(*self.store.slot_span(s))  # all reads queued at once
+    def _read(self, blocks: int, spans: list[tuple[int, int]]) -> None:
+        """Read in the spans of `blocks` slots and of window slots (after them)."""
+        for span in spans:
+            self.pages.will_need(*span)  # all reads queued at once
         buf = None
-        for s in slots:
-            if not self.pages.populate(*self.store.slot_span(s), write=False):
-                buf = buf if buf is not None else bytearray(self.store.slot_bytes)
-                self.store.read_slot(s, buf)
-        self.read_blocks += len(slots)
+        for addr, length in spans:
+            if not self.pages.populate(addr, length, write=False):
+                buf = buf if buf is not None else bytearray(max(self.store.slot_bytes, self.store.window_slot_bytes))
+                self.store.read_span(addr, length, buf)
+        self.read_blocks += blocks
 
     def _warm(self, slots: list[int]) -> None:
         for s in slots:

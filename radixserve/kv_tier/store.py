@@ -99,10 +99,6 @@ class TierStore:
         and `buf`, at least `length` bytes, discarded)."""
         os.preadv(self._fd, [memoryview(buf)[:length]], addr - self._base)
 
-    def read_slot(self, slot: int, buf: bytearray) -> None:
-        """Read a file-backed slot with pread (into the page cache, and `buf`, discarded)."""
-        self.read_span(*self.slot_span(slot), buf)
-
     def sync(self, slots: Iterable[int] | None = None, window_slots: Iterable[int] = ()) -> None:
         """Write dirty pages of a file-backed tier to disk and wait: those of `slots` and
         `window_slots`, or the whole file. Releases the GIL while it waits (mmap.flush would

@@ -703,3 +703,33 @@ def test_heavy_page_pressure_trims_windows_and_matches_every_layer_kept(tiny_mod
             assert stats["window_pages_trimmed"] > 0 and stats["evicted_blocks"] == 0
             assert stats["cached_prompt_tokens"] > 0
     assert outputs["auto"] == outputs["off"]
+
+
+def test_a_cold_hybrid_restore_after_a_restart_reads_its_window_slots_off_the_engine_thread(tiny_model_dir, tmp_path):
+    """After a restart with the tier file's pages out of memory, the follow-up is held while
+    the prefetch thread reads its 11 block slots and its 4 window slots in, then restores the
+    whole first turn with transformers' tokens."""
+    from radixserve.kv_tier.mapped_pages import MappedPages
+
+    if not MappedPages().available:
+        pytest.skip("page calls (mincore, madvise) are Linux only")
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv)
+    engine = persisted(directory, kv)
+    if engine.tiering.drop_cached_pages() != 0:
+        pytest.skip("this filesystem keeps the tier file's pages in memory (tmpfs?)")
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    windows = engine.cache.tier_only_window_slots(follow, None)
+    store = engine.tiering.store
+    assert len(windows) == 4 and all(store.pages.missing_pages(*store.window_span(w)) for w in windows)
+    rid = engine.add_request(follow, SamplingParams(max_tokens=6, **GREEDY))
+    assert engine.tiering.num_held == 1
+    second = None
+    while engine.has_unfinished_requests():
+        second = next((o for o in engine.step() if o.request_id == rid and o.finished), second)
+        engine.check_integrity()
+    assert engine.stats()["tier_prefetched_blocks"] == 11
+    assert not any(store.pages.missing_pages(*store.window_span(w)) for w in windows)
+    assert second.cached_tokens == second.restored_tokens == 44
+    assert second.token_ids == hf_greedy(directory, follow, 6)
+    engine.close()
