@@ -104,8 +104,8 @@ class EngineConfig:
     kv_events_hash: str = "chained"
     # Models with sliding-window layers (Gemma 2/3, Mistral): "auto" keeps those layers' KV
     # apart (core/window_pages.py), only within a window of where a request reads or a cached
-    # prefix ends, with `window_pages_ratio` window pages per block; "off" keeps every layer's
-    # KV for every token (also what auto does where the second tier or persistence is on).
+    # prefix ends, with `window_pages_ratio` window pages per block (the second tier and its
+    # persistence keep them too); "off" keeps every layer's KV for every token.
     hybrid_kv: str = "auto"
     window_pages_ratio: float = 0.25
     speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
