@@ -9,7 +9,8 @@ pins, prompts that share a prefix and prompts that share nothing. A prober tries
 key A made with key B's credentials (stored responses, rids, sessions) and must be refused.
 
 Afterwards the server must be idle and intact (`/debug/check_integrity`, free + cached
-blocks == the pool), its RSS within `--rss-bound` of its value after the warm-up, its
+blocks == the pool), its RSS within `--rss-bound` of its value after the warm-up (the first
+fifth of the run) at every sample after it and at the end, its
 threads and file descriptors no more than a few above it, every accepted request answered
 or refused with a clear error (a JSON error body, never a dropped connection or a 500), and
 no answer to key B holding key A's secret word (nor A's to B). Prints the figures, writes
@@ -269,7 +270,7 @@ def run(args: argparse.Namespace) -> dict:
         anthropic = "/v1/messages" in httpx.get(url + "/openapi.json", headers={
             "Authorization": f"Bearer {ADMIN}"}).json()["paths"]
         deadline = time.monotonic() + args.minutes * 60
-        warmup_s = min(60.0, args.minutes * 60 / 3)
+        warmup_s = args.minutes * 60 / 5  # 2 of 10 minutes: the bound holds over the last 8
         stop = threading.Event()
         workers = [Worker(url, key, tally, random.Random(args.seed * 100 + i), anthropic)
                    for i, key in enumerate(["A", "B"] * (args.workers // 2))]
@@ -308,7 +309,7 @@ def run(args: argparse.Namespace) -> dict:
         "failures": tally.failures, "leaks": tally.leaks,
         "integrity_ok": bool(check.get("ok")), "idle": stats["running"] == 0 and stats["waiting"] == 0,
         "blocks": {k: stats[k] for k in ("blocks_total", "blocks_free", "blocks_cached")},
-        "warm": warm, "end": idle, "rss_bound": args.rss_bound,
+        "warm": warm, "end": idle, "rss_bound": args.rss_bound, "warmup_s": warmup_s,
         "rss_samples": [(t, f["rss"]) for t, f in samples],
     }
 
@@ -336,12 +337,20 @@ def verdict(report: dict) -> list[str]:
     if blocks["blocks_free"] + blocks["blocks_cached"] != blocks["blocks_total"]:
         problems.append(f"free + cached blocks != the pool: {blocks}")
     warm, end = report["warm"], report["end"]
-    if end["rss"] > warm["rss"] * (1 + report["rss_bound"]):
-        problems.append(f"RSS grew from {warm['rss'] >> 20} to {end['rss'] >> 20} MiB (bound {report['rss_bound']:.0%})")
+    peak = _peak_after_warmup(report)
+    if max(end["rss"], peak) > warm["rss"] * (1 + report["rss_bound"]):
+        problems.append(f"RSS grew from {warm['rss'] >> 20} to {end['rss'] >> 20} MiB at the end, "
+                        f"{peak >> 20} MiB at most after the warm-up (bound {report['rss_bound']:.0%})")
     for kind, slack in (("threads", 4), ("fds", 8)):
         if end[kind] > warm[kind] + slack:
             problems.append(f"{kind} grew from {warm[kind]} to {end[kind]}")
     return problems
+
+
+def _peak_after_warmup(report: dict) -> int:
+    """The largest RSS sampled from the end of the warm-up on."""
+    after = [rss for t, rss in report["rss_samples"] if t >= report["warmup_s"]]
+    return max(after, default=report["end"]["rss"])
 
 
 def print_report(report: dict, problems: list[str]) -> None:
@@ -351,8 +360,10 @@ def print_report(report: dict, problems: list[str]) -> None:
     for name, count in report["outcomes"].items():
         print(f"  {name:40s} {count}")
     print(f"  blocks after: {report['blocks']}")
-    print(f"  RSS after warm-up {warm['rss'] / 2**20:.0f} MiB -> at the end {end['rss'] / 2**20:.0f} MiB "
-          f"({end['rss'] / warm['rss']:.3f}x, bound {1 + report['rss_bound']:.2f}x)")
+    peak = _peak_after_warmup(report)
+    print(f"  RSS after warm-up {warm['rss'] / 2**20:.0f} MiB -> at most {peak / 2**20:.0f} MiB after it "
+          f"({peak / warm['rss']:.3f}x), at the end {end['rss'] / 2**20:.0f} MiB ({end['rss'] / warm['rss']:.3f}x; "
+          f"bound {1 + report['rss_bound']:.2f}x)")
     print(f"  threads {warm['threads']} -> {end['threads']}, fds {warm['fds']} -> {end['fds']}")
     print("held" if not problems else "FAILED:\n  " + "\n  ".join(problems))
 
@@ -363,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=6, help="client threads, half per key")
     parser.add_argument("--kv-blocks", type=int, default=384, help="a small pool, so eviction runs all the time")
-    parser.add_argument("--rss-bound", type=float, default=0.15, help="allowed RSS growth after the warm-up")
+    parser.add_argument("--rss-bound", type=float, default=0.05, help="allowed RSS growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # --json's earlier name
     args = parser.parse_args(argv)
