@@ -303,7 +303,7 @@ def test_a_restored_block_has_a_window_only_where_its_page_came_back():
 
 
 def persisted(directory, kv_dir, **options):
-    return engine_for(directory, kv_persist_dir=str(kv_dir), kv_offload_memory=1 << 16, **options)
+    return engine_for(directory, kv_persist_dir=str(kv_dir), **{"kv_offload_memory": 1 << 16, **options})
 
 
 FIRST_TURN = prompts_of([37], seed=5)[0]
@@ -522,8 +522,9 @@ def test_random_shared_prefix_traffic_matches_every_layer_kept(tiny_model_dir, s
     assert outputs["auto"] == outputs["off"]
 
 
-def _staggered(engine, prompts, rng_seed) -> tuple[list[list[int]], dict]:
-    """Add the prompts a few at a time while others run; lengths vary; check after every step."""
+def _staggered(engine, prompts, rng_seed, flush=True) -> tuple[list[list[int]], dict]:
+    """Add the prompts a few at a time while others run; lengths vary; check after every step
+    (and flush the cache at the end, unless told not to)."""
     rng = random.Random(rng_seed)
     pending = list(enumerate(prompts))
     ids, done = {}, {}
@@ -537,8 +538,9 @@ def _staggered(engine, prompts, rng_seed) -> tuple[list[list[int]], dict]:
                 done[ids[out.request_id]] = out.token_ids
         engine.check_integrity()
     stats = engine.stats()
-    engine.flush_cache()
-    engine.check_integrity()
+    if flush:
+        engine.flush_cache()
+        engine.check_integrity()
     return [done[i] for i in range(len(prompts))], stats
 
 
@@ -733,3 +735,36 @@ def test_a_cold_hybrid_restore_after_a_restart_reads_its_window_slots_off_the_en
     assert second.cached_tokens == second.restored_tokens == 44
     assert second.token_ids == hf_greedy(directory, follow, 6)
     engine.close()
+
+
+@pytest.mark.parametrize("seed, tier_bytes", [(0, 1 << 17), (1, 40 << 10)])
+def test_random_traffic_across_restarts_matches_every_layer_kept(tiny_model_dir, tmp_path, seed, tier_bytes):
+    """Shared-prefix traffic in three parts, the engine restarted between them on its persisted
+    tier (a small pool and a tier of 24 blocks or about three times that: blocks move to the
+    tier, entries are dropped from it, window slots are taken from older entries): every
+    part's tokens equal those of an engine keeping every layer without a tier, later parts
+    restore what earlier ones left, and every invariant holds after every step."""
+    directory = tiny_model_dir("gemma3")
+    rng = random.Random(seed)
+    system = prompts_of([rng.randrange(8, 20)], seed=seed + 300)[0]
+    prompts: list[list[int]] = []
+    for i in range(18):
+        history = system + prompts_of([rng.randrange(1, 24)], seed=seed * 40 + i)[0]
+        if prompts and rng.random() < 0.6:  # a later turn of an earlier conversation
+            history = prompts[rng.randrange(len(prompts))] + prompts_of([rng.randrange(1, 9)], seed=seed * 60 + i)[0]
+        prompts.append(history)
+    parts = [prompts[:6], prompts[6:12], prompts[12:]]
+    options = dict(num_kv_blocks=40, window_pages_ratio=0.3, chunked_prefill_size=8, max_num_batched_tokens=16)
+    full = engine_for(directory, hybrid_kv="off", **options)
+    want = [_staggered(full, part, rng_seed=seed + k, flush=False)[0] for k, part in enumerate(parts)]
+    restored = []
+    for k, part in enumerate(parts):
+        engine = persisted(directory, tmp_path / "kv", kv_offload_memory=tier_bytes, **options)
+        assert engine.runner.pool.hybrid and (k == 0 or engine.tiering.loaded_blocks > 0)
+        engine.check_integrity()
+        got, stats = _staggered(engine, part, rng_seed=seed + k, flush=False)
+        assert got == want[k]
+        restored.append(stats["restored_prompt_tokens"])
+        assert engine.flush_tier()
+        engine.close()
+    assert restored[1] > 0 and restored[2] > 0
