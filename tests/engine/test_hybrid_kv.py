@@ -401,6 +401,23 @@ def test_a_match_after_a_restart_reaches_only_as_far_as_the_restored_windows(tin
     engine.close()
 
 
+def test_int8_window_pages_persist_and_restore_as_stored(tiny_model_dir, tmp_path):
+    """int8 KV: slots and window slots hold codes and scales as bytes; after a restart the
+    follow-up restores the whole first turn and its tokens equal an int8 engine's that
+    computes it again (int8 has its own rounding, so not transformers')."""
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    out = first_turn(directory, kv, kv_cache_dtype="int8")
+    engine = persisted(directory, kv, kv_cache_dtype="int8")
+    assert engine.runner.pool.window_kv.dtype == torch.uint8 and engine.tiering.loaded_blocks == 11
+    assert index_of(kv)["header"]["kv_cache_dtype"] == "int8"
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    second = run_checked(engine, [follow], 8)[0]
+    assert second.cached_tokens == second.restored_tokens == 44
+    recompute = run_checked(engine_for(directory, kv_cache_dtype="int8", enable_prefix_cache=False), [follow], 8)[0]
+    assert second.token_ids == recompute.token_ids
+    engine.close()
+
+
 def test_a_torn_hybrid_index_is_ignored(tiny_model_dir, tmp_path, caplog):
     import logging
 
