@@ -326,6 +326,7 @@ class KVManager:
         if self.pool.window is not None and node is not None:
             self._heal_cached_path(node, request.block_table)
             self._trim_cached_path(node)
+            self.cache.save_windows(node)
         self.pool.free(reversed(request.block_table))
         request.block_table = []
         return node

@@ -590,6 +590,30 @@ class RadixCache:
         self._record(node)
         self._refresh(node)
 
+    def save_windows(self, node: RadixNode) -> None:
+        """Hybrid KV: blocks on `node`'s path whose tier copy has no window but whose pool block
+        has a page now (a tombstone healed where a later prompt branches, a window kept at an
+        end) save it in a window slot (while one is free or can be taken from an entry worth
+        less): a tier written through saved each node once, with only its end's window, and a
+        persisted tier is all a restart has. The block is copied again with it (same tokens)."""
+        if self.window_tier is None:
+            return
+        window, wt = self.pool.window, self.window_tier
+        for n in self._path(node):
+            if not n.slots or not n.blocks:
+                continue
+            windows = self._window_slots(n)
+            missing = [i for i, (b, w) in enumerate(zip(n.blocks, windows)) if w < 0 and window.has_page(b)]
+            if not missing:
+                continue
+            self._make_window_room(len(missing), n)
+            windows = list(self._window_slots(n))  # (room never takes n's own)
+            for i in missing[:wt.num_free]:
+                b, windows[i] = n.blocks[i], wt.allocate(1)[0]
+                self.copies.append(KVCopy(True, b, n.slots[i], window.page_of[b], windows[i]))
+            n.window_slots = windows
+            self._record(n)
+
     def _record(self, node: RadixNode) -> None:
         """Report what the node's tier slots hold (persistence): its entries, set anew."""
         if not self.record_entries:

@@ -401,6 +401,28 @@ def test_a_match_after_a_restart_reaches_only_as_far_as_the_restored_windows(tin
     engine.close()
 
 
+def test_a_shared_prefix_branch_keeps_its_window_across_a_restart(tiny_model_dir, tmp_path):
+    """Two prompts share a 12-token prefix: the first's tier copy was saved with only its own
+    end's window, the second heals the prefix's end (its pages) when it branches there, and that
+    window goes to the tier too. After a restart a third prompt sharing the prefix hits it,
+    restored, with transformers' tokens."""
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    shared = prompts_of([14], seed=41)[0]
+    a, b, c = (shared + tail for tail in prompts_of([9, 11, 7], seed=42))
+    engine = persisted(directory, kv)
+    run_checked(engine, [a], 4)
+    assert run_checked(engine, [b], 4)[0].cached_tokens == 0  # the prefix's end was a tombstone
+    node = engine.cache.match_prefix(shared[:12], None).node
+    assert [w >= 0 for w in node.window_slots] == [False, True, True]  # the window before 12 (blocks 1, 2)
+    assert engine.flush_tier()
+    engine.close()
+    engine = persisted(directory, kv)
+    out = run_checked(engine, [c], 5)[0]
+    assert out.cached_tokens == out.restored_tokens == 12
+    assert out.token_ids == hf_greedy(directory, c, 5)
+    engine.close()
+
+
 def test_int8_window_pages_persist_and_restore_as_stored(tiny_model_dir, tmp_path):
     """int8 KV: slots and window slots hold codes and scales as bytes; after a restart the
     follow-up restores the whole first turn and its tokens equal an int8 engine's that
