@@ -240,7 +240,7 @@ class Engine:
         request = self._requests[request_id]
         self._append_token(request, taken.first_token, taken.first_logprob)
         output = self._output(request)
-        pass  # TEMP self._after_cache_changes()  # the imported blocks (and a request done at once) are announced now, not a step late
+        self._after_cache_changes()  # the imported blocks (and a request done at once) are announced now, not a step late
         return request_id, output
 
     @_one_thread
