@@ -114,3 +114,26 @@ def test_a_large_vocabulary_keeps_exactly_what_one_full_sort_keeps(spread):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
     assert torch.equal(got[2], logits[2]) and int((~torch.isinf(got[1])).sum()) == 50
+
+
+def test_the_cdf_draw_skips_zero_probability_tokens_at_either_end():
+    from radixserve.execution.sampler import _invert_cdf
+
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0]])
+    ends = torch.tensor([0.0, 0.25 - 1e-12, 0.25, 1.0 - 1e-16], dtype=torch.float64)
+    got = [int(_invert_cdf(probs, u[None])[0]) for u in ends]
+    assert got == [2, 2, 4, 4]
+
+
+def test_sampling_a_large_vocabulary_follows_the_distribution():
+    vocab = 262_144
+    logits = torch.full((vocab,), -30.0)
+    logits[7] = 0.0
+    logits[vocab - 1] = math.log(3.0)  # 1 : 3 between the first and the last id, the rest ~e-30
+    logits[100:200] = -2.0  # 100 tokens of e^-2 each: ~0.0327 of the mass together
+    total = 1 + 3 + 100 * math.exp(-2.0)
+    freq = sample_many(logits, n=3000, temperature=1.0)
+    assert freq[7] == pytest.approx(1 / total, abs=0.03)
+    assert freq[vocab - 1] == pytest.approx(3 / total, abs=0.03)
+    assert freq[100:200].sum() == pytest.approx(100 * math.exp(-2.0) / total, abs=0.015)
+    assert freq.sum() == pytest.approx(1.0) and freq[200:vocab - 1].sum() == 0
