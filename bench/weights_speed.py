@@ -26,6 +26,7 @@ from radixserve.model.packaged_models import packaged_gguf
 SLOTS = 8  # llama.cpp's parallel slots; each must hold the longest prompt
 SLOT_TOKENS = 2304
 WORKLOADS = ("decode b1", "decode b8", "prompt 512", "prompt 2048")
+IDLE_BEFORE_MEMORY_S = 3.0  # every server idles this long before its memory is read
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ def speed(args) -> dict:
             for workload in WORKLOADS:
                 rates[workload][label] = asyncio.run(_measure(url, workload, args))
                 print(f"  speed: {label} {workload}: {rates[workload][label]:.1f} tokens/s", flush=True)
+            asyncio.run(_fill_kv(url, tokens))
+            time.sleep(IDLE_BEFORE_MEMORY_S)
             memory[label] = _memory(process.pid)
     return {"model": args.model, "base": base, "kv_tokens": tokens, "kv_bytes": kv_bytes,
             "new_tokens": args.new_tokens, "reps": args.reps,
@@ -120,6 +123,17 @@ async def _once(client, url: str, workload: str, args, rng: random.Random) -> fl
         _check(r)
     generated = sum(r.completion_tokens or len(r.chunks) for r in records) - batch
     return generated / (max(r.end for r in records) - max(r.first for r in records))
+
+
+async def _fill_kv(url: str, tokens: int) -> None:
+    """Unshared prompts that together fill every server's KV budget, so that resident memory
+    compares pools written through (a pool only counts the pages it has touched), whatever
+    the speed workloads happened to leave."""
+    size = SLOT_TOKENS - 256
+    rng = random.Random(4242)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        for _ in range(-(-tokens // size)):
+            _check(await _complete(client, "m", [rng.randrange(100, 40000) for _ in range(size)], 1, "fill", url))
 
 
 def _check(record) -> None:
