@@ -79,13 +79,20 @@ static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) 
             for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xr[32 * b + i]));
             const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             dx[b] = d;
+            float half[2] = {0.0f, 0.0f}; /* each 16 elements' sum of x^ / dx, in registers (a sum
+                                             kept in xs[] made every element wait on the last store) */
             for (int i = 0; i < 32; ++i) {
                 const float v = xr[32 * b + i] * inv;
                 const int hi = (int)lrintf(v), clamped = hi > 127 ? 127 : hi < -127 ? -127 : hi;
-                const int lo = (int)lrintf((v - (float)clamped) * 256.0f);
+                const int lo = (int)lrintf((v - (float)clamped) * 256.0f), low = lo > 127 ? 127 : lo < -127 ? -127 : lo;
                 q[32 * b + i] = (int8_t)clamped;
-                res[32 * b + i] = (int8_t)(lo > 127 ? 127 : lo < -127 ? -127 : lo);
-                xs[(32 * b + i) / group] += d * ((float)clamped + (float)res[32 * b + i] * (1.0f / 256.0f));
+                res[32 * b + i] = (int8_t)low;
+                half[i / 16] += (float)clamped + (float)low * (1.0f / 256.0f);
+            }
+            if (group == 16) {
+                xs[2 * b] += d * half[0], xs[2 * b + 1] += d * half[1];
+            } else {
+                xs[32 * b / group] += d * (half[0] + half[1]);
             }
         }
     }
@@ -231,16 +238,6 @@ static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z
     }
 }
 
-/* sum_g offset[g] * xsum[g] of feature n, 16 groups a step. */
-static inline float offset_term_avx512(const float *offset, const float *xsum, int64_t groups) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 m = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, offset + g), _mm512_maskz_loadu_ps(m, xsum + g), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
 /* How far ahead the tiles ask for weight rows (in rows of the weight): the head of a large
  * vocabulary streams ~190 MB a step, and one quad ahead (the first version) left most of the
  * time waiting on loads. */
@@ -249,7 +246,8 @@ static inline float offset_term_avx512(const float *offset, const float *xsum, i
 #endif
 
 /* A tile of 4 features x R rows. SYM: a symmetric weight (offset NULL) whose zero point comes
- * in with z_lanes; otherwise the offsets' term is added per feature at the end. */
+ * in with z_lanes; otherwise the offsets' term (offset . xsum over the groups) is added into
+ * the accumulators at the end. */
 #define DEFINE_QTILE(R, SYM)                                                                                     \
     static void qtile4x##R##_##SYM(const QWeight *w, const QActs *a, const float *dx_lanes, const float *z_lanes, \
                                     int64_t n, int64_t m, float *out, int64_t ldo, const float *bias,            \
@@ -287,12 +285,18 @@ static inline float offset_term_avx512(const float *offset, const float *xsum, i
             }                                                                                                    \
         }                                                                                                        \
         for (int r = 0; r < R; ++r) {                                                                            \
+            const float *xs = a->xsum + (m + r) * groups;                                                        \
+            if (!SYM) /* the offsets' term into the same lanes, so that one sum4 reduces both */                 \
+                for (int64_t g = 0; g < groups; g += 16) {                                                       \
+                    const __mmask16 mk = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);      \
+                    const __m512 x16 = _mm512_maskz_loadu_ps(mk, xs + g);                                        \
+                    for (int f = 0; f < 4; ++f)                                                                  \
+                        acc[r][f] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w->offset + (n + f) * groups + g), \
+                                                    x16, acc[r][f]);                                             \
+                }                                                                                                \
             float sums[4];                                                                                       \
             _mm_storeu_ps(sums, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));                               \
-            const float *xs = a->xsum + (m + r) * groups;                                                        \
-            for (int f = 0; f < 4; ++f)                                                                          \
-                out[(m + r) * ldo + n + f] = sums[f] + (SYM ? 0.0f : offset_term_avx512(w->offset + (n + f) * groups, xs, groups)) \
-                                             + (bias ? bias[n + f] : 0.0f);                                      \
+            for (int f = 0; f < 4; ++f) out[(m + r) * ldo + n + f] = sums[f] + (bias ? bias[n + f] : 0.0f);      \
         }                                                                                                        \
     }
 DEFINE_QTILE(1, 0)
