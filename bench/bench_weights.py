@@ -6,6 +6,7 @@
     .venv/bin/python -m bench.bench_weights --llama-server PATH  # plus llama.cpp's server on the same GGUF
     .venv/bin/python -m bench.bench_weights --json out.json
     .venv/bin/python -m bench.bench_weights --parts speed --model gemma3-270m --llama-server PATH
+    .venv/bin/python -m bench.bench_weights --parts accuracy --model gemma3-270m
 
   accuracy  teacher-forced next-token distributions over real text (bench/kv_quant_prompts.py's
             prompts and their float32 greedy continuations, >= --positions positions), fed in
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_kv_quant import BLOCK, _metadata, _prompts
+from bench.kv_quant_prompts import CHAT, RAW
 from bench.cli import apply_quick, bench_parser, write_json
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
@@ -65,6 +67,11 @@ def main() -> None:
 
 
 def accuracy(args) -> list[dict]:
+    if args.model != "default":  # another packaged model: its own file against its weights in float32
+        reference = Engine(args.model, weight_dtype="float32", num_kv_blocks=64)
+        sequences = _sequences(reference, args)
+        quant = Engine(args.model, num_kv_blocks=64)
+        return [_compare(f"{args.model} (its own file)", quant, reference, sequences, args)]
     reference = Engine(weight_dtype="float32", num_kv_blocks=64)
     sequences = _sequences(reference, args)
     rows = []
@@ -94,7 +101,10 @@ def accuracy(args) -> list[dict]:
 
 def _sequences(engine: Engine, args) -> list[list[int]]:
     """Prompts and their float32 greedy continuations until --positions tokens in all."""
-    prompts = _prompts(engine, args.prompts)
+    try:
+        prompts = _prompts(engine, args.prompts)
+    except ValueError:  # a base model without a chat template (Gemma 3 270M): every prompt as plain text
+        prompts = [engine.tokenizer.encode(p) for p in (RAW + CHAT)[: args.prompts]]
     greedy = SamplingParams(max_tokens=args.tf_tokens, temperature=0.0, ignore_eos=True)
     out, total = [], 0
     for prompt, o in zip(prompts, engine.generate(prompts, greedy, use_tqdm=False)):
@@ -132,7 +142,7 @@ def forced_logits(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor
     n, blocks = len(tokens), -(-len(tokens) // BLOCK)
     pool = KVPool(spec.num_layers, blocks, BLOCK, spec.num_kv_heads, spec.head_dim, torch.float32,
                   torch.device("cpu"))
-    backend = CpuAttentionBackend(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
+    backend = CpuAttentionBackend(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale,
                                   torch.float32, pool.pages)
     out = []
     for start in range(0, n, chunk):
@@ -251,7 +261,7 @@ def _args():
     p = bench_parser(__doc__, quick="2,000 positions, 128 forced tokens, 64 new tokens, one repetition")
     p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
     p.add_argument("--model", default="default", choices=["default", "gemma3-270m"],
-                   help="the model the speed part serves (accuracy runs the default model)")
+                   help="the model served (accuracy: the default model's variants, or another model's own file)")
     p.add_argument("--types", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="accuracy variants")
     p.add_argument("--positions", type=int, default=10_000, help="teacher-forced positions per variant")
     p.add_argument("--prompts", type=int, default=52)
