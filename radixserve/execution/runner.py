@@ -78,8 +78,8 @@ class ModelRunner:
         self.backend.configure(config.attention)
         self.sampler = Sampler(config.seed, config.device)
         self.eos_token_ids = stop_token_ids
-        # one block table for all layers: not over a hybrid pool's window pages
-        native = config.native_decoder and self.backend.hosts_native_decoder and window is None
+        # over a hybrid pool, the window layers read their pages through the step's window plan
+        native = config.native_decoder and self.backend.hosts_native_decoder
         model.native = NativeDecoder.for_model(spec, model.layers, list(spec.layer_windows)) if native else None
         model.use_onednn_linear(config.onednn_linear)
         model.use_bf16_matmuls(config.prefill_matmul_dtype == "bfloat16")

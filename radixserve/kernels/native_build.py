@@ -87,6 +87,8 @@ SIGNATURES: dict[str, Signature] = {
     "rms_norm_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32), None),
     "rope_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64), None),
     "silu_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
+    "gelu_tanh_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
+    "rms_norm_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64, _PTR, _F32), None),
     "hadamard_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64), None),
     "quant_linear_best_path": Signature("quant_linear.c", (), _INT),
     "quant_linear_f32": Signature(
@@ -97,7 +99,7 @@ SIGNATURES: dict[str, Signature] = {
         "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
     ),
     "decoder_layers_f32": Signature(
-        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR), _INT,
+        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR), _INT,
     ),
 }
 

@@ -8,7 +8,7 @@ returning None where it does not apply so that the caller keeps its torch path.
   streams, 1.6x MKL at 8 rows, 1.2x at 32, 1.07-1.2x up to 128 (AVX-512 build; the
   AVX2 build stops at 32). Above `max_rows()` (prefill chunks) oneDNN takes over
   (onednn_linear.py), or the BLAS where oneDNN is off.
-- rms_norm, rope_, silu_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
+- rms_norm, rms_norm_heads_, rope_, silu_mul, gelu_tanh_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
 
@@ -114,6 +114,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, n, dtype=torch.float32)
     fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
     return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up of gate_up [T, 2n] = [gate | up] (Gemma's MLP), or None where it
+    does not apply."""
+    if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _rows_f32(gate_up)):
+        return None
+    fn = _load("gelu_tanh_mul_f32")
+    if fn is None:
+        return None
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=torch.float32)
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
+    return out
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """RMSNorm of every head of x [T, H, D] in place (q/k norms); False (x untouched) where the
+    kernel does not apply."""
+    if not (x.dim() == 3 and _rows_f32(x) and x.stride(1) == x.shape[2] and _dense_f32(weight)
+            and weight.shape == x.shape[2:]):
+        return False
+    fn = _load("rms_norm_heads_f32")
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), x.shape[1], x.shape[0], x.shape[2], weight.data_ptr(), eps)
+    return True
 
 
 def hadamard_heads_(x: torch.Tensor) -> bool:

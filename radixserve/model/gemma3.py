@@ -16,6 +16,7 @@ from torch import nn
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
+from radixserve.kernels.native_ops import gelu_tanh_mul
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from radixserve.model.llama import Attention
@@ -25,6 +26,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Gemma3MLP(nn.Module):
+    native_activation = 1  # the native decoder's code for its gate: GELU-tanh
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
@@ -32,8 +35,12 @@ class Gemma3MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+        gate_up = self.gate_up_proj(x)
+        hidden = gelu_tanh_mul(gate_up)  # float32 on CPU, in C (the native decoder's kernel)
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh").mul_(up)
+        return self.down_proj(hidden)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -74,6 +81,8 @@ class Gemma3ForCausalLM(CausalLM):
                    plan: AttentionPlan) -> torch.Tensor:
         full = self.rotary.lookup(positions, x.dtype)
         local = self.rotary_local.lookup(positions, x.dtype)
+        if self.native is not None and self.native.run(x, *full, pool, plan, local=local):
+            return x
         for layer in self.layers:
             x = layer(x, local if layer.self_attn.window else full, backend, pool, plan)
         return x

@@ -9,7 +9,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend, AttentionPlan, plan_for
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.key_basis import rotate_heads
-from radixserve.kernels.native_ops import silu_mul
+from radixserve.kernels.native_ops import rms_norm_heads_, silu_mul
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from radixserve.model.spec import ModelSpec
@@ -36,8 +36,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # in place, in C (the native decoder's kernel) where it applies
+            q = q if rms_norm_heads_(q, self.q_norm.weight, self.q_norm.eps) else self.q_norm(q)
+            k = k if rms_norm_heads_(k, self.k_norm.weight, self.k_norm.eps) else self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         if pool.rotate_keys:
             q, k = rotate_heads(q), rotate_heads(k)
@@ -48,6 +49,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    native_activation = 0  # the native decoder's code for its gate: SiLU
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.intermediate_size = spec.intermediate_size

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from radixserve.attention.backend import AttentionPlan
+from radixserve.attention.backend import AttentionPlan, plan_for
 from radixserve.attention.cpu_backend import CpuPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.native_build import load_kernel
@@ -39,15 +39,27 @@ _WEIGHTS = (("input_norm", ctypes.c_void_p), ("qkv", _Weight), ("qkv_bias", ctyp
             ("gate_up_bias", ctypes.c_void_p), ("down", _Weight), ("down_bias", ctypes.c_void_p))
 
 
+_NORMS = (("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_norm", ctypes.c_void_p),
+          ("mlp_out_norm", ctypes.c_void_p))
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
+    _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+                *_NORMS, ("alt_rope", ctypes.c_int64), ("alt_pages", ctypes.c_int64)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "num_blocks", "block_size",
-                 "page_bytes", "code_bytes", "kv_int8", "rotate_keys")]
+                 "page_bytes", "code_bytes", "kv_int8", "rotate_keys", "activation")]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Second(ctypes.Structure):
+    """A step's second RoPE table and page set (Gemma 3's window layers; a hybrid pool's window pages)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "tables")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("table_stride", "table_width", "num_blocks")]
 
 
 class NativeDecoder:
@@ -60,6 +72,8 @@ class NativeDecoder:
         self._kernel = kernel
         self._spec = spec
         self._weights = [_layer_weights(layer) for layer in layers]
+        self._norms = [_layer_norms(layer) for layer in layers]
+        self._activation = int(getattr(layers[0].mlp, "native_activation", 0)) if len(layers) else 0
         self._windows = [max(int(w), 0) for w in windows] if windows is not None else [0] * len(layers)
         self._keep = layers  # the pointers above stay valid while the modules live
         self._layers: ctypes.Array | None = None
@@ -72,11 +86,11 @@ class NativeDecoder:
                   windows: list[int] | None = None) -> NativeDecoder | None:
         """The decoder for these layers (windows: each layer's sliding window, 0 or None for
         full attention), or None where the C path does not apply (another device or dtype,
-        q/k norms, sizes the matmul kernel refuses, kernels disabled or not buildable)."""
+        sizes the matmul kernel refuses, kernels disabled or not buildable)."""
         params = list(layers.parameters())
         q_size = spec.num_heads * spec.head_dim
         if not (
-            model_ops_enabled() and max_rows() > 0 and not spec.qk_norm
+            model_ops_enabled() and max_rows() > 0
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
             and all(m.quant is None or m.quant.codes.device.type == "cpu" for m in layers.modules()
                     if hasattr(m, "quant"))
@@ -86,22 +100,32 @@ class NativeDecoder:
         kernel = _kernel()
         return None if kernel is None else cls(kernel, spec, layers, windows)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan) -> bool:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan,
+            local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
         not one this path takes: prefill chunks laid out as chunks (not single-query rows),
-        more rows than the matmul kernel takes, or another attention backend's plan."""
+        more rows than the matmul kernel takes, or another attention backend's plan. `local`:
+        the window layers' own RoPE table (Gemma 3), else they take cos and sin; a hybrid
+        pool's window layers read their pages through the plan's window plan."""
         rows = x.shape[0]
-        if not (isinstance(plan, CpuPlan) and plan.num_decodes == rows and 0 < rows <= max_rows()
+        full, window = plan_for(plan, 0), plan_for(plan, 1)
+        if not (isinstance(full, CpuPlan) and isinstance(window, CpuPlan) and full.num_decodes == rows
+                and window.num_decodes == rows and 0 < rows <= max_rows()
                 and x.is_contiguous() and x.dtype == torch.float32
                 and (pool.kv.dtype == torch.float32 or pool.pages is not None)):
             return False
-        tables, seq_lens = plan.decode_block_tables, plan.decode_seq_lens
+        tables, seq_lens = full.decode_block_tables, full.decode_seq_lens
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        local_cos, local_sin = (cos, sin) if local is None else (t.reshape(rows, -1).contiguous() for t in local)
+        wtables = window.decode_block_tables
+        second = _Second(local_cos.data_ptr(), local_sin.data_ptr(), window.slot_mapping.data_ptr(),
+                         wtables.data_ptr(), wtables.stride(0), wtables.shape[1],
+                         pool.window_kv.shape[2] if pool.hybrid else pool.kv.shape[2])
         layers, shape = self._layer_array(pool)
         status = self._kernel(
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
-            cos.data_ptr(), sin.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], seq_lens.data_ptr(), self._workspace_for(rows).data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), full.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+            tables.shape[1], seq_lens.data_ptr(), self._workspace_for(rows).data_ptr(), ctypes.byref(second),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool")
@@ -114,15 +138,20 @@ class NativeDecoder:
         key = (id(pool), pool.kv.data_ptr())
         if key != self._pool_key:
             caches = [pool.layer(i) for i in range(len(self._weights))]
+            # a window layer's K/V in a hybrid pool: pages of their own (not views of pool.kv)
+            apart = [pool.hybrid and _inside(k, pool.window_kv) for k, _ in caches]
             self._layers = (_Layer * len(caches))(*[
-                _Layer(*weights, k.data_ptr(), v.data_ptr(), window)
-                for weights, (k, v), window in zip(self._weights, caches, self._windows)
+                _Layer(*weights, k.data_ptr(), v.data_ptr(), window, *norms, int(window > 0), int(alt))
+                for weights, (k, v), window, norms, alt in zip(self._weights, caches, self._windows, self._norms,
+                                                              apart)
             ])
             spec, pages = self._spec, pool.pages
+            kv = pool.kv if pool.kv.shape[0] else pool.window_kv
+            page_bytes = kv[0, 0, 0].numel() * kv.element_size()  # one layer's K (or V) of a block
             self._shape = _Shape(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads,
-                                 spec.head_dim, pool.kv.shape[2], pool.block_size, pool.block_bytes // (
-                                     2 * spec.num_layers), pages.code_bytes if pages else 0, pages is not None,
-                                 pool.rotate_keys, spec.rms_norm_eps, spec.head_dim**-0.5)
+                                 spec.head_dim, pool.kv.shape[2], pool.block_size, page_bytes,
+                                 pages.code_bytes if pages else 0, pages is not None, pool.rotate_keys,
+                                 self._activation, spec.rms_norm_eps, spec.attention_scale)
             self._pool_key = key
         return self._layers, self._shape
 
@@ -143,12 +172,31 @@ def _kernel():
 
 def _layer_weights(layer: nn.Module) -> tuple[int | _Weight | None, ...]:
     attn, mlp = layer.self_attn, layer.mlp
+    pre_mlp = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
     parts = (
         layer.input_layernorm.weight, attn.qkv_proj, attn.qkv_proj.bias, attn.o_proj, attn.o_proj.bias,
-        layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.gate_up_proj.bias, mlp.down_proj,
+        pre_mlp.weight, mlp.gate_up_proj, mlp.gate_up_proj.bias, mlp.down_proj,
         mlp.down_proj.bias,
     )
     return tuple(_projection(p) if isinstance(p, nn.Linear) else _ptr(p) for p in parts)
+
+
+def _layer_norms(layer: nn.Module) -> tuple[int | None, ...]:
+    """q_norm, k_norm, attn_out_norm, mlp_out_norm: a Gemma 3 layer's post-attention norm is on
+    the attention block's output and its pre-feedforward norm before the MLP (the C side's
+    post_norm, Llama's post_attention_layernorm), its post-feedforward norm on the MLP's output."""
+    attn = layer.self_attn
+    q_norm = attn.q_norm.weight if attn.q_norm is not None else None
+    k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return (_ptr(q_norm), _ptr(k_norm), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(layer.post_feedforward_layernorm.weight))
+    return _ptr(q_norm), _ptr(k_norm), None, None
+
+
+def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
+    start = base.data_ptr()
+    return start <= view.data_ptr() < start + base.numel() * base.element_size()
 
 
 def _projection(linear: nn.Linear) -> _Weight:

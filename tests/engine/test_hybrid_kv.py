@@ -527,14 +527,17 @@ def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
     assert engine.stats()["spec_drafts"] > 0
 
 
-def test_a_windowed_model_keeping_every_layer_decodes_in_the_native_decoder(tiny_model_dir):
-    directory = tiny_model_dir("mistral_window")
-    engine = engine_for(directory, hybrid_kv="off")
-    assert engine.runner.model.native is not None
+@pytest.mark.parametrize("kind", ["mistral_window", "gemma3"])
+@pytest.mark.parametrize("hybrid_kv", ["off", "auto"])
+def test_a_windowed_model_decodes_in_the_native_decoder(tiny_model_dir, kind, hybrid_kv):
+    """Keeping every layer, or hybrid (the window layers read their own pages through the
+    step's window tables and slots): transformers' greedy tokens either way."""
+    directory = tiny_model_dir(kind)
+    engine = engine_for(directory, hybrid_kv=hybrid_kv)
+    assert engine.runner.model.native is not None and engine.runner.pool.hybrid == (hybrid_kv == "auto")
     prompts = prompts_of([4, 27], seed=14)
     for prompt, out in zip(prompts, run_checked(engine, prompts, 12)):
         assert out.token_ids == hf_greedy(directory, prompt, 12)
-    assert engine_for(directory).runner.model.native is None  # hybrid: window layers read their own tables
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

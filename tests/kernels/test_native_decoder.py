@@ -1,5 +1,6 @@
 """NativeDecoder: a decode step's layers in one C call give the layer-by-layer path's logits bit
-for bit (decodes and speculative draft rows, with and without biases), every other step keeps
+for bit (decodes and speculative draft rows, with and without biases, q/k norms, Gemma 3's
+layers over a hybrid pool's window pages), every other step keeps
 that path, bad slots are refused before anything is written, and the build digest covers the
 sources that decoder_layers.c includes."""
 
@@ -30,8 +31,8 @@ def _recording(engine: Engine) -> tuple[list[torch.Tensor], list[bool]]:
         return logits, native
     run = decoder.run
 
-    def recorded(*args):
-        took = run(*args)
+    def recorded(*args, **kwargs):
+        took = run(*args, **kwargs)
         native.append(took)
         return took
 
@@ -47,12 +48,30 @@ def _twin_engines(path, **config) -> tuple[Engine, Engine]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind, kv_cache_dtype, weight_dtype", [
-    ("llama", "auto", "auto"), ("mistral", "auto", "auto"), ("qwen2", "auto", "auto"), ("llama", "int8", "auto"),
-    ("llama", "auto", "int4"), ("qwen2", "int8", "int8"),  # quantized weights: the same kernel on both paths
+@pytest.mark.parametrize("kind, kv_cache_dtype, weight_dtype, hybrid_kv", [
+    ("llama", "auto", "auto", "auto"), ("mistral", "auto", "auto", "auto"), ("qwen2", "auto", "auto", "auto"),
+    ("llama", "int8", "auto", "auto"),
+    ("llama", "auto", "int4", "auto"), ("qwen2", "int8", "int8", "auto"),  # quantized weights: the same kernel on both paths
+    ("qwen3", "auto", "auto", "auto"),  # q/k norms
+    # Gemma 3: q/k norms, norms on each block's output, GELU-tanh, its window layers' own RoPE
+    # table and (hybrid KV) their own pages, tables and slots
+    ("gemma3", "auto", "auto", "auto"), ("gemma3", "auto", "auto", "off"), ("gemma3", "int8", "int8", "auto"),
+    ("mistral_window", "auto", "auto", "auto"),
 ])
-def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind, kv_cache_dtype, weight_dtype):
-    fused, layers = _twin_engines(tiny_model_dir(kind), kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype)
+def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, kind, kv_cache_dtype, weight_dtype,
+                                                              hybrid_kv):
+    hybrid = kind in ("gemma3", "mistral_window") and hybrid_kv == "auto"
+    sized = dict(num_kv_blocks=96) if hybrid else {}
+    fused, layers = _twin_engines(tiny_model_dir(kind), kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype,
+                                  hybrid_kv=hybrid_kv, **sized)
+    assert fused.runner.pool.hybrid == hybrid
+    if hybrid:  # 45 blocks through 35 window pages: after them pages are numbered unlike blocks
+        warm_up = [[j + 1] + [7 + i % 50 for i in range(239)] for j in range(3)]
+        for engine in (fused, layers):
+            for prompt in warm_up:
+                engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))
+        window = fused.runner.window
+        assert any(window.page_of[b] not in (b, -1) for b in range(len(window.page_of)))
     # 1-10 blocks, decodes cross block ends; the first step (172 tokens) is too big for the
     # native decoder, the second prompt's later steps are not
     prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19]
@@ -153,12 +172,6 @@ def test_the_native_decoder_can_be_switched_off(tiny_model_dir):
     on = Engine(str(tiny_model_dir("llama")))
     greedy = SamplingParams(max_tokens=8, **GREEDY)
     assert engine.generate([[4, 5, 6]], greedy)[0].token_ids == on.generate([[4, 5, 6]], greedy)[0].token_ids
-
-
-def test_models_with_query_key_norms_keep_the_layer_path(tiny_model_dir):
-    engine = Engine(str(tiny_model_dir("qwen3")))
-    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY))
-    assert engine.runner.model.native is None and engine.runner.row_limit == 0
 
 
 @needs_kernel

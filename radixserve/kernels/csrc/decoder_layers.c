@@ -11,7 +11,9 @@
  * the interpreter out of the caches), 6-8 ms of a 27-40 ms step on the 2-core dev machine.
  *
  * Llama layers as transformers computes them, with optional biases on the fused qkv, o,
- * gate_up and down projections; not q/k norms (the caller keeps its own path for those).
+ * gate_up and down projections and optional q/k norms (Qwen3); and Gemma 3's: q/k norms, a
+ * norm on the attention block's output and on the MLP's before each residual add, the
+ * GELU-tanh gate (shape->activation), and window layers with a RoPE table of their own.
  *   x          [rows, hidden] the residual stream, updated in place
  *   cos, sin   [rows, head_dim] of each row's position
  *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
@@ -20,6 +22,9 @@
  *              sliding window reads only the table entries its window reaches)
  *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
  *              projection out, gate_up, activation (qkv = q + 2 kv)
+ *   second     NULL, or the step's second RoPE table (layers with alt_rope: Gemma 3's window layers)
+ *              and second set of pages (layers with alt_pages: a hybrid pool's window layers, whose
+ *              pages have tables and slots of their own; the same rows and lengths)
  * Returns 0; -1 when a kernel refuses its shapes or scratch memory cannot be had (x is then
  * unchanged only if the refusal came before the first layer: the caller checks shapes
  * first); -2 (nothing changed) for a slot, length or block id outside the pool.
@@ -49,7 +54,19 @@ typedef struct {
     const float *down_bias;
     char *k_cache, *v_cache; /* float [num_blocks, block_size, num_kv_heads, head_dim], or int8 pages */
     int64_t window;          /* sliding-window attention over the last `window` keys; 0: the whole context */
+    const float *q_norm, *k_norm; /* RMSNorm of each q and k head before RoPE; NULL: none */
+    const float *attn_out_norm;   /* RMSNorm of the attention block's output before its residual add; NULL: none */
+    const float *mlp_out_norm;    /* the same for the MLP's output */
+    int64_t alt_rope, alt_pages;  /* 1: the call's `second` RoPE table / pages */
 } DecoderLayer;
+
+/* A step's second RoPE table and page set (see the header). */
+typedef struct {
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *tables;
+    int64_t table_stride, table_width, num_blocks;
+} StepSecond;
 
 /* out [rows, N] = x [rows, K] @ w.T + bias, by the kernel the weight's storage calls for. */
 static int project(const float *x, int64_t rows, const LayerWeight *w, int64_t N, int64_t K, const float *bias,
@@ -64,6 +81,7 @@ typedef struct {
     int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim, num_blocks, block_size;
     int64_t page_bytes, code_bytes, kv_int8; /* kv_int8: the caches are int8 pages (paged_attention.c) */
     int64_t rotate_keys; /* q and k into the Hadamard basis after RoPE (kernels/key_basis.py) */
+    int64_t activation;  /* the MLP's gate: 0 SiLU, 1 GELU-tanh */
     float eps, scale;
 } DecoderShape;
 
@@ -83,21 +101,37 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
 }
 
-int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
-                       const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
-                       const int32_t *tables, int64_t table_stride, int64_t table_width,
-                       const int32_t *seq_lens, float *workspace) {
-    const DecoderShape s = *shape;
-    const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
-    const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
-    int64_t widest = 0, full = num_layers == 0; /* the layers that read the most of the tables */
+/* Whether the layers that read this page set (alt: those with alt_pages) may read slots and
+ * tables: the widest window among them bounds the table entries checked (0: all). */
+static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t alt, const int64_t *slots,
+                       int64_t rows, const int32_t *tables, int64_t table_stride, int64_t table_width,
+                       const int32_t *seq_lens, int64_t block_size, int64_t num_blocks) {
+    int64_t widest = 0, full = 0, any = 0;
     for (int64_t i = 0; i < num_layers; ++i) {
+        if ((layers[i].alt_pages != 0) != (alt != 0)) continue;
+        any = 1;
         if (layers[i].window <= 0) full = 1;
         else if (layers[i].window > widest) widest = layers[i].window;
     }
-    if (!slots_valid(slots, rows, s.num_blocks * s.block_size) ||
-        !tables_valid(tables, table_stride, table_width, seq_lens, rows, s.block_size, s.num_blocks,
-                      full ? 0 : widest))
+    if (!any && alt) return 1;
+    return slots_valid(slots, rows, num_blocks * block_size) &&
+           tables_valid(tables, table_stride, table_width, seq_lens, rows, block_size, num_blocks,
+                        full || !any ? 0 : widest);
+}
+
+int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
+                       const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
+                       const int32_t *tables, int64_t table_stride, int64_t table_width,
+                       const int32_t *seq_lens, float *workspace, const StepSecond *second) {
+    const DecoderShape s = *shape;
+    const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
+    for (int64_t i = 0; i < num_layers; ++i)
+        if ((layers[i].alt_rope || layers[i].alt_pages) && !second) return -1;
+    if (!pages_valid(layers, num_layers, 0, slots, rows, tables, table_stride, table_width, seq_lens,
+                     s.block_size, s.num_blocks) ||
+        (second && !pages_valid(layers, num_layers, 1, second->slots, rows, second->tables, second->table_stride,
+                                second->table_width, seq_lens, s.block_size, second->num_blocks)))
         return -2;
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
@@ -106,9 +140,17 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
                    s.head_dim, s.block_size, s.scale};
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
+        const float *lcos = w->alt_rope ? second->cos : cos, *lsin = w->alt_rope ? second->sin : sin;
+        const int64_t *lslots = w->alt_pages ? second->slots : slots;
+        const int32_t *ltables = w->alt_pages ? second->tables : tables;
+        const int64_t lstride = w->alt_pages ? second->table_stride : table_stride;
+        const int64_t lwidth = w->alt_pages ? second->table_width : table_width;
+        const int64_t lblocks = w->alt_pages ? second->num_blocks : s.num_blocks;
         rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
         if (project(normed, rows, &w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv)) return -1;
-        rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, cos, sin, rows, s.head_dim);
+        if (w->q_norm) rms_norm_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim, w->q_norm, s.eps);
+        if (w->k_norm) rms_norm_heads_f32(qkv + q_size, qkv_size, s.num_kv_heads, rows, s.head_dim, w->k_norm, s.eps);
+        rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, lcos, lsin, rows, s.head_dim);
         if (s.rotate_keys) {
             hadamard_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim);
             hadamard_heads_f32(qkv + q_size, qkv_size, s.num_kv_heads, rows, s.head_dim);
@@ -116,17 +158,19 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         for (int64_t r = 0; r < rows; ++r) {
             const float *row = qkv + r * qkv_size;
             memcpy(q + r * q_size, row, sizeof(float) * q_size);
-            store_row(&s, &pages, w, row + q_size, row + q_size + kv_size, slots[r]);
+            store_row(&s, &pages, w, row + q_size, row + q_size + kv_size, lslots[r]);
         }
         pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
-        if (decode_pages(&pages, q, s.num_blocks, tables, table_stride, table_width, seq_lens, attn, rows))
-            return -1;
+        if (decode_pages(&pages, q, lblocks, ltables, lstride, lwidth, seq_lens, attn, rows)) return -1;
         if (project(attn, rows, &w->o, s.hidden, q_size, w->o_bias, proj)) return -1;
+        if (w->attn_out_norm) rms_norm_f32(proj, s.hidden, w->attn_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
         rms_norm_f32(x, s.hidden, w->post_norm, normed, s.hidden, rows, s.hidden, s.eps);
         if (project(normed, rows, &w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up)) return -1;
-        silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
+        if (s.activation == 1) gelu_tanh_mul_f32(gate_up, 2 * inter, act, rows, inter);
+        else silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
         if (project(act, rows, &w->down, s.hidden, inter, w->down_bias, proj)) return -1;
+        if (w->mlp_out_norm) rms_norm_f32(proj, s.hidden, w->mlp_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
     }
     return 0;

@@ -1,6 +1,7 @@
 /*
  * The per-token ops of a decoder layer besides its matmuls and attention, on CPU in
- * float32: RMSNorm, rotary embedding and the MLP's SiLU gate, each one pass over the rows
+ * float32: RMSNorm (of rows, or of each head: q/k norms), rotary embedding and the MLP's SiLU or
+ * GELU-tanh gate, each one pass over the rows
  * instead of the several tensor ops (and their dispatches) torch needs. They follow
  * transformers' formulas: RMSNorm as x * 1/sqrt(mean(x^2) + eps) * weight, rotary as
  * x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], SiLU as x / (1 + e^-x).
@@ -54,6 +55,30 @@ void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, in
         const float *g = gate_up + r * ld, *u = g + n;
         float *o = out + r * n;
         for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Every head of every token RMS-normalized in place by weight [head_dim] (q/k norms: Qwen3,
+ * Gemma 3): x [tokens, heads, head_dim], token rows `ldx` floats apart, heads contiguous. */
+void rms_norm_heads_f32(float *x, int64_t ldx, int64_t heads, int64_t tokens, int64_t head_dim, const float *weight,
+                        float eps) {
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; ++t) rms_norm_f32(x + t * ldx, head_dim, weight, x + t * ldx, head_dim, heads,
+                                                      head_dim, eps);
+}
+
+/* out[r] = gelu_tanh(gate_up[r, :n]) * gate_up[r, n:2n] (Gemma's MLP), gelu_tanh(x) =
+ * x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))); gate_up rows `ld` floats apart. */
+void gelu_tanh_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, int64_t n) {
+    const float beta = 0.7978845608028654f; /* sqrt(2 / pi) */
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gate_up + r * ld, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(beta * (x + 0.044715f * x * x * x))) * u[i];
+        }
     }
 }
 
