@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ log = logging.getLogger("radixserve.engine.loop")
 
 T = TypeVar("T")
 IDLE_TRIM_S = 1.0  # idle this long after working: the freed heap goes back to the system
+BUSY_TRIM_S = 30.0  # and at most this long apart while the engine works without pause (a trim takes ~1-10 ms)
 Listener = Callable[[RequestOutput | BaseException], None]
 
 
@@ -75,6 +77,7 @@ class EngineLoop:
         self._closing = False  # set under _lock; once set nothing more is posted
         self._listeners: dict[str, Listener] = {}  # engine thread only
         self._worked = False  # engine thread: stepped since the heap was last trimmed
+        self._trimmed_at = time.monotonic()
         self.heap_trims = 0  # times an idle loop handed freed heap back
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         release_thread_pool()  # the parallel work moves to the loop's thread (openmp_pool.py)
@@ -182,6 +185,8 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                     self._worked = True
+                    if time.monotonic() - self._trimmed_at >= BUSY_TRIM_S:
+                        self._trim()
                 else:
                     self._idle()
         except BaseException as exc:  # a bug in the loop itself: nothing can be trusted now
@@ -200,12 +205,16 @@ class EngineLoop:
 
     def _idle(self) -> None:
         """Wait for work. Once the engine has sat idle for IDLE_TRIM_S after working, the heap
-        its steps freed goes back to the system first (kernels/heap.py)."""
+        its steps freed goes back to the system first (kernels/heap.py; a busy engine does
+        that every BUSY_TRIM_S, so its resident memory follows what it holds, not its peak)."""
         if self._worked and not self._wake.wait(IDLE_TRIM_S):
-            self._worked = False
-            self.heap_trims += return_freed_memory()
+            self._trim()
         self._wake.wait()
         self._wake.clear()
+
+    def _trim(self) -> None:
+        self._worked, self._trimmed_at = False, time.monotonic()
+        self.heap_trims += return_freed_memory()
 
     def _drain(self) -> None:
         while True:

@@ -219,3 +219,22 @@ def test_an_idle_loop_hands_the_freed_heap_back_once_after_working(engine, monke
         idle_and_intact(loop)
     finally:
         loop.shutdown(TIMEOUT)
+
+
+def test_a_busy_loop_hands_the_freed_heap_back_every_busy_trim_s(engine, monkeypatch):
+    import radixserve.engine.loop as loop_module
+
+    trims = []
+    monkeypatch.setattr(loop_module, "IDLE_TRIM_S", 3600.0)  # never idle long enough: only the busy rule trims
+    monkeypatch.setattr(loop_module, "BUSY_TRIM_S", 0.0)  # every step
+    monkeypatch.setattr(loop_module, "return_freed_memory", lambda: trims.append(1) or True)
+    loop = EngineLoop(engine, name="test-busy-trim")
+    try:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        loop.submit([engine.prepare([5, 6, 7], SamplingParams(max_tokens=6, **GREEDY))], outputs.put, ["b"]).result(TIMEOUT)
+        finals(outputs, 1)
+        steps = loop.call(lambda e: e.generated_tokens).result(TIMEOUT)
+        assert len(trims) == loop.heap_trims >= steps >= 6  # a trim after each step (prompt and decodes)
+        idle_and_intact(loop)
+    finally:
+        loop.shutdown(TIMEOUT)
