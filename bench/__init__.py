@@ -26,10 +26,11 @@ Kernel micro-benches: one kernel, op or model step, apart from any workload
     bench_kernels         paged attention kernels (Triton on a GPU; --cpu: the C kernels, quantized matmuls)
     bench_layer_ops       the C layer ops against eager torch and torch.compile
     bench_matmul          the decode matmuls: the skinny C kernel against oneDNN and MKL
+    bench_quant_step      a real model's quantized matmuls of a step (lm head, layers), cold: two kernel builds
     bench_sliding_window  decode attention with a window against full
     bench_native_decoder  decode and mixed steps: the native decoder against the layer path
     bench_prefill         prompt tokens per second: two engine settings (attention, matmul dtype) in turns
-    profile_decode        a decode step's phases (schedule, prepare, model, sample, post)
+    profile_decode        a decode step's phases (schedule, prepare, model, lm head, sample, post)
 
 Shared helpers: cli (the flags, JSON, Figures), harness (workload drivers, the one `percentile`),
 sse (the one SSE client), report (tables, bar charts), workloads / agent_workload / dsl_workloads /
