@@ -11,7 +11,9 @@ import torch
 
 from radixserve.kernels import native_ops
 from radixserve.model.layers import RMSNorm, _rotate_half, apply_rotary, linear
-from radixserve.kernels.native_ops import MAX_ROWS, max_rows, rms_norm, rope_, silu_mul, skinny_linear
+from radixserve.kernels.native_ops import (
+    MAX_ROWS, gelu_tanh_mul, max_rows, rms_norm, rms_norm_heads_, rope_, silu_mul, skinny_linear,
+)
 
 needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
 needs_layer_ops = pytest.mark.skipif(native_ops._load("rms_norm_f32") is None, reason="no C compiler here")
@@ -130,7 +132,7 @@ def test_rms_norm_module_declines_to_torch_for_other_shapes_and_dtypes():
     norm = RMSNorm(64, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64))
-    x3 = torch.randn(4, 3, 64)  # per-head norm (Qwen3's q/k norm): torch path
+    x3 = torch.randn(4, 3, 64)  # 3-D rows: the module takes torch (q/k norms call rms_norm_heads_)
     assert rms_norm(x3, norm.weight, 1e-6) is None
     torch.testing.assert_close(norm(x3), torch.nn.functional.rms_norm(x3, (64,), norm.weight, 1e-6))
     assert rms_norm(torch.randn(4, 64, dtype=torch.float64), norm.weight, 1e-6) is None
@@ -174,6 +176,40 @@ def test_silu_mul_matches_torch(rows, n):
     gate_up = wide[:, 4:]  # rows 2n + 4 floats apart
     gate, up = gate_up.split(n, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("rows, n", [(1, 2048), (3, 5), (200, 96)])
+def test_gelu_tanh_mul_matches_float64(rows, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    wide = torch.randn(rows, 2 * n + 4, generator=gen) * 4
+    gate_up = wide[:, 4:]  # rows 2n + 4 floats apart
+    gate, up = gate_up.double().split(n, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(gelu_tanh_mul(gate_up).double(), want, atol=1e-5, rtol=1e-5)
+    assert gelu_tanh_mul(torch.randn(3, 8, dtype=torch.float64)) is None
+    assert gelu_tanh_mul(torch.randn(3, 7)) is None
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 4, 256), (7, 3, 64), (300, 1, 16)])
+def test_rms_norm_heads_in_place_matches_float64(tokens, heads, head_dim):
+    """q/k norms: every head of q (a view of the fused qkv rows) normalized in place, the rest
+    of the row untouched; the 2-D kernel's bits per head."""
+    gen = torch.Generator().manual_seed(tokens + heads)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen) * 3
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    weight = torch.randn(head_dim, generator=gen)
+    x = q.double()
+    want = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * weight.double()
+    rows_2d = rms_norm(q.reshape(tokens * heads, head_dim).contiguous(), weight, 1e-6)
+    rest = qkv[:, heads * head_dim:].clone()
+    assert rms_norm_heads_(q, weight, 1e-6)
+    torch.testing.assert_close(q.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q.reshape(tokens * heads, head_dim), rows_2d)
+    assert torch.equal(qkv[:, heads * head_dim:], rest)
+    assert not rms_norm_heads_(torch.randn(2, 3, 8, dtype=torch.float64), weight[:8], 1e-6)
+    assert not rms_norm_heads_(torch.randn(2, 24)[:, :16].view(2, 2, 8)[:, :, :4], weight[:4], 1e-6)
 
 
 def test_silu_mul_declines_to_torch():
