@@ -93,8 +93,8 @@ def test_a_session_id_reaches_the_job_as_on_chat():
 
     served = ServedModel(("m",), 4, 4, 16)
     body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "q"}]}
-    assert parse(MessagesRequest, {**body, "session_id": "s1"}).to_job(served, "q", {}).session_id == "s1"
-    assert parse(MessagesRequest, body).to_job(served, "q", {}).session_id is None
+    assert parse(MessagesRequest, {**body, "session_id": "s1"}).to_job(served, "q").session_id == "s1"
+    assert parse(MessagesRequest, body).to_job(served, "q").session_id is None
     with pytest.raises(APIError, match="session_id"):
         parse(MessagesRequest, {**body, "session_id": ""})
 
