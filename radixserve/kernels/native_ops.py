@@ -105,23 +105,19 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of gate_up [T, 2n] = [gate | up], or None where it does not apply."""
-    if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _rows_f32(gate_up)):
-        return None
-    fn = _load("silu_mul_f32")
-    if fn is None:
-        return None
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=torch.float32)
-    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n)
-    return out
+    return _gated("silu_mul_f32", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gelu_tanh(gate) * up of gate_up [T, 2n] = [gate | up] (Gemma's MLP), or None where it
     does not apply."""
+    return _gated("gelu_tanh_mul_f32", gate_up)
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor | None:
     if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _rows_f32(gate_up)):
         return None
-    fn = _load("gelu_tanh_mul_f32")
+    fn = _load(kernel)
     if fn is None:
         return None
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,23 +18,11 @@ from radixserve.request_error import InvalidRequest
 from radixserve.server.tool_calling import ToolCalling
 from radixserve.tools.definitions import checked_tools
 from radixserve.tools.history import history_of
+from tool_fixtures import ADD_SCHEMA, FORMAT_FAMILIES, SCHEMAS, TEMPLATES, TOOLS
 
 pytestmark = pytest.mark.real_model
 
-TEMPLATES = Path(__file__).parents[1] / "server" / "templates"
-FAMILIES = [None, "hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
-WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                   "unit": {"enum": ["c", "f"]}},
-                  "required": ["city", "unit"], "additionalProperties": False}
-ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                               "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-              "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": WEATHER_SCHEMA}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_SCHEMA}},
-]
-SCHEMAS = {"get_weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}
+FAMILIES = [None, *FORMAT_FAMILIES]
 ASK = [{"role": "system", "content": "You are terse."},
        {"role": "user", "content": "What is the weather in Paris? Use celsius."}]
 GREEDY = SamplingParams(max_tokens=200, temperature=0.0)

@@ -8,31 +8,18 @@ first turn computed."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
 from radixserve.server import ServerOptions
+from tool_fixtures import ADD_SCHEMA, FORMAT_FAMILIES, SCHEMAS, TEMPLATES, TOOLS
 
 pytestmark = pytest.mark.real_model
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATES = Path(__file__).parent / "templates"
-FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
-WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                   "unit": {"enum": ["c", "f"]}},
-                  "required": ["city", "unit"], "additionalProperties": False}
-ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                               "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-              "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": WEATHER_SCHEMA}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_SCHEMA}},
-]
-SCHEMAS = {"get_weather": WEATHER_SCHEMA, "add": ADD_SCHEMA}
+FAMILIES = FORMAT_FAMILIES
 BLOCK = 16
 CHATML = ("hermes", "qwen3_coder")  # templates whose turn markers are the default model's special tokens
 
