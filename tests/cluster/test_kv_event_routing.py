@@ -340,19 +340,6 @@ def test_the_ingress_subscribes_to_the_replicas_and_names_each_request(tiny_mode
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
 
-    class Stream:
-        def __init__(self, items):
-            self.items = items
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            return await self.items.__anext__()
-
-        def cancel(self):
-            pass
-
     class Handle:
         requests: list = []
 
@@ -365,7 +352,7 @@ def test_the_ingress_subscribes_to_the_replicas_and_names_each_request(tiny_mode
 
         def remote(self, request):
             self.requests.append(request)
-            return Stream(serve_forwarded(app, request, "a"))
+            return _Stream(serve_forwarded(app, request, "a"))
 
         def broadcast(self, method):
             assert method == "kv_events"
