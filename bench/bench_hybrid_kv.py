@@ -2,7 +2,8 @@
 the radix cache holds per cached token with window layers kept apart (hybrid_kv auto)
 against every layer kept (hybrid_kv off), and an agent swarm against llama.cpp's server.
 
-    python -m bench.bench_hybrid_kv [--quick] [--parts memory,swarm] [--json out.json] [--plot out.png]
+    python -m bench.bench_hybrid_kv [--quick] [--parts memory,swarm] [--swarm-workload short|long]
+                                    [--systems hybrid,off,llama,llama-swa-full] [--json out.json] [--plot out.png]
 
 memory  One conversation of real token ids (a synthetic tool agent: a system prompt, then
         turns that each append the model's greedy answer and a tool result), growing to
@@ -26,6 +27,9 @@ swarm   An agent swarm (bench_agents' agents: a shared tool prompt, own instruct
         KV buffers from its log, plus the most its prompt cache in RAM held) and the most held
         at once (radixserve, from /metrics). Targets (issue 46): >= 95% of ideal reuse, wall
         time <= 0.5x llama.cpp's default, at <= 0.4x the KV memory of full caching.
+        --swarm-workload: short (the default; bench_agents' tool loop, each agent's history
+        ~640 tokens, barely over the 512-token window) or long (coding agents whose
+        conversations grow to ~4.5k tokens; why these sizes: LONG_SWARM).
 
 Token ids are synthetic, greedy, EOS ignored. llama.cpp's KV is f16 (its default);
 radixserve's float32: memory is also given as float32-equivalent token-layers.
@@ -45,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
@@ -222,8 +226,17 @@ def print_memory(report: dict) -> None:
 # ---- part 2: an agent swarm against llama.cpp -------------------------------------------------
 
 
+# short: bench_agents' tool loop; each agent's own history (~640 tokens) is barely over the window
 FULL_SWARM = SwarmWorkload(8, 4, 1024, 64, 128, 16, (0.5, 2.0))
 QUICK_SWARM = SwarmWorkload(4, 2, 256, 32, 64, 8, (0.2, 0.5))
+# long: coding agents in a SWE-agent-style loop. A 1,536-token system prompt with the tools'
+# definitions (bench_agents' full size), a 256-token task (an issue's text); each turn a 64-token
+# answer (a short thought and one tool call) and a 384-token tool result: a mix of file views
+# (SWE-agent's viewer shows 100 lines, ~1,000 tokens of code) and short outputs (ls, grep hits, a
+# test's tail). A conversation ends at 4,480 tokens, its own history 2,944 (nearly six windows).
+LONG_SWARM = SwarmWorkload(8, 6, 1536, 256, 384, 64, (0.5, 2.0))
+QUICK_LONG_SWARM = SwarmWorkload(4, 3, 512, 64, 384, 32, (0.2, 0.5))
+SWARMS = {"short": (FULL_SWARM, QUICK_SWARM), "long": (LONG_SWARM, QUICK_LONG_SWARM)}
 
 
 @dataclass
@@ -507,7 +520,8 @@ def measure_swarm(workload: SwarmWorkload, systems: list[str], args) -> dict:
 
 
 def print_swarm(report: dict) -> None:
-    print(f"\nswarm: {MODEL} over HTTP (token-id prompts, greedy, EOS ignored): {report['workload']}; "
+    print(f"\nswarm ({report.get('workload_name', 'short')}): {MODEL} over HTTP (token-id prompts, greedy, EOS "
+          f"ignored): {report['workload']}; "
           f"working set {report['working_set_tokens']} tokens; max_num_seqs / -np {report['max_num_seqs']}, "
           f"llama.cpp {report['slot_tokens']} tokens a slot")
     print(f"  {'system':<36}{'wall s':>8}{'reqs':>6}{'prompt':>8}{'cached':>8}{'ideal':>8}{'of ideal':>10}"
@@ -558,6 +572,9 @@ def main() -> None:
     parser.add_argument("--parts", default="memory,swarm", help="which parts, run in the order given")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="memory part: bytes for each engine (default 256 MiB, 64 MiB with --quick)")
+    parser.add_argument("--swarm-workload", choices=sorted(SWARMS), default="short",
+                        help=f"swarm: short ({FULL_SWARM.describe()}) or long, coding agents "
+                             f"({LONG_SWARM.describe()})")
     parser.add_argument("--systems", default="hybrid,off,llama,llama-swa-full",
                         help="swarm systems among hybrid, hybrid-same (1x memory), off, llama, llama-swa-full")
     parser.add_argument("--hybrid-memory-share", type=float, default=0.4,
@@ -585,12 +602,14 @@ def main() -> None:
             report["memory"] = measure_memory(conversation, memory, not args.quiet)
             print_memory(report["memory"])
         elif part == "swarm":
-            workload = QUICK_SWARM if args.quick else FULL_SWARM
+            full, quick = SWARMS[args.swarm_workload]
+            workload = replace(quick if args.quick else full)
             for name in ("agents", "turns"):
                 if getattr(args, name) is not None:
                     setattr(workload, name, getattr(args, name))
             print(f"\nswarm: {workload.describe()}", flush=True)
             report["swarm"] = measure_swarm(workload, [s.strip() for s in args.systems.split(",") if s.strip()], args)
+            report["swarm"]["workload_name"] = args.swarm_workload
             print_swarm(report["swarm"])
         else:
             raise SystemExit(f"unknown part {part!r} (memory, swarm)")
