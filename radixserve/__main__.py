@@ -46,6 +46,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -60,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the HTTP server (OpenAI-compatible and native endpoints)")
     _add_server_args(serve)
     add_engine_args(serve)
+    serve.set_defaults(prefault_kv_pool=True)  # a server holds its KV budget from the start
 
     prep = sub.add_parser("prepare", help="convert the default model once into the model cache (float32 and its "
                                           "quantized layout), build the CPU kernels")
@@ -73,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("gguf")
     conv.add_argument("output_dir")
 
-    args = parser.parse_args(argv)
-    try:
-        return _COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"radixserve: error: {exc}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -41,6 +41,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of free memory
+    # CPU: commit the KV pool's pages when it is made, so the process holds its whole KV budget
+    # from the start instead of growing into it as blocks are first written (`serve` turns it on)
+    prefault_kv_pool: bool = False
     max_model_len: int | None = None  # None: the model's own context length
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
     chunked_prefill_size: int = 512  # most prompt tokens one request computes in one step

@@ -92,7 +92,7 @@ class ModelRunner:
         window_layers = tuple(i for i, w in enumerate(spec.layer_windows) if w) if window is not None else ()
         return KVPool(spec.num_layers, config.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                       config.dtype, config.device, config.kv_cache_dtype, window_layers,
-                      window.num_pages if window is not None else 0)
+                      window.num_pages if window is not None else 0, prefault=config.prefault_kv_pool)
 
     def run(self, plan: StepPlan) -> StepResult:
         """Run one forward pass over the plan's chunks: sample the next token of every chunk

@@ -22,6 +22,7 @@ class RunnerConfig:
     dtype: torch.dtype  # the model's activations; the KV pool's too unless kv_cache_dtype quantizes
     seed: int = 0
     kv_cache_dtype: str = "auto"
+    prefault_kv_pool: bool = False
     native_decoder: bool = True
     onednn_linear: bool = True
     prefill_matmul_dtype: str = "float32"
@@ -38,6 +39,7 @@ class RunnerConfig:
             dtype=dtype,
             seed=cfg.seed,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            prefault_kv_pool=cfg.prefault_kv_pool,
             native_decoder=cfg.native_decoder,
             onednn_linear=cfg.onednn_linear,
             prefill_matmul_dtype=cfg.prefill_matmul_dtype,
