@@ -116,6 +116,31 @@ def test_a_large_vocabulary_keeps_exactly_what_one_full_sort_keeps(spread):
     assert torch.equal(got[2], logits[2]) and int((~torch.isinf(got[1])).sum()) == 50
 
 
+def test_a_nucleus_past_the_first_candidates_is_cut_without_a_full_sort(monkeypatch):
+    """top-p whose nucleus needs ~7,000 of 262k tokens (past the first 1,024 candidates) is
+    decided by the larger partial selection, never a sort of the whole vocabulary, and keeps
+    exactly what a full sort keeps."""
+    from radixserve.execution.sampler import _CANDIDATES, _cut_sorted, _top_k_top_p
+
+    torch.manual_seed(7)
+    vocab = 262_144
+    logits = torch.randn(2, vocab) * 0.5
+    logits[:, :8000] += 8.0  # nearly all the mass on 8,000 tokens
+    rows = [row(top_p=0.9), row(top_p=0.5, top_k=3000)]
+    values, order = logits.sort(dim=-1, descending=True)
+    kept, _ = _cut_sorted(values, torch.tensor([vocab, 3000]), torch.tensor([0.9, 0.5]), None)
+    want = torch.empty_like(logits).scatter_(1, order, kept)
+    assert _CANDIDATES[0] < int((~torch.isinf(want[0])).sum()) < _CANDIDATES[-1]
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("a full sort of the vocabulary")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    got = _top_k_top_p(logits, rows)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
 def test_the_cdf_draw_skips_zero_probability_tokens_at_either_end():
     from radixserve.execution.sampler import _invert_cdf
 
