@@ -131,6 +131,8 @@ class Tiering:
             self.persister.submit(events)
         if self.prefetch is not None:
             self.prefetch.warm(self.slots)
+            if self.window_slots is not None:
+                self.prefetch.warm(self.window_slots, window_pages=True)
 
     # ---- requests held for a prefetch (engine thread; core/kv_manager.py's TierPrefetch) --
 

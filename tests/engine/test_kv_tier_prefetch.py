@@ -166,6 +166,20 @@ def test_the_next_slots_the_tier_hands_out_are_faulted_in_for_writing(tiny_model
     engine.check_integrity()
 
 
+def test_the_next_window_slots_are_faulted_in_for_writing_too(tiny_model_dir, tmp_path):
+    """Hybrid KV: the window slots the tier hands out next are faulted in ahead as its block
+    slots are (a saved window's pages would otherwise fault on the engine thread's copy)."""
+    engine = make_engine(tiny_model_dir("gemma3"), tmp_path)
+    prefetch, store, tier = engine.tiering.prefetch, engine.tiering.store, engine.tiering.window_slots
+    assert engine.runner.pool.hybrid and tier is not None
+    engine.generate([PROMPT], GREEDY)
+    assert prefetch.wait_idle()
+    ahead = tier.peek_free(tier.num_slots // 4)  # (the count the prefetcher keeps warm on so small a tier)
+    assert prefetch.warmed_window_pages >= len(ahead) > 0
+    assert all(store.pages.missing_pages(*store.window_span(w)) == 0 for w in ahead)
+    engine.check_integrity()
+
+
 def test_tier_only_slots_reads_the_tree_without_changing_it():
     pool = BlockPool(8)
     cache = RadixCache(pool, 2, KVTier(8))
