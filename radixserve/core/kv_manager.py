@@ -145,7 +145,7 @@ class KVManager:
         chunk = min(request.num_tokens, (matched + tier) * self.block_size + self.max_chunk_tokens)
         need = -(-chunk // self.block_size) - matched - tier
         if tier:
-            need += sum(self.cache.tier_windows(match))  # the pages a restore brings back
+            need += sum(self.cache.restore_windows(match))  # the pages a restore brings back
         first = self.pool.window.first_needed((matched + tier) * self.block_size)
         keep = set(match.blocks[first:]) if matched else set()
         return self._free_pages(need, keep, in_use=alone)

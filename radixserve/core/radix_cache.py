@@ -208,6 +208,14 @@ class RadixCache:
             node = node.parent
         return [w >= 0 for n in reversed(path) for w in self._window_slots(n)]
 
+    def restore_windows(self, match: MatchResult) -> list[bool]:
+        """Hybrid KV: for each block of the match's tier-only tail, whether a restore gives it a
+        window page: saved with its window and within the window before the match's end (the
+        request reads none further back, and a page there would serve no end of its path)."""
+        saved = self.tier_windows(match)
+        first = self.pool.window.first_needed((len(match.blocks) + len(saved)) * self.block_size) - len(match.blocks)
+        return [w and i >= first for i, w in enumerate(saved)]
+
     def _window_slots(self, node: RadixNode) -> list[int]:
         return node.window_slots or [-1] * len(node.slots)
 
@@ -223,7 +231,8 @@ class RadixCache:
             path.append(node)
             node = node.parent
         need = sum(self._size(n) for n in path)
-        pages = sum(s >= 0 for n in path for s in self._window_slots(n)) if self.pool.window is not None else need
+        given = self.restore_windows(match) if self.pool.window is not None else []
+        pages = sum(given) if self.pool.window is not None else need
         if need > self.pool.num_free_blocks:
             self.evict(need - self.pool.num_free_blocks)
         if need > self.pool.num_free_blocks or (self.pool.window is not None and pages > self.pool.window.num_free):
@@ -233,12 +242,13 @@ class RadixCache:
             if self.pool.window is None:
                 node.blocks = self.pool.allocate(len(node.slots))
                 self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
-            else:  # a window page only where one was saved: the others are tombstones
+            else:  # a window page only where restore_windows gives one: the others are tombstones
                 windows = self._window_slots(node)
-                node.blocks = self.pool.allocate(len(node.slots), [w >= 0 for w in windows])
+                mine, given = given[:len(node.slots)], given[len(node.slots):]
+                node.blocks = self.pool.allocate(len(node.slots), mine)
                 page_of = self.pool.window.page_of
-                self.copies.extend(KVCopy(False, b, s, page_of[b] if w >= 0 else -1, w)
-                                   for b, s, w in zip(node.blocks, node.slots, windows))
+                self.copies.extend(KVCopy(False, b, s, page_of[b], w) if g else KVCopy(False, b, s)
+                                   for b, s, w, g in zip(node.blocks, node.slots, windows, mine))
             self._stored(node, POOL)
             self.num_cached_blocks += len(node.blocks)
             blocks.extend(node.blocks)

@@ -368,6 +368,30 @@ def test_a_restarted_hybrid_engine_adopts_full_layers_and_saved_windows_exactly(
     third.close()
 
 
+def test_a_restore_gives_pages_only_to_the_window_before_its_end(tiny_model_dir, tmp_path):
+    """Chunks of 8 tokens leave a node end every two blocks, each saved with the window before
+    it: the tier holds a window for all 11 blocks of the first turn, more than the restarted
+    engine's pool has pages. The follow-up restores the whole turn with pages for the window
+    before its end only (the others come back as tombstones) and runs; it used to wait for 11
+    pages that could never be free."""
+    directory, kv = tiny_model_dir("gemma3"), tmp_path / "kv"
+    small = dict(chunked_prefill_size=8, max_num_batched_tokens=16, num_kv_blocks=16)
+    out = first_turn(directory, kv, **small)
+    engine = persisted(directory, kv, **small)
+    assert sum(entry[6] >= 0 for entry in index_of(kv)["entries"]) == 11 > engine.pool.window.num_pages
+    follow = FIRST_TURN + out.token_ids + [11, 12, 13]
+    engine.add_request(follow, SamplingParams(max_tokens=6, **GREEDY))
+    final = None
+    for _ in range(50):
+        final = next((o for o in engine.step() if o.finished), None)
+        engine.check_integrity()
+        if final is not None:
+            break
+    assert final is not None and final.cached_tokens == final.restored_tokens == 44
+    assert final.token_ids == hf_greedy(directory, follow, 6)
+    engine.close()
+
+
 def test_a_match_after_a_restart_reaches_only_as_far_as_the_restored_windows(tiny_model_dir, tmp_path, caplog):
     """The window page saved for block 10 is corrupted on disk: its full layers are adopted,
     its window is not (a tombstone), so the follow-up's hit stops at 40 tokens, the last end
