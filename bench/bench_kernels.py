@@ -439,7 +439,7 @@ def bench_cpu_quantized(args: argparse.Namespace, figures: Figures) -> None:
         u4 = torch.cat([(q4.codes & 15).reshape(n, -1, 1, 32), (q4.codes >> 4).reshape(n, -1, 1, 32)], 2).reshape(n, k)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u4.to(torch.int32), 8)
         # torch's int4: w = (q - 8) * scale + zero; ours: w = scale * q + offset
-        zeros = torch.stack([q4.scale.T, (q4.offset + 8 * q4.scale).T], dim=2).contiguous()
+        zeros = torch.stack([q4.scale.float().T, (q4.offset.float() + 8 * q4.scale.float()).T], dim=2).contiguous()
         layers.append((w, q8, q4, i8, packed, zeros))
     for rows in (1, 2, 4, 8, 16, 32, 128):
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
@@ -453,7 +453,8 @@ def bench_cpu_quantized(args: argparse.Namespace, figures: Figures) -> None:
 
         best = _best_cpu_times({
             "ours int8": run(lambda x, w, q8, *_: quant_linear(x, q8)),
-            "torch int8": run(lambda x, w, q8, q4, i8, *_: torch._weight_int8pack_mm(x, i8, q8.scale.reshape(-1))),
+            "torch int8": run(lambda x, w, q8, q4, i8, *_: torch._weight_int8pack_mm(
+                x, i8, q8.scale.float().reshape(-1))),
             "ours int4": run(lambda x, w, q8, q4, *_: quant_linear(x, q4)),
             "torch int4": run(lambda x, w, q8, q4, i8, packed, zeros: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, packed, 32, zeros)),

@@ -61,7 +61,8 @@ def _run(fn, weights: list[tuple], xs: dict[int, torch.Tensor]) -> None:
         x = xs[k]
         out = torch.empty(x.shape[0], n)
         status = fn(x.data_ptr(), x.shape[0], k, codes.data_ptr(), scale.data_ptr(),
-                    None if off is None else off.data_ptr(), n, k, bits, group, zero, None, out.data_ptr(), n, 0)
+                    None if off is None else off.data_ptr(), n, k, bits, group, zero,
+                    int(scale.dtype == torch.float16), None, out.data_ptr(), n, 0)
         if status:
             raise RuntimeError(f"quant_linear_f32 refused a weight ({status})")
 

@@ -92,11 +92,11 @@ SIGNATURES: dict[str, Signature] = {
     "hadamard_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64), None),
     "quant_linear_best_path": Signature("quant_linear.c", (), _INT),
     "quant_linear_f32": Signature(
-        "quant_linear.c", (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64),
-        _INT,
+        "quant_linear.c",
+        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64), _INT,
     ),
     "quant_dequantize_f32": Signature(
-        "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
+        "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
     ),
     "decoder_layers_f32": Signature(
         "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR), _INT,

@@ -7,6 +7,10 @@ by model/gguf_repack.py, and int8/int4 quantized at load by `quantize`):
     w[n, k] = scale[n, k // group] * u[n, k] + offset[n, k // group]
     (offset None: offset = -zero * scale, a symmetric type's zero point)
 
+Scales and offsets are float16 where that holds them exactly (the GGUF types that store them
+so, and int8/int4 quantized at load, against their float16 scales), else float32 (the K types'
+d * sub-scale); both the same dtype, widened to float32 where they are read.
+
 `u` are 4-bit codes (two per byte: per 64-element chunk, byte j holds code j low and code
 32 + j high) or 8-bit ones (a byte each). The decode-sized product quantizes the rows of x per
 32-element block into two int8 codes an element (a high code and its residual: about 16 bits;
@@ -28,6 +32,7 @@ from radixserve.kernels.native_build import load_kernel
 from radixserve.kernels.native_ops import model_ops_enabled
 
 PATHS = {"best": 0, "avx2": 1, "scalar": 2}
+SCALE_DTYPES = (torch.float16, torch.float32)
 _GROUPS_SMALL = (16, 32)
 
 
@@ -36,8 +41,8 @@ class QuantWeight:
     """A [N, K] weight as codes, per-group scales and offsets (module docstring)."""
 
     codes: torch.Tensor  # uint8 [N, K * bits // 8]
-    scale: torch.Tensor  # float32 [N, K // group]
-    offset: torch.Tensor | None  # float32 [N, K // group]; None: -zero * scale
+    scale: torch.Tensor  # float16 or float32 [N, K // group]
+    offset: torch.Tensor | None  # as scale [N, K // group]; None: -zero * scale
     bits: int
     group: int
     zero: int = 0
@@ -50,14 +55,21 @@ class QuantWeight:
                              f"a multiple of 64 dividing K; got bits={self.bits} K={k} group={self.group}")
         groups = (n, k // self.group)
         for name, t in (("scale", self.scale), ("offset", self.offset)):
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != groups or not t.is_contiguous()):
-                raise ValueError(f"{name} must be contiguous float32 {groups}, got {t.dtype} {tuple(t.shape)}")
+            if t is not None and (t.dtype not in SCALE_DTYPES or tuple(t.shape) != groups or not t.is_contiguous()):
+                raise ValueError(f"{name} must be contiguous float16 or float32 {groups}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if self.offset is not None and self.offset.dtype != self.scale.dtype:
+            raise ValueError(f"offset must be {self.scale.dtype} as scale is, got {self.offset.dtype}")
         if self.codes.dtype != torch.uint8 or not self.codes.is_contiguous():
             raise ValueError("codes must be contiguous uint8")
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
+
+    @property
+    def half_scales(self) -> bool:
+        return self.scale.dtype == torch.float16
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +104,8 @@ class QuantWeight:
         if fn is None:
             return out.copy_(self._dequantize_torch(index).reshape(count, k))
         status = fn(self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.offset), n, k, self.bits, self.group,
-                    self.zero, None if index is None else index.data_ptr(), count, out.data_ptr())
+                    self.zero, int(self.half_scales), None if index is None else index.data_ptr(), count,
+                    out.data_ptr())
         if status == -2:
             raise IndexError(f"a row index is outside the weight's {n} rows")
         if status:
@@ -105,10 +118,10 @@ class QuantWeight:
             codes, scale = codes[index], scale[index]
             offset = None if offset is None else offset[index]
         u = unpack_codes(codes, self.bits).float()
-        s = scale.repeat_interleave(self.group, dim=1)
+        s = scale.float().repeat_interleave(self.group, dim=1)
         if offset is None:
             return s * (u - self.zero)
-        return s * u + offset.repeat_interleave(self.group, dim=1)
+        return s * u + offset.float().repeat_interleave(self.group, dim=1)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
@@ -126,8 +139,8 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
         return None
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = fn(x.data_ptr(), x.shape[0], x.stride(0), weight.codes.data_ptr(), weight.scale.data_ptr(),
-                _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, _ptr(bias), out.data_ptr(),
-                out.stride(0), PATHS[path])
+                _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, int(weight.half_scales),
+                _ptr(bias), out.data_ptr(), out.stride(0), PATHS[path])
     if status == -3:
         raise ValueError(f"this build of the kernel has no {path} path")
     if status:
@@ -143,31 +156,53 @@ def best_path() -> str | None:
 
 def quantize(weight: torch.Tensor, bits: int, group: int | None = None) -> QuantWeight:
     """A float weight [N, K] quantized at load: int8 symmetric per output channel (group K,
-    zero point 128), or int4 asymmetric per `group` (default 32) elements."""
+    zero point 128), or int4 asymmetric per `group` (default 32) elements. Scales and offsets
+    are float16 (float32 where a value is past float16's range), the codes made against them:
+    each scale rounded up and each int4 minimum down, so every value stays within half a step."""
     w = weight.detach().float()
     n, k = w.shape
     if bits == 8:
         group = k if group is None else group
         g = w.reshape(n, k // group, group)
-        scale = g.abs().amax(dim=2) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(g / safe[..., None]).clamp(-127, 127) + 128
+        scale = _stored(g.abs().amax(dim=2) / 127.0, up=True)
+        q = torch.round(g / _nonzero(scale)[..., None]).clamp(-127, 127) + 128
         return QuantWeight(q.reshape(n, k).to(torch.uint8), scale.contiguous(), None, 8, group, 128, "int8")
     if bits == 4:
         group = 32 if group is None else group
         g = w.reshape(n, k // group, group)
         lo, hi = g.amin(dim=2), g.amax(dim=2)
-        scale = (hi - lo) / 15.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((g - lo[..., None]) / safe[..., None]).clamp(0, 15).reshape(n, k).to(torch.uint8)
-        return QuantWeight(pack_nibbles(q), scale.contiguous(), lo.contiguous(), 4, group, 0, "int4")
+        lo_half = _stored(lo, up=False)
+        scale = _stored((hi - lo_half.float()) / 15.0, up=True)
+        if scale.dtype == lo_half.dtype:
+            lo = lo_half
+        else:  # past float16's range: float32, as stored before float16 scales
+            scale = (hi - lo) / 15.0
+        q = torch.round((g - lo.float()[..., None]) / _nonzero(scale)[..., None]).clamp(0, 15)
+        return QuantWeight(pack_nibbles(q.reshape(n, k).to(torch.uint8)), scale.contiguous(), lo.contiguous(), 4,
+                           group, 0, "int4")
     raise ValueError(f"quantize takes 8 or 4 bits, got {bits}")
+
+
+def _stored(t: torch.Tensor, up: bool) -> torch.Tensor:
+    """t as float16, each value rounded up (or down) to one that float16 holds; t itself
+    (float32) where any value falls outside float16's range."""
+    half = t.half()
+    toward = torch.full_like(half, float("inf") if up else float("-inf"))
+    off = half.float() < t if up else half.float() > t
+    half = torch.where(off, torch.nextafter(half, toward), half)
+    return half if torch.isfinite(half).all() else t
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    s = scale.float()
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """The parts' rows in one weight (fused q/k/v, gate/up), their storage made common where
     it differs: codes widened to 8 bits, groups split to the smallest, zero points turned into
-    offsets (-zero * scale: exact, the zero points being powers of two). Values are unchanged."""
+    offsets (-zero * scale: exact, the zero points being powers of two), scales and offsets
+    float16 only where every part's are and hold the offsets made. Values are unchanged."""
     if len(parts) == 1:
         return parts[0]
     bits = max(p.bits for p in parts)
@@ -178,16 +213,24 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
         if p.group % group:
             raise ValueError(f"cannot fuse weights grouped by {p.group} and {group}")
         codes.append(p.codes if p.bits == bits else unpack_codes(p.codes, p.bits))
-        scales.append(p.scale.repeat_interleave(p.group // group, dim=1))
+        scales.append(p.scale.float().repeat_interleave(p.group // group, dim=1))
         if not same_zero:
-            offset = -p.zero * p.scale if p.offset is None else p.offset
+            offset = -p.zero * p.scale.float() if p.offset is None else p.offset.float()
             offsets.append(offset.repeat_interleave(p.group // group, dim=1))
         elif p.offset is not None:
-            offsets.append(p.offset.repeat_interleave(p.group // group, dim=1))
+            offsets.append(p.offset.float().repeat_interleave(p.group // group, dim=1))
+    scale, offset = torch.cat(scales), torch.cat(offsets) if offsets else None
+    if all(p.half_scales for p in parts) and (offset is None or _holds_exactly(offset)):
+        scale, offset = scale.half(), None if offset is None else offset.half()
     kinds = "+".join(dict.fromkeys(p.kind for p in parts))
-    return QuantWeight(torch.cat(codes).contiguous(), torch.cat(scales).contiguous(),
-                       torch.cat(offsets).contiguous() if offsets else None, bits, group,
+    return QuantWeight(torch.cat(codes).contiguous(), scale.contiguous(),
+                       None if offset is None else offset.contiguous(), bits, group,
                        parts[0].zero if same_zero else 0, kinds)
+
+
+def _holds_exactly(t: torch.Tensor) -> bool:
+    """Whether float16 holds every value of the float32 t."""
+    return bool(torch.equal(t.half().float(), t))
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:

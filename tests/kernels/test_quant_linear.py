@@ -1,6 +1,6 @@
 """The quantized-weight kernels (csrc/quant_linear.c) on every path against a float64
-reference of the dequantized weight and the kernel's own activation rounding; the layout's
-packing, fusing and load-time quantization."""
+reference of the dequantized weight and the kernel's own activation rounding, with float16 and
+float32 scales; the layout's packing, fusing and load-time quantization."""
 
 from __future__ import annotations
 
@@ -32,12 +32,21 @@ def _weight(bits, group, n=67, k=256, seed=0):
     return quantize(torch.randn(n, k, generator=gen), bits, group)
 
 
+def _widened(weight: QuantWeight) -> QuantWeight:
+    """The same values with float32 scales and offsets."""
+    offset = None if weight.offset is None else weight.offset.float()
+    return QuantWeight(weight.codes, weight.scale.float(), offset, weight.bits, weight.group, weight.zero, weight.kind)
+
+
 @needs_kernel
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("bits, group", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13])
-def test_every_path_is_the_float64_product_of_the_rounded_activations(path, bits, group, rows):
+@pytest.mark.parametrize("scales", ["float16", "float32"])
+def test_every_path_is_the_float64_product_of_the_rounded_activations(path, bits, group, rows, scales):
     weight = _weight(bits, group, seed=rows)
+    assert weight.scale.dtype == torch.float16
+    weight = weight if scales == "float16" else _widened(weight)
     gen = torch.Generator().manual_seed(100 + rows)
     wide = torch.randn(rows, 2 * 256, generator=gen) * torch.rand(rows, 2 * 256, generator=gen) * 4
     x = wide[:, :256]  # rows 512 floats apart: the kernel follows the stride
@@ -57,11 +66,11 @@ GGUF_LIKE = [(8, 32, 128, False), (8, 32, 16, False), (8, 16, 32, False), (4, 32
              (4, 32, 0, True), (8, 32, 0, True), (8, 16, 0, True)]
 
 
-def _gguf_like(bits, group, zero, offsets, n, k, seed):
+def _gguf_like(bits, group, zero, offsets, n, k, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 0.001
-    offset = (torch.randn(n, k // group, generator=gen) * 0.05).contiguous() if offsets else None
+    scale = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+    offset = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype).contiguous() if offsets else None
     return QuantWeight(pack_nibbles(codes) if bits == 4 else codes, scale, offset, bits, group, zero, "test")
 
 
@@ -69,16 +78,46 @@ def _gguf_like(bits, group, zero, offsets, n, k, seed):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("bits, group, zero, offsets", GGUF_LIKE)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
-def test_gguf_like_weights_on_every_path_match_float64(path, bits, group, zero, offsets, rows):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gguf_like_weights_on_every_path_match_float64(path, bits, group, zero, offsets, rows, dtype):
     """K 640 (an odd number of 64-element chunks, as Gemma 3's hidden size), N not a multiple of
-    4 and longer than the tiles' prefetch distance, activations with an outlier channel."""
-    weight = _gguf_like(bits, group, zero, offsets, n=203, k=640, seed=rows * 7 + bits)
+    4 and longer than the tiles' prefetch distance, activations with an outlier channel; scales
+    and offsets float16 (the legacy GGUF types) or float32 (the K types)."""
+    weight = _gguf_like(bits, group, zero, offsets, n=203, k=640, seed=rows * 7 + bits, dtype=dtype)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 640, generator=gen)
     x[:, 17] *= 60  # one large channel: its block's dx is coarse, the others' are not
     got = quant_linear(x, weight, None, path)
     want = _rounded_activations(x) @ weight.dequantize().double().T
     assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
+
+
+def _every_finite_half() -> torch.Tensor:
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    return bits[torch.isfinite(bits)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("offsets", [False, True])
+def test_every_finite_float16_scale_and_offset_is_read_exactly(path, offsets):
+    """Each finite float16 (zeros, subnormals, both signs) as the one scale (and offset) of a
+    row: the kernel's product and the dequantized rows are that value widened, on the path's
+    conversion (the scalar code's own, F16C in the vector paths)."""
+    halves = _every_finite_half()
+    n = halves.numel()
+    codes = torch.ones(n, 64, dtype=torch.uint8)
+    scale = halves.reshape(n, 1).contiguous()
+    offset = halves.flip(0).reshape(n, 1).contiguous() if offsets else None
+    weight = QuantWeight(codes, scale, offset, 8, 64, 0, "test")
+    value = scale.float() + (0 if offset is None else offset.float())  # u = 1 everywhere
+    assert torch.equal(weight.dequantize(), value.expand(n, 64))
+    assert torch.equal(weight.dequantize(torch.tensor([0, n - 1])), value[[0, n - 1]].expand(2, 64))
+    # x = 1: dx = 1/127, every high code 127, no residual; the row sums 64 * (scale + offset)
+    got = quant_linear(torch.ones(1, 64), weight, None, path)[0].double()
+    want = 64 * value[:, 0].double()
+    size = 64 * (scale.double().abs() + (0 if offset is None else offset.double().abs()))[:, 0]
+    assert ((got - want).abs() <= 1e-6 * size).all()
 
 
 @needs_kernel
@@ -104,12 +143,17 @@ def test_dequantize_rows_and_a_bad_row_index():
 
 
 def test_the_layout_refuses_what_the_kernel_cannot_take():
+    codes = torch.zeros(2, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="K % 64"):
         QuantWeight(torch.zeros(2, 48, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 32)
     with pytest.raises(ValueError, match="group"):
-        QuantWeight(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 24)
+        QuantWeight(codes, torch.zeros(2, 3), None, 8, 24)
     with pytest.raises(ValueError, match="scale must be"):
-        QuantWeight(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 3), None, 8, 32)
+        QuantWeight(codes, torch.zeros(2, 3), None, 8, 32)
+    with pytest.raises(ValueError, match="scale must be contiguous float16 or float32"):
+        QuantWeight(codes, torch.zeros(2, 2, dtype=torch.bfloat16), None, 8, 32)
+    with pytest.raises(ValueError, match="offset must be torch.float16 as scale is"):
+        QuantWeight(codes, torch.zeros(2, 2, dtype=torch.float16), torch.zeros(2, 2), 8, 32)
 
 
 def test_nibble_packing_round_trips():
@@ -128,12 +172,60 @@ def test_fusing_mixed_storage_keeps_every_value():
     torch.testing.assert_close(fused.dequantize(), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtypes, fused_dtype", [
+    ((torch.float16, torch.float16), torch.float16),
+    ((torch.float16, torch.float32), torch.float32),
+    ((torch.float32, torch.float16), torch.float32),
+])
+def test_fusing_float16_and_float32_scales_is_exact(dtypes, fused_dtype):
+    """Parts of both scale dtypes fuse in float32; float16 parts stay float16, zero points
+    turned into offsets included (Q4_0's 8 and Q8_0's 128 beside Q4_1's offsets)."""
+    parts = [_gguf_like(4, 32, 8, False, 8, 256, seed=1, dtype=dtypes[0]),
+             _gguf_like(8, 32, 128, False, 4, 256, seed=2, dtype=dtypes[1]),
+             _gguf_like(4, 32, 0, True, 4, 256, seed=3, dtype=dtypes[1])]
+    fused = concat_rows(parts)
+    assert fused.scale.dtype == fused.offset.dtype == fused_dtype
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    torch.testing.assert_close(fused._dequantize_torch(None), fused.dequantize(), rtol=0, atol=1e-6)
+
+
+def test_fusing_float16_parts_whose_offsets_float16_cannot_hold_widens():
+    """-zero * scale past float16's range (a scale over 65504 / 128): float32, values unchanged."""
+    big = _gguf_like(8, 32, 128, False, 2, 64, seed=4, dtype=torch.float16)
+    big.scale[0, 0] = 1024.0
+    parts = [big, _gguf_like(4, 32, 0, True, 2, 64, seed=5, dtype=torch.float16)]
+    fused = concat_rows(parts)
+    assert fused.scale.dtype == torch.float32
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_saved_tensors_keep_their_dtype(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for weight in (_weight(4, 32), _widened(_weight(8, None))):
+        save_file(weight.tensors(), str(tmp_path / "w.safetensors"))
+        back = QuantWeight.from_saved(load_file(str(tmp_path / "w.safetensors")), weight.meta())
+        assert back.scale.dtype == weight.scale.dtype and torch.equal(back.dequantize(), weight.dequantize())
+
+
 def test_quantize_at_load_stays_within_half_a_step():
     w = torch.randn(16, 128)
+    w[3] *= 1e-4  # scales in float16's subnormal range
     for bits, group in ((8, None), (4, None), (4, 64)):
         q = quantize(w, bits, group)
-        step = q.scale.repeat_interleave(q.group, dim=1)
-        assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+        assert q.scale.dtype == torch.float16 and (q.offset is None or q.offset.dtype == torch.float16)
+        step = q.scale.float().repeat_interleave(q.group, dim=1)
+        assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6 * step).all()
     assert quantize(w, 8).group == 128 and quantize(w, 4).group == 32
     with pytest.raises(ValueError, match="8 or 4 bits"):
         quantize(w, 3)
+
+
+def test_quantize_keeps_float32_scales_past_float16s_range():
+    w = torch.randn(4, 64)
+    w[1, 5] = 1e7  # int8: a scale of ~79,000; int4: a range of 1e7 / 15
+    for bits in (8, 4):
+        q = quantize(w, bits)
+        assert q.scale.dtype == torch.float32
+        step = q.scale.repeat_interleave(q.group, dim=1)
+        assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6 * step).all()

@@ -34,12 +34,13 @@
 #include "quant_linear.c"
 #include "skinny_linear.c"
 
-/* A projection's weight: float32 [N, K] (w), or quantized codes (quant_linear.c's layout). */
+/* A projection's weight: float32 [N, K] (w), or quantized codes (quant_linear.c's layout;
+ * scale and offset float16 where half). */
 typedef struct {
     const float *w;
     const uint8_t *codes;
-    const float *scale, *offset;
-    int64_t bits, group, zero;
+    const void *scale, *offset;
+    int64_t bits, group, zero, half;
 } LayerWeight;
 
 typedef struct {
@@ -72,8 +73,8 @@ typedef struct {
 static int project(const float *x, int64_t rows, const LayerWeight *w, int64_t N, int64_t K, const float *bias,
                    float *out) {
     if (w->codes)
-        return quant_linear_f32(x, rows, K, w->codes, w->scale, w->offset, N, K, w->bits, w->group, w->zero, bias,
-                                out, N, 0);
+        return quant_linear_f32(x, rows, K, w->codes, w->scale, w->offset, N, K, w->bits, w->group, w->zero, w->half,
+                                bias, out, N, 0);
     return skinny_linear_f32(x, rows, K, w->w, N, K, bias, out, N);
 }
 

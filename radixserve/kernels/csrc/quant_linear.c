@@ -9,7 +9,8 @@
  *          4-bit: per 64-element chunk, byte j (0..31) holds code j in its low nibble and
  *          code 32 + j in its high nibble, so one chunk unpacks into two 32-byte halves.
  *   G      16, 32, or a multiple of 64 dividing K (16: Q6_K's sub-blocks; K: per channel)
- *   scale, offset  float32 [N, K / G]; offset NULL: offset = -zero * scale (a symmetric type
+ *   scale, offset  float32 [N, K / G], or float16 where `half` (both alike: the GGUF types that
+ *          store them as float16, exactly); offset NULL: offset = -zero * scale (a symmetric type
  *          stored with its zero point `zero`: Q4_0's 8, Q8_0's 128, Q6_K's 32)
  *
  * The rows of x are quantized per 32-element block to two int8 codes an element, a high one
@@ -20,7 +21,8 @@
  * summation order, so the only error against the float product is the activations' rounding.
  * On AVX512-VNNI the u8 x s8 products are vpdpbusd's, 64 an instruction; an AVX2 path widens
  * to 16 bits (vpmaddwd, no saturation for 8-bit codes), and a scalar one is the plain loop. `path` chooses (0: the best this build has; 1: AVX2;
- * 2: scalar) so the tests run each one here.
+ * 2: scalar) so the tests run each one here. float16 scales are widened where they are read:
+ * by vcvtph2ps in the vector paths, by half_to_float (exact, portable) in the scalar code.
  *
  * Features are split over OpenMP threads (torch's own workers, see native_build.py).
  */
@@ -36,9 +38,9 @@
 
 typedef struct {
     const uint8_t *codes;  /* [N, K * bits / 8] */
-    const float *scale;    /* [N, K / G] */
-    const float *offset;   /* [N, K / G], or NULL: -zero * scale */
-    int64_t N, K, bits, group, zero;
+    const void *scale;     /* [N, K / G] float32, or float16 where half */
+    const void *offset;    /* [N, K / G] as scale, or NULL: -zero * scale */
+    int64_t N, K, bits, group, zero, half;
 } QWeight;
 
 /* The activations of one call: per row, int8 codes, each 32-block's dx, and per weight group
@@ -52,12 +54,45 @@ typedef struct {
 } QActs;
 
 static int weight_valid(const QWeight *w) {
-    if (w->K <= 0 || w->N <= 0 || w->K % 64 || (w->bits != 4 && w->bits != 8)) return 0;
+    if (w->K <= 0 || w->N <= 0 || w->K % 64 || (w->bits != 4 && w->bits != 8) || (w->half != 0 && w->half != 1))
+        return 0;
     if (w->group == 16 || w->group == 32) return 1;
     return w->group > 0 && w->group % 64 == 0 && w->K % w->group == 0;
 }
 
 static inline int64_t row_bytes(const QWeight *w) { return w->K * w->bits / 8; }
+
+/* An IEEE float16 as float32, exactly (every float16 is a float32), without F16C. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        const float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    bits = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (man << 13);
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* Element i of a scale or offset array of the weight's dtype. */
+static inline float group_value(const QWeight *w, const void *base, int64_t i) {
+    return w->half ? half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* The same in the vector paths: F16C's conversion (the same value). */
+static inline float group_value_fast(const QWeight *w, const void *base, int64_t i) {
+#if defined(__F16C__) && defined(__AVX2__)
+    if (w->half) return _cvtsh_ss(((const uint16_t *)base)[i]);
+#endif
+    return group_value(w, base, i);
+}
+
+/* Row n's groups of a scale or offset array. */
+static inline const void *group_row(const QWeight *w, const void *base, int64_t n, int64_t groups) {
+    return (const char *)base + n * groups * (w->half ? 2 : 4);
+}
 
 /* Code k of feature row `codes` (any layout). */
 static inline int code_at(const uint8_t *codes, int64_t k, int64_t bits) {
@@ -102,12 +137,12 @@ static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) 
 static inline float offset_term(const QWeight *w, int64_t n, const float *xsum, int64_t groups) {
     float s = 0.0f;
     if (w->offset) {
-        const float *offset = w->offset + n * groups;
-        for (int64_t g = 0; g < groups; ++g) s += offset[g] * xsum[g];
+        const void *offset = group_row(w, w->offset, n, groups);
+        for (int64_t g = 0; g < groups; ++g) s += group_value(w, offset, g) * xsum[g];
         return s;
     }
-    const float *scale = w->scale + n * groups;
-    for (int64_t g = 0; g < groups; ++g) s += scale[g] * xsum[g];
+    const void *scale = group_row(w, w->scale, n, groups);
+    for (int64_t g = 0; g < groups; ++g) s += group_value(w, scale, g) * xsum[g];
     return -(float)w->zero * s;
 }
 
@@ -115,7 +150,7 @@ static inline float offset_term(const QWeight *w, int64_t n, const float *xsum, 
 
 static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
-    const float *scale = w->scale + n * a->groups;
+    const void *scale = group_row(w, w->scale, n, a->groups);
     for (int64_t r = 0; r < a->M; ++r) {
         const int8_t *q = a->xq + r * a->K, *res = a->xr + r * a->K;
         const float *dx = a->dx + r * (a->K / 32);
@@ -127,7 +162,7 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
                 const int u = code_at(codes, i, w->bits);
                 dot += 256 * u * q[i] + u * res[i];
             }
-            sum += scale[span * g / w->group] * (dx[span * g / 32] * (1.0f / 256.0f)) * (float)dot;
+            sum += group_value(w, scale, span * g / w->group) * (dx[span * g / 32] * (1.0f / 256.0f)) * (float)dot;
         }
         out[r * ldo + n] = sum + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
     }
@@ -160,7 +195,7 @@ static inline __m256i block_dot_avx2(__m256i u, const int8_t *q) {
 
 static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
-    const float *scale = w->scale + n * a->groups;
+    const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
     for (int64_t r = 0; r < a->M; ++r) {
         const int8_t *q = a->xq + r * a->K, *res = a->xr + r * a->K;
@@ -172,9 +207,10 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(hi, block_dot_avx2(u, res + 32 * b)));
             __m256 s;
             if (w->group == 16)
-                s = _mm256_setr_m128(_mm_set1_ps(scale[2 * b]), _mm_set1_ps(scale[2 * b + 1]));
+                s = _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
+                                     _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
             else
-                s = _mm256_set1_ps(scale[32 * b / w->group]);
+                s = _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
             acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[b] * (1.0f / 256.0f))), acc);
         }
         out[r * ldo + n] = hsum8(acc) + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
@@ -184,7 +220,7 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
 
 /* ---- AVX512-VNNI: a 64-element chunk a vpdpbusd, 4 features x up to 4 rows a tile ------ */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
 
 /* The 64 codes of chunk c as bytes in element order. */
@@ -211,6 +247,12 @@ static ScaleLanes scale_lanes(int64_t group) {
         s.index = _mm512_setzero_si512(), s.load = 0x1, s.per_chunk = 0;
     }
     return s;
+}
+
+/* The `load` group values at base[i] (float16 where HALF) widened into a vector's low lanes. */
+static inline __m512 group_values(const void *base, int64_t i, __mmask16 load, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(load, (const uint16_t *)base + i));
+    return _mm512_maskz_loadu_ps(load, (const float *)base + i);
 }
 
 /* Per row and 64-element chunk, 16 lanes (lane l: elements 4l..4l+3, of 32-block 2c + l / 8)
@@ -247,17 +289,17 @@ static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z
 
 /* A tile of 4 features x R rows. SYM: a symmetric weight (offset NULL) whose zero point comes
  * in with z_lanes; otherwise the offsets' term (offset . xsum over the groups) is added into
- * the accumulators at the end. */
-#define DEFINE_QTILE(R, SYM)                                                                                     \
-    static void qtile4x##R##_##SYM(const QWeight *w, const QActs *a, const float *dx_lanes, const float *z_lanes, \
-                                    int64_t n, int64_t m, float *out, int64_t ldo, const float *bias,            \
-                                    ScaleLanes lanes) {                                                          \
+ * the accumulators at the end. HALF: float16 scales and offsets. */
+#define DEFINE_QTILE(R, SYM, HALF)                                                                               \
+    static void qtile4x##R##_##SYM##HALF(const QWeight *w, const QActs *a, const float *dx_lanes,                 \
+                                         const float *z_lanes, int64_t n, int64_t m, float *out, int64_t ldo,    \
+                                         const float *bias, ScaleLanes lanes) {                                  \
         const int64_t rb = row_bytes(w), groups = a->groups, chunks = a->K / 64, cb = w->bits * 8;              \
         __m512 acc[R][4];                                                                                        \
         for (int r = 0; r < R; ++r)                                                                              \
             for (int f = 0; f < 4; ++f) acc[r][f] = _mm512_setzero_ps();                                         \
         const uint8_t *base = w->codes + n * rb;                                                                 \
-        const float *sbase = w->scale + n * groups;                                                              \
+        const void *sbase = group_row(w, w->scale, n, groups);                                                   \
         for (int64_t c = 0; c < chunks; ++c) {                                                                   \
             __m512i u[4];                                                                                        \
             __m512 s[4];                                                                                         \
@@ -266,7 +308,7 @@ static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z
                 const uint8_t *row = base + f * rb;                                                              \
                 u[f] = chunk_codes(row, c, w->bits);                                                             \
                 _mm_prefetch((const char *)(row + QUANT_PREFETCH_ROWS * rb + c * cb), _MM_HINT_T1);             \
-                s[f] = _mm512_permutexvar_ps(lanes.index, _mm512_maskz_loadu_ps(lanes.load, sbase + f * groups + g)); \
+                s[f] = _mm512_permutexvar_ps(lanes.index, group_values(sbase, f * groups + g, lanes.load, HALF)); \
             }                                                                                                    \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                \
                 const __m512i xq = _mm512_loadu_si512(a->xq + (m + r) * a->K + 64 * c);                          \
@@ -291,7 +333,7 @@ static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z
                     const __mmask16 mk = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);      \
                     const __m512 x16 = _mm512_maskz_loadu_ps(mk, xs + g);                                        \
                     for (int f = 0; f < 4; ++f)                                                                  \
-                        acc[r][f] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w->offset + (n + f) * groups + g), \
+                        acc[r][f] = _mm512_fmadd_ps(group_values(w->offset, (n + f) * groups + g, mk, HALF),     \
                                                     x16, acc[r][f]);                                             \
                 }                                                                                                \
             float sums[4];                                                                                       \
@@ -299,30 +341,31 @@ static void expand_lanes(const QActs *a, int64_t zero, float *dx_lanes, float *z
             for (int f = 0; f < 4; ++f) out[(m + r) * ldo + n + f] = sums[f] + (bias ? bias[n + f] : 0.0f);      \
         }                                                                                                        \
     }
-DEFINE_QTILE(1, 0)
-DEFINE_QTILE(2, 0)
-DEFINE_QTILE(3, 0)
-DEFINE_QTILE(4, 0)
-DEFINE_QTILE(1, 1)
-DEFINE_QTILE(2, 1)
-DEFINE_QTILE(3, 1)
-DEFINE_QTILE(4, 1)
+#define DEFINE_QTILES(SYM, HALF) \
+    DEFINE_QTILE(1, SYM, HALF) DEFINE_QTILE(2, SYM, HALF) DEFINE_QTILE(3, SYM, HALF) DEFINE_QTILE(4, SYM, HALF)
+DEFINE_QTILES(0, 0)
+DEFINE_QTILES(1, 0)
+DEFINE_QTILES(0, 1)
+DEFINE_QTILES(1, 1)
 
-#define QUAD_VNNI(SYM)                                                                                           \
-    static void quad_vnni_##SYM(const QWeight *w, const QActs *a, const float *dx_lanes, const float *z_lanes,  \
-                                int64_t n, float *out, int64_t ldo, const float *bias) {                         \
+#define QUAD_VNNI(SYM, HALF)                                                                                     \
+    static void quad_vnni_##SYM##HALF(const QWeight *w, const QActs *a, const float *dx_lanes,                    \
+                                      const float *z_lanes, int64_t n, float *out, int64_t ldo,                   \
+                                      const float *bias) {                                                       \
         const ScaleLanes lanes = scale_lanes(w->group);                                                          \
         int64_t m = 0;                                                                                           \
-        for (; m + 4 <= a->M; m += 4) qtile4x4_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes);      \
+        for (; m + 4 <= a->M; m += 4) qtile4x4_##SYM##HALF(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); \
         switch (a->M - m) {                                                                                      \
-            case 3: qtile4x3_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
-            case 2: qtile4x2_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
-            case 1: qtile4x1_##SYM(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;                 \
+            case 3: qtile4x3_##SYM##HALF(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;           \
+            case 2: qtile4x2_##SYM##HALF(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;           \
+            case 1: qtile4x1_##SYM##HALF(w, a, dx_lanes, z_lanes, n, m, out, ldo, bias, lanes); break;           \
             default: break;                                                                                      \
         }                                                                                                        \
     }
-QUAD_VNNI(0)
-QUAD_VNNI(1)
+QUAD_VNNI(0, 0)
+QUAD_VNNI(1, 0)
+QUAD_VNNI(0, 1)
+QUAD_VNNI(1, 1)
 #endif
 
 /* ---- entry points --------------------------------------------------------------------- */
@@ -337,13 +380,14 @@ int quant_linear_best_path(void) {
 #endif
 }
 
-/* x [M, K] rows `ldx` floats apart -> out [M, N] rows `ldo` floats apart (+ bias [N] or NULL).
+/* x [M, K] rows `ldx` floats apart -> out [M, N] rows `ldo` floats apart (+ bias [N] or NULL);
+ * scale and offset float16 where half is 1, float32 where 0.
  * Returns 0; -1 for shapes the layout refuses, -2 when scratch memory cannot be had, -3 for a
  * path this build lacks. */
-int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *codes, const float *scale,
-                     const float *offset, int64_t N, int64_t K, int64_t bits, int64_t group, int64_t zero,
-                     const float *bias, float *out, int64_t ldo, int64_t path) {
-    const QWeight w = {codes, scale, offset, N, K, bits, group, zero};
+int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *codes, const void *scale,
+                     const void *offset, int64_t N, int64_t K, int64_t bits, int64_t group, int64_t zero,
+                     int64_t half, const float *bias, float *out, int64_t ldo, int64_t path) {
+    const QWeight w = {codes, scale, offset, N, K, bits, group, zero, half};
     if (!weight_valid(&w) || M <= 0) return -1;
     if (path == 0) path = quant_linear_best_path();
 #if !defined(__AVX2__)
@@ -365,13 +409,11 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
         float *z_lanes = offset ? NULL : dx_lanes + M * (K / 4);
         expand_lanes(&a, zero, dx_lanes, z_lanes);
         const int64_t quads = N / 4;
-        if (z_lanes) {
+        void (*const quad)(const QWeight *, const QActs *, const float *, const float *, int64_t, float *, int64_t,
+                           const float *) = z_lanes ? (half ? quad_vnni_11 : quad_vnni_10)
+                                                    : (half ? quad_vnni_01 : quad_vnni_00);
 #pragma omp parallel for schedule(static)
-            for (int64_t q = 0; q < quads; ++q) quad_vnni_1(&w, &a, dx_lanes, z_lanes, 4 * q, out, ldo, bias);
-        } else {
-#pragma omp parallel for schedule(static)
-            for (int64_t q = 0; q < quads; ++q) quad_vnni_0(&w, &a, dx_lanes, NULL, 4 * q, out, ldo, bias);
-        }
+        for (int64_t q = 0; q < quads; ++q) quad(&w, &a, dx_lanes, z_lanes, 4 * q, out, ldo, bias);
         done = 4 * quads;
     }
 #endif
@@ -389,7 +431,7 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 }
 
 /* One weight row into dst [K]: 16 values a step, each 16 sharing a group (G >= 16). */
-static void dequantize_row(const QWeight *w, const uint8_t *c, const float *s, const float *o, float *dst) {
+static void dequantize_row(const QWeight *w, const uint8_t *c, const void *s, const void *o, float *dst) {
     const int64_t K = w->K, G = w->group;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (int64_t k = 0; k < K; k += 16) {
@@ -401,24 +443,25 @@ static void dequantize_row(const QWeight *w, const uint8_t *c, const float *s, c
             bytes = _mm_and_si128(k % 64 < 32 ? packed : _mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
         }
         const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-        const float sg = s[k / G];
-        const float og = o ? o[k / G] : -(float)w->zero * sg;
+        const float sg = group_value_fast(w, s, k / G);
+        const float og = o ? group_value_fast(w, o, k / G) : -(float)w->zero * sg;
         _mm512_storeu_ps(dst + k, o ? _mm512_fmadd_ps(u, _mm512_set1_ps(sg), _mm512_set1_ps(og))
                                     : _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps((float)w->zero)), _mm512_set1_ps(sg)));
     }
 #else
     for (int64_t k = 0; k < K; ++k) {
-        const float u = (float)code_at(c, k, w->bits), sg = s[k / G];
-        dst[k] = o ? sg * u + o[k / G] : sg * (u - (float)w->zero);
+        const float u = (float)code_at(c, k, w->bits), sg = group_value(w, s, k / G);
+        dst[k] = o ? sg * u + group_value(w, o, k / G) : sg * (u - (float)w->zero);
     }
 #endif
 }
 
 /* The float32 weight rows `rows` [count] (or 0..count-1 when NULL) into out [count, K]: the
  * embedding's lookup, and a whole weight for the BLAS at prompt sizes. */
-int quant_dequantize_f32(const uint8_t *codes, const float *scale, const float *offset, int64_t N, int64_t K,
-                         int64_t bits, int64_t group, int64_t zero, const int64_t *rows, int64_t count, float *out) {
-    const QWeight w = {codes, scale, offset, N, K, bits, group, zero};
+int quant_dequantize_f32(const uint8_t *codes, const void *scale, const void *offset, int64_t N, int64_t K,
+                         int64_t bits, int64_t group, int64_t zero, int64_t half, const int64_t *rows, int64_t count,
+                         float *out) {
+    const QWeight w = {codes, scale, offset, N, K, bits, group, zero, half};
     if (!weight_valid(&w)) return -1;
     for (int64_t i = 0; i < count; ++i)
         if (rows ? rows[i] < 0 || rows[i] >= N : i >= N) return -2;
@@ -427,7 +470,8 @@ int quant_dequantize_f32(const uint8_t *codes, const float *scale, const float *
     for (int64_t i = 0; i < count; ++i) {
         const int64_t n = rows ? rows[i] : i;
         const uint8_t *c = codes + n * rb;
-        dequantize_row(&w, c, scale + n * groups, offset ? offset + n * groups : NULL, out + i * K);
+        dequantize_row(&w, c, group_row(&w, scale, n, groups), offset ? group_row(&w, offset, n, groups) : NULL,
+                       out + i * K);
     }
     return 0;
 }
