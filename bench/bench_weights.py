@@ -38,6 +38,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.model.default_model import default_gguf_path
+from radixserve.model.gguf_repack import HALF_SCALED
 
 TARGETS = {"top1": 0.995, "kl": 0.005, "decode_b1": 1.0, "decode_b8": 1.5, "prompt": 1.0, "memory": 1.25}
 PROMPT_CHUNK = 256  # > the integer kernel's 128 rows: quantized weights are dequantized to float32
@@ -192,10 +193,11 @@ def _made_gguf(kind: str, work: Path) -> Path:
 
 # ---- a 7B model's layout ------------------------------------------------------------------------
 
-# GGUF bytes per weight, and radixserve's (kernels/quant_linear.py: codes, float32 scale and offset
-# per group; gguf_repack.py says which layout each type takes)
+# GGUF bytes per weight, and radixserve's (kernels/quant_linear.py: codes, a scale and an offset per
+# group, float32 for the K types, float16 for the legacy ones; gguf_repack.py says which layout each type takes)
 GGUF_BYTES = {"Q4_K": 144 / 256, "Q6_K": 210 / 256}
-OUR_BYTES = {"Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16}
+SCALE_BYTES = {kind: 2 if kind in HALF_SCALED else 4 for kind in GGUF_BYTES}
+OUR_BYTES = {"Q4_K": 0.5 + 2 * SCALE_BYTES["Q4_K"] / 32, "Q6_K": 1 + SCALE_BYTES["Q6_K"] / 16}
 
 
 def layout_7b() -> dict:

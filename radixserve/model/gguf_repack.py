@@ -13,7 +13,9 @@ package's dequantizer):
     Q6_K   8-bit q        16     d * sc[j]      zero 32
 
 A GGUF tensor's rows are its output features and its blocks run along K, so a row of the
-GGUF is a row here; only the order of codes inside a 64-element chunk changes.
+GGUF is a row here; only the order of codes inside a 64-element chunk changes. The legacy
+types' d and m are float16 in the file and stay so (exactly); the K types' d * sc[j] and
+dmin * m[j] are float32 (float16 cannot hold a float16 times a 6-bit integer in general).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from radixserve.kernels.quant_linear import QuantWeight, pack_nibbles
 
 QK_K = 256
 REPACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+HALF_SCALED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # scales and offsets kept float16; the rest float32
 
 
 def repack(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
@@ -41,16 +44,23 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> QuantWeight:
     codes = torch.from_numpy(np.ascontiguousarray(u.reshape(n, k)))
     codes = pack_nibbles(codes) if bits == 4 else codes
     return QuantWeight(
-        codes.contiguous(), _f32(scale, n), None if offset is None else _f32(offset, n), bits, group, zero, kind,
+        codes.contiguous(), _rows(scale, n), None if offset is None else _rows(offset, n), bits, group, zero, kind,
     )
 
 
-def _f32(a: np.ndarray, n: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(n, -1))
+def _rows(a: np.ndarray, n: int) -> torch.Tensor:
+    """Per-group values [n, groups] in their dtype: float16 as read, float32 as computed."""
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
 
 
 def _half(a: np.ndarray) -> np.ndarray:
-    return a.view(np.float16).astype(np.float32)
+    """A block's float16 field (2 bytes a block), as float16."""
+    return np.ascontiguousarray(a).view(np.float16)
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    """A block's float16 field widened to float32 (the K types multiply it by sub-scales)."""
+    return _half(a).astype(np.float32)
 
 
 def _nibbles32(qs: np.ndarray) -> np.ndarray:
@@ -105,19 +115,19 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b):
-    d, dmin, sc, mn = _half(b[:, :2]), _half(b[:, 2:4]), *_k_scales(b[:, 4:16])
+    d, dmin, sc, mn = _f32(b[:, :2]), _f32(b[:, 2:4]), *_k_scales(b[:, 4:16])
     return _k_low_nibbles(b[:, 16:]), d * sc, -(dmin * mn), 0, 32
 
 
 def _q5_k(b):
-    d, dmin, sc, mn = _half(b[:, :2]), _half(b[:, 2:4]), *_k_scales(b[:, 4:16])
+    d, dmin, sc, mn = _f32(b[:, :2]), _f32(b[:, 2:4]), *_k_scales(b[:, 4:16])
     qh, qs = b[:, 16:48], b[:, 48:]
     high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     return _k_low_nibbles(qs) | (high.reshape(-1, QK_K) << 4), d * sc, -(dmin * mn), 0, 32
 
 
 def _q6_k(b):
-    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _half(b[:, 208:210])
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _f32(b[:, 208:210])
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     u = low.reshape(-1, QK_K) | (high.reshape(-1, QK_K) << 4)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 REPACKED_FILE = "quantized.safetensors"  # a GGUF's weights in QuantWeight's layout, beside the conversion
-_REPACK_FORMAT = "radixserve-repacked-1"
+_REPACK_FORMAT = "radixserve-repacked-2"  # 2: the legacy types' scales and offsets float16
 # Weights quantized by --weight-dtype int8/int4: the projections, the embedding, the lm head.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 

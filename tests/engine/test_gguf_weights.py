@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.model.gguf_repack import REPACKED, repack
+from radixserve.model.gguf_repack import HALF_SCALED, REPACKED, repack
 
 N, K = 6, 512
 
@@ -43,6 +43,7 @@ def test_every_repacked_type_is_exactly_the_gguf_dequantization(kind):
     want = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(N, K))
     weight = repack(kind, raw, N, K)
     assert weight.kind == kind and weight.shape == (N, K)
+    assert weight.half_scales == (kind in HALF_SCALED)  # the legacy types' float16 d and m as stored
     assert torch.equal(weight.dequantize(), want)
     assert torch.equal(weight._dequantize_torch(None), want)
 
@@ -70,6 +71,29 @@ def test_the_default_file_read_as_it_is_equals_transformers_conversion(real_mode
         got = quantized[name]
         got = got if isinstance(got, torch.Tensor) else got.dequantize()
         assert torch.equal(got, want), name  # q/k rows un-permuted as transformers does
+
+
+def test_the_repacked_cache_keeps_float16_scales_and_an_older_layout_is_rebuilt(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.model.loader import REPACKED_FILE, repacked_weights
+
+    path, directory = _valid(tmp_path / "m.gguf"), tmp_path / "converted"
+    directory.mkdir()
+    first = repacked_weights(path, directory)["model.embed_tokens.weight"]
+    cached = directory / REPACKED_FILE
+    again = repacked_weights(path, directory)["model.embed_tokens.weight"]
+    assert first.scale.dtype == again.scale.dtype == torch.float16
+    assert torch.equal(again.dequantize(), first.dequantize())
+    with safe_open(str(cached), "pt") as f:
+        meta = f.metadata()
+    old = {k: v.float() if k.endswith("::scale") else v for k, v in load_file(str(cached)).items()}
+    save_file(old, str(cached), metadata={**meta, "format": "radixserve-repacked-1"})  # float32 scales, as before
+    rebuilt = repacked_weights(path, directory)["model.embed_tokens.weight"]
+    assert rebuilt.scale.dtype == torch.float16 and torch.equal(rebuilt.dequantize(), first.dequantize())
+    with safe_open(str(cached), "pt") as f:
+        assert f.metadata()["format"] == meta["format"] != "radixserve-repacked-1"
 
 
 # ---- broken files ---------------------------------------------------------------------------------
