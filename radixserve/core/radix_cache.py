@@ -113,6 +113,8 @@ class RadixCache:
         # Pool leaves and tier candidates in eviction order: eviction never scans the tree.
         self._evictable = SortedSet(key=lambda n: n.sort_key)
         self._tier_evictable = SortedSet(key=lambda n: n.sort_key)
+        # hybrid KV: those of the tier candidates that hold window slots (what a save may take)
+        self._window_holders = SortedSet(key=lambda n: n.sort_key)
         self.num_cached_blocks = 0  # pool blocks stored in the tree
         self.num_evictable_blocks = 0  # of those, blocks in unlocked nodes
         self.num_tier_blocks = 0  # tier slots held by the tree
@@ -460,6 +462,9 @@ class RadixCache:
         got_tier = {n.node_id for n in self._tier_evictable}
         if got_tier != want_tier:
             raise AssertionError(f"tier eviction set {sorted(got_tier)} != candidates {sorted(want_tier)}")
+        holders = {n.node_id for n in self._tier_evictable if _holds_window(n)}
+        if {n.node_id for n in self._window_holders} != holders:
+            raise AssertionError(f"window holders {sorted(n.node_id for n in self._window_holders)} != {sorted(holders)}")
         if self.tier is not None:
             self.tier.check_integrity(self.held_slots())
         if self.window_tier is not None:
@@ -623,6 +628,7 @@ class RadixCache:
                 self.copies.append(KVCopy(True, b, n.slots[i], window.page_of[b], windows[i]))
             n.window_slots = windows
             self._record(n)
+            self._refresh(n)
 
     def _record(self, node: RadixNode) -> None:
         """Report what the node's tier slots hold (persistence): its entries, set anew."""
@@ -642,15 +648,17 @@ class RadixCache:
         keep their full layers, as tombstones for the window layers. Without this, a tier
         written through (persistence) would fill its window slots with old windows and save
         every later block as a tombstone."""
-        wt = self.window_tier
-        for victim in self._tier_evictable:  # in eviction order; taking windows leaves the order as it is
-            if wt.num_free >= n or victim.sort_key > node.sort_key:
-                return
-            held = [w for w in victim.window_slots if w >= 0]
-            if held and victim is not node:
-                wt.free(held)
-                victim.window_slots = []
-                self._record(victim)
+        wt, holders = self.window_tier, self._window_holders
+        i = 0  # holders in eviction order, past `node` itself (a victim leaves the set)
+        while wt.num_free < n and i < len(holders) and holders[i].sort_key <= node.sort_key:
+            victim = holders[i]
+            if victim is node:
+                i += 1
+                continue
+            wt.free([w for w in victim.window_slots if w >= 0])
+            victim.window_slots = []
+            self._record(victim)
+            self._refresh(victim)
 
     def _make_tier_room(self, n: int, worth: tuple[int, int, int]) -> bool:
         """Free tier slots until n are free, taking tier entries that are worth less than
@@ -732,6 +740,7 @@ class RadixCache:
             return
         self._evictable.discard(node)
         self._tier_evictable.discard(node)
+        self._window_holders.discard(node)
         ev = len(node.blocks) if node.alive and node.lock_ref == 0 else 0
         self.num_evictable_blocks += ev - node.ev_count
         node.ev_count = ev
@@ -742,6 +751,8 @@ class RadixCache:
             self._evictable.add(node)
         if self._tier_candidate(node):
             self._tier_evictable.add(node)
+            if _holds_window(node):
+                self._window_holders.add(node)
 
     def _check_node(self, node: RadixNode, parent_lock: float) -> None:
         size = self._size(node)
@@ -767,3 +778,8 @@ def _within(salt: str | None, namespace: str | None) -> bool:
     if namespace is None:
         return True
     return salt is not None and (salt == namespace or salt.startswith(namespace + "/"))
+
+
+def _holds_window(node: RadixNode) -> bool:
+    """Whether any of the node's tier blocks keeps its window in a window slot (mostly the last)."""
+    return any(w >= 0 for w in reversed(node.window_slots))

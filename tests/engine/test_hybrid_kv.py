@@ -539,6 +539,39 @@ def test_a_saved_window_takes_the_window_slots_of_entries_worth_less():
     window.check_integrity(pool.ref_counts, [])
 
 
+def test_a_save_finds_the_windows_to_take_without_walking_the_tier():
+    """Each of 50 written-through nodes takes the two window slots of the one before it, leaving
+    49 older entries without windows. A save looks only at the entries that still hold windows
+    (never walking the tier's eviction order past those 49, as it did on every save): the 51st
+    takes the 50th's."""
+    from sortedcontainers import SortedSet
+
+    from radixserve.core.block_pool import BlockPool
+    from radixserve.core.radix_cache import RadixCache
+    from radixserve.kv_tier.index import KVTier
+
+    class NoWalk(SortedSet):
+        saving = True
+
+        def __iter__(self):
+            assert not self.saving, "a save walked the tier's eviction order"
+            return super().__iter__()
+
+    window = WindowPages(256, 256, window=6, block_size=4)
+    pool = BlockPool(256, window)
+    cache = RadixCache(pool, 4, KVTier(256), write_through=True, window_tier=KVTier(2))
+    cache._tier_evictable = NoWalk(key=lambda n: n.sort_key)
+    nodes = []
+    for i in range(51):
+        blocks = pool.allocate(4)
+        nodes.append(cache.insert([1000 + i] + list(range(15)), blocks))
+        pool.free(reversed(blocks))
+    cache._tier_evictable.saving = False
+    assert [n.window_slots for n in nodes[:50]] == [[]] * 50
+    assert sorted(nodes[50].window_slots[2:]) == [0, 1] and cache.window_tier.num_free == 0
+    cache.check_integrity()
+
+
 def test_speculative_drafts_verify_over_window_pages(tiny_model_dir):
     """Prompt-lookup drafts enter attention as single-query rows, each over the window
     layers' own pages: the output stays transformers' greedy one."""
