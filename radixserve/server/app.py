@@ -43,12 +43,12 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
     async_engine = AsyncEngine(engine, options.max_queued_requests, options.request_timeout_s, options.retry_after_s)
     metrics = ServerMetrics(lambda: async_engine.latest_snapshot, lambda: _server_gauges(async_engine))
     async_engine.on_finished = metrics.observe_finished
-    texts = TokenTexts(engine.tokenizer)  # the event loop's copy of the tokenizer, shared with Reasoning
+    texts = TokenTexts(engine.tokenizer)  # the engine's tokenizer, read from the event loop too (no copy)
     state = ServerState(
         async_engine, options, _served_model(engine, options), texts, metrics,
         engine.max_model_len,
         ToolCalling(engine.tokenizer, options.tool_call_parser, options.chat_template, options.trust_request_chat_template),
-        Reasoning(engine.tokenizer, options.reasoning_parser, options.chat_template, _own=texts.tokenizer),
+        Reasoning(engine.tokenizer, options.reasoning_parser, options.chat_template),
     )
 
     @contextlib.asynccontextmanager

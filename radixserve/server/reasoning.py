@@ -5,7 +5,6 @@ own, else the model's) and, per request, the ReasoningMode its template argument
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import threading
 from dataclasses import replace
@@ -27,12 +26,10 @@ class Reasoning:
     """One per server. `parser`: a --reasoning-parser value (`auto`: from the template, `none`:
     off); `chat_template`: --chat-template's text (None: the model's own template)."""
 
-    def __init__(self, tokenizer: Any, parser: str = "auto", chat_template: str | None = None, _own: Any = None):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, parser: str = "auto", chat_template: str | None = None):
+        self.tokenizer = tokenizer  # the engine's; decoding only reads it (server/token_text.py)
         self.parser_name = parser
         self.template = chat_template
-        # The event loop decodes with its own copy (the engine's belongs to the engine thread).
-        self._own = _own if _own is not None else copy.deepcopy(tokenizer) if tokenizer is not None else None
         self.parser: ReasoningParser | None = (
             detect_parser(tokenizer, chat_template) if parser == "auto" else parser_named(parser))
         self._opened: dict[str, bool] = {}
@@ -47,7 +44,7 @@ class Reasoning:
         with self._lock:
             derived = self._derived.get(template)
         if derived is None:
-            derived = Reasoning(self.tokenizer, self.parser_name, template, self._own)
+            derived = Reasoning(self.tokenizer, self.parser_name, template)
             with self._lock:
                 while len(self._derived) >= MAX_REQUEST_TEMPLATES:
                     self._derived.pop(next(iter(self._derived)))
@@ -81,10 +78,11 @@ class Reasoning:
             return key in self._opened
 
     def _decoder(self, parser: ReasoningParser):
-        if self._own is None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             return None
         skip = not parser.keeps_special_tokens
-        return lambda ids: self._own.decode(ids, skip_special_tokens=skip)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _opens(self, parser: ReasoningParser, template_kwargs: dict[str, Any]) -> bool:
         key = json.dumps(template_kwargs, sort_keys=True, default=str)
