@@ -90,7 +90,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
                      onednn: bool = True) -> torch.Tensor:
     """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
     native decoder takes (so both paths give the same bits), else the weight dequantized a
-    slice of features at a time into a reused float32 buffer and multiplied by the float path."""
+    slice of features at a time into a reused float32 buffer and multiplied by the float path.
+    No rows (the head of a step whose prompt chunks sample nothing): no product, nothing dequantized."""
+    if x.dim() == 2 and x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
     if x.dim() == 2 and x.shape[0] <= max(max_rows(), 1):
         out = quant_linear(x, weight, bias)
         if out is not None:

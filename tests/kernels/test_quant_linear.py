@@ -229,3 +229,14 @@ def test_quantize_keeps_float32_scales_past_float16s_range():
         assert q.scale.dtype == torch.float32
         step = q.scale.repeat_interleave(q.group, dim=1)
         assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6 * step).all()
+
+
+def test_a_product_of_no_rows_dequantizes_nothing(monkeypatch):
+    """A step whose prompt chunks sample nothing hands the head zero rows: an empty result,
+    not the whole vocabulary dequantized slice by slice (and the buffer grown to a slice)."""
+    from radixserve.model.layers import quantized_linear
+
+    weight = _weight(4, 32)
+    monkeypatch.setattr(QuantWeight, "dequantize", lambda *a, **k: pytest.fail("dequantized for no rows"))
+    out = quantized_linear(torch.empty(0, 256), weight, torch.zeros(67))
+    assert out.shape == (0, 67) and out.dtype == torch.float32
