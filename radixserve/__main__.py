@@ -101,6 +101,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from radixserve.kernels.heap import use_one_arena
+
+    use_one_arena()  # before any thread: the engine thread's freed steps go where a trim returns them
     from radixserve.cluster.launch import cluster_requested, refuse_cluster_flags_alone, serve_cluster
     from radixserve.server.launch import serve, server_options
 

@@ -5,6 +5,12 @@ allocator, not the system: glibc keeps it in its arenas, so a process that once 
 2,048-token prompt stays that large. `return_freed_memory` releases every arena's free pages;
 the engine loop calls it once it has been idle for a while after working, the loader after
 loading. Elsewhere than glibc it does nothing.
+
+malloc_trim shrinks only the main arena's top: a thread's own arena keeps its top chunk (up
+to the trim threshold, which glibc raises to twice the largest mmapped chunk freed: tens of MiB
+once a long prompt's activations were). `use_one_arena` makes every thread allocate from the main arena,
+so the engine thread's steps free into memory that a trim returns; `radixserve serve` calls it
+before its first thread starts (the server's allocating threads mostly hold the GIL anyway).
 """
 
 from __future__ import annotations
@@ -15,9 +21,20 @@ import functools
 from collections.abc import Callable
 
 
+M_ARENA_MAX = -8  # glibc's mallopt parameter: the most arenas threads may allocate from
+
+
+def use_one_arena() -> bool:
+    """Threads created from now on allocate from the main arena (glibc's M_ARENA_MAX = 1);
+    False where there is no mallopt. Call before any second thread has allocated: glibc
+    keeps an arena it has given a thread, and hands existing ones to new threads."""
+    mallopt = _libc("mallopt")
+    return mallopt is not None and mallopt(M_ARENA_MAX, 1) == 1
+
+
 def return_freed_memory() -> bool:
     """Release the free pages of every malloc arena; False where there is no malloc_trim."""
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim(0)
@@ -25,9 +42,9 @@ def return_freed_memory() -> bool:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc(function: str) -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return getattr(ctypes.CDLL(name), function) if name else None
     except (OSError, AttributeError):
         return None
