@@ -462,9 +462,9 @@ class RadixCache:
         got_tier = {n.node_id for n in self._tier_evictable}
         if got_tier != want_tier:
             raise AssertionError(f"tier eviction set {sorted(got_tier)} != candidates {sorted(want_tier)}")
-        holders = {n.node_id for n in self._tier_evictable if _holds_window(n)}
-        if {n.node_id for n in self._window_holders} != holders:
-            raise AssertionError(f"window holders {sorted(n.node_id for n in self._window_holders)} != {sorted(holders)}")
+        holders = {n.node_id for n in self._window_holders}
+        if holders != {n.node_id for n in self._tier_evictable if _holds_window(n)}:
+            raise AssertionError(f"window holders {sorted(holders)} are not the tier candidates holding windows")
         if self.tier is not None:
             self.tier.check_integrity(self.held_slots())
         if self.window_tier is not None:
