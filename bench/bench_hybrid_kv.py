@@ -58,10 +58,42 @@ from bench.bench_agents import Workload as SwarmWorkload
 MODEL = "gemma3-270m"
 BLOCK_SIZE = 16
 LLAMA_SERVER = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
-# Gemma 3 270M: 18 layers, 15 of them sliding-window (512), one KV head of 256
-LAYERS, WINDOW_LAYERS, KV_HEADS, HEAD_DIM = 18, 15, 1, 256
-TOKEN_LAYER_BYTES_F32 = 2 * KV_HEADS * HEAD_DIM * 4  # K and V of one token in one layer, float32
 MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the swarm needs of a model: the name `radixserve serve --model` takes, the GGUF
+    llama.cpp serves, and the KV shape (Gemma 3 270M: 18 layers, 15 of them sliding-window,
+    one KV head of 256)."""
+
+    name: str
+    gguf: str
+    layers: int
+    window_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @property
+    def token_layer_bytes_f32(self) -> int:
+        """K and V of one token in one layer, float32."""
+        return 2 * self.kv_heads * self.head_dim * 4
+
+
+def model_geometry(model: str) -> ModelGeometry:
+    """`model`: gemma3-270m, or `default` (SmolLM2-135M from its own Q4_1 GGUF; no window layers)."""
+    from radixserve.model.default_model import default_gguf_path
+    from radixserve.model.hf_config import load_hf_config
+    from radixserve.model.loader import resolve_model_path
+    from radixserve.model.packaged_models import packaged_gguf
+    from radixserve.model.spec import ModelSpec
+
+    name = None if model == "default" else model
+    spec = ModelSpec.from_hf_config(load_hf_config(resolve_model_path(name)))
+    gguf = default_gguf_path() if name is None else packaged_gguf(name, None)
+    return ModelGeometry(model, str(gguf), spec.num_layers, sum(1 for w in spec.layer_windows if w),
+                         spec.num_kv_heads, spec.head_dim, spec.vocab_size)
 
 
 # ---- part 1: memory held per cached token ---------------------------------------------------
@@ -250,7 +282,8 @@ class SwarmResult:
     ideal_cached: int = 0
     errors: list[str] = field(default_factory=list)
     kv_allocated_bytes: int = 0
-    kv_allocated_token_layers: int = 0  # cells x layers: float32-equivalent = this * TOKEN_LAYER_BYTES_F32
+    kv_allocated_token_layers: int = 0  # cells x layers: float32-equivalent = this * token_layer_bytes_f32
+    token_layer_bytes_f32: int = 0  # the model's (ModelGeometry)
     kv_peak_held_bytes: int | None = None
     prompt_cache_peak_bytes: int | None = None  # llama.cpp: its prompt cache in RAM
     notes: str = ""
@@ -262,7 +295,7 @@ class SwarmResult:
     @property
     def kv_memory_f32_bytes(self) -> int:
         """The KV allocated, as float32 bytes of its token-layers (llama.cpp's are f16)."""
-        return self.kv_allocated_token_layers * TOKEN_LAYER_BYTES_F32
+        return self.kv_allocated_token_layers * self.token_layer_bytes_f32
 
 
 class _Agent:
@@ -279,10 +312,11 @@ class _Agent:
         return [self.rng.randrange(self.low, self.high) for _ in range(n)]
 
 
-async def _swarm(name: str, url: str, workload: SwarmWorkload, llama: bool, progress: bool) -> SwarmResult:
+async def _swarm(name: str, url: str, workload: SwarmWorkload, llama: bool, progress: bool,
+                 vocab_size: int) -> SwarmResult:
     from bench.bench_agents import _ideal_cached, _remember
 
-    low, high = token_range(262_144)
+    low, high = token_range(vocab_size)
     rng = random.Random(workload.seed)
     tool_prompt = [rng.randrange(low, high) for _ in range(workload.tool_prompt)]
     agents = [_Agent(i, workload, tool_prompt, low, high) for i in range(workload.agents)]
@@ -376,10 +410,14 @@ def _served(command: list[str], log):
 
 
 def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bool, max_num_seqs: int,
-                   progress: bool, window_pages_ratio: float | None = None) -> SwarmResult:
-    command = [sys.executable, "-m", "radixserve", "serve", "--model", MODEL, "--log-level", "warning",
+                   progress: bool, window_pages_ratio: float | None = None,
+                   geometry: ModelGeometry | None = None) -> SwarmResult:
+    geometry = geometry or model_geometry(MODEL)
+    command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
                "--served-model-name", "m", "--kv-cache-memory", str(kv_bytes), "--block-size", str(BLOCK_SIZE),
                "--hybrid-kv", "auto" if hybrid else "off", "--max-num-seqs", str(max_num_seqs)]
+    command += [] if geometry.name == "default" else ["--model", geometry.name]
+    layers, window_layers, token_layer = geometry.layers, geometry.window_layers, geometry.token_layer_bytes_f32
     if hybrid and window_pages_ratio is not None:
         command += ["--window-pages-ratio", str(window_pages_ratio)]
     with tempfile.TemporaryFile() as log:
@@ -387,10 +425,10 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
             with _served(command, log) as (url, _):
                 m = _radixserve_metrics(url)
                 blocks, pages = int(m["radixserve_kv_blocks_total"]), int(m.get("radixserve_kv_window_pages_total", 0))
-                full_layers = LAYERS - WINDOW_LAYERS if pages else LAYERS
-                block_bytes = BLOCK_SIZE * full_layers * TOKEN_LAYER_BYTES_F32
-                page_bytes = BLOCK_SIZE * WINDOW_LAYERS * TOKEN_LAYER_BYTES_F32 if pages else 0
-                if m.get("radixserve_kv_bytes_per_token") != full_layers * TOKEN_LAYER_BYTES_F32:
+                full_layers = layers - window_layers if pages else layers
+                block_bytes = BLOCK_SIZE * full_layers * token_layer
+                page_bytes = BLOCK_SIZE * window_layers * token_layer if pages else 0
+                if m.get("radixserve_kv_bytes_per_token") != full_layers * token_layer:
                     raise SystemExit(f"{name}: the server's KV bytes per token "
                                      f"{m.get('radixserve_kv_bytes_per_token')} are not {full_layers} float32 layers'")
                 httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [2000 + i for i in range(24)],
@@ -398,12 +436,13 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
                 httpx.post(url + "/flush_cache", timeout=60)  # the warm-up leaves nothing cached
                 poller = _PeakHeld(url, block_bytes, page_bytes)
                 poller.start()
-                result = asyncio.run(_swarm(name, url, workload, False, progress))
+                result = asyncio.run(_swarm(name, url, workload, False, progress, geometry.vocab_size))
                 poller.done.set()
                 poller.join()
                 poller.sample()
                 result.kv_allocated_bytes = blocks * block_bytes + pages * page_bytes
-                result.kv_allocated_token_layers = BLOCK_SIZE * (blocks * full_layers + pages * WINDOW_LAYERS)
+                result.kv_allocated_token_layers = BLOCK_SIZE * (blocks * full_layers + pages * window_layers)
+                result.token_layer_bytes_f32 = token_layer
                 result.kv_peak_held_bytes = poller.peak
                 m = _radixserve_metrics(url)
                 result.notes = (f"{blocks} blocks" + (f" + {pages} window pages" if pages else "")
@@ -426,11 +465,9 @@ _CACHE_STATE = re.compile(r"cache state: (\d+) prompts, ([\d.]+) MiB")
 
 
 def run_llama(name: str, workload: SwarmWorkload, server: str, slots: int, slot_tokens: int, threads: int,
-              swa_full: bool, progress: bool) -> SwarmResult:
-    from radixserve.model.packaged_models import packaged_gguf
-
-    gguf = str(packaged_gguf(MODEL, None))
-    command = [server, "-m", gguf, "--host", "127.0.0.1", "-c", str(slots * slot_tokens), "-np", str(slots),
+              swa_full: bool, progress: bool, geometry: ModelGeometry | None = None) -> SwarmResult:
+    geometry = geometry or model_geometry(MODEL)
+    command = [server, "-m", geometry.gguf, "--host", "127.0.0.1", "-c", str(slots * slot_tokens), "-np", str(slots),
                "-t", str(threads), "-tb", str(threads), "--alias", "m", "-lv", "4"]  # -lv 4: KV sizes, prompt cache
     command += ["--swa-full"] if swa_full else []
     with tempfile.NamedTemporaryFile("w+b") as log:
@@ -438,7 +475,7 @@ def run_llama(name: str, workload: SwarmWorkload, server: str, slots: int, slot_
             with _served(command, log) as (url, process):
                 httpx.post(url + "/completion", json={"prompt": [2000 + i for i in range(24)], "n_predict": 2,
                                                       "cache_prompt": False}, timeout=600).raise_for_status()
-                result = asyncio.run(_swarm(name, url, workload, True, progress))
+                result = asyncio.run(_swarm(name, url, workload, True, progress, geometry.vocab_size))
                 rss = _rss_mib(process.pid)
         except BaseException:
             log.seek(0)
@@ -448,8 +485,10 @@ def run_llama(name: str, workload: SwarmWorkload, server: str, slots: int, slot_
         text = log.read().decode(errors="replace")
     sizes = [(float(m), int(c), int(layers), kind) for m, c, layers, kind in _KV_SIZE.findall(text)]
     result.kv_allocated_bytes = int(sum(m for m, _, _, _ in sizes) * MIB)
-    result.kv_allocated_token_layers = int(sum(m * MIB / (2 * KV_HEADS * HEAD_DIM * _TYPE_BYTES.get(kind, 2))
+    cell_layer = 2 * geometry.kv_heads * geometry.head_dim  # K and V elements of one token in one layer
+    result.kv_allocated_token_layers = int(sum(m * MIB / (cell_layer * _TYPE_BYTES.get(kind, 2))
                                                for m, _, _, kind in sizes))
+    result.token_layer_bytes_f32 = geometry.token_layer_bytes_f32
     states = [float(m) for _, m in _CACHE_STATE.findall(text)]
     result.prompt_cache_peak_bytes = int(max(states, default=0.0) * MIB)
     result.notes = ("KV " + " + ".join(f"{m:.0f} MiB ({c} cells a stream x {layers} layers, {kind})"
@@ -468,43 +507,51 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def measure_swarm(workload: SwarmWorkload, systems: list[str], args) -> dict:
+def measure_swarm(workload: SwarmWorkload, systems: list[str], args, geometry: ModelGeometry | None = None) -> dict:
+    geometry = geometry or model_geometry(MODEL)
     per_agent = workload.instructions + workload.turns * (workload.answer + workload.tool_result)
     longest = workload.tool_prompt + per_agent + 64
-    full_kv = int(1.25 * workload.working_set_tokens()) * LAYERS * TOKEN_LAYER_BYTES_F32
-    full_kv = max(full_kv, 2 * longest * LAYERS * TOKEN_LAYER_BYTES_F32)
+    token_bytes = geometry.layers * geometry.token_layer_bytes_f32
+    full_kv = max(int(1.25 * workload.working_set_tokens()) * token_bytes, 2 * longest * token_bytes)
+    windowed = geometry.window_layers > 0
     slot_tokens = -(-longest // 256) * 256
     results = []
+    off_label = "radixserve hybrid_kv off" if windowed else "radixserve"
     for key in systems:
         print(f"running {key} ...", flush=True)
+        if key in ("hybrid", "hybrid-same", "llama-swa-full") and not windowed:
+            print(f"  skipped: {geometry.name} has no sliding-window layers")
+            continue
         if key == "hybrid":
             kv = int(args.hybrid_memory_share * full_kv)
             label = f"radixserve hybrid ({args.hybrid_memory_share:g}x memory)"
             results.append(run_radixserve(label, workload, kv, True, args.max_num_seqs, not args.quiet,
-                                          args.window_pages_ratio))
+                                          args.window_pages_ratio, geometry))
         elif key == "hybrid-same":
             results.append(run_radixserve("radixserve hybrid (1x memory)", workload, full_kv, True, args.max_num_seqs,
-                                          not args.quiet, args.window_pages_ratio))
+                                          not args.quiet, args.window_pages_ratio, geometry))
         elif key == "off":
-            results.append(run_radixserve("radixserve hybrid_kv off", workload, full_kv, False, args.max_num_seqs,
-                                          not args.quiet))
+            results.append(run_radixserve(off_label, workload, full_kv, False, args.max_num_seqs, not args.quiet,
+                                          geometry=geometry))
         elif key in ("llama", "llama-swa-full"):
             if not os.path.exists(args.llama_server):
                 print(f"  skipped: no llama-server at {args.llama_server}")
                 continue
             label = "llama.cpp --swa-full" if key == "llama-swa-full" else "llama.cpp default"
             results.append(run_llama(label, workload, args.llama_server, args.max_num_seqs, slot_tokens,
-                                     args.llama_threads, key == "llama-swa-full", not args.quiet))
+                                     args.llama_threads, key == "llama-swa-full", not args.quiet, geometry))
         else:
             raise SystemExit(f"unknown system {key!r}")
-    report = {"workload": workload.describe(), "working_set_tokens": workload.working_set_tokens(),
+    report = {"model": geometry.name, "workload": workload.describe(), "working_set_tokens": workload.working_set_tokens(),
               "full_kv_bytes": full_kv, "max_num_seqs": args.max_num_seqs, "slot_tokens": slot_tokens,
               "systems": [{**asdict(r), "reuse_of_ideal": r.reuse_of_ideal,
                            "kv_memory_f32_bytes": r.kv_memory_f32_bytes} for r in results]}
     by = {r.name.split(" (")[0]: r for r in results}
-    hybrid, off = by.get("radixserve hybrid"), by.get("radixserve hybrid_kv off")
+    hybrid, off = by.get("radixserve hybrid"), by.get(off_label)
     llama, swa_full = by.get("llama.cpp default"), by.get("llama.cpp --swa-full")
     ratios = {}
+    if off and llama:
+        ratios["off_wall_vs_llama_default"] = off.wall_s / llama.wall_s
     if hybrid and llama:
         ratios["wall_vs_llama_default"] = hybrid.wall_s / llama.wall_s
         ratios["kv_f32_vs_llama_default"] = hybrid.kv_memory_f32_bytes / llama.kv_memory_f32_bytes
@@ -520,7 +567,7 @@ def measure_swarm(workload: SwarmWorkload, systems: list[str], args) -> dict:
 
 
 def print_swarm(report: dict) -> None:
-    print(f"\nswarm ({report.get('workload_name', 'short')}): {MODEL} over HTTP (token-id prompts, greedy, EOS "
+    print(f"\nswarm ({report.get('workload_name', 'short')}): {report.get('model', MODEL)} over HTTP (token-id prompts, greedy, EOS "
           f"ignored): {report['workload']}; "
           f"working set {report['working_set_tokens']} tokens; max_num_seqs / -np {report['max_num_seqs']}, "
           f"llama.cpp {report['slot_tokens']} tokens a slot")
@@ -549,6 +596,9 @@ def print_swarm(report: dict) -> None:
         v = ratios["wall_vs_llama_default"]
         print(f"  wall time, radixserve hybrid / llama.cpp default: {v:.2f}x (target <= 0.5x) "
               f"{'[meets target]' if v <= 0.5 else '[MISSES target]'}")
+    if "off_wall_vs_llama_default" in ratios:
+        print(f"  wall time, radixserve with every layer's KV kept / llama.cpp default: "
+              f"{ratios['off_wall_vs_llama_default']:.2f}x")
     if "wall_vs_llama_swa_full" in ratios:
         print(f"  wall time, radixserve hybrid / llama.cpp --swa-full: {ratios['wall_vs_llama_swa_full']:.2f}x")
     if "kv_allocated_vs_off" in ratios:
@@ -572,6 +622,9 @@ def main() -> None:
     parser.add_argument("--parts", default="memory,swarm", help="which parts, run in the order given")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="memory part: bytes for each engine (default 256 MiB, 64 MiB with --quick)")
+    parser.add_argument("--model", default=MODEL,
+                        help="swarm: gemma3-270m, or default (SmolLM2-135M from its Q4_1 GGUF: no window layers, so "
+                             "only the systems off and llama run); the memory part is gemma3-270m's")
     parser.add_argument("--swarm-workload", choices=sorted(SWARMS), default="short",
                         help=f"swarm: short ({FULL_SWARM.describe()}) or long, coding agents "
                              f"({LONG_SWARM.describe()})")
@@ -608,7 +661,8 @@ def main() -> None:
                 if getattr(args, name) is not None:
                     setattr(workload, name, getattr(args, name))
             print(f"\nswarm: {workload.describe()}", flush=True)
-            report["swarm"] = measure_swarm(workload, [s.strip() for s in args.systems.split(",") if s.strip()], args)
+            report["swarm"] = measure_swarm(workload, [s.strip() for s in args.systems.split(",") if s.strip()], args,
+                                            model_geometry(args.model))
             report["swarm"]["workload_name"] = args.swarm_workload
             print_swarm(report["swarm"])
         else:
@@ -651,7 +705,7 @@ def _plot(path: str, report: dict) -> None:
         ax.bar(range(len(values)), values)
         ax.set_xticks(range(len(values)), names, rotation=20, ha="right", fontsize=8)
         ax.set_title(title, fontsize=9)
-    fig.suptitle(f"hybrid KV on {MODEL}", fontsize=10)
+    fig.suptitle(f"hybrid KV on {report.get('swarm', {}).get('model', MODEL)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")

@@ -27,3 +27,23 @@ def test_memory_part_on_tiny_gemma3(tiny_model_dir):
     assert hybrid["bytes_per_cached_token"] == (6 * hybrid["block_bytes"] + hybrid["window_page_bytes"]) / 96
     assert report["bytes_per_cached_token_ratio"] == (6 + 2) / (6 * 3)
     assert report["tokens_fit_ratio"] > 1.5  # 1 + 2 * 0.25 layers a block against 3
+
+
+def test_the_swarm_takes_the_default_model_and_skips_what_needs_window_layers(real_model_dir, capsys):
+    """--model default: SmolLM2's KV shape, its own Q4_1 GGUF for llama.cpp, and no hybrid or
+    --swa-full systems (no window layers), refused before any server starts."""
+    import argparse
+    from pathlib import Path
+
+    from bench.bench_agents import Workload
+    from bench.bench_hybrid_kv import measure_swarm, model_geometry
+
+    geometry = model_geometry("default")
+    assert (geometry.layers, geometry.window_layers, geometry.kv_heads, geometry.head_dim) == (30, 0, 3, 64)
+    assert geometry.vocab_size == 49152 and geometry.token_layer_bytes_f32 == 2 * 3 * 64 * 4
+    assert Path(geometry.gguf).name.endswith(".Q4_1.gguf") and Path(geometry.gguf).is_file()
+    args = argparse.Namespace(max_num_seqs=8, hybrid_memory_share=0.4, window_pages_ratio=None, quiet=True,
+                              llama_server="/nonexistent", llama_threads=2)
+    report = measure_swarm(Workload(agents=2, turns=1, tool_prompt=64, instructions=16, tool_result=16, answer=4, latency=(0.0, 0.1)), ["hybrid", "hybrid-same", "llama-swa-full"], args, geometry)
+    assert report["systems"] == [] and report["model"] == "default"
+    assert capsys.readouterr().out.count("has no sliding-window layers") == 3
