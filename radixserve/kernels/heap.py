@@ -11,6 +11,8 @@ to the trim threshold, which glibc raises to twice the largest mmapped chunk fre
 once a long prompt's activations were). `use_one_arena` makes every thread allocate from the main arena,
 so the engine thread's steps free into memory that a trim returns; `radixserve serve` calls it
 before its first thread starts (the server's allocating threads mostly hold the GIL anyway).
+Scratch kept between calls for speed (model/layers.py's dequantization buffer) registers with
+`on_trim` and is let go at each trim: an idle engine holds none of it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import ctypes.util
 import functools
 from collections.abc import Callable
 
-
 M_ARENA_MAX = -8  # glibc's mallopt parameter: the most arenas threads may allocate from
+_RELEASERS: list[Callable[[], None]] = []  # on_trim's, called by return_freed_memory
 
 
 def use_one_arena() -> bool:
@@ -32,8 +34,17 @@ def use_one_arena() -> bool:
     return mallopt is not None and mallopt(M_ARENA_MAX, 1) == 1
 
 
+def on_trim(release: Callable[[], None]) -> Callable[[], None]:
+    """Call `release` (on the trimming thread) at each return_freed_memory, before the trim."""
+    _RELEASERS.append(release)
+    return release
+
+
 def return_freed_memory() -> bool:
-    """Release the free pages of every malloc arena; False where there is no malloc_trim."""
+    """Let the calling thread's registered scratch go (on_trim), then release the free pages of
+    every malloc arena; False where there is no malloc_trim."""
+    for release in _RELEASERS:
+        release()
     trim = _libc("malloc_trim")
     if trim is None:
         return False

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, skinny_linear
 from radixserve.kernels.onednn_linear import onednn_linear, onednn_linear_bf16
 from radixserve.kernels.quant_linear import QuantWeight, quant_linear
@@ -113,12 +114,18 @@ _scratch = threading.local()
 
 
 def _dequant_buffer(n: int, k: int) -> torch.Tensor:
-    """A float32 [n, k] view of this thread's dequantization buffer (grown, never shrunk: a
-    fresh allocation of that size page-faults in, which cost as much as the dequantization)."""
+    """A float32 [n, k] view of this thread's dequantization buffer (grown, kept from call to
+    call: a fresh allocation of that size page-faults in, which cost as much as the
+    dequantization; let go when the engine trims its heap, once idle or every 30 s busy)."""
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < n * k:
         buffer = _scratch.buffer = torch.empty(n * k, dtype=torch.float32)
     return buffer[: n * k].view(n, k)
+
+
+@on_trim
+def _release_dequant_buffer() -> None:
+    _scratch.buffer = None
 
 
 class Embedding(nn.Embedding):

@@ -72,3 +72,14 @@ def test_serve_limits_the_arenas_before_anything_else(monkeypatch):
     monkeypatch.setattr(launch, "serve", lambda args, engine: calls.append("serve") or 0)
     assert main(["serve"]) == 0
     assert calls == ["one arena", "serve"]
+
+
+def test_registered_scratch_is_let_go_before_each_trim(monkeypatch):
+    import radixserve.kernels.heap as heap
+
+    released: list[str] = []
+    monkeypatch.setattr(heap, "_RELEASERS", [])
+    heap.on_trim(lambda: released.append("scratch"))
+    heap.return_freed_memory()
+    heap.return_freed_memory()
+    assert released == ["scratch", "scratch"]

@@ -240,3 +240,20 @@ def test_a_product_of_no_rows_dequantizes_nothing(monkeypatch):
     monkeypatch.setattr(QuantWeight, "dequantize", lambda *a, **k: pytest.fail("dequantized for no rows"))
     out = quantized_linear(torch.empty(0, 256), weight, torch.zeros(67))
     assert out.shape == (0, 67) and out.dtype == torch.float32
+
+
+def test_the_dequantization_buffer_is_let_go_at_a_trim_and_made_again():
+    """Kept from call to call while the engine works; an idle engine's trim lets it go (its
+    pages back to the system) and the next product past the kernel's rows makes a new one."""
+    from radixserve.kernels.heap import return_freed_memory
+    from radixserve.kernels.native_ops import max_rows
+    from radixserve.model import layers
+
+    weight = _weight(4, 32)
+    x = torch.randn(max(max_rows(), 1) + 1, 256)  # past the integer kernel: dequantized
+    first = layers.quantized_linear(x, weight)
+    assert layers._scratch.buffer is not None
+    return_freed_memory()
+    assert layers._scratch.buffer is None
+    assert torch.equal(layers.quantized_linear(x, weight), first)
+    assert layers._scratch.buffer is not None
