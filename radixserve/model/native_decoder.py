@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionPlan, plan_for
 from radixserve.attention.cpu_backend import CpuPlan
 from radixserve.attention.kv_pool import KVPool
+from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_build import load_kernel
 from radixserve.kernels.native_ops import max_rows, model_ops_enabled
 from radixserve.model.spec import ModelSpec
@@ -79,7 +81,6 @@ class NativeDecoder:
         self._layers: ctypes.Array | None = None
         self._pool_key: tuple[int, int] | None = None
         self._shape: _Shape | None = None
-        self._workspace = torch.empty(0)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: nn.ModuleList,
@@ -122,10 +123,11 @@ class NativeDecoder:
                          wtables.data_ptr(), wtables.stride(0), wtables.shape[1],
                          pool.window_kv.shape[2] if pool.hybrid else pool.kv.shape[2])
         layers, shape = self._layer_array(pool)
+        workspace = self._workspace_for(rows)
         status = self._kernel(
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
             cos.data_ptr(), sin.data_ptr(), full.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], seq_lens.data_ptr(), self._workspace_for(rows).data_ptr(), ctypes.byref(second),
+            tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool")
@@ -156,13 +158,25 @@ class NativeDecoder:
         return self._layers, self._shape
 
     def _workspace_for(self, rows: int) -> torch.Tensor:
+        """This thread's workspace, grown to the step's rows and kept from step to step (every
+        decoder on the thread shares it); let go when the engine trims its heap (kernels/heap.py),
+        4 MiB for the default model's 128 rows."""
         spec = self._spec
         q = spec.num_heads * spec.head_dim
         qkv = q + 2 * spec.num_kv_heads * spec.head_dim
         need = rows * (2 * spec.hidden_size + qkv + 2 * q + 3 * spec.intermediate_size)
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need, dtype=torch.float32)
-        return self._workspace
+        workspace = getattr(_scratch, "workspace", None)
+        if workspace is None or workspace.numel() < need:
+            workspace = _scratch.workspace = torch.empty(need, dtype=torch.float32)
+        return workspace
+
+
+_scratch = threading.local()
+
+
+@on_trim
+def _release_workspace() -> None:
+    _scratch.workspace = None
 
 
 @functools.cache

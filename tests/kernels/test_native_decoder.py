@@ -2,7 +2,7 @@
 for bit (decodes and speculative draft rows, with and without biases, q/k norms, Gemma 3's
 layers over a hybrid pool's window pages), every other step keeps
 that path, bad slots are refused before anything is written, and the build digest covers the
-sources that decoder_layers.c includes."""
+sources that decoder_layers.c includes; its workspace goes at a heap trim."""
 
 from __future__ import annotations
 
@@ -164,6 +164,25 @@ def test_a_step_mixing_decodes_and_a_prompt_chunk_matches_and_scores_prompts(tin
     for a, b in zip(fused_scores[1:], sdpa_scores[1:]):
         assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@needs_kernel
+def test_the_workspace_is_let_go_at_a_trim_and_made_again(tiny_model_dir):
+    """Kept from step to step on the engine's thread; a trim (an idle engine) lets it go and the
+    next native step makes it again, with the same tokens."""
+    from radixserve.kernels.heap import return_freed_memory
+    from radixserve.model import native_decoder
+
+    engine = Engine(str(tiny_model_dir("llama")))
+    _, native = _recording(engine)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = engine.generate([[5, 6, 7, 8]], params)[0].token_ids
+    assert any(native) and native_decoder._scratch.workspace is not None
+    return_freed_memory()
+    assert native_decoder._scratch.workspace is None
+    engine.flush_cache()
+    assert engine.generate([[5, 6, 7, 8]], params)[0].token_ids == first
+    assert native_decoder._scratch.workspace is not None
 
 
 def test_the_native_decoder_can_be_switched_off(tiny_model_dir):
