@@ -10,7 +10,8 @@ goes through kernels/csrc/quant_linear.c's quant_linear_f32 in the model's order
 the tied lm head (Gemma 3: 262,144 x 640 Q8_0, ~189 MB a step). The weights together exceed
 the last-level cache, so each product reads its weight from memory, as a decode step does.
 With --against, a second build of the kernel (another quant_linear.c, with reduce.h beside
-it) runs in the same process, the two in turns, and the ratio is reported: the machine's pace
+it, taking the same arguments: one from before float16 scales does not) runs in the same
+process, the two in turns, and the ratio is reported: the machine's pace
 drifts between runs, so compare within one. Min and median of --reps, milliseconds.
 """
 
