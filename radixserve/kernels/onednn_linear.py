@@ -16,6 +16,15 @@ faster. From two rows up, a row's result does not depend on how many rows share 
 (one row takes another kernel); that holds among calls that all run here, not across the
 skinny kernel's steps, whose sums are added in another order.
 
+oneDNN builds (JIT-compiles) a primitive for every distinct shape and keeps it in a
+process-wide cache of 1,024: ~7 ms and ~0.3-0.6 MiB each on the dev machine. A server's steps
+come in every row count, so the cache grew for hours (issue 45's soak: +100 MiB in 6 minutes).
+So a product runs at a bucketed row count: its rows copied into a zero-padded buffer, rounded
+up to a multiple of 32, or of an eighth of the power of two at or above it when that is coarser
+(at most 1/8 more rows past 256); past 2,048 rows, in tiles of 2,048. A weight's shape then
+has at most ~30 primitives. Padding keeps every row's bits (a row's result does not depend on
+the other rows, above).
+
 onednn_linear_bf16 is the same product on bfloat16 inputs (rows rounded on the way in, a
 bfloat16 copy of the weight made once by the model), float32 sums inside oneDNN, its output
 rounded to bfloat16 and widened back, the bias added in float32: ~1.8x the float32 rate where
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -119,10 +129,46 @@ def _f32_cpu(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
+# Row counts up to this many run as they are (small primitives; decode-sized rows keep their kernel).
+_EXACT_ROWS = 32
+# Rows past this many run in tiles of this many (the default step budget, max_num_batched_tokens).
+_TILE_ROWS = 2048
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of `rows` (<= _TILE_ROWS) rows runs at."""
+    if rows <= _EXACT_ROWS:
+        return rows
+    step = max(32, 1 << ((rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def _bucketed(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """product(x) run at bucketed row counts (see the module's docstring)."""
+    rows = x.shape[0]
+    if rows <= _TILE_ROWS:
+        return _padded(product, x)
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    for start in range(0, rows, _TILE_ROWS):  # a last tile of one row takes two: one row has its own kernel
+        out[start:start + _TILE_ROWS] = _padded(product, x[start:start + _TILE_ROWS], min_rows=2)
+    return out
+
+
+def _padded(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    rows, bucket = x.shape[0], max(min_rows, row_bucket(x.shape[0]))
+    if bucket == rows:
+        return product(x)
+    padded = x.new_zeros(bucket, x.shape[1])
+    padded[:rows] = x
+    return product(padded)[:rows]
+
+
 def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _bucketed(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], ""),
+                     x, weight.shape[0])
 
 
 def _call_bf16(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight_bf16, None, "none", [], "").float()
+    out = _bucketed(lambda rows: torch.ops.mkldnn._linear_pointwise(
+        rows.to(torch.bfloat16), weight_bf16, None, "none", [], "").float(), x, weight_bf16.shape[0])
     return out if bias is None else out.add_(bias)

@@ -13,7 +13,7 @@ import radixserve.model.causal_lm as causal_lm
 import radixserve.model.layers as model_layers
 from radixserve import Engine, SamplingParams
 from radixserve.config import EngineConfig
-from radixserve.kernels.onednn_linear import available, bf16_available, onednn_linear, onednn_linear_bf16
+from radixserve.kernels.onednn_linear import available, bf16_available, onednn_linear, onednn_linear_bf16, row_bucket
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="no native bf16 matmuls in oneDNN on this CPU")
@@ -52,6 +52,46 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
         whole = onednn_linear(x, weight, None)
         for start, stop in [(0, 2), (0, 37), (37, 200), (200, 400), (398, 400)]:
             assert torch.equal(onednn_linear(x[start:stop], weight, None), whole[start:stop])
+
+
+def test_row_buckets_are_few_and_waste_little():
+    """oneDNN keeps a primitive (~0.5 MiB) per distinct shape, so row counts are bucketed:
+    exact up to 32 rows, then at most 31 buckets up to 2,048 rows, < 1/4 extra rows past 128
+    and < 1/8 past 256."""
+    assert [row_bucket(m) for m in range(1, 33)] == list(range(1, 33))
+    buckets = {row_bucket(m) for m in range(33, 2049)}
+    assert len(buckets) == 31 and max(buckets) == 2048
+    for m in range(33, 2049):
+        assert m <= row_bucket(m) and row_bucket(row_bucket(m)) == row_bucket(m)
+        assert row_bucket(m) / m < (1.25 if m > 128 else 2.0) and (m <= 256 or row_bucket(m) / m < 1.125)
+
+
+@needs_onednn
+@torch.inference_mode()
+@pytest.mark.parametrize("bf16", [False, True])
+def test_products_run_at_bucketed_rows_with_every_rows_bits_kept(bf16, monkeypatch):
+    """Row counts reach oneDNN only as buckets (tiles of 2,048 past it), and from two rows up
+    each row gets exactly the bits of the same rows multiplied unpadded (one row takes another
+    kernel in oneDNN)."""
+    if bf16 and not bf16_available():
+        pytest.skip("no native bf16 matmuls in oneDNN on this CPU")
+    op = torch.ops.mkldnn._linear_pointwise
+    seen: set[int] = set()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: (seen.add(x.shape[0]), op(x, *rest))[1])
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(4500, 64, generator=generator)
+    weight, bias = torch.randn(48, 64, generator=generator), torch.randn(48, generator=generator)
+    product = (lambda rows: onednn_linear_bf16(rows, weight.to(torch.bfloat16), bias)) if bf16 else \
+        (lambda rows: onednn_linear(rows, weight, bias))
+    whole = op(x.to(torch.bfloat16) if bf16 else x, weight.to(torch.bfloat16) if bf16 else weight,
+               None if bf16 else bias, "none", [], "")
+    whole = whole.float() + bias if bf16 else whole
+    torch.testing.assert_close(product(x[:1]), whole[:1], rtol=1e-5, atol=1e-5)
+    for rows in [2, 31, 33, 129, 200, 257, 700, 1500, 2048, 2049, 4500]:
+        out = product(x[:rows])
+        assert out.shape == (rows, 48) and torch.equal(out, whole[:rows]), rows
+    assert seen <= {1, 2, 31, 4500} | {row_bucket(m) for m in range(33, 2049)}
+    assert 4500 not in seen and {64, 224, 2048} <= seen
 
 
 @needs_onednn
