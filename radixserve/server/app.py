@@ -170,6 +170,7 @@ def _server_gauges(engine: AsyncEngine) -> dict[str, float]:
     return {
         "radixserve_server_requests_queued": engine.num_queued,
         "radixserve_server_requests_in_flight": engine.num_in_flight,
+        "radixserve_grammar_cache_bytes": engine.engine.grammars.cache_size_bytes(),
     }
 
 

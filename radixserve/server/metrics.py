@@ -180,6 +180,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+_SERVER_GAUGES = {
+    "radixserve_server_requests_queued": "Requests submitted whose first output has not come yet",
+    "radixserve_server_requests_in_flight": "Requests accepted and not yet finished",
+    "radixserve_grammar_cache_bytes": "Bytes held by compiled grammars (tool calls, JSON schemas, regexes) in the cache",
+}
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], server_gauges: Callable[[], dict[str, float]]):
         self.stats = stats
@@ -211,7 +218,7 @@ class _EngineCollector(Collector):
         family.add_metric([stats.weight_dtype], 1)
         yield family
         for name, value in self.server_gauges().items():
-            yield GaugeMetricFamily(name, "server-side request gauge", value=value)
+            yield GaugeMetricFamily(name, _SERVER_GAUGES.get(name, "server-side gauge"), value=value)
 
 
 def _tier_families(stats: EngineStats) -> Iterator[Any]:

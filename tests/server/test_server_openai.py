@@ -243,6 +243,9 @@ def test_chat_response_format_json_schema_validates(served):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
     )
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    grammar_bytes = [s.value for f in text_string_to_metric_families(httpx.get(served.url + "/metrics").text)
+                     for s in f.samples if s.name == "radixserve_grammar_cache_bytes"]
+    assert len(grammar_bytes) == 1 and grammar_bytes[0] > 0  # the compiled schema is held, and /metrics says so
     anything = served.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=32, temperature=0.8, seed=3,
         response_format={"type": "json_object"},
