@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 import threading
 import time
@@ -263,7 +264,7 @@ def process_figures(pid: int) -> dict[str, int]:
 def run(args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "radixserve", "serve", "--api-key", KEYS["A"], "--api-key", KEYS["B"],
                "--admin-api-key", ADMIN, "--enable-debug-endpoints", "--num-kv-blocks", str(args.kv_blocks),
-               "--log-level", "warning"]
+               "--log-level", "warning", *shlex.split(args.serve_args)]
     tally, rng = Tally(), random.Random(args.seed)
     with served(command) as url:
         pid = _server_pid(url)
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         idle = process_figures(pid)
     warm = warm or samples[0][1]
     return {
-        "minutes": args.minutes, "workers": args.workers, "calls": sum(tally.outcomes.values()),
+        "minutes": args.minutes, "workers": args.workers, "serve_args": args.serve_args, "calls": sum(tally.outcomes.values()),
         "outcomes": {f"{a}: {o}": n for (a, o), n in sorted(tally.outcomes.items())},
         "failures": tally.failures, "leaks": tally.leaks,
         "integrity_ok": bool(check.get("ok")), "idle": stats["running"] == 0 and stats["waiting"] == 0,
@@ -355,7 +356,8 @@ def _peak_after_warmup(report: dict) -> int:
 
 def print_report(report: dict, problems: list[str]) -> None:
     warm, end = report["warm"], report["end"]
-    print(f"soak: one `radixserve serve` (default model, 2 keys + admin), {report['workers']} workers, "
+    extra = f" {report['serve_args']}" if report.get("serve_args") else ""
+    print(f"soak: one `radixserve serve{extra}` (default model, 2 keys + admin), {report['workers']} workers, "
           f"{report['minutes']} min, every route; {report['calls']} calls")
     for name, count in report["outcomes"].items():
         print(f"  {name:40s} {count}")
@@ -376,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=384, help="a small pool, so eviction runs all the time")
     parser.add_argument("--rss-bound", type=float, default=0.05, help="allowed RSS growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-args", default="", help="more arguments for `radixserve serve`, one string "
+                        "(e.g. --serve-args='--weight-dtype float32': the float32 weights' oneDNN path)")
     parser.add_argument("--out", dest="json", help=argparse.SUPPRESS)  # --json's earlier name
     args = parser.parse_args(argv)
     apply_quick(parser, args, minutes=2.0)
