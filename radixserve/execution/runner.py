@@ -83,6 +83,7 @@ class ModelRunner:
         model.native = NativeDecoder.for_model(spec, model.layers, list(spec.layer_windows)) if native else None
         model.use_onednn_linear(config.onednn_linear)
         model.use_bf16_matmuls(config.prefill_matmul_dtype == "bfloat16")
+        model.use_integer_prompt_matmuls(config.quantized_prompt_matmul == "integer")
         # Steps of at most this many tokens lay every token out as its own attention row
         # (see _as_single_query_rows); 0: never.
         self.row_limit = max_rows() if model.native is not None else 0

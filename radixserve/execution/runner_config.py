@@ -26,6 +26,7 @@ class RunnerConfig:
     native_decoder: bool = True
     onednn_linear: bool = True
     prefill_matmul_dtype: str = "float32"
+    quantized_prompt_matmul: str = "integer"
     attention: AttentionOptions = field(default_factory=AttentionOptions)  # the backend's own (configure)
 
     @classmethod
@@ -43,5 +44,6 @@ class RunnerConfig:
             native_decoder=cfg.native_decoder,
             onednn_linear=cfg.onednn_linear,
             prefill_matmul_dtype=cfg.prefill_matmul_dtype,
+            quantized_prompt_matmul=cfg.quantized_prompt_matmul,
             attention=AttentionOptions(cfg.tiled_prefill_attention, cfg.prefill_attention_dtype),
         )

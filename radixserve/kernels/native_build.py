@@ -95,6 +95,10 @@ SIGNATURES: dict[str, Signature] = {
         "quant_linear.c",
         (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64), _INT,
     ),
+    "quant_gemm_f32": Signature(
+        "quant_linear.c",
+        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64), _INT,
+    ),
     "quant_dequantize_f32": Signature(
         "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
     ),

@@ -148,6 +148,31 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     return out
 
 
+def quant_gemm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) by the prompt-sized integer kernel (features across the
+    vector lanes, the weight repacked a block of features at a time inside the call), or None
+    where it does not apply (as quant_linear; also a build without AVX512-VNNI). The activations
+    are quantized as quant_linear quantizes them, so the two agree up to float summation order."""
+    n, k = weight.shape
+    if not (x.dim() == 2 and x.shape[1] == k and x.shape[0] > 0 and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.stride(1) == 1):
+        return None
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)):
+        return None
+    fn = _kernel("quant_gemm_f32")
+    if fn is None:
+        return None
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = fn(x.data_ptr(), x.shape[0], x.stride(0), weight.codes.data_ptr(), weight.scale.data_ptr(),
+                _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, int(weight.half_scales),
+                _ptr(bias), out.data_ptr(), out.stride(0))
+    if status == -3:
+        return None
+    if status:
+        raise RuntimeError(f"quant_gemm_f32 failed ({status}) on a {weight.kind} weight {n}x{k}")
+    return out
+
+
 def best_path() -> str | None:
     """The kernel's path on this CPU (vnni, avx2, scalar), or None without the kernel."""
     fn = _kernel("quant_linear_best_path")

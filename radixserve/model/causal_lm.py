@@ -27,6 +27,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.onednn_linear = True
+        self.integer_prompt = True  # quantized weights' prompt-sized rows by the integer kernel
         self.step_rows = StepRows()
         self.native = None  # a NativeDecoder where the family and the step allow one (the runner sets it)
 
@@ -62,7 +63,8 @@ class CausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if head.quant is not None:
-            return quantized_linear(x, head.quant, onednn=self.onednn_linear).float().contiguous()
+            return quantized_linear(x, head.quant, onednn=self.onednn_linear,
+                                    integer_prompt=self.integer_prompt).float().contiguous()
         return linear(x, head.weight, onednn=self.onednn_linear).float().contiguous()
 
     def use_onednn_linear(self, on: bool) -> None:
@@ -72,6 +74,15 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.onednn = on
+
+    def use_integer_prompt_matmuls(self, on: bool) -> None:
+        """Multiply quantized layers' prompt rows (more than the skinny kernel's) by the integer
+        kernel on the weight's codes (on), or dequantize to float32 and take oneDNN (off); the
+        logits' rows too (prompt logprobs)."""
+        self.integer_prompt = on
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.integer_prompt = on
 
     def use_bf16_matmuls(self, on: bool) -> None:
         """Multiply a step's prompt rows, where they take oneDNN (more rows than the skinny

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve.kernels.quant_linear import (
-    PATHS, QuantWeight, best_path, concat_rows, pack_nibbles, quant_linear, quantize, unpack_codes,
+    PATHS, QuantWeight, best_path, concat_rows, pack_nibbles, quant_gemm, quant_linear, quantize, unpack_codes,
 )
 
 needs_kernel = pytest.mark.skipif(best_path() is None, reason="no C compiler here")
@@ -90,6 +90,63 @@ def test_gguf_like_weights_on_every_path_match_float64(path, bits, group, zero, 
     got = quant_linear(x, weight, None, path)
     want = _rounded_activations(x) @ weight.dequantize().double().T
     assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
+
+
+needs_vnni = pytest.mark.skipif(best_path() != "vnni", reason="the prompt-sized kernel is AVX512-VNNI only")
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits, group, zero, offsets", GGUF_LIKE)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 130])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_prompt_kernel_matches_float64_and_the_decode_kernel(bits, group, zero, offsets, rows, dtype):
+    """quant_gemm (features across lanes, the weight repacked a block at a time) on the GGUF
+    types as repacked: N not a multiple of its 32-feature blocks, rows not of its 4-row tiles,
+    an outlier channel; the float64 product of the same rounded activations, and the decode
+    kernel's result up to float summation order."""
+    weight = _gguf_like(bits, group, zero, offsets, n=203, k=640, seed=rows * 7 + bits, dtype=dtype)
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 700, generator=gen)
+    x = wide[:, :640]  # rows 700 floats apart: the kernel follows the stride
+    x[:, 17] *= 60
+    bias = torch.randn(203, generator=gen)
+    got = quant_gemm(x, weight, bias)
+    want = _rounded_activations(x) @ weight.dequantize().double().T + bias.double()
+    assert got.shape == (rows, 203)
+    assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
+    torch.testing.assert_close(got, quant_linear(x, weight, bias), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits, group", FORMATS)
+def test_the_prompt_kernel_takes_every_group_size(bits, group):
+    """Groups of 16, 32 and 64+ elements (a group spanning several 32-element activation blocks),
+    4- and 8-bit codes, float16 and float32 scales."""
+    for weight in (_weight(bits, group, n=40, k=256, seed=3), _widened(_weight(bits, group, n=40, k=256, seed=4))):
+        x = torch.randn(9, 256, generator=torch.Generator().manual_seed(group or 0)) * 3
+        want = _rounded_activations(x) @ weight.dequantize().double().T
+        assert (quant_gemm(x, weight).double() - want).abs().max() <= 3e-5 * want.abs().max()
+
+
+@needs_vnni
+def test_the_model_takes_the_prompt_kernel_past_the_skinny_rows_unless_switched_off(monkeypatch):
+    """model/layers.quantized_linear: up to max_rows the decode kernel, past them quant_gemm
+    (integer_prompt) or the dequantized weight in float32; both within the activations' rounding."""
+    from radixserve.model import layers
+
+    weight = _gguf_like(8, 32, 16, False, n=96, k=640, seed=5)
+    x = torch.randn(layers.max_rows() + 3, 640, generator=torch.Generator().manual_seed(6))
+    calls = []
+    monkeypatch.setattr(layers, "quant_gemm", lambda *a: calls.append(a[0].shape[0]) or quant_gemm(*a))
+    integer = layers.quantized_linear(x, weight, None, True, True)
+    assert calls == [x.shape[0]]
+    floats = layers.quantized_linear(x, weight, None, True, False)
+    assert calls == [x.shape[0]]  # switched off: not called again
+    exact = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(floats.double(), exact, rtol=1e-5, atol=1e-4)
+    assert (integer.double() - exact).abs().max() <= 2e-3 * exact.abs().max()
+    layers.quantized_linear(x[:4], weight, None, True, True)
+    assert calls == [x.shape[0]]  # decode-sized: the decode kernel
 
 
 def _every_finite_half() -> torch.Tensor:
@@ -250,10 +307,10 @@ def test_the_dequantization_buffer_is_let_go_at_a_trim_and_made_again():
     from radixserve.model import layers
 
     weight = _weight(4, 32)
-    x = torch.randn(max(max_rows(), 1) + 1, 256)  # past the integer kernel: dequantized
-    first = layers.quantized_linear(x, weight)
+    x = torch.randn(max(max_rows(), 1) + 1, 256)  # past the integer kernels (the prompt one off): dequantized
+    first = layers.quantized_linear(x, weight, integer_prompt=False)
     assert layers._scratch.buffer is not None
     return_freed_memory()
     assert layers._scratch.buffer is None
-    assert torch.equal(layers.quantized_linear(x, weight), first)
+    assert torch.equal(layers.quantized_linear(x, weight, integer_prompt=False), first)
     assert layers._scratch.buffer is not None
