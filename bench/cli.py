@@ -19,10 +19,30 @@ from typing import Any
 SHARED_FLAGS = ("--json", "--plot", "--quick")
 
 
+class BenchParser(argparse.ArgumentParser):
+    """An ArgumentParser that remembers which options the last command line gave (`given`),
+    so that --quick never overrides one given, even at its default value."""
+
+    given: frozenset[str] = frozenset()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        defaults = [(action, action.default) for action in self._actions]
+        try:  # again with every default suppressed: what is left was on the command line
+            for action, _ in defaults:
+                action.default = argparse.SUPPRESS
+            given, _ = super().parse_known_args(args, argparse.Namespace())
+        finally:
+            for action, default in defaults:
+                action.default = default
+        self.given = frozenset(vars(given))
+        return parsed, extra
+
+
 def bench_parser(doc: str | None, *, quick: str, plot: str = "write a chart of the figures here (PNG)",
-                 json_help: str = "write the figures here (JSON)") -> argparse.ArgumentParser:
+                 json_help: str = "write the figures here (JSON)") -> BenchParser:
     """An ArgumentParser with the three shared flags; `quick` says what --quick leaves out."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     shared = parser.add_argument_group("every bench")
     shared.add_argument("--json", metavar="PATH", default=None, help=json_help)
     shared.add_argument("--plot", metavar="PATH", default=None, help=plot)
@@ -31,11 +51,13 @@ def bench_parser(doc: str | None, *, quick: str, plot: str = "write a chart of t
 
 
 def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace, **smaller: Any) -> None:
-    """With --quick, each named option the caller left at its default takes the smaller value."""
+    """With --quick, each named option not given on the command line takes the smaller value."""
     if not args.quick:
         return
+    given = getattr(parser, "given", None)  # a plain ArgumentParser: an option at its default was not given
     for name, value in smaller.items():
-        if getattr(args, name) == parser.get_default(name):
+        at_default = getattr(args, name) == parser.get_default(name)
+        if (name not in given) if given is not None else at_default:
             setattr(args, name, value)
 
 

@@ -74,7 +74,7 @@ def test_quick_takes_the_smaller_defaults_unless_given():
 
     parser = bench_parser(None, quick="fewer rows")
     parser.add_argument("--rows", type=int, default=32)
-    for argv, rows in ((["--quick"], 4), (["--quick", "--rows", "8"], 8), ([], 32)):
+    for argv, rows in ((["--quick"], 4), (["--quick", "--rows", "8"], 8), ([], 32), (["--quick", "--rows=32"], 32)):
         args = parser.parse_args(argv)
         apply_quick(parser, args, rows=4)
         assert args.rows == rows
