@@ -128,23 +128,12 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
                  path: str = "best") -> torch.Tensor | None:
     """x [M, K] @ weight.T (+ bias) by the integer kernel, or None where it does not apply
     (not float32 CPU rows, kernels off or not buildable)."""
-    n, k = weight.shape
-    if not (x.dim() == 2 and x.shape[1] == k and x.shape[0] > 0 and x.dtype == torch.float32
-            and x.device.type == "cpu" and x.stride(1) == 1):
+    result = _run("quant_linear_f32", x, weight, bias, PATHS[path])
+    if result is None:
         return None
-    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)):
-        return None
-    fn = _kernel("quant_linear_f32")
-    if fn is None:
-        return None
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = fn(x.data_ptr(), x.shape[0], x.stride(0), weight.codes.data_ptr(), weight.scale.data_ptr(),
-                _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, int(weight.half_scales),
-                _ptr(bias), out.data_ptr(), out.stride(0), PATHS[path])
+    status, out = result
     if status == -3:
         raise ValueError(f"this build of the kernel has no {path} path")
-    if status:
-        raise RuntimeError(f"quant_linear_f32 failed ({status}) on a {weight.kind} weight {n}x{k}")
     return out
 
 
@@ -153,24 +142,30 @@ def quant_gemm(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None =
     vector lanes, the weight repacked a block of features at a time inside the call), or None
     where it does not apply (as quant_linear; also a build without AVX512-VNNI). The activations
     are quantized as quant_linear quantizes them, so the two agree up to float summation order."""
+    result = _run("quant_gemm_f32", x, weight, bias)
+    return None if result is None or result[0] == -3 else result[1]
+
+
+def _run(name: str, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None,
+         *extra: int) -> tuple[int, torch.Tensor] | None:
+    """Kernel `name` on (x, weight, bias, *extra): (0 or -3, out); None where the inputs or the
+    build do not fit; any other status raises."""
     n, k = weight.shape
     if not (x.dim() == 2 and x.shape[1] == k and x.shape[0] > 0 and x.dtype == torch.float32
             and x.device.type == "cpu" and x.stride(1) == 1):
         return None
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)):
         return None
-    fn = _kernel("quant_gemm_f32")
+    fn = _kernel(name)
     if fn is None:
         return None
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = fn(x.data_ptr(), x.shape[0], x.stride(0), weight.codes.data_ptr(), weight.scale.data_ptr(),
                 _ptr(weight.offset), n, k, weight.bits, weight.group, weight.zero, int(weight.half_scales),
-                _ptr(bias), out.data_ptr(), out.stride(0))
-    if status == -3:
-        return None
-    if status:
-        raise RuntimeError(f"quant_gemm_f32 failed ({status}) on a {weight.kind} weight {n}x{k}")
-    return out
+                _ptr(bias), out.data_ptr(), out.stride(0), *extra)
+    if status not in (0, -3):
+        raise RuntimeError(f"{name} failed ({status}) on a {weight.kind} weight {n}x{k}")
+    return status, out
 
 
 def best_path() -> str | None:
