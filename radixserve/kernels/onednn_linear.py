@@ -158,8 +158,9 @@ def _padded(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mi
     rows, bucket = x.shape[0], max(min_rows, row_bucket(x.shape[0]))
     if bucket == rows:
         return product(x)
-    padded = x.new_zeros(bucket, x.shape[1])
+    padded = x.new_empty(bucket, x.shape[1])
     padded[:rows] = x
+    padded[rows:] = 0
     return product(padded)[:rows]
 
 
