@@ -10,7 +10,8 @@ goes through kernels/csrc/quant_linear.c's quant_linear_f32 in the model's order
 the tied lm head (Gemma 3: 262,144 x 640 Q8_0, ~189 MB a step). The weights together exceed
 the last-level cache, so each product reads its weight from memory, as a decode step does.
 With --against, a second build of the kernel (another quant_linear.c, with reduce.h beside
-it, taking the same arguments: one from before float16 scales does not) runs in the same
+it; one from before the lanes layout gets the weights one feature a row, and one from before
+float16 scales does not run) runs in the same
 process, the two in turns, and the ratio is reported: the machine's pace
 drifts between runs, so compare within one. Min and median of --reps, milliseconds.
 """
@@ -28,16 +29,21 @@ import torch
 
 from bench.cli import Figures, bench_parser
 from radixserve.kernels.native_build import CSRC, SIGNATURES, build_native
+from radixserve.kernels.quant_linear import QuantWeight, lanes_preferred
 
 
 def _kernel(source: Path):
+    """The build's quant_linear_f32 and whether it takes a `lanes` argument (builds from before
+    the lanes layout do not: they get the rows layout)."""
     fn = build_native(source).quant_linear_f32
-    fn.argtypes = list(SIGNATURES["quant_linear_f32"].argtypes)
+    lanes = "int64_t half, int64_t lanes" in source.read_text()
+    types = list(SIGNATURES["quant_linear_f32"].argtypes)
+    fn.argtypes = types if lanes else types[:12] + types[13:]
     fn.restype = ctypes.c_int
-    return fn
+    return fn, lanes
 
 
-def _weights(model: str | None) -> list[tuple]:
+def _weights(model: str | None) -> list[tuple[str, QuantWeight]]:
     from safetensors import safe_open
 
     from radixserve.model.loader import REPACKED_FILE
@@ -48,22 +54,22 @@ def _weights(model: str | None) -> list[tuple]:
     del engine
     f = safe_open(str(path), "pt")
     meta = json.loads(f.metadata()["quantized"])
-    out = []
-    for name, m in meta.items():
-        off = f.get_tensor(name + "::offset").contiguous() if name + "::offset" in f.keys() else None
-        out.append((name, f.get_tensor(name + "::codes").contiguous(), f.get_tensor(name + "::scale").contiguous(),
-                    off, int(m["bits"]), int(m["group"]), int(m["zero"])))
-    return out
+    keys = set(f.keys())
+    return [(name, QuantWeight.from_saved({part: f.get_tensor(f"{name}::{part}").contiguous()
+                                           for part in ("codes", "scale", "offset") if f"{name}::{part}" in keys}, m))
+            for name, m in meta.items()]
 
 
-def _run(fn, weights: list[tuple], xs: dict[int, torch.Tensor]) -> None:
-    for _, codes, scale, off, bits, group, zero in weights:
-        n, k = codes.shape[0], codes.shape[1] * 8 // bits
+def _run(build, weights: list[tuple[str, QuantWeight]], xs: dict[int, torch.Tensor]) -> None:
+    fn, takes_lanes = build
+    for _, w in weights:
+        n, k = w.shape
         x = xs[k]
         out = torch.empty(x.shape[0], n)
-        status = fn(x.data_ptr(), x.shape[0], k, codes.data_ptr(), scale.data_ptr(),
-                    None if off is None else off.data_ptr(), n, k, bits, group, zero,
-                    int(scale.dtype == torch.float16), None, out.data_ptr(), n, 0)
+        head = (x.data_ptr(), x.shape[0], k, w.codes.data_ptr(), w.scale.data_ptr(),
+                None if w.offset is None else w.offset.data_ptr(), n, k, w.bits, w.group, w.zero, int(w.half_scales))
+        status = fn(*head, int(w.lanes), None, out.data_ptr(), n, 0) if takes_lanes else \
+            fn(*head, None, out.data_ptr(), n, 0)
         if status:
             raise RuntimeError(f"quant_linear_f32 refused a weight ({status})")
 
@@ -77,27 +83,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.reps = 3
-    weights = _weights(args.model)
-    groups = {"layers": [w for w in weights if "embed_tokens" not in w[0] and "lm_head" not in w[0]],
-              "head": [w for w in weights if "embed_tokens" in w[0] or "lm_head" in w[0]]}
+    rows_layout = _weights(args.model)
+    lanes = [(name, w.to_lanes()) for name, w in rows_layout] if lanes_preferred() else rows_layout
     builds = {"this": _kernel(CSRC / "quant_linear.c")}
     if args.against is not None:
         builds = {"against": _kernel(args.against), **builds}
-    mb = {g: sum(c.numel() + s.numel() * 4 + (0 if o is None else o.numel() * 4) for _, c, s, o, *_ in ws) / 1e6
-          for g, ws in groups.items()}
+    stored = {b: lanes if build[1] else rows_layout for b, build in builds.items()}
+    groups = {"layers": [i for i, (name, _) in enumerate(rows_layout) if "embed_tokens" not in name
+                         and "lm_head" not in name],
+              "head": [i for i, (name, _) in enumerate(rows_layout) if "embed_tokens" in name or "lm_head" in name]}
+    mb = {g: sum(rows_layout[i][1].nbytes for i in ids) / 1e6 for g, ids in groups.items()}
     print(f"{args.model or 'default model'}: layers {mb['layers']:.1f} MB, head {mb['head']:.1f} MB; "
           f"torch threads {torch.get_num_threads()}; min / median of {args.reps} (ms)")
     figures = Figures()
     for rows in args.rows:
-        xs = {k: torch.randn(rows, k) for k in {w[1].shape[1] * 8 // w[4] for w in weights}}
-        for label, ws in groups.items():
-            if not ws:
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for _, w in rows_layout}}
+        for label, ids in groups.items():
+            if not ids:
                 continue
             times: dict[str, list[float]] = {b: [] for b in builds}
             for _ in range(args.reps):
-                for b, fn in builds.items():
+                for b, build in builds.items():
                     t0 = time.perf_counter()
-                    _run(fn, ws, xs)
+                    _run(build, [stored[b][i] for i in ids], xs)
                     times[b].append(time.perf_counter() - t0)
             cells = []
             for b, t in times.items():

@@ -84,9 +84,9 @@ class EngineConfig:
     prefill_matmul_dtype: str = "float32"
     # CPU, quantized weights (a GGUF's, int8/int4): integer multiplies a step's prompt rows past
     # the skinny kernel's on AVX512-VNNI integer dot products against the weight's own codes
-    # (kernels/quant_linear.py's quant_gemm: the activations rounded to ~16 bits, as every decode
-    # row's already are), ~1.2-1.4x the float32 rate on Gemma 3's shapes; float32 dequantizes the
-    # weight and multiplies in float32 (oneDNN), to compare. Without VNNI: float32.
+    # (kernels/quant_linear.py's lanes layout: the activations rounded to ~16 bits, as every
+    # decode row's already are), ~1.2-1.4x the float32 rate on Gemma 3's shapes; float32
+    # dequantizes the weight and multiplies in float32 (oneDNN), to compare. Without VNNI: float32.
     quantized_prompt_matmul: str = "integer"
     # Second KV tier: blocks evicted from the pool move there and are restored on a hit.
     kv_offload_memory: int | None = None  # bytes for the tier; None: no tier (2 GiB when a directory is set)

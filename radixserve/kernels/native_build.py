@@ -93,14 +93,10 @@ SIGNATURES: dict[str, Signature] = {
     "quant_linear_best_path": Signature("quant_linear.c", (), _INT),
     "quant_linear_f32": Signature(
         "quant_linear.c",
-        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64), _INT,
-    ),
-    "quant_gemm_f32": Signature(
-        "quant_linear.c",
-        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64), _INT,
+        (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64), _INT,
     ),
     "quant_dequantize_f32": Signature(
-        "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
+        "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
     ),
     "decoder_layers_f32": Signature(
         "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR), _INT,

@@ -17,7 +17,7 @@ from torch import nn
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.onednn_linear import bf16_available
-from radixserve.kernels.quant_linear import QuantWeight, concat_rows
+from radixserve.kernels.quant_linear import QuantWeight, concat_rows, lanes_preferred
 from radixserve.model.layers import Embedding, Linear, StepRows, linear, quantized_linear
 from radixserve.model.spec import ModelSpec
 
@@ -118,8 +118,10 @@ class CausalLM(nn.Module):
 
     def load_quantized(self, weights: dict[str, QuantWeight]) -> None:
         """Quantized weights named as in transformers' checkpoints, q/k/v and gate/up fused
-        (their storage made common: kernels/quant_linear.concat_rows)."""
+        (their storage made common: kernels/quant_linear.concat_rows), then moved into the
+        lanes layout where this CPU's kernel reads it."""
         layers = self.quantized_layers()
+        lanes = lanes_preferred()
         fused: dict[str, dict[str, QuantWeight]] = {}
         for name, weight in weights.items():
             target, part = _map_weight_name(name)
@@ -136,7 +138,7 @@ class CausalLM(nn.Module):
                 module.out_features, module.in_features)
             if joined.shape != expected:
                 raise ValueError(f"quantized weight {target} is {joined.shape}, the model needs {expected}")
-            module.quant = joined
+            module.quant = joined.to_lanes() if lanes else joined
         missing = [name for name, m in layers.items() if m.weight is None and m.quant is None]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} quantized weights, e.g. {missing[:3]}")

@@ -17,7 +17,7 @@ from torch import nn
 from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, skinny_linear
 from radixserve.kernels.onednn_linear import onednn_linear, onednn_linear_bf16
-from radixserve.kernels.quant_linear import QuantWeight, quant_gemm, quant_linear
+from radixserve.kernels.quant_linear import QuantWeight, quant_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -91,19 +91,15 @@ def linear(
 def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
                      onednn: bool = True, integer_prompt: bool = True) -> torch.Tensor:
     """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
-    native decoder takes (so both paths give the same bits); past them, where `integer_prompt`
-    and the CPU has AVX512-VNNI, the prompt-sized integer kernel (the same rounding of the
-    activations); else the weight dequantized a slice of features at a time into a reused
-    float32 buffer and multiplied by the float path. No rows (the head of a step whose prompt
-    chunks sample nothing): no product, nothing dequantized."""
+    native decoder takes (so both paths give the same bits), and past them too for a weight in
+    the lanes layout where `integer_prompt` (the same rounding of the activations); else the
+    weight dequantized a slice of features at a time into a reused float32 buffer and
+    multiplied by the float path. No rows (the head of a step whose prompt chunks sample
+    nothing): no product, nothing dequantized."""
     if x.dim() == 2 and x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    if x.dim() == 2 and x.shape[0] <= max(max_rows(), 1):
+    if x.dim() == 2 and (x.shape[0] <= max(max_rows(), 1) or (weight.lanes and integer_prompt)):
         out = quant_linear(x, weight, bias)
-        if out is not None:
-            return out
-    elif x.dim() == 2 and integer_prompt:
-        out = quant_gemm(x, weight, bias)
         if out is not None:
             return out
     n, k = weight.shape

@@ -33,7 +33,7 @@ class _Weight(ctypes.Structure):
     """A projection's weight: float32 (w) or quantized codes (kernels/quant_linear.py)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("w", "codes", "scale", "offset")]
-    _fields_ += [(name, ctypes.c_int64) for name in ("bits", "group", "zero", "half")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("bits", "group", "zero", "half", "lanes")]
 
 
 _WEIGHTS = (("input_norm", ctypes.c_void_p), ("qkv", _Weight), ("qkv_bias", ctypes.c_void_p), ("o", _Weight),
@@ -216,9 +216,9 @@ def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
 def _projection(linear: nn.Linear) -> _Weight:
     quant = getattr(linear, "quant", None)
     if quant is None:
-        return _Weight(linear.weight.data_ptr(), None, None, None, 0, 0, 0, 0)
+        return _Weight(linear.weight.data_ptr(), None, None, None, 0, 0, 0, 0, 0)
     return _Weight(None, quant.codes.data_ptr(), quant.scale.data_ptr(), _ptr(quant.offset), quant.bits,
-                   quant.group, quant.zero, int(quant.half_scales))
+                   quant.group, quant.zero, int(quant.half_scales), int(quant.lanes))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -144,7 +144,7 @@ def test_the_packaged_gguf_loads_as_the_default_model(real_model_dir, real_engin
 
 
 def test_weight_dtypes_on_a_float_checkpoint(tiny_model_dir):
-    from radixserve.kernels.quant_linear import QuantWeight
+    from radixserve.kernels.quant_linear import QuantWeight, lanes_preferred
 
     path = str(tiny_model_dir("qwen2"))  # tied embeddings, q/k/v biases
     full = load_model(path, device="cpu")
@@ -156,9 +156,10 @@ def test_weight_dtypes_on_a_float_checkpoint(tiny_model_dir):
         assert isinstance(model.embed_tokens.quant, QuantWeight) and model.embed_tokens.weight is None
         qkv = model.layers[0].self_attn.qkv_proj
         assert qkv.weight is None and qkv.quant.bits == bits and qkv.bias is not None
+        assert qkv.quant.lanes == model.embed_tokens.quant.lanes == lanes_preferred()  # the kernel's layout
         assert loaded.weight_bytes < full.weight_bytes * (0.5 if bits == 8 else 0.35)
         want = full.model.layers[0].self_attn.qkv_proj.weight
-        step = qkv.quant.scale.repeat_interleave(qkv.quant.group, dim=1)
+        step = qkv.quant.to_rows().scale.repeat_interleave(qkv.quant.group, dim=1)
         assert ((qkv.quant.dequantize() - want).abs() <= step / 2 + 1e-6).all()
     bf16 = load_model(path, device="cpu", weight_dtype="bfloat16")
     assert bf16.weight_dtype == "bfloat16" and bf16.model.norm.weight.dtype == torch.bfloat16

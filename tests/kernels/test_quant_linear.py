@@ -1,6 +1,8 @@
 """The quantized-weight kernels (csrc/quant_linear.c) on every path against a float64
 reference of the dequantized weight and the kernel's own activation rounding, with float16 and
-float32 scales; the layout's packing, fusing and load-time quantization."""
+float32 scales; the layouts' packing (one feature a row, and lanes), fusing and load-time
+quantization. Path "best" takes the lanes layout where the CPU has AVX512-VNNI, as the model
+stores its weights there."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from radixserve.kernels.quant_linear import (
-    PATHS, QuantWeight, best_path, concat_rows, pack_nibbles, quant_gemm, quant_linear, quantize, unpack_codes,
+    LANES, PATHS, QuantWeight, best_path, concat_rows, lanes_preferred, pack_nibbles, quant_linear, quantize,
+    unpack_codes,
 )
 
 needs_kernel = pytest.mark.skipif(best_path() is None, reason="no C compiler here")
@@ -32,6 +35,11 @@ def _weight(bits, group, n=67, k=256, seed=0):
     return quantize(torch.randn(n, k, generator=gen), bits, group)
 
 
+def _for_path(weight: QuantWeight, path: str) -> QuantWeight:
+    """The weight as the model stores it for `path`: lanes for the best path on AVX512-VNNI."""
+    return weight.to_lanes() if path == "best" and lanes_preferred() else weight
+
+
 def _widened(weight: QuantWeight) -> QuantWeight:
     """The same values with float32 scales and offsets."""
     offset = None if weight.offset is None else weight.offset.float()
@@ -51,7 +59,7 @@ def test_every_path_is_the_float64_product_of_the_rounded_activations(path, bits
     wide = torch.randn(rows, 2 * 256, generator=gen) * torch.rand(rows, 2 * 256, generator=gen) * 4
     x = wide[:, :256]  # rows 512 floats apart: the kernel follows the stride
     bias = torch.randn(67, generator=gen)
-    got = quant_linear(x, weight, bias, path)
+    got = quant_linear(x, _for_path(weight, path), bias, path)
     want = _rounded_activations(x) @ weight.dequantize().double().T + bias.double()
     assert got.shape == (rows, 67)
     assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
@@ -87,57 +95,60 @@ def test_gguf_like_weights_on_every_path_match_float64(path, bits, group, zero, 
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 640, generator=gen)
     x[:, 17] *= 60  # one large channel: its block's dx is coarse, the others' are not
-    got = quant_linear(x, weight, None, path)
+    got = quant_linear(x, _for_path(weight, path), None, path)
     want = _rounded_activations(x) @ weight.dequantize().double().T
     assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
 
 
-needs_vnni = pytest.mark.skipif(best_path() != "vnni", reason="the prompt-sized kernel is AVX512-VNNI only")
+needs_vnni = pytest.mark.skipif(not lanes_preferred(), reason="the lanes layout's kernel is AVX512-VNNI only")
 
 
 @needs_vnni
 @pytest.mark.parametrize("bits, group, zero, offsets", GGUF_LIKE)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 130])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_the_prompt_kernel_matches_float64_and_the_decode_kernel(bits, group, zero, offsets, rows, dtype):
-    """quant_gemm (features across lanes, the weight repacked a block at a time) on the GGUF
-    types as repacked: N not a multiple of its 32-feature blocks, rows not of its 4-row tiles,
-    an outlier channel; the float64 product of the same rounded activations, and the decode
-    kernel's result up to float summation order."""
+def test_the_lanes_kernel_at_prompt_rows_matches_float64_and_the_rows_layout(bits, group, zero, offsets, rows, dtype):
+    """The lanes layout's kernel on the GGUF types as repacked: N not a multiple of its 32-feature
+    blocks, rows not of its 4-row tiles, an outlier channel; the float64 product of the same
+    rounded activations, and the rows layout's AVX2 path up to float summation order."""
     weight = _gguf_like(bits, group, zero, offsets, n=203, k=640, seed=rows * 7 + bits, dtype=dtype)
     gen = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 700, generator=gen)
     x = wide[:, :640]  # rows 700 floats apart: the kernel follows the stride
     x[:, 17] *= 60
     bias = torch.randn(203, generator=gen)
-    got = quant_gemm(x, weight, bias)
+    got = quant_linear(x, weight.to_lanes(), bias)
     want = _rounded_activations(x) @ weight.dequantize().double().T + bias.double()
     assert got.shape == (rows, 203)
     assert (got.double() - want).abs().max() <= 3e-5 * want.abs().max()
-    torch.testing.assert_close(got, quant_linear(x, weight, bias), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got, quant_linear(x, weight, bias, "avx2"), rtol=1e-5,
+                               atol=1e-5 * want.abs().max().item())
 
 
 @needs_vnni
 @pytest.mark.parametrize("bits, group", FORMATS)
-def test_the_prompt_kernel_takes_every_group_size(bits, group):
+def test_the_lanes_kernel_takes_every_group_size(bits, group):
     """Groups of 16, 32 and 64+ elements (a group spanning several 32-element activation blocks),
-    4- and 8-bit codes, float16 and float32 scales."""
+    4- and 8-bit codes, float16 and float32 scales, at decode and prompt row counts."""
     for weight in (_weight(bits, group, n=40, k=256, seed=3), _widened(_weight(bits, group, n=40, k=256, seed=4))):
-        x = torch.randn(9, 256, generator=torch.Generator().manual_seed(group or 0)) * 3
-        want = _rounded_activations(x) @ weight.dequantize().double().T
-        assert (quant_gemm(x, weight).double() - want).abs().max() <= 3e-5 * want.abs().max()
+        for rows in (2, 9):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(group or 0)) * 3
+            want = _rounded_activations(x) @ weight.dequantize().double().T
+            assert (quant_linear(x, weight.to_lanes()).double() - want).abs().max() <= 3e-5 * want.abs().max()
 
 
 @needs_vnni
-def test_the_model_takes_the_prompt_kernel_past_the_skinny_rows_unless_switched_off(monkeypatch):
-    """model/layers.quantized_linear: up to max_rows the decode kernel, past them quant_gemm
-    (integer_prompt) or the dequantized weight in float32; both within the activations' rounding."""
+def test_the_model_takes_the_integer_kernel_past_the_skinny_rows_for_lanes_weights_unless_switched_off(monkeypatch):
+    """model/layers.quantized_linear: a lanes weight goes through the integer kernel at every row
+    count (integer_prompt), or past max_rows through the dequantized weight in float32; a weight
+    one feature a row only up to max_rows. Both within the activations' rounding."""
     from radixserve.model import layers
 
-    weight = _gguf_like(8, 32, 16, False, n=96, k=640, seed=5)
+    rows_layout = _gguf_like(8, 32, 16, False, n=96, k=640, seed=5)
+    weight = rows_layout.to_lanes()
     x = torch.randn(layers.max_rows() + 3, 640, generator=torch.Generator().manual_seed(6))
     calls = []
-    monkeypatch.setattr(layers, "quant_gemm", lambda *a: calls.append(a[0].shape[0]) or quant_gemm(*a))
+    monkeypatch.setattr(layers, "quant_linear", lambda *a: calls.append(a[0].shape[0]) or quant_linear(*a))
     integer = layers.quantized_linear(x, weight, None, True, True)
     assert calls == [x.shape[0]]
     floats = layers.quantized_linear(x, weight, None, True, False)
@@ -146,7 +157,65 @@ def test_the_model_takes_the_prompt_kernel_past_the_skinny_rows_unless_switched_
     torch.testing.assert_close(floats.double(), exact, rtol=1e-5, atol=1e-4)
     assert (integer.double() - exact).abs().max() <= 2e-3 * exact.abs().max()
     layers.quantized_linear(x[:4], weight, None, True, True)
-    assert calls == [x.shape[0]]  # decode-sized: the decode kernel
+    assert calls == [x.shape[0], 4]
+    assert torch.equal(layers.quantized_linear(x, rows_layout, None, True, True), floats)
+    assert calls == [x.shape[0], 4]  # one feature a row, past max_rows: dequantized
+
+
+@pytest.mark.parametrize("bits, group", FORMATS)
+@pytest.mark.parametrize("n", [1, 32, 67])
+def test_the_lanes_layout_round_trips_and_puts_each_code_where_documented(bits, group, n):
+    """to_lanes / to_rows exactly (N past, at and under a block), padding features zero, and
+    code k of feature f at the documented byte: block f // 32, step k // 4 (8-bit) or k // 8
+    (4-bit: low nibble for k % 8 < 4), lane f % 32, byte k % 4; scales [block, group, lane]."""
+    weight = _weight(bits, group, n=n, k=256, seed=n)
+    lanes = weight.to_lanes()
+    assert lanes.lanes and lanes.shape == weight.shape == (n, 256) and lanes.nbytes >= weight.nbytes
+    back = lanes.to_rows()
+    assert not back.lanes and torch.equal(back.codes, weight.codes) and torch.equal(back.scale, weight.scale)
+    assert (back.offset is None) == (weight.offset is None)
+    if weight.offset is not None:
+        assert torch.equal(back.offset, weight.offset)
+    u = unpack_codes(weight.codes, bits)
+    step_bytes = 4 * LANES
+    block_bytes = 256 * LANES * bits // 8
+    flat = lanes.codes.reshape(-1)
+    gen = torch.Generator().manual_seed(n + bits)
+    for f, k in zip(torch.randint(0, n, (40,), generator=gen).tolist(), torch.randint(0, 256, (40,), generator=gen).tolist()):
+        step = k // 4 if bits == 8 else k // 8
+        byte = int(flat[f // LANES * block_bytes + step * step_bytes + f % LANES * 4 + k % 4])
+        code = byte if bits == 8 else (byte & 15 if k % 8 < 4 else byte >> 4)
+        assert code == u[f, k]
+        assert lanes.scale[f // LANES, k // weight.group, f % LANES] == weight.scale[f, k // weight.group]
+    if n % LANES:  # the last block's padding features: zero codes and scales
+        steps = lanes.codes.reshape(-1, 256 * bits // 32, LANES, 4)
+        assert not steps[-1, :, n % LANES:].any() and not lanes.scale[-1, :, n % LANES:].any()
+    assert lanes.to_lanes() is lanes and weight.to_rows() is weight
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, group", FORMATS)
+def test_the_lanes_layout_dequantizes_every_row_exactly(bits, group):
+    for weight in (_weight(bits, group, n=67, k=256, seed=9), _widened(_weight(bits, group, n=33, k=256, seed=8))):
+        lanes = weight.to_lanes()
+        assert torch.equal(lanes.dequantize(), weight.dequantize())
+        rows = torch.tensor([weight.shape[0] - 1, 0, 32, 5, 5])
+        assert torch.equal(lanes.dequantize(rows), weight.dequantize(rows))
+        with pytest.raises(IndexError, match="outside"):
+            lanes.dequantize(torch.tensor([weight.shape[0]]))
+
+
+def test_a_lanes_weight_is_neither_fused_nor_saved_nor_given_a_rows_path():
+    weight = _weight(4, 32)
+    lanes = weight.to_lanes()
+    with pytest.raises(ValueError, match="fuse before"):
+        concat_rows([lanes, weight])
+    with pytest.raises(ValueError, match="saved as rows"):
+        lanes.tensors()
+    with pytest.raises(ValueError, match="reads one feature a row"):
+        quant_linear(torch.randn(2, 256), lanes, None, "scalar")
+    with pytest.raises(ValueError, match="lanes codes need 96 rows"):
+        QuantWeight(lanes.codes[:64].contiguous(), lanes.scale, lanes.offset, 4, 32, 0, "", True, 67)
 
 
 def _every_finite_half() -> torch.Tensor:
@@ -166,7 +235,7 @@ def test_every_finite_float16_scale_and_offset_is_read_exactly(path, offsets):
     codes = torch.ones(n, 64, dtype=torch.uint8)
     scale = halves.reshape(n, 1).contiguous()
     offset = halves.flip(0).reshape(n, 1).contiguous() if offsets else None
-    weight = QuantWeight(codes, scale, offset, 8, 64, 0, "test")
+    weight = _for_path(QuantWeight(codes, scale, offset, 8, 64, 0, "test"), path)
     value = scale.float() + (0 if offset is None else offset.float())  # u = 1 everywhere
     assert torch.equal(weight.dequantize(), value.expand(n, 64))
     assert torch.equal(weight.dequantize(torch.tensor([0, n - 1])), value[[0, n - 1]].expand(2, 64))
@@ -182,7 +251,7 @@ def test_paths_agree_and_zero_rows_give_zero():
     weight = _weight(4, 32)
     x = torch.zeros(3, 256)
     x[1] = torch.linspace(-2, 2, 256)
-    outs = {p: quant_linear(x, weight, None, p) for p in PATHS}
+    outs = {p: quant_linear(x, _for_path(weight, p), None, p) for p in PATHS}
     assert torch.equal(outs["best"][0], torch.zeros(67))
     for out in outs.values():
         torch.testing.assert_close(out, outs["scalar"], rtol=1e-4, atol=1e-4)

@@ -1,8 +1,9 @@
-"""Gemma 3 270M from its Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 weights): prompt chunks past the
-skinny kernel's rows multiplied by the integer prompt kernel (quantized_prompt_matmul integer,
-the default: the activations rounded to ~16 bits, as every decode row's are) against the same
-weights dequantized and multiplied in float32: the same greedy answers, and the same top-1 next
-token at (nearly) every prompt position, with log-probabilities within the activations' rounding."""
+"""Gemma 3 270M from its Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 weights, in the lanes layout):
+prompt chunks past the skinny kernel's rows multiplied by the integer kernel
+(quantized_prompt_matmul integer, the default: the activations rounded to ~16 bits, as every
+decode row's are) against the same weights dequantized and multiplied in float32: the same
+greedy answers, and the same top-1 next token at (nearly) every prompt position, with
+log-probabilities within the activations' rounding."""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ import textwrap
 import pytest
 
 from radixserve import Engine, SamplingParams
-from radixserve.kernels.quant_linear import best_path
+from radixserve.kernels.quant_linear import lanes_preferred
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow,
-              pytest.mark.skipif(best_path() != "vnni", reason="the integer prompt kernel is AVX512-VNNI only")]
+              pytest.mark.skipif(not lanes_preferred(), reason="the integer prompt kernel is AVX512-VNNI only")]
 
 
 def _texts() -> list[str]:
-    sources = [inspect.getsource(json.decoder), inspect.getsource(textwrap)]
-    return [sources[0][:4400], sources[1][:4600], sources[1][6400:10400]]
+    return [inspect.getsource(json.decoder)[:4400], inspect.getsource(textwrap)[6400:10400]]
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +39,14 @@ def test_integer_prompt_matmuls_keep_the_answers_and_next_token_distributions(en
     prompts = [integer.tokenizer.encode(t) for t in _texts()]
     assert all(len(p) > 1000 for p in prompts)
     calls = []
-    gemm = layers.quant_gemm
-    monkeypatch.setattr(layers, "quant_gemm", lambda *a: calls.append(a[0].shape[0]) or gemm(*a))
+    kernel = layers.quant_linear
+    monkeypatch.setattr(layers, "quant_linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1)
     got = integer.generate(prompts, params)
-    assert calls and max(calls) > 128  # the prompt kernel ran, on prompt-sized chunks
+    assert calls and max(calls) > layers.max_rows()  # the integer kernel ran on prompt-sized chunks
     calls.clear()
     want = floats.generate(prompts, params)
-    assert not calls  # switched off: never called
+    assert all(rows <= layers.max_rows() for rows in calls)  # switched off: decode-sized products only
     agree = positions = 0
     worst = 0.0
     for g, w in zip(got, want):

@@ -34,13 +34,13 @@
 #include "quant_linear.c"
 #include "skinny_linear.c"
 
-/* A projection's weight: float32 [N, K] (w), or quantized codes (quant_linear.c's layout;
- * scale and offset float16 where half). */
+/* A projection's weight: float32 [N, K] (w), or quantized codes (quant_linear.c's layouts:
+ * one feature a row, or lanes; scale and offset float16 where half). */
 typedef struct {
     const float *w;
     const uint8_t *codes;
     const void *scale, *offset;
-    int64_t bits, group, zero, half;
+    int64_t bits, group, zero, half, lanes;
 } LayerWeight;
 
 typedef struct {
@@ -74,7 +74,7 @@ static int project(const float *x, int64_t rows, const LayerWeight *w, int64_t N
                    float *out) {
     if (w->codes)
         return quant_linear_f32(x, rows, K, w->codes, w->scale, w->offset, N, K, w->bits, w->group, w->zero, w->half,
-                                bias, out, N, 0);
+                                w->lanes, bias, out, N, 0);
     return skinny_linear_f32(x, rows, K, w->w, N, K, bias, out, N);
 }
 
