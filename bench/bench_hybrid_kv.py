@@ -44,6 +44,7 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -411,7 +412,7 @@ def _served(command: list[str], log):
 
 def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bool, max_num_seqs: int,
                    progress: bool, window_pages_ratio: float | None = None,
-                   geometry: ModelGeometry | None = None) -> SwarmResult:
+                   geometry: ModelGeometry | None = None, serve_args: str = "") -> SwarmResult:
     geometry = geometry or model_geometry(MODEL)
     command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
                "--served-model-name", "m", "--kv-cache-memory", str(kv_bytes), "--block-size", str(BLOCK_SIZE),
@@ -420,6 +421,7 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
     layers, window_layers, token_layer = geometry.layers, geometry.window_layers, geometry.token_layer_bytes_f32
     if hybrid and window_pages_ratio is not None:
         command += ["--window-pages-ratio", str(window_pages_ratio)]
+    command += shlex.split(serve_args)
     with tempfile.TemporaryFile() as log:
         try:
             with _served(command, log) as (url, _):
@@ -526,13 +528,13 @@ def measure_swarm(workload: SwarmWorkload, systems: list[str], args, geometry: M
             kv = int(args.hybrid_memory_share * full_kv)
             label = f"radixserve hybrid ({args.hybrid_memory_share:g}x memory)"
             results.append(run_radixserve(label, workload, kv, True, args.max_num_seqs, not args.quiet,
-                                          args.window_pages_ratio, geometry))
+                                          args.window_pages_ratio, geometry, args.serve_args))
         elif key == "hybrid-same":
             results.append(run_radixserve("radixserve hybrid (1x memory)", workload, full_kv, True, args.max_num_seqs,
-                                          not args.quiet, args.window_pages_ratio, geometry))
+                                          not args.quiet, args.window_pages_ratio, geometry, args.serve_args))
         elif key == "off":
             results.append(run_radixserve(off_label, workload, full_kv, False, args.max_num_seqs, not args.quiet,
-                                          geometry=geometry))
+                                          geometry=geometry, serve_args=args.serve_args))
         elif key in ("llama", "llama-swa-full"):
             if not os.path.exists(args.llama_server):
                 print(f"  skipped: no llama-server at {args.llama_server}")
@@ -635,6 +637,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="swarm: radixserve's max_num_seqs, llama.cpp's -np")
     parser.add_argument("--window-pages-ratio", type=float, default=None,
                         help="swarm: radixserve hybrid's --window-pages-ratio (default: the engine's)")
+    parser.add_argument("--serve-args", default="", help="swarm: more arguments for every `radixserve serve`, one "
+                        "string (e.g. --serve-args='--step-trace /tmp/steps.jsonl')")
     parser.add_argument("--agents", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--llama-server", default=LLAMA_SERVER)

@@ -109,6 +109,43 @@ static inline int code_at(const uint8_t *codes, int64_t k, int64_t bits) {
     return j < 32 ? (byte & 15) : (byte >> 4);
 }
 
+/* One 32-element block of x into its high and residual codes; returns dx, and each
+ * 16 elements' sum of x^ / dx in half[]. */
+static inline float quantize_block(const float *x, int8_t *q, int8_t *res, float half[2]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_mul_ps(h ? x1 : x0, inv); /* |v| <= 127: the conversion rounds to nearest even */
+        const __m512i hi = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(v), top), bottom);
+        const __m512 hf = _mm512_cvtepi32_ps(hi);
+        const __m512i lo = _mm512_max_epi32(
+            _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, hf), _mm512_set1_ps(256.0f))), top),
+            bottom);
+        _mm_storeu_si128((__m128i *)(q + 16 * h), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128((__m128i *)(res + 16 * h), _mm512_cvtepi32_epi8(lo));
+        half[h] = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(1.0f / 256.0f), hf));
+    }
+    return amax / 127.0f;
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    half[0] = half[1] = 0.0f; /* in registers: a sum kept in memory made every element wait on the last store */
+    for (int i = 0; i < 32; ++i) {
+        const float v = x[i] * inv;
+        const int hi = (int)lrintf(v), clamped = hi > 127 ? 127 : hi < -127 ? -127 : hi;
+        const int lo = (int)lrintf((v - (float)clamped) * 256.0f), low = lo > 127 ? 127 : lo < -127 ? -127 : lo;
+        q[i] = (int8_t)clamped;
+        res[i] = (int8_t)low;
+        half[i / 16] += (float)clamped + (float)low * (1.0f / 256.0f);
+    }
+    return amax / 127.0f;
+#endif
+}
+
 static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) {
     const int64_t K = a->K, blocks = K / 32;
 #pragma omp parallel for schedule(static) if (a->M * K >= 65536)
@@ -118,20 +155,8 @@ static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) 
         float *dx = a->dx + r * blocks, *xs = a->xsum + r * a->groups;
         memset(xs, 0, sizeof(float) * a->groups);
         for (int64_t b = 0; b < blocks; ++b) {
-            float amax = 0.0f;
-            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xr[32 * b + i]));
-            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            dx[b] = d;
-            float half[2] = {0.0f, 0.0f}; /* each 16 elements' sum of x^ / dx, in registers (a sum
-                                             kept in xs[] made every element wait on the last store) */
-            for (int i = 0; i < 32; ++i) {
-                const float v = xr[32 * b + i] * inv;
-                const int hi = (int)lrintf(v), clamped = hi > 127 ? 127 : hi < -127 ? -127 : hi;
-                const int lo = (int)lrintf((v - (float)clamped) * 256.0f), low = lo > 127 ? 127 : lo < -127 ? -127 : lo;
-                q[32 * b + i] = (int8_t)clamped;
-                res[32 * b + i] = (int8_t)low;
-                half[i / 16] += (float)clamped + (float)low * (1.0f / 256.0f);
-            }
+            float half[2];
+            const float d = dx[b] = quantize_block(xr + 32 * b, q + 32 * b, res + 32 * b, half);
             if (group == 16) {
                 xs[2 * b] += d * half[0], xs[2 * b + 1] += d * half[1];
             } else {
