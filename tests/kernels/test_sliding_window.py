@@ -284,6 +284,21 @@ def test_native_kernels_take_windows_at_every_vector_width(tmp_path, flags):
 
 
 @needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("window", [57, 64, 70, 100, 131])
+def test_native_prefill_row_groups_read_only_their_keys(window, int8):
+    """Extends over prefixes several windows long, Gemma 3's heads (4 query heads on one KV head
+    of 256): each row group reads its tile from the first vector of keys any of its rows sees to
+    the last, so windows start at every offset inside a tile's vectors and rows see whole tiles
+    past a group's first vector."""
+    requests = [(700, 144), (451, 96), (390, 200), (260, 37)]
+    step = Step(requests, window, heads=4, kv_heads=1, head_dim=256, block_size=16, int8=int8, seed=window)
+    out = _kernel_step(native, step, step.windowed)
+    torch.testing.assert_close(out, step.want, **_tolerance(int8))
+    assert torch.equal(out, _kernel_step(native, step, step.full))
+
+
+@needs_native
 @pytest.mark.skipif(native is None or not native.has_bf16_prefill(64), reason="no AVX512_BF16 here")
 def test_native_prefill_with_bf16_dots_takes_windows():
     for window in (1, 37, 200):

@@ -77,17 +77,29 @@ typedef struct {
     float *tmp;   /* [VW][head_dim] for KV_ROW */
 } Tile;
 
-/* S = q[TILE_ROWS rows] k^T into s (TILE_ROWS x TILE_KEYS), every key of the tile. */
-static inline void tile_scores(const float *q, const float *kt, int64_t head_dim, vf s[TILE_ROWS][TILE_VECS]) {
+/* S = q[TILE_ROWS rows] k^T into s (TILE_ROWS x TILE_VECS), over the first nv vectors of keys of
+ * kt (rows TILE_KEYS floats apart); the other vectors of s are zeros. */
+static inline __attribute__((always_inline)) void tile_scores_n(const float *q, const float *kt, int64_t head_dim,
+                                                               vf s[TILE_ROWS][TILE_VECS], int nv) {
     for (int i = 0; i < TILE_ROWS; ++i)
         for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_set1(0.0f);
     for (int64_t d = 0; d < head_dim; ++d) {
         vf k[TILE_VECS];
-        for (int v = 0; v < TILE_VECS; ++v) k[v] = v_load(kt + d * TILE_KEYS + v * VW);
+        for (int v = 0; v < nv; ++v) k[v] = v_load(kt + d * TILE_KEYS + v * VW);
         for (int i = 0; i < TILE_ROWS; ++i) {
             const vf x = v_set1(q[i * head_dim + d]);
-            for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_fma(x, k[v], s[i][v]);
+            for (int v = 0; v < nv; ++v) s[i][v] = v_fma(x, k[v], s[i][v]);
         }
+    }
+}
+
+/* tile_scores_n compiled for each count of vectors (1 ... TILE_VECS). */
+static inline void tile_scores(const float *q, const float *kt, int64_t head_dim, vf s[TILE_ROWS][TILE_VECS], int nv) {
+    switch (nv) {
+    case 1: tile_scores_n(q, kt, head_dim, s, 1); break;
+    case 2: tile_scores_n(q, kt, head_dim, s, 2); break;
+    case 3: tile_scores_n(q, kt, head_dim, s, 3); break;
+    default: tile_scores_n(q, kt, head_dim, s, TILE_VECS); break;
     }
 }
 
@@ -98,10 +110,11 @@ static inline void tile_scores(const float *q, const float *kt, int64_t head_dim
  * and once it settles a tile costs no horizontal max, no rescale and no exp2 of alpha. The
  * result is the same softmax: O and l carry the same shift. */
 #define RESCALE_SLACK 8.0f
-static inline __attribute__((always_inline)) void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0, int64_t window,
-                                float *m, float *l, Tile *tile, int for_bf16) {
+static inline __attribute__((always_inline)) void tile_softmax(vf s[TILE_ROWS][TILE_VECS], const int64_t *last, int64_t k0,
+                                                              int64_t nk, int64_t window, float *m, float *l,
+                                                              Tile *tile, int for_bf16) {
     for (int i = 0; i < TILE_ROWS; ++i) {
-        const int64_t visible = last[i] - k0 + 1;
+        const int64_t visible = last[i] - k0 + 1 < nk ? last[i] - k0 + 1 : nk;
         if (visible < TILE_KEYS)
             for (int v = 0; v < TILE_VECS; ++v) s[i][v] = v_keep(s[i][v], visible - v * VW, MASKED);
         if (window > 0) {
@@ -135,24 +148,26 @@ static inline __attribute__((always_inline)) void tile_softmax(vf s[TILE_ROWS][T
     }
 }
 
-/* o[TILE_ROWS rows] = o * alpha + p v over the tile's first nk keys, TILE_VECS vectors of o at a time. */
-static inline void tile_accumulate(float *o, const Tile *tile, int64_t nk, int64_t padded_dim) {
+/* o[TILE_ROWS rows] = o * alpha + p v over keys [t0, t1) of p (rows TILE_KEYS floats apart) and
+ * v (rows padded_dim floats apart), TILE_VECS vectors of o at a time. */
+static inline void tile_accumulate(float *o, const float *p, const float *v, const float *alpha, int64_t t0,
+                                   int64_t t1, int64_t padded_dim) {
     for (int64_t d0 = 0; d0 < padded_dim; d0 += TILE_VECS * VW) {
         vf acc[TILE_ROWS][TILE_VECS];
         for (int i = 0; i < TILE_ROWS; ++i) {
-            const vf a = v_set1(tile->alpha[i]);
-            for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = v_mul(v_load(o + i * padded_dim + d0 + v * VW), a);
+            const vf a = v_set1(alpha[i]);
+            for (int u = 0; u < TILE_VECS; ++u) acc[i][u] = v_mul(v_load(o + i * padded_dim + d0 + u * VW), a);
         }
-        for (int64_t t = 0; t < nk; ++t) {
+        for (int64_t t = t0; t < t1; ++t) {
             vf x[TILE_VECS];
-            for (int v = 0; v < TILE_VECS; ++v) x[v] = v_load(tile->v + t * padded_dim + d0 + v * VW);
+            for (int u = 0; u < TILE_VECS; ++u) x[u] = v_load(v + t * padded_dim + d0 + u * VW);
             for (int i = 0; i < TILE_ROWS; ++i) {
-                const vf w = v_set1(tile->p[i * TILE_KEYS + t]);
-                for (int v = 0; v < TILE_VECS; ++v) acc[i][v] = v_fma(w, x[v], acc[i][v]);
+                const vf w = v_set1(p[i * TILE_KEYS + t]);
+                for (int u = 0; u < TILE_VECS; ++u) acc[i][u] = v_fma(w, x[u], acc[i][u]);
             }
         }
         for (int i = 0; i < TILE_ROWS; ++i)
-            for (int v = 0; v < TILE_VECS; ++v) v_store(o + i * padded_dim + d0 + v * VW, acc[i][v]);
+            for (int u = 0; u < TILE_VECS; ++u) v_store(o + i * padded_dim + d0 + u * VW, acc[i][u]);
     }
 }
 
@@ -162,16 +177,22 @@ static inline int group_misses(const TileRows *rows, int64_t i, int64_t k0, int6
     return rows->last[i + TILE_ROWS - 1] < k0 || (window > 0 && rows->last[i] - window + 1 >= k0 + nk);
 }
 
-/* Every row group of `rows` that sees any key of the tile starting at k0 (nk keys). */
+/* Every row group of `rows` that sees any key of the tile starting at k0 (nk keys), over only
+ * the keys the group sees: its scores from the first to the last vector of keys any of its rows
+ * sees (a sub-tile from vector v0 on), its sum over exactly those keys. A key no row of the
+ * group sees would take a weight of ~2^-126 (v_exp2's floor), which no sum can see. */
 static inline __attribute__((always_inline)) void tile_fold_in(const TileShape *sh, TileRows *rows, Tile *tile,
                                                               int64_t k0, int64_t nk, int64_t window) {
     const int64_t d = sh->head_dim, dp = sh->padded_dim;
     for (int64_t i = 0; i < rows->rows; i += TILE_ROWS) {
         if (group_misses(rows, i, k0, nk, window)) continue;
+        const int64_t first = window > 0 && rows->last[i] - window + 1 > k0 ? rows->last[i] - window + 1 - k0 : 0;
+        const int64_t end = rows->last[i + TILE_ROWS - 1] - k0 + 1 < nk ? rows->last[i + TILE_ROWS - 1] - k0 + 1 : nk;
+        const int64_t v0 = first / VW, sub = v0 * VW;
         vf s[TILE_ROWS][TILE_VECS];
-        tile_scores(rows->q + i * d, tile->kt, d, s);
-        tile_softmax(s, rows->last + i, k0, window, rows->m + i, rows->l + i * VW, tile, 0);
-        tile_accumulate(rows->o + i * dp, tile, nk, dp);
+        tile_scores(rows->q + i * d, tile->kt + sub, d, s, (int)((end - sub + VW - 1) / VW));
+        tile_softmax(s, rows->last + i, k0 + sub, nk - sub, window, rows->m + i, rows->l + i * VW, tile, 0);
+        tile_accumulate(rows->o + i * dp, tile->p, tile->v + sub * dp, tile->alpha, first - sub, end - sub, dp);
     }
 }
 
@@ -254,7 +275,7 @@ static inline __attribute__((always_inline)) void tile_fold_pairs_in(const TileS
         if (group_misses(rows, i, k0, nk, window)) continue;
         vf s[TILE_ROWS][TILE_VECS];
         tile_scores_pairs(pairs->q + i * half, pairs->kt, half, s);
-        tile_softmax(s, rows->last + i, k0, window, rows->m + i, rows->l + i * VW, tile, 1);
+        tile_softmax(s, rows->last + i, k0, nk, window, rows->m + i, rows->l + i * VW, tile, 1);
         tile_accumulate_pairs(rows->o + i * dp, tile, pairs, nk, dp);
     }
 }
