@@ -262,6 +262,25 @@ def test_native_prefill_matches_dense_reference(heads, kv_heads, head_dim, block
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_prefill_splits_small_chunks_across_threads(threads):
+    """A step of fewer items than threads (one KV head) splits its chunks' rows evenly into an
+    item per thread where each keeps 8 positions or more: every row still computed, once."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunks in ([(301, 1, 0)], [(315, 15, 0)], [(316, 16, 0)], [(340, 40, 0)], [(97, 97, 0)],
+                       [(305, 5, 0), (360, 60, 0)], [(400, 200, 0), (150, 150, 0)]):
+            args = build_chunks(chunks, heads=4, kv_heads=1, head_dim=64, block_size=16, seed=len(chunks))
+            out = torch.full_like(args[0], 7.0)
+            native.prefill(*args, 0.125, out)
+            want = chunks_reference(*args, 0.125, torch.full_like(args[0], 7.0))
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_native_prefill_follows_scores_that_jump_across_tiles(block_size):
     """Scores rising by less than the kernel's rescale slack (its running max may trail), by
