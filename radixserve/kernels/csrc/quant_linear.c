@@ -301,8 +301,10 @@ static inline __m512 lane_values(const void *base, int64_t i, int64_t half) {
                 dq[r][0] = dq[r][1] = dr[r][0] = dr[r][1] = _mm512_setzero_si512();                               \
             _Pragma("GCC unroll 8") for (int64_t k = k0; k < k0 + SPAN; k += 32 / BITS) {                         \
                 const uint8_t *p = codes + k * LANES * BITS / 8;                                                  \
-                _mm_prefetch((const char *)p + LANES_PREFETCH_BYTES, _MM_HINT_T1);                                \
-                _mm_prefetch((const char *)p + LANES_PREFETCH_BYTES + 64, _MM_HINT_T1);                           \
+                if (m == 0) { /* the block's first row tile streams it from memory; the others find it cached */  \
+                    _mm_prefetch((const char *)p + LANES_PREFETCH_BYTES, _MM_HINT_T1);                            \
+                    _mm_prefetch((const char *)p + LANES_PREFETCH_BYTES + 64, _MM_HINT_T1);                       \
+                }                                                                                                 \
                 const __m512i p0 = _mm512_loadu_si512(p), p1 = _mm512_loadu_si512(p + 64);                        \
                 _Pragma("GCC unroll 2") for (int half = 0; half < 8 / BITS; ++half) {                             \
                     __m512i w0 = p0, w1 = p1;                                                                     \
