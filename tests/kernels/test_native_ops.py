@@ -192,7 +192,7 @@ def test_gelu_tanh_mul_matches_float64(rows, n):
 
 
 @needs_layer_ops
-@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 4, 256), (7, 3, 64), (300, 1, 16)])
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 4, 256), (7, 3, 64), (300, 1, 16), (1152, 4, 256)])
 def test_rms_norm_heads_in_place_matches_float64(tokens, heads, head_dim):
     """q/k norms: every head of q (a view of the fused qkv rows) normalized in place, the rest
     of the row untouched; the 2-D kernel's bits per head."""

@@ -9,18 +9,19 @@
 #include <math.h>
 #include <stdint.h>
 
+/* out = x / sqrt(mean(x^2) + eps) * weight for one row of dim floats. */
+static inline void rms_norm_row(const float *x, const float *weight, float *out, int64_t dim, float eps) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; rows `ldx` and `ldo` floats apart. */
 void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t ldo, int64_t rows,
                   int64_t dim, float eps) {
 #pragma omp parallel for schedule(static) if (rows * dim >= 65536)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * ldx;
-        float *o = out + r * ldo;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; ++i) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * ldx, weight, out + r * ldo, dim, eps);
 }
 
 /* Rotate every head of one token in place: x [heads, head_dim], cos/sin [head_dim]. */
@@ -63,8 +64,9 @@ void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, in
 void rms_norm_heads_f32(float *x, int64_t ldx, int64_t heads, int64_t tokens, int64_t head_dim, const float *weight,
                         float eps) {
 #pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
-    for (int64_t t = 0; t < tokens; ++t) rms_norm_f32(x + t * ldx, head_dim, weight, x + t * ldx, head_dim, heads,
-                                                      head_dim, eps);
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) rms_norm_row(x + t * ldx + h * head_dim, weight, x + t * ldx + h * head_dim,
+                                                         head_dim, eps);
 }
 
 /* out[r] = gelu_tanh(gate_up[r, :n]) * gate_up[r, n:2n] (Gemma's MLP), gelu_tanh(x) =
