@@ -47,3 +47,30 @@ def test_the_swarm_takes_the_default_model_and_skips_what_needs_window_layers(re
     report = measure_swarm(Workload(agents=2, turns=1, tool_prompt=64, instructions=16, tool_result=16, answer=4, latency=(0.0, 0.1)), ["hybrid", "hybrid-same", "llama-swa-full"], args, geometry)
     assert report["systems"] == [] and report["model"] == "default"
     assert capsys.readouterr().out.count("has no sliding-window layers") == 3
+
+
+def test_serve_args_reach_every_radixserve_server(monkeypatch, capsys):
+    """--serve-args (e.g. a step trace) is split like a shell line and appended to the command
+    of the radixserve server the swarm starts."""
+    import bench.bench_hybrid_kv as bench
+    from bench.bench_agents import Workload
+
+    commands = []
+
+    class Started(Exception):
+        pass
+
+    def served(command, log):
+        commands.append(command)
+        raise Started
+
+    monkeypatch.setattr(bench, "_served", served)
+    workload = Workload(agents=1, turns=1, tool_prompt=16, instructions=4, tool_result=4, answer=2, latency=(0.0, 0.0))
+    for hybrid in (True, False):
+        try:
+            bench.run_radixserve("x", workload, 1 << 20, hybrid, 2, False, 0.5, bench.model_geometry("gemma3-270m"),
+                                 serve_args="--step-trace '/tmp/a b.jsonl' --max-step-ms 50")
+        except Started:
+            pass
+    assert [c[-4:] for c in commands] == [["--step-trace", "/tmp/a b.jsonl", "--max-step-ms", "50"]] * 2
+    assert "--window-pages-ratio" in commands[0] and "--window-pages-ratio" not in commands[1]
