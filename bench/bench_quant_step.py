@@ -36,7 +36,7 @@ def _kernel(source: Path):
     """The build's quant_linear_f32 and whether it takes a `lanes` argument (builds from before
     the lanes layout do not: they get the rows layout)."""
     fn = build_native(source).quant_linear_f32
-    lanes = "int64_t half, int64_t lanes" in source.read_text()
+    lanes = "int64_t half, int64_t lanes, const float *bias" in source.read_text()  # quant_linear_f32's
     types = list(SIGNATURES["quant_linear_f32"].argtypes)
     fn.argtypes = types if lanes else types[:12] + types[13:]
     fn.restype = ctypes.c_int
