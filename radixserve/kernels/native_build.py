@@ -89,6 +89,7 @@ SIGNATURES: dict[str, Signature] = {
     "silu_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
     "gelu_tanh_mul_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _I64), None),
     "rms_norm_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64, _PTR, _F32), None),
+    "rms_norm_add_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32), None),
     "hadamard_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64), None),
     "quant_linear_best_path": Signature("quant_linear.c", (), _INT),
     "quant_linear_f32": Signature(

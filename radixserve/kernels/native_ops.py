@@ -8,7 +8,7 @@ returning None where it does not apply so that the caller keeps its torch path.
   streams, 1.6x MKL at 8 rows, 1.2x at 32, 1.07-1.2x up to 128 (AVX-512 build; the
   AVX2 build stops at 32). Above `max_rows()` (prefill chunks) oneDNN takes over
   (onednn_linear.py), or the BLAS where oneDNN is off.
-- rms_norm, rms_norm_heads_, rope_, silu_mul, gelu_tanh_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
+- rms_norm, rms_norm_heads_, rms_norm_add_, rope_, silu_mul, gelu_tanh_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
 """
 
@@ -83,6 +83,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty(x.shape, dtype=torch.float32)
     fn(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps)
     return out
+
+
+def rms_norm_add_(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """x += RMSNorm(y) in place, x and y [T, dim] (a residual add of a normalized output), the
+    bits of rms_norm then an add; False (x untouched) where the kernel does not apply."""
+    if not (x.dim() == 2 and y.shape == x.shape and _rows_f32(x) and _rows_f32(y) and _dense_f32(weight)
+            and weight.shape == x.shape[1:]):
+        return False
+    fn = _load("rms_norm_add_f32")
+    if fn is None:
+        return False
+    fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps)
+    return True
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
-from radixserve.kernels.native_ops import gelu_tanh_mul
+from radixserve.kernels.native_ops import gelu_tanh_mul, rms_norm_add_
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from radixserve.model.llama import Attention
@@ -55,8 +55,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(size, eps)
 
     def forward(self, x, rope: Rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, backend, pool, plan))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        """x is updated in place where the C kernels apply (the residual stream is the layer's own)."""
+        attended = self.self_attn(self.input_layernorm(x), rope, backend, pool, plan)
+        x = _add_normed(x, attended, self.post_attention_layernorm)
+        return _add_normed(x, self.mlp(self.pre_feedforward_layernorm(x)), self.post_feedforward_layernorm)
+
+
+def _add_normed(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """x + norm(y): in place in one C pass (the same bits) where it applies."""
+    return x if rms_norm_add_(x, y, norm.weight, norm.eps) else x + norm(y)
 
 
 class Gemma3ForCausalLM(CausalLM):

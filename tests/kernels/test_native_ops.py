@@ -12,7 +12,7 @@ import torch
 from radixserve.kernels import native_ops
 from radixserve.model.layers import RMSNorm, _rotate_half, apply_rotary, linear
 from radixserve.kernels.native_ops import (
-    MAX_ROWS, gelu_tanh_mul, max_rows, rms_norm, rms_norm_heads_, rope_, silu_mul, skinny_linear,
+    MAX_ROWS, gelu_tanh_mul, max_rows, rms_norm, rms_norm_add_, rms_norm_heads_, rope_, silu_mul, skinny_linear,
 )
 
 needs_kernel = pytest.mark.skipif(native_ops._skinny_kernel() is None, reason="no C compiler here")
@@ -126,6 +126,25 @@ def test_rms_norm_matches_float64(rows, dim):
     wide = torch.randn(rows, dim + 8, generator=gen)
     strided = wide[:, 8:]  # rows dim + 8 floats apart
     torch.testing.assert_close(rms_norm(strided, weight, 1e-6), rms_norm(strided.contiguous(), weight, 1e-6))
+
+
+@needs_layer_ops
+@pytest.mark.parametrize("rows, dim", [(1, 640), (7, 300), (1152, 640), (3, 40)])
+def test_rms_norm_add_is_rms_norm_then_an_add_bit_for_bit(rows, dim):
+    """Gemma 3's residual adds of normalized outputs, in place on x (rows strided too): exactly
+    the bits of rms_norm followed by torch's add, which the native decoder computes."""
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = torch.randn(rows, dim + 4, generator=gen)[:, 4:] * 5
+    y = torch.randn(rows, dim + 8, generator=gen)[:, :dim] * 3
+    weight = torch.randn(dim, generator=gen)
+    want = x + rms_norm(y, weight, 1e-6)
+    y_before = y.clone()
+    assert rms_norm_add_(x, y, weight, 1e-6)
+    assert torch.equal(x, want)
+    assert torch.equal(y, y_before)
+    assert not rms_norm_add_(x.double(), y.double(), weight.double(), 1e-6)
+    assert not rms_norm_add_(x, y[:, :-1], weight, 1e-6)
+    assert not rms_norm_add_(x[None], y[None], weight, 1e-6)
 
 
 def test_rms_norm_module_declines_to_torch_for_other_shapes_and_dtypes():

@@ -9,8 +9,11 @@
 #include <math.h>
 #include <stdint.h>
 
-/* out = x / sqrt(mean(x^2) + eps) * weight for one row of dim floats. */
-static inline void rms_norm_row(const float *x, const float *weight, float *out, int64_t dim, float eps) {
+/* out = x / sqrt(mean(x^2) + eps) * weight for one row of dim floats; never inlined, so that
+ * every caller gets the same bits (-ffast-math lets an inlined copy sum and multiply in
+ * another order). */
+static __attribute__((noinline)) void rms_norm_row(const float *x, const float *weight, float *out, int64_t dim,
+                                                   float eps) {
     float sum = 0.0f;
     for (int64_t i = 0; i < dim; ++i) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
@@ -22,6 +25,19 @@ void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, 
                   int64_t dim, float eps) {
 #pragma omp parallel for schedule(static) if (rows * dim >= 65536)
     for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * ldx, weight, out + r * ldo, dim, eps);
+}
+
+/* x[r] += y[r] / sqrt(mean(y[r]^2) + eps) * weight (a residual add of a normalized output:
+ * Gemma 3's post-attention and post-MLP norms); rows `ldx` and `ldy` floats apart. The row is
+ * normalized into a buffer first, so x holds the bits of rms_norm_f32 followed by an add. */
+void rms_norm_add_f32(float *x, int64_t ldx, const float *y, int64_t ldy, const float *weight, int64_t rows,
+                      int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        float normed[dim], *xr = x + r * ldx;
+        rms_norm_row(y + r * ldy, weight, normed, dim, eps);
+        for (int64_t i = 0; i < dim; ++i) xr[i] += normed[i];
+    }
 }
 
 /* Rotate every head of one token in place: x [heads, head_dim], cos/sin [head_dim]. */
