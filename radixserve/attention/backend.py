@@ -86,6 +86,12 @@ class AttentionBackend(abc.ABC):
                              f"backend only; this engine runs {self.name}")
 
     @property
+    def takes_strided_rows(self) -> bool:
+        """Whether forward takes q, k and v whose token rows are strided (views of the fused
+        qkv rows, heads dense within a row) as they are; else the model makes them contiguous."""
+        return False
+
+    @property
     def hosts_native_decoder(self) -> bool:
         """Whether the model's native C decoder (model/native_decoder.py) may run beside this
         backend: it reads and writes the pool exactly as this backend's C kernels do."""

@@ -100,6 +100,10 @@ class CpuAttentionBackend(AttentionBackend):
         return self._torch is None
 
     @property
+    def takes_strided_rows(self) -> bool:
+        return self.runs_kernels
+
+    @property
     def hosts_native_decoder(self) -> bool:
         return self.runs_kernels
 
@@ -122,11 +126,12 @@ class CpuAttentionBackend(AttentionBackend):
                 k, v = _read_back(pages, k_cache, v_cache, plan.slot_mapping, q.dtype)
         else:
             k, v = store_kv(k, v, k_cache, v_cache, plan.slot_mapping, pages)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         d = plan.num_decodes
         if d:
             out[:d] = self._kernels.decode(
-                q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale, pages, window
+                q[:d].contiguous(), k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
+                pages, window,
             )
         if plan.tiled is not None:
             chunks = plan.tiled

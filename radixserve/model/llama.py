@@ -42,9 +42,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, *rope)
         if pool.rotate_keys:
             q, k = rotate_heads(q), rotate_heads(k)
+        if not backend.takes_strided_rows:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_cache, v_cache = pool.layer(self.layer_index)
-        out = backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
-                              plan_for(plan, self.window), window=self.window)
+        out = backend.forward(q, k, v, k_cache, v_cache, plan_for(plan, self.window), window=self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -169,6 +169,51 @@ def test_native_store_declines_what_it_cannot_do():
     assert cache.abs().sum() == 0
 
 
+def fused_rows(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """Each [T, heads, d] part again as a view of one fused [T, sum] row (as q, k and v are
+    views of the qkv projection's rows): token rows strided, heads dense."""
+    fused = torch.cat([p.flatten(1) for p in parts], 1)
+    views, at = [], 0
+    for p in parts:
+        views.append(fused[:, at : at + p[0].numel()].view(p.shape))
+        at += p[0].numel()
+    return views
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_native_store_takes_views_of_fused_rows(int8):
+    if native is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(3)
+    pages = QuantizedPages(16, 3, 8) if int8 else None
+    cache = torch.zeros(40, pages.page_bytes, dtype=torch.uint8) if int8 else torch.zeros(40, 16, 3, 8)
+    slots = torch.randperm(40 * 16, generator=gen)[:50]
+    k, v = torch.randn(50, 3, 8, generator=gen), torch.randn(50, 3, 8, generator=gen)
+    _, k_view, v_view = fused_rows(torch.randn(50, 4, 8, generator=gen), k, v)
+    dense = [cache.clone(), cache.clone()]
+    strided = [cache.clone(), cache.clone()]
+    assert native.store(k, v, *dense, slots, pages)
+    assert native.store(k_view, v_view, *strided, slots, pages)
+    assert torch.equal(dense[0], strided[0]) and torch.equal(dense[1], strided[1])
+    assert not native.store(k_view, v.contiguous(), *strided, slots, pages)  # rows apart unlike
+
+
+def test_native_prefill_reads_q_rows_strided():
+    """q as a view of the fused qkv rows: the same bits as q made contiguous (int8 pages:
+    test_sliding_window's backend steps)."""
+    if native is None:
+        pytest.skip("no C compiler here")
+    q, k_cache, v_cache, *rest = build_chunks([(301, 144, 0), (90, 34, 0)], heads=4, kv_heads=1, head_dim=64,
+                                              block_size=16, seed=5)
+    q_view = fused_rows(q, torch.randn(q.shape[0], 2, 64))[0]
+    dense, strided = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    native.prefill(q, k_cache, v_cache, *rest, 0.125, dense)
+    native.prefill(q_view, k_cache, v_cache, *rest, 0.125, strided)
+    assert torch.equal(dense, strided)
+    with pytest.raises(ValueError, match="contiguous"):  # heads not dense within a row
+        native.prefill(q.transpose(0, 1).contiguous().transpose(0, 1), k_cache, v_cache, *rest, 0.125, strided)
+
+
 def test_native_kernels_reject_out_of_range_input_without_touching_memory():
     if native is None:
         pytest.skip("no C compiler here")
@@ -398,7 +443,7 @@ def test_native_prefill_builds_for_each_vector_width(tmp_path, flags):
                                                                   head_dim=head_dim, block_size=5, seed=head_dim)
         k_cache[tables[0, 20:30].long()] *= 12  # keys 100-149 of the first chunk: its rows' max must move
         out = torch.full_like(q, 7.0)
-        assert fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
+        assert fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
                   tables.stride(0), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], q.shape[0],
                   out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5, 0, 0) == 0
         want = chunks_reference(q, k_cache, v_cache, tables, starts, lens, head_dim**-0.5, torch.full_like(q, 7.0))

@@ -284,6 +284,26 @@ def test_native_kernels_take_windows_at_every_vector_width(tmp_path, flags):
 
 
 @needs_native
+@pytest.mark.parametrize("options", [{}, {"tiled_prefill": False}], ids=["tiled", "sdpa"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("window", [0, 21])
+def test_cpu_backend_takes_views_of_the_fused_qkv_rows(window, int8, options):
+    """q, k and v as views of one fused row (the model passes them so to a backend that takes
+    strided rows): the same output and pool, bit for bit, as from contiguous copies."""
+    step = Step(STEPS["mixed"], window, heads=4, kv_heads=2, head_dim=32, block_size=8, int8=int8, seed=9)
+    backend = CpuAttentionBackend(4, 2, 32, step.scale, pages=step.pages, **options)
+    assert backend.takes_strided_rows and not TorchAttentionBackend(4, 2, 32, step.scale).takes_strided_rows
+    fused = torch.cat([t.flatten(1) for t in (step.q, step.k, step.v)], 1)
+    views = fused[:, :128].view(-1, 4, 32), fused[:, 128:192].view(-1, 2, 32), fused[:, 192:].view(-1, 2, 32)
+    outputs = []
+    for q, k, v in ((step.q, step.k, step.v), views):
+        pool = step.pool.clone()
+        outputs.append((backend.forward(q, k, v, pool[0], pool[1], backend.prepare(step.windowed), window), pool))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    torch.testing.assert_close(outputs[1][0], step.want, **_tolerance(int8))
+
+
+@needs_native
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("window", [57, 64, 70, 100, 131])
 def test_native_prefill_row_groups_read_only_their_keys(window, int8):

@@ -738,13 +738,14 @@ static int slots_valid(const int64_t *slots, int64_t tokens, int64_t num_slots) 
     return 1;
 }
 
-int paged_store_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *slots,
+/* k and v's token rows are `ld` floats apart (views of a fused qkv row: ld >= row). */
+int paged_store_f32(const float *k, const float *v, int64_t ld, float *k_cache, float *v_cache, const int64_t *slots,
                     int64_t tokens, int64_t row, int64_t num_slots) {
     if (!slots_valid(slots, tokens, num_slots)) return -2;
 #pragma omp parallel for schedule(static) if (tokens >= 256)
     for (int64_t t = 0; t < tokens; ++t) {
-        memcpy(k_cache + slots[t] * row, k + t * row, sizeof(float) * row);
-        memcpy(v_cache + slots[t] * row, v + t * row, sizeof(float) * row);
+        memcpy(k_cache + slots[t] * row, k + t * ld, sizeof(float) * row);
+        memcpy(v_cache + slots[t] * row, v + t * ld, sizeof(float) * row);
     }
     return 0;
 }
@@ -760,15 +761,15 @@ static void store_token_i8(const Shape *sh, const float *k, const float *v, char
     }
 }
 
-int paged_store_i8(const float *k, const float *v, void *k_pages, void *v_pages, const int64_t *slots,
+/* k and v's token rows are `ld` floats apart, as in paged_store_f32. */
+int paged_store_i8(const float *k, const float *v, int64_t ld, void *k_pages, void *v_pages, const int64_t *slots,
                    int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                    int64_t page_bytes, int64_t code_bytes, int64_t num_slots) {
     if (!slots_valid(slots, tokens, num_slots)) return -2;
     const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
                       num_kv_heads, num_kv_heads, head_dim, block_size, 1.0f};
-    const int64_t row = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) if (tokens >= 256)
     for (int64_t t = 0; t < tokens; ++t)
-        store_token_i8(&sh, k + t * row, v + t * row, (char *)k_pages, (char *)v_pages, slots[t]);
+        store_token_i8(&sh, k + t * ld, v + t * ld, (char *)k_pages, (char *)v_pages, slots[t]);
     return 0;
 }

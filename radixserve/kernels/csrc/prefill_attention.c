@@ -11,9 +11,10 @@
  * workers, see native_build.py), the costliest first: a causal item's cost grows with the
  * position of its last row.
  *
- * Layouts (float32, contiguous):
+ * Layouts (float32, contiguous but for q's rows):
  *   q, out           [num_rows, num_heads, head_dim]; chunk c owns rows query_start[c] ..
- *                    query_start[c + 1] - 1, and only those rows of out are written
+ *                    query_start[c + 1] - 1, and only those rows of out are written; q's token
+ *                    rows are q_stride floats apart (a view of the fused qkv rows), out's dense
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables     [num_chunks, table_stride] int32
  *   query_start      [num_chunks + 1] int32
@@ -219,13 +220,14 @@ static int64_t padded_dim(int64_t head_dim) {
     return (head_dim + TILE_VECS * VW - 1) / (TILE_VECS * VW) * (TILE_VECS * VW);
 }
 
-int paged_prefill_attention_f32(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                int64_t num_blocks,
                                 const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                 const int32_t *query_start, const int32_t *seq_lens, int64_t num_chunks,
                                 int64_t num_rows, float *out, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots, int64_t window) {
     const TileShape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, 0, 0, window};
+                          scale * 1.4426950408889634f, 0, 0, window, q_stride};
     return prefill_pages(&sh, 0, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }
@@ -233,14 +235,15 @@ int paged_prefill_attention_f32(const float *q, const float *k_cache, const floa
 /* The same over int8 pages of page_bytes, scales from code_bytes on. bf16_dots (both): the
  * two products in bfloat16 (see tiled_attention.h); -3 where paged_prefill_bf16_available is 0.
  * window (both): sliding-window attention over each row's last `window` keys; 0: causal. */
-int paged_prefill_attention_i8(const float *q, const void *k_pages, const void *v_pages, int64_t num_blocks,
+int paged_prefill_attention_i8(const float *q, int64_t q_stride, const void *k_pages, const void *v_pages,
+                               int64_t num_blocks,
                                int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                                int64_t table_stride, int64_t table_width, const int32_t *query_start,
                                const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows, float *out,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                float scale, int64_t bf16_dots, int64_t window) {
     const TileShape sh = {k_pages, v_pages, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, page_bytes, code_bytes, window};
+                          scale * 1.4426950408889634f, page_bytes, code_bytes, window, q_stride};
     return prefill_pages(&sh, 1, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }

@@ -56,6 +56,7 @@ typedef struct {
     float scale_log2;
     int64_t page_bytes, code_bytes; /* int8 pages (paged_attention.c): a block's bytes, where its scales start */
     int64_t window;                 /* sliding window, 0: the whole causal context */
+    int64_t q_stride;               /* floats between q's token rows (>= num_heads * head_dim) */
 } TileShape;
 
 /* The state of one work item: its query rows and their running softmax. */
@@ -395,7 +396,7 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
     rows->rows = (real + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     for (int64_t i = 0; i < rows->rows; ++i) {
         const int64_t r = i < real ? r0 + i / group : r1 - 1;
-        const float *src = q + ((q_row + r) * sh->num_heads + head * group + i % group) * d;
+        const float *src = q + (q_row + r) * sh->q_stride + (head * group + i % group) * d;
         for (int64_t x = 0; x < d; ++x) rows->q[i * d + x] = i < real ? src[x] * sh->scale_log2 : 0.0f;
         rows->last[i] = prefix + r;
         rows->m[i] = MASKED;
