@@ -31,6 +31,7 @@ Kernel micro-benches: one kernel, op or model step, apart from any workload
     bench_native_decoder  decode and mixed steps: the native decoder against the layer path
     bench_prefill         prompt tokens per second: two engine settings (attention, matmul dtype) in turns
     profile_decode        a decode step's phases (schedule, prepare, model, lm head, sample, post)
+    profile_prompt        a prompt step's phases: 8 extends over cached prefixes (matmuls, attention, norms, ...)
 
 Shared helpers: cli (the flags, JSON, Figures), harness (workload drivers, the one `percentile`),
 sse (the one SSE client), report (tables, bar charts), workloads / agent_workload / dsl_workloads /
