@@ -120,6 +120,7 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0) -> torch.Tensor:
         if self._torch is not None:
             return self._torch.forward(q, k, v, k_cache, v_cache, plan, window)
+        q, k, v = _dense_heads(q), _dense_heads(k), _dense_heads(v)
         pages = self.pages
         if self._kernels.store(k, v, k_cache, v_cache, plan.slot_mapping, pages):
             if pages is not None and plan.prefills:  # SDPA's chunks: their fresh K/V as the pages hold them
@@ -140,6 +141,13 @@ class CpuAttentionBackend(AttentionBackend):
         for chunk in _sdpa_chunks(plan, window):
             out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, pages)
         return out
+
+
+def _dense_heads(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H, d] as the kernels take it: heads dense within each token row (rows may be
+    strided), else a contiguous copy (a column-major product's views)."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2] \
+        else t.contiguous()
 
 
 def _sdpa_chunks(plan: CpuPlan, window: int) -> list[PrefillChunk]:

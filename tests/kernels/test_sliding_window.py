@@ -289,17 +289,22 @@ def test_native_kernels_take_windows_at_every_vector_width(tmp_path, flags):
 @pytest.mark.parametrize("window", [0, 21])
 def test_cpu_backend_takes_views_of_the_fused_qkv_rows(window, int8, options):
     """q, k and v as views of one fused row (the model passes them so to a backend that takes
-    strided rows): the same output and pool, bit for bit, as from contiguous copies."""
+    strided rows), row-major or column-major: the same output and pool, bit for bit, as from
+    contiguous copies."""
     step = Step(STEPS["mixed"], window, heads=4, kv_heads=2, head_dim=32, block_size=8, int8=int8, seed=9)
     backend = CpuAttentionBackend(4, 2, 32, step.scale, pages=step.pages, **options)
     assert backend.takes_strided_rows and not TorchAttentionBackend(4, 2, 32, step.scale).takes_strided_rows
     fused = torch.cat([t.flatten(1) for t in (step.q, step.k, step.v)], 1)
     views = fused[:, :128].view(-1, 4, 32), fused[:, 128:192].view(-1, 2, 32), fused[:, 192:].view(-1, 2, 32)
+    column_major = fused.t().contiguous().t()  # as torch.mm(weight, x.t()).t() returns a product
+    transposed = (column_major[:, :128].unflatten(1, (4, 32)), column_major[:, 128:192].unflatten(1, (2, 32)),
+                  column_major[:, 192:].unflatten(1, (2, 32)))
     outputs = []
-    for q, k, v in ((step.q, step.k, step.v), views):
+    for q, k, v in ((step.q, step.k, step.v), views, transposed):
         pool = step.pool.clone()
         outputs.append((backend.forward(q, k, v, pool[0], pool[1], backend.prepare(step.windowed), window), pool))
-    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    for out, pool in outputs[1:]:
+        assert torch.equal(out, outputs[0][0]) and torch.equal(pool, outputs[0][1])
     torch.testing.assert_close(outputs[1][0], step.want, **_tolerance(int8))
 
 
