@@ -383,3 +383,24 @@ def test_the_dequantization_buffer_is_let_go_at_a_trim_and_made_again():
     assert layers._scratch.buffer is None
     assert torch.equal(layers.quantized_linear(x, weight, integer_prompt=False), first)
     assert layers._scratch.buffer is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", list(PATHS))
+def test_activations_round_half_to_even_in_both_codes(path):
+    """Rows whose max is 127 (so dx = 1 exactly) and whose elements are halfway cases: the high
+    code rounds half to even (2.5 -> 2, 3.5 -> 4), the residual in 1/256ths too and is clamped
+    to +-127 (0.5 * 256 = 128 -> 127), as the float64 reference does. Against an all-ones weight
+    the product is the sum of the rounded row, so a truncating or half-away rounding shows."""
+    halves = torch.tensor([2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, 126.5], dtype=torch.float32)
+    block = torch.cat([torch.tensor([127.0]), halves.repeat(3), torch.full((7,), 0.25)])  # 32 elements
+    x = block.repeat(2).reshape(1, 64)
+    x = torch.cat([x, -x.flip(1)])  # a second row, negated, each block's 127 at its end
+    weight = _for_path(QuantWeight(torch.full((3, 64), 129, dtype=torch.uint8), torch.ones(3, 2, dtype=torch.float16),
+                                   None, 8, 32, 128, "test"), path)  # every value (129 - 128) * 1 = 1
+    got = quant_linear(x, weight, None, path)
+    want = _rounded_activations(x).sum(1, keepdim=True).expand(2, 3)
+    assert _rounded_activations(x)[0, 1] == 2.0 + 127 / 256 and _rounded_activations(x)[0, 2] == 4.0 - 127 / 256
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
+    truncated = x.trunc().sum(1, keepdim=True).double()
+    assert ((got.double() - truncated[:, :1]).abs() > 0.1).all()
