@@ -17,6 +17,7 @@ PREFILL_MATMUL_DTYPES = ("float32", "bfloat16")
 QUANTIZED_PROMPT_MATMULS = ("integer", "float32")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 KV_EVENT_HASHES = ("chained", "chained64")
+KV_EVENT_FORMATS = ("map", "array")  # engine/kv_events.py: vLLM's current form, or the older arrays
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class EngineConfig:
     policy_fcfs_threshold: int = 256  # longer waiting queues are served fcfs (sorting costs more)
     seed: int = 0  # seeds the sampler of requests that set no seed of their own
     model_cache_dir: str | None = None  # where the default model is converted to; None: user cache
-    num_threads: int | None = None  # torch CPU threads; None: torch's default
+    num_threads: int | None = None  # a step's CPU threads, fixed; None: the usable cores less those others take (cpu_share.py)
     # CPU, float32: run a decode step's layers in one C call where the step allows, and lay a
     # small step's prompt chunks out as single-query rows so that it takes those steps too
     # (their attention then runs the decode kernel instead of SDPA: same math, other rounding);
@@ -108,10 +109,12 @@ class EngineConfig:
     # KV cache events for external routers (engine/kv_events.py: vLLM's wire format): a ZMQ PUB
     # endpoint to bind (tcp://127.0.0.1:5557), a ROUTER endpoint that replays buffered batches,
     # and how blocks are named (chained: the cache's 128-bit chained hash as 16 bytes; chained64:
-    # its low 64 bits). None: no events (the default).
+    # its low 64 bits), in which form (map: vLLM's current named fields, with cache groups;
+    # array: the older positional arrays). None: no events (the default).
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_hash: str = "chained"
+    kv_events_format: str = "map"
     # Models with sliding-window layers (Gemma 2/3, Mistral): "auto" keeps those layers' KV
     # apart (core/window_pages.py), only within a window of where a request reads or a cached
     # prefix ends, with `window_pages_ratio` window pages per block (the second tier and its
@@ -128,11 +131,14 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("kv_events_hash", self.kv_events_hash, KV_EVENT_HASHES)
+        _check_choice("kv_events_format", self.kv_events_format, KV_EVENT_FORMATS)
         _check_choice("hybrid_kv", self.hybrid_kv, ("auto", "off"))
         if not 0 < self.window_pages_ratio <= 1:
             raise ValueError(f"window_pages_ratio must be in (0, 1], got {self.window_pages_ratio}")
-        if (self.kv_events_replay_endpoint or self.kv_events_hash != "chained") and not self.kv_events_endpoint:
-            raise ValueError("kv_events_replay_endpoint and kv_events_hash work with kv_events_endpoint: set it too")
+        if (self.kv_events_replay_endpoint or self.kv_events_hash != "chained" or self.kv_events_format != "map") \
+                and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint, kv_events_hash and kv_events_format work with "
+                             "kv_events_endpoint: set it too")
         if self.kv_events_endpoint and not self.enable_prefix_cache:
             raise ValueError("kv_events_endpoint publishes the prefix cache's blocks: enable_prefix_cache is off")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -28,6 +28,7 @@ from radixserve.model.loader import LoadedModel, load_model, resolve_device
 from radixserve.outputs import RequestOutput
 from radixserve.engine.output import OutputProcessor
 from radixserve.engine.stats import CacheStats, EngineStats, HintCounters
+from radixserve.engine.cpu_share import CpuShare
 from radixserve.engine.inputs import PreparedRequest, Prompt, RequestPreparer
 from radixserve.engine.reply_ids import ReplyLookup
 from radixserve.engine.chat_output import ChatOutput, chat_output
@@ -96,6 +97,7 @@ class Engine:
         self.step_trace: StepTrace | None = None
         self.tiering = Tiering()
         self.kv_events = None  # the KV event publisher (kv_events_endpoint)
+        self._window_events = None  # a hybrid model's window group, followed for kv_events
         try:
             self._build(self.config)
         except BaseException:  # a refused option or a failed load: what was opened closes
@@ -106,6 +108,9 @@ class Engine:
         self.step_trace = StepTrace(cfg.step_trace) if cfg.step_trace else None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        # a step's team of threads: the cores left over by other processes (fixed off the CPU)
+        on_cpu = resolve_device(cfg.device).type == "cpu"
+        self.cpu_share = CpuShare(cfg.num_threads if on_cpu else torch.get_num_threads())
         check_kv_cache_dtype(cfg.kv_cache_dtype, resolve_device(cfg.device), cfg.attention_backend)  # before the model loads
         self.loaded: LoadedModel = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len, cfg.model_cache_dir,
                                               cfg.weight_dtype)
@@ -161,6 +166,7 @@ class Engine:
                     self.loaded.weight_bytes / 2**20, self.attention_backend, self.kv_cache_dtype, num_blocks,
                     cfg.block_size, cfg.prefill_attention_dtype, cfg.prefill_matmul_dtype,
                     "on" if self.loaded.model.native is not None else "off")
+        logger.info("cpu: %s", self.cpu_share.describe())
         self.last_step_tokens = (0, 0)  # (decode tokens, prefill tokens) of the last step
         self.kv_transfer = KVTransfer(self)  # prefill/decode handoffs (engine/kv_transfer.py)
         release_thread_pool()  # the loading thread's OpenMP workers: it may not be the one that steps
@@ -248,6 +254,7 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
+        self.cpu_share.apply()  # the cores other processes left this step
         plan = self.scheduler.schedule(self._prefill_token_budget())
         self._after_cache_changes()
         t1 = time.perf_counter()
@@ -427,6 +434,7 @@ class Engine:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_acceptance_rate=spec.acceptance_rate,
             spec_pauses=spec.pauses,
+            cpu=self.cpu_share.snapshot(),
             cache=self._cache_stats(),
             tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
             transfer=self.kv_transfer.snapshot(),
@@ -614,7 +622,10 @@ class Engine:
         if self.tiering.store is not None:
             self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
         if self.kv_events is not None:
-            self.kv_events.publish(self.cache.events.take())
+            events = self.cache.events.take()
+            if self._window_events is not None:
+                events += self._window_events.events(self.cache, self.pool.window)
+            self.kv_events.publish(events)
 
     def _cache_stats(self) -> CacheStats | None:
         if self.cache is None:
@@ -635,13 +646,17 @@ class Engine:
         events = None
         if cfg.kv_events_endpoint:
             from radixserve.core.kv_events import KVEventLog
-            from radixserve.engine.kv_events import KVEventPublisher, media_names
+            from radixserve.engine.kv_events import KVEventPublisher, WindowGroupEvents, media_names
 
+            window = self.pool.window
             self.kv_events = KVEventPublisher(
                 cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, block_size=cfg.block_size,
-                media=media_names(self.device.type, bool(cfg.kv_offload_dir or cfg.kv_persist_dir)),
-                hash_scheme=cfg.kv_events_hash,
+                media=media_names(bool(cfg.kv_offload_dir or cfg.kv_persist_dir)),
+                hash_scheme=cfg.kv_events_hash, wire_format=cfg.kv_events_format,
+                window=None if window is None else window.window,
             )
+            if window is not None and cfg.kv_events_format == "map":  # the window group (1) by difference
+                self._window_events = WindowGroupEvents(cfg.block_size)
             events = KVEventLog()
             events.cleared()  # a (re)started engine holds nothing, whatever a subscriber knew of it
         return RadixCache(self.pool, cfg.block_size, self.tiering.slots, write_through=persisted,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.agent_hints import KINDS, AgentHints
+from radixserve.engine.cpu_share import CpuSnapshot
 from radixserve.engine.kv_transfer import TransferStats
 from radixserve.kv_tier.tiering import TierStats
 
@@ -92,6 +93,7 @@ class EngineStats:
     schedule_s: float  # seconds spent so far in each part of a step
     model_s: float
     postprocess_s: float
+    cpu: CpuSnapshot | None = None  # the cores steps use (engine/cpu_share.py)
     cache: CacheStats | None = None
     tier: TierStats | None = None
     transfer: TransferStats | None = None  # an engine with a prefill or decode role (kv_transfer.py)
@@ -111,7 +113,7 @@ class EngineStats:
         """The flat dictionary of `Engine.stats()`, keys in their documented order."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("schedule_s", "model_s", "postprocess_s", "cache", "tier", "transfer", "hints") or (
+            if f.name in ("schedule_s", "model_s", "postprocess_s", "cpu", "cache", "tier", "transfer", "hints") or (
                     f.name.startswith("window_page")):
                 continue
             out[f.name] = getattr(self, f.name)
@@ -134,5 +136,8 @@ class EngineStats:
         if self.window_pages_total:  # a hybrid KV engine
             out.update(window_pages_total=self.window_pages_total, window_pages_attached=self.window_pages_attached,
                        window_pages_trimmed=self.window_pages_trimmed, window_page_bytes=self.window_page_bytes)
+        if self.cpu is not None:
+            out.update(cpu_usable_cores=self.cpu.usable_cores, cpu_threads=self.cpu.threads,
+                       cpu_others_cores=self.cpu.others_cores, cpu_team_reductions=self.cpu.reductions)
         out.update(schedule_s=self.schedule_s, model_s=self.model_s, postprocess_s=self.postprocess_s)
         return out

@@ -53,3 +53,32 @@ def release_thread_pool() -> bool:
     if not ok:
         log.debug("omp_pause_resource_all refused on this thread")
     return ok
+
+
+@functools.cache
+def _set_threads_call():
+    """The loaded libgomp's omp_set_num_threads, or None (another runtime, or none)."""
+    import torch  # noqa: F401  (the runtime torch brings is the one to find)
+
+    try:
+        runtime = ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+    except (OSError, AttributeError):
+        return None
+    call = getattr(runtime, "omp_set_num_threads", None)
+    if call is not None:
+        call.argtypes, call.restype = [ctypes.c_int], None
+    return call
+
+
+def set_team_size(threads: int) -> None:
+    """The team size of the calling thread's next parallel regions: torch's ops and the C
+    kernels alike (both read libgomp's per-thread setting). libgomp's own call costs
+    microseconds; torch.set_num_threads, the fallback for other runtimes, milliseconds (it
+    rebuilds torch's other pools), so a caller changes it only when the count changes."""
+    call = _set_threads_call()
+    if call is not None:
+        call(int(threads))
+        return
+    import torch
+
+    torch.set_num_threads(int(threads))

@@ -33,6 +33,10 @@ def _hints(read: Callable[[HintStats], int]) -> Read:
     return lambda s: read(s.hints) if s.hints is not None else None
 
 
+def _cpu(read: Callable[[Any], "int | float"]) -> Read:
+    return lambda s: read(s.cpu) if s.cpu is not None else None
+
+
 def _transfer(read: Callable[[TransferStats], "int | float"]) -> Read:
     return lambda s: read(s.transfer) if s.transfer is not None else None
 
@@ -44,6 +48,8 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
     "radixserve_generated_tokens": ("Tokens generated", lambda s: s.generated_tokens),
     "radixserve_computed_tokens": ("Tokens run through the model", lambda s: s.computed_tokens),
     "radixserve_preemptions": ("Requests preempted to free KV blocks", lambda s: s.preemptions),
+    "radixserve_cpu_team_reductions": ("Times the steps' thread team shrank because other processes took cores",
+                                       _cpu(lambda c: c.reductions)),
     "radixserve_evicted_blocks": ("KV blocks evicted from the prefix cache", lambda s: s.evicted_blocks),
     "radixserve_kv_window_pages_trimmed": ("Window-layer KV pages dropped from blocks no window reads any more",
                                            lambda s: s.window_pages_trimmed),
@@ -112,6 +118,12 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
     "radixserve_kv_bytes_per_token": (
         "Bytes one cached token takes in the KV pool, all layers (codes and scales for int8)",
         lambda s: s.kv_bytes_per_token),
+    "radixserve_cpu_usable_cores": ("Cores this process may run on (affinity mask, cgroup quota)",
+                                    _cpu(lambda c: c.usable_cores)),
+    "radixserve_cpu_threads": ("Threads a step's parallel work uses now: the usable cores less those other "
+                               "processes took lately (or --num-threads)", _cpu(lambda c: c.threads)),
+    "radixserve_cpu_others_cores": ("Cores other processes used on the usable CPUs in the last sample",
+                                    _cpu(lambda c: c.others_cores)),
     "radixserve_kv_window_pages_total": ("Window-layer KV pages (hybrid KV, sliding-window models; 0 without)",
                                          lambda s: s.window_pages_total),
     "radixserve_kv_window_pages_attached": ("Window-layer KV pages holding a block's KV",

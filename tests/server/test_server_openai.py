@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve import SamplingParams
+from radixserve.engine.cpu_share import usable_cores
 from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
 
@@ -330,6 +331,10 @@ def test_metrics_parse_and_move(served):
     assert after["radixserve_kv_blocks_cached"] > 0
     assert after["radixserve_requests_running"] == 0 and after["radixserve_requests_waiting"] == 0
     assert "radixserve_preemptions_total" in after
+    # the cores steps use (engine/cpu_share.py): at least one thread, never more than the usable cores
+    assert after["radixserve_cpu_usable_cores"] == usable_cores()
+    assert 1 <= after["radixserve_cpu_threads"] <= after["radixserve_cpu_usable_cores"]
+    assert after["radixserve_cpu_others_cores"] >= 0 and "radixserve_cpu_team_reductions_total" in after
 
 
 COPY_PROMPT = "Copy this line twice: red apple, blue river, green stone, gold ring.\n" * 2 + "red apple, blue"
