@@ -2,9 +2,11 @@
 built from the format's pieces (ToolCallFormat: block_open, call_begin, arguments, call_end,
 separator, block_close) for every format alike.
 
-- `required` / a named tool: the whole output is one block of one or more calls (exactly
-  one when parallel calls are off, at most MAX_PARALLEL_CALLS otherwise), each naming a
-  declared tool (the named one) with arguments valid under that tool's `parameters` schema.
+- `required`: the whole output is one block of one or more calls (exactly one when parallel
+  calls are off, at most MAX_PARALLEL_CALLS otherwise), each naming a declared tool with
+  arguments valid under that tool's `parameters` schema.
+- a named tool: the whole output is exactly one call of that tool (as OpenAI, vLLM and
+  SGLang answer a named tool_choice), whatever parallel_tool_calls says.
 - `auto`: free text, but once the model opens calls (the format's trigger: `<tool_call>`,
   `[TOOL_CALLS]`, `{"name": ` ...), the block is constrained as above until it closes.
 - `none`: no constraint.
@@ -30,7 +32,8 @@ def tool_call_structural_tag(spec: ToolSpec, fmt: ToolCallFormat) -> dict[str, A
         return None
     tools = spec.callable_tools()
     calls = [_call(tool, grammar, fmt) for tool, grammar in tools]
-    body = _auto(tools, calls, fmt, spec.parallel) if spec.mode == "auto" else _block(calls, fmt, spec.parallel)
+    parallel = spec.parallel and spec.mode != "named"
+    body = _auto(tools, calls, fmt, parallel) if spec.mode == "auto" else _block(calls, fmt, parallel)
     return {"type": "structural_tag", "format": body}
 
 

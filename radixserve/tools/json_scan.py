@@ -4,6 +4,7 @@ text's end may still grow into a marker (held back until the next piece decides)
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 
 class JsonValueScanner:
@@ -108,6 +109,32 @@ def object_items(text: str) -> tuple[list[tuple[str, str]], bool] | None:
         elif not text.startswith("}", at) and at < len(text):
             return None
     return items, False
+
+
+@dataclass(frozen=True)
+class WrittenObject:
+    """A JSON object's text as far as it was written (a call's arguments cut by max_tokens):
+    its (key, value as written) pairs, whether it closes, and a key cut short inside its
+    string (what was written of it; None when no key is open)."""
+
+    items: list[tuple[str, str]]
+    closed: bool
+    open_key: str | None = None
+
+
+def written_object(text: str) -> WrittenObject | None:
+    """`text` read as (the start of) a JSON object, a cut inside a key included; None when it is not one."""
+    found = object_items(text)
+    if found is not None:
+        return WrittenObject(*found)
+    quote = text.rfind('"')
+    head = text[:quote]
+    if quote < 0 or not head.rstrip().endswith(("{", ",")):
+        return None
+    before = object_items(head)
+    if before is None or before[1]:
+        return None
+    return WrittenObject(before[0], False, text[quote + 1:])
 
 
 def skip_ws(text: str, at: int) -> int:

@@ -122,7 +122,7 @@ def _calls_as_written(calls: tuple[HistoryCall, ...], fmt: ToolCallFormat) -> st
     """The calls as the model wrote them: a last call cut by max_tokens (its arguments not
     whole JSON) ends where the model stopped, without the close it never wrote."""
     text = fmt.render_calls([(c.name, c.arguments) for c in calls])
-    if not _whole_json(calls[-1].arguments) and text.endswith(fmt.end):
+    if fmt.end and not _whole_json(calls[-1].arguments) and text.endswith(fmt.end):  # (text[:-0] is empty)
         text = text[: -len(fmt.end)]
     return text
 

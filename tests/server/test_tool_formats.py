@@ -21,6 +21,7 @@ from radixserve.tools import (
 )
 from radixserve.tools.formats import FORMATS, PARSER_CHOICES, detect_format, format_named
 from radixserve.tools.formats.mistral import MistralFormat
+from radixserve.tools.rendering import fallback_messages
 
 TEMPLATES = Path(__file__).parent / "templates"
 FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
@@ -258,6 +259,41 @@ def test_whole_parse_and_render_back_byte_for_byte(fmt):
             assert parsed.content.startswith("Checking.") and parsed.content.endswith(" Done.")
             continue
         assert fmt.render_message(parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == text
+
+
+@pytest.mark.parametrize("fmt", every_format(), ids=ids(every_format()))
+def test_a_call_cut_by_max_tokens_returns_its_arguments_so_far(tokenizer, fmt):
+    """Every format returns a cut call's arguments as the JSON text written so far (as the
+    JSON formats always did; pythonic and qwen3_coder returned none before the first whole
+    argument), streamed or whole, and renders them back as written into the next turn."""
+    text = fmt.render_calls(CALLS[:1])
+    in_value = text.index("Paris") + 3
+    in_key = text.index("unit") + 2
+    in_second_value = text.index("c", text.index("unit") + 4) + 1
+    for cut, expected in ((in_value, '{"city": "Par'), (in_key, '{"city": "Paris", "un'),
+                          (in_second_value, '{"city": "Paris", "unit": "c')):
+        prefix = text[:cut]
+        whole = parse_tool_calls(prefix, fmt, SCHEMAS, SCHEMAS)
+        assert whole.calls == [ParsedCall("get_weather", expected)] and whole.content is None, (fmt.name, prefix)
+        for pieces in (token_pieces(tokenizer, prefix), [prefix[i:i + 2] for i in range(0, len(prefix), 2)]):
+            result, events = streamed(fmt, prefix, pieces)
+            assert result == whole and assemble(events)[1] == whole.calls
+        turn = HistoryMessage("assistant", None, (HistoryCall("call_1", "get_weather", expected, "m"),))
+        (rendered,) = fallback_messages([turn], [], fmt)
+        assert rendered["content"] == prefix, fmt.name
+    if fmt.name == "pythonic":  # a Python string in single quotes becomes the start of a JSON string
+        cut = parse_tool_calls("[get_weather(city='Par", fmt, SCHEMAS, SCHEMAS)
+        assert cut.calls == [ParsedCall("get_weather", '{"city": "Par')]
+
+
+def test_a_named_tool_gives_exactly_one_call_even_with_parallel_calls_on(compiler):
+    declared = tools(WEATHER, ADD)
+    for fmt in every_format():
+        one = tool_call_structural_tag(tool_spec(declared, named("add"), None), fmt)
+        assert accepts(compiler, one, fmt.render_calls(CALLS[1:])), fmt.name
+        assert not accepts(compiler, one, fmt.render_calls([CALLS[1], CALLS[1]])), fmt.name
+        required = tool_call_structural_tag(tool_spec(declared, "required", None), fmt)
+        assert accepts(compiler, required, fmt.render_calls([CALLS[1], CALLS[1]])), fmt.name
 
 
 @pytest.mark.parametrize("fmt", every_format(), ids=ids(every_format()))

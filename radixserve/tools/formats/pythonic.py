@@ -10,6 +10,7 @@ the call renders back byte for byte.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any
@@ -21,21 +22,24 @@ from radixserve.tools.definitions import ToolDefinition
 from radixserve.tools.formats.block_scan import BlockScanner, BlockSyntax
 from radixserve.tools.formats.literals import json_value
 from radixserve.tools.formats.scan_parser import ScanParser
-from radixserve.tools.json_scan import object_items, skip_ws
+from radixserve.tools.json_scan import skip_ws, written_object
 from radixserve.tools.parser import Schemas
 
 _KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=(.*)", re.S)
+_PARTIAL_KWARG = re.compile(r"\s*([A-Za-z_]\w*)(?:\s*=(.*))?\s*\Z", re.S)
 
 
 class PythonicArguments:
-    """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole.
-    Read on from where the last scan stopped (the text only grows)."""
+    """Keyword arguments up to the call's `)`: each one joins the JSON arguments once whole;
+    at the end of a cut output (`final`) the argument it cut joins as written so far (as the
+    JSON formats return a cut call's text). Read on from where the last scan stopped (the
+    text only grows)."""
 
     def __init__(self) -> None:
         self._calls: dict[int, _CallArguments] = {}  # header end -> its arguments so far
 
     def __call__(self, text: str, pos: int, final: bool, name: str) -> tuple[str, int | None]:
-        return self._calls.setdefault(pos, _CallArguments(pos)).read(text)
+        return self._calls.setdefault(pos, _CallArguments(pos)).read(text, final)
 
 
 class _CallArguments:
@@ -46,7 +50,7 @@ class _CallArguments:
         self.depth, self.quote, self.escape, self.broken = 0, "", False, False
         self.end: int | None = None
 
-    def read(self, text: str) -> tuple[str, int | None]:
+    def read(self, text: str, final: bool) -> tuple[str, int | None]:
         while self.end is None:
             if self.at == self.start:
                 self.start = self.at = skip_ws(text, self.start)
@@ -55,7 +59,9 @@ class _CallArguments:
                     break
             stop = self._scan(text)
             if stop is None:
-                return ("{" + ", ".join(self.parts)) if self.parts else "", None
+                cut = _partial_pair(text[self.start:], len(self.parts)) if final and not self.broken else ""
+                parts = self.parts + [cut] if cut else self.parts
+                return ("{" + ", ".join(parts)) if parts else "", None
             self.parts.append(_pair(text[self.start:stop], len(self.parts)))
             if text[stop] == ")":
                 self.end = stop
@@ -130,16 +136,43 @@ class PythonicFormat(ToolCallFormat):
         return {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}  # no arguments: f()
 
     def render_arguments(self, arguments: str) -> str:
-        items = object_items(arguments)
-        if items is None:
+        """As the call writes them; arguments cut by max_tokens end where they were cut."""
+        written = written_object(arguments)
+        if written is None:
             return arguments
-        return ", ".join(f"{key}={value}" for key, value in items[0])
+        pairs = [f"{key}={value}" for key, value in written.items]
+        return ", ".join(pairs + ([written.open_key] if written.open_key is not None else []))
 
     def example(self) -> str:
         return "[<function-name>(<parameter>=<JSON value>, ...), ...]"
 
 
 PYTHONIC = PythonicFormat()
+
+
+def _partial_pair(text: str, index: int) -> str:
+    """An argument cut short, as the JSON text of its pair so far: `"key": value as written`,
+    or the key's start while no `=` follows it yet (a positional value is `_index`'s, as in `_pair`)."""
+    if not text.strip():
+        return ""
+    match = _PARTIAL_KWARG.match(text)
+    key, value = (match.group(1), match.group(2)) if match else (f"_{index}", text)
+    if value is None:
+        return json.dumps(key, ensure_ascii=False)[:-1]
+    return f"{json.dumps(key, ensure_ascii=False)}: {_partial_value(value.lstrip())}"
+
+
+def _partial_value(text: str) -> str:
+    """A value cut short: as written, but for a Python string in single quotes, which becomes
+    the start of the JSON string it was writing."""
+    if not text.startswith("'"):
+        return text
+    for written in (text, text[:-1]):  # a cut right after a backslash ends inside an escape
+        try:
+            return json.dumps(ast.literal_eval(written + "'"), ensure_ascii=False)[:-1]
+        except (SyntaxError, ValueError):
+            continue
+    return text
 
 
 def _pair(text: str, index: int) -> str:

@@ -25,7 +25,7 @@ from radixserve.tools.definitions import ToolDefinition
 from radixserve.tools.formats.block_scan import BlockScanner, BlockSyntax
 from radixserve.tools.formats.literals import json_value
 from radixserve.tools.formats.scan_parser import ScanParser
-from radixserve.tools.json_scan import object_items
+from radixserve.tools.json_scan import json_value_end, partial_suffix, written_object
 from radixserve.tools.parser import Schemas
 
 _PARAMETER = regex.compile(r"\s*<parameter=(?P<key>[^>\n]+)>")
@@ -58,10 +58,19 @@ class Qwen3CoderFormat(ToolCallFormat):
         return {"type": "sequence", "elements": elements} if elements else {"type": "const_string", "value": ""}
 
     def render_arguments(self, arguments: str) -> str:
-        items = object_items(arguments)
-        if items is None:
+        """As the call writes them; arguments cut by max_tokens end where they were cut (a
+        last value still open, a string's or a bracket's, without its close)."""
+        written = written_object(arguments)
+        if written is None:
             return arguments
-        return "\n".join(f"<parameter={key}>\n{_written(value)}\n{_PARAMETER_END}" for key, value in items[0])
+        items, cut = written.items, ""
+        if written.open_key is not None:
+            cut = f"<parameter={written.open_key}"
+        elif not written.closed and items and _open_value(items[-1][1]):
+            key, value = items.pop()
+            cut = f"<parameter={key}>\n{_written_start(value)}"
+        whole = [f"<parameter={key}>\n{_written(value)}\n{_PARAMETER_END}" for key, value in items]
+        return "\n".join(whole + ([cut] if cut else []))
 
     def example(self) -> str:
         return ("<tool_call>\n<function=<function-name>>\n<parameter=<parameter-name>>\n<value>\n</parameter>\n"
@@ -118,11 +127,33 @@ class _Parameters:
                 self._calls[header_end] = (parts, pos, resume)
                 if match is None:
                     return "{" + ", ".join(parts) + "}", pos
+                cut = _partial_parameter(text[pos:], properties) if final else ""
+                parts = parts + [cut] if cut else parts
                 return ("{" + ", ".join(parts)) if parts else "", None
             key = match.group("key")
             value = _typed(_unwrap(text[match.end():end]), properties.get(key))
             parts = parts + [f"{json.dumps(key, ensure_ascii=False)}: {value}"]
             pos = searched = end + len(_PARAMETER_END)
+
+
+def _partial_parameter(text: str, properties: Any) -> str:
+    """A parameter cut short (the output's end), as the JSON text of its pair so far: the key's
+    start while its tag is open, else `"key": ` and the value written so far (a string's as the
+    start of its JSON string), less what may be the start of its close."""
+    match = _PARAMETER.match(text, partial=True)
+    if match is None:
+        return ""
+    if match.partial:
+        key = text[text.index("<parameter=") + len("<parameter="):] if "<parameter=" in text else ""
+        return json.dumps(key, ensure_ascii=False)[:-1] if key else ""
+    key = match.group("key")
+    value = text[match.end():]
+    value = value[: len(value) - partial_suffix(value, "\n" + _PARAMETER_END)]
+    value = value[1:] if value.startswith("\n") else value
+    schema = properties.get(key)
+    as_json = not _is_string(schema) and (schema is not None or value.lstrip()[:1] in tuple('{["-0123456789'))
+    written = value.strip() if as_json else json.dumps(value, ensure_ascii=False)[:-1] if value else ""
+    return f"{json.dumps(key, ensure_ascii=False)}: {written}"
 
 
 def _unwrap(value: str) -> str:
@@ -148,6 +179,28 @@ def _is_string(schema: Any) -> bool:
         return True
     enum = schema.get("enum")
     return kind is None and isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
+
+
+def _open_value(value: str) -> bool:
+    """A value cut short: nothing yet, or a string, object or array not closed (a number or a
+    literal reads as whole: its text is the same either way)."""
+    if not value:
+        return True
+    if value[0] not in '"[{':
+        return False
+    return json_value_end(value, 0) is None
+
+
+def _written_start(value: str) -> str:
+    """The start of a value as the format writes it: a string's text so far, anything else as written."""
+    if not value.startswith('"'):
+        return value
+    for head in (value, value[:-1]):  # a cut right after a backslash ends inside an escape
+        try:
+            return json.loads(head + '"')
+        except ValueError:
+            continue
+    return value[1:]
 
 
 def _written(value: str) -> str:
