@@ -15,7 +15,7 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREFILL_ATTENTION_DTYPES, PREFILL_MATMUL_DTYPES, QUANTIZED_PROMPT_MATMULS,
     SCHEDULE_POLICIES,
-    KV_EVENT_HASHES, SPECULATIVE_METHODS, WEIGHT_DTYPES, EngineConfig,
+    KV_EVENT_FORMATS, KV_EVENT_HASHES, SPECULATIVE_METHODS, WEIGHT_DTYPES, EngineConfig,
 )
 
 _CHOICES = {
@@ -23,6 +23,7 @@ _CHOICES = {
     "speculative": SPECULATIVE_METHODS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "prefill_attention_dtype": PREFILL_ATTENTION_DTYPES,
     "prefill_matmul_dtype": PREFILL_MATMUL_DTYPES, "weight_dtype": WEIGHT_DTYPES, "kv_events_hash": KV_EVENT_HASHES,
+    "kv_events_format": KV_EVENT_FORMATS,
     "hybrid_kv": ("auto", "off"), "quantized_prompt_matmul": QUANTIZED_PROMPT_MATMULS,
 }
 

@@ -67,11 +67,13 @@ class KVEventRouting:
     model: str | None = None  # the replicas' model: its tokenizer names the requests' blocks
     model_cache_dir: str | None = None
     server: ServerOptions | None = None  # the replicas' (chat template, tool-call and reasoning parsers)
+    wire_format: str = "map"  # the replicas' kv_events_format
 
     @classmethod
     def of(cls, engine_kwargs: dict[str, Any], server: ServerOptions | None = None) -> "KVEventRouting":
         return cls(engine_kwargs.get("block_size", 16), engine_kwargs.get("kv_events_hash", "chained"),
-                   engine_kwargs.get("model"), engine_kwargs.get("model_cache_dir"), server)
+                   engine_kwargs.get("model"), engine_kwargs.get("model_cache_dir"), server,
+                   engine_kwargs.get("kv_events_format", "map"))
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class ClusterIngress:
     def _start_kv_events(self, routing: KVEventRouting) -> None:
         self.kv_index = KVBlockIndex(routing.block_size, routing.hash_scheme)
         register_kv_index(self.options.app_name, self.kv_index)  # before the handle's router starts
-        self.kv_feed = KVEventFeed(self.kv_index)
+        self.kv_feed = KVEventFeed(self.kv_index, wire_format=routing.wire_format)
         try:
             tokenizer = _tokenizer(routing.model, routing.model_cache_dir)
         except Exception:  # token-id prompts are still named

@@ -28,8 +28,8 @@ def replica_engine_kwargs(engine_kwargs: dict[str, Any], host: str) -> dict[str,
 
 
 class KVEventFeed:
-    def __init__(self, index: KVBlockIndex, poll_ms: int = 20):
-        self.index = index
+    def __init__(self, index: KVBlockIndex, poll_ms: int = 20, wire_format: str = "map"):
+        self.index, self.wire_format = index, wire_format
         self.poll_ms = poll_ms
         self._subs: dict[str, tuple[tuple[str, str | None], KVEventSubscriber]] = {}
         self._lock = threading.Lock()
@@ -51,7 +51,8 @@ class KVEventFeed:
                 self.index.forget(replica)
             for replica, ends in endpoints.items():
                 if replica not in self._subs:
-                    self._subs[replica] = (ends, KVEventSubscriber(self.index, replica, ends[0], ends[1]))
+                    self._subs[replica] = (ends, KVEventSubscriber(self.index, replica, ends[0], ends[1],
+                                                                            wire_format=self.wire_format))
 
     def close(self) -> None:
         self._stop.set()

@@ -84,6 +84,8 @@ class KVBlockIndex:
             kind = _kind(event)
             if kind == "AllBlocksCleared":
                 state.media.clear()
+            elif getattr(event, "group_idx", None) not in (None, 0):
+                continue  # a window group's pages: routing follows the full-attention blocks
             elif kind == "BlockStored":
                 state.media.setdefault(event.medium, set()).update(event.block_hashes)
             elif kind == "BlockRemoved":

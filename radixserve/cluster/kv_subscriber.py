@@ -17,46 +17,17 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.cluster.kv_index import KVBlockIndex
-
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[Any]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[Any]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-
+from radixserve.engine.kv_events import END_OF_REPLAY, WireFormat
 
 class KVEventSubscriber:
     def __init__(self, index: KVBlockIndex, replica: str, endpoint: str, replay_endpoint: str | None = None,
-                 replay_timeout_s: float = 5.0):
+                 replay_timeout_s: float = 5.0, wire_format: str = "map"):
         self.index, self.replica = index, replica
+        self._decoder = WireFormat(wire_format).decoder  # the publisher's own structs
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
@@ -94,7 +65,7 @@ class KVEventSubscriber:
                 if self.drop_next:
                     self.drop_next -= 1
                     continue
-                applied += self._take(int.from_bytes(seq, "big"), DECODER.decode(payload))
+                applied += self._take(int.from_bytes(seq, "big"), self._decoder.decode(payload))
 
     def catch_up(self) -> int:
         """Replay whatever the replica published after the last batch applied (e.g. a late
@@ -122,7 +93,7 @@ class KVEventSubscriber:
             except zmq.ZMQError:
                 return
 
-    def _take(self, seq: int, batch: KVEventBatch) -> int:
+    def _take(self, seq: int, batch: Any) -> int:
         verdict = self.index.accepts(self.replica, seq, batch.ts)
         if verdict == "skip":
             return 0
@@ -166,7 +137,7 @@ class KVEventSubscriber:
         """Apply the replay buffer's batches from `start` on, in order, while they follow on."""
         return self._apply_following(self._fetch_replay(start))
 
-    def _apply_following(self, batches: list[tuple[int, KVEventBatch]]) -> int:
+    def _apply_following(self, batches: list[tuple[int, Any]]) -> int:
         applied = 0
         for seq, batch in batches:
             if self.index.accepts(self.replica, seq, batch.ts) == "apply":
@@ -175,7 +146,7 @@ class KVEventSubscriber:
                 applied += 1
         return applied
 
-    def _fetch_replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+    def _fetch_replay(self, start: int) -> list[tuple[int, Any]]:
         if self._replay is None:
             return []
         self.replays += 1
@@ -185,5 +156,5 @@ class KVEventSubscriber:
             _, seq, payload = self._replay.recv_multipart()
             if seq == END_OF_REPLAY:
                 break
-            out.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+            out.append((int.from_bytes(seq, "big"), self._decoder.decode(payload)))
         return out

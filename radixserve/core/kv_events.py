@@ -3,7 +3,10 @@ read (plain Python). The engine hands each step's events to the publisher
 (engine/kv_events.py), which sends them in vLLM's published format.
 
 A block is named by its chained hash (core/hashing.py) and lives in a medium: "pool" (the
-KV pool the model reads) or "tier" (the second tier). A node that moves from the pool to
+KV pool the model reads) or "tier" (the second tier), and in a cache group: FULL (the full
+layers' blocks, all the tree holds) or WINDOW (the window layers' pages of a hybrid model,
+core/window_pages.py: a cached block keeps one only near a node's end, so they come and go
+as windows slide). The first block of a tenant's namespace carries the namespace's salt. A node that moves from the pool to
 the tier is a BlockStored in the tier then a BlockRemoved from the pool; a subscriber that
 applies every event in order holds exactly the blocks the cache holds, medium by medium.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POOL, TIER = "pool", "tier"
+FULL, WINDOW = 0, 1  # cache groups (group_idx on the wire)
 
 
 @dataclass(frozen=True)
@@ -21,12 +25,15 @@ class BlockStored:
     parent_block_hash: int | None  # None: the first block of its namespace
     token_ids: list[int]
     medium: str
+    group: int = FULL
+    salt: str | None = None  # only on a namespace's first block (parent None)
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
     medium: str
+    group: int = FULL
 
 
 @dataclass(frozen=True)
@@ -43,9 +50,11 @@ class KVEventLog:
     def __init__(self) -> None:
         self._events: list[KVEvent] = []
 
-    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str) -> None:
+    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str,
+               salt: str | None = None) -> None:
         if hashes:
-            self._events.append(BlockStored(list(hashes), parent, list(tokens), medium))
+            self._events.append(BlockStored(list(hashes), parent, list(tokens), medium,
+                                            salt=salt if parent is None else None))
 
     def removed(self, hashes: list[int], medium: str) -> None:
         if hashes:

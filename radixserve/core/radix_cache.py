@@ -716,7 +716,7 @@ class RadixCache:
     def _stored(self, node: RadixNode, medium: str) -> None:
         if self.events is not None:
             parent = None if node.parent.is_root else node.parent.digests[-1]
-            self.events.stored(node.digests, parent, node.tokens, medium)
+            self.events.stored(node.digests, parent, node.tokens, medium, node.salt)
 
     def _removed(self, node: RadixNode, medium: str) -> None:
         if self.events is not None:

@@ -1,20 +1,32 @@
 """KVEventPublisher: the radix cache's block events (core/kv_events.py) sent to external
-routers and indexers in vLLM's published format, off the engine thread.
+routers and indexers in vLLM's published format, off the engine thread; and the one definition
+of that format's structs (the cluster's subscriber decodes with the same ones).
 
-Wire format, as vLLM publishes it (so its subscribers, NVIDIA Dynamo's KV router and llm-d's
-indexer decode it unchanged): a ZMQ PUB socket sends [topic, sequence number (8 bytes, big
-endian), payload], the payload a msgpack KVEventBatch [ts, [events], data_parallel_rank], each
-event a tagged array: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. A replay
-socket (ROUTER) answers a request [b"", start sequence (8 bytes)] with [b"", seq, payload]
-for every batch still buffered from `start` on, then [b"", -1 (8 bytes, signed), b""].
+Wire format, as vLLM publishes it (so its subscribers, NVIDIA Dynamo's KV router, llm-d's
+indexer and kthena, decode it unchanged): a ZMQ PUB socket sends [topic, sequence number
+(8 bytes, big endian), payload], the payload a msgpack KVEventBatch [ts, [events],
+data_parallel_rank]. Each event (`wire_format` "map", the default, vLLM's form since its
+KV-events change of 2026-05) is a map tagged by its "type" with named fields:
+  BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+    lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window
+  BlockRemoved: block_hashes, medium, group_idx
+  AllBlocksCleared
+or ("array", for older consumers) a tagged array of the fields before lora_name:
+["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium],
+["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. A replay socket (ROUTER)
+answers a request [b"", start sequence (8 bytes)] with [b"", seq, payload] for every batch
+still buffered from `start` on, then [b"", -1 (8 bytes, signed), b""].
 
-Hashes (`hash_scheme`): "chained": the cache's own chained xxh3-128 (core/hashing.py: each
-block's hash is xxh3_128(parent hash as 16 little-endian bytes + its token ids as int64
-little-endian), starting from 0, or from xxh3_128 of the cache salt in a tenant's
-namespace) as 16 big-endian bytes; "chained64": its low 64 bits as an integer, for
-indexers that keep integer hashes. Media: the pool is "GPU" or "CPU" (the device it lives
-on), the second tier "CPU_TIER" (memory) or "DISK" (a file, --kv-offload-dir).
+Cache groups (group_idx, one per kind of cached state): 0 the full-attention blocks
+("full_attention"), 1 a hybrid model's window pages ("sliding_window", with its window in
+kv_cache_spec_sliding_window); recurrent states will take the next. extra_keys: per block,
+null, except a tenant namespace's first block: [salt] (its cache salt, as vLLM puts
+cache_salt there). Hashes (`hash_scheme`): "chained": the cache's own chained xxh3-128
+(core/hashing.py) as 16 big-endian bytes; "chained64": its low 64 bits as an integer (what
+vLLM sends by default, and all Dynamo 1.6 decodes). Media, as consumers name them: the pool
+the model reads is "GPU" (vLLM's and Dynamo's name for the primary, device tier, whatever
+the device: a CPU engine's pool is still what its model reads), the second tier "CPU"
+(memory: Dynamo's host tier) or "DISK" (a file, --kv-offload-dir).
 
 The engine thread only hands each step's events over (a queue put); encoding and sending
 happen on the publisher's thread, and a PUB socket drops for a subscriber too slow to keep
@@ -33,36 +45,61 @@ from typing import Any
 import msgspec
 import zmq
 
-from radixserve.core.kv_events import POOL, TIER, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from radixserve.core.kv_events import FULL, POOL, TIER, WINDOW, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
 HASH_SCHEMES = ("chained", "chained64")
+WIRE_FORMATS = ("map", "array")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+GROUP_KINDS = {FULL: "full_attention", WINDOW: "sliding_window"}
+
+# The published field lists, in order; the array form carries each event's first LEGACY fields.
+STORED_FIELDS: list[tuple[str, Any]] = [
+    ("block_hashes", list[Any]), ("parent_block_hash", Any), ("token_ids", list[int]), ("block_size", int),
+    ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None),
+    ("extra_keys", list[list[Any] | None] | None), ("group_idx", int | None),
+    ("kv_cache_spec_kind", str | None), ("kv_cache_spec_sliding_window", int | None),
+]
+REMOVED_FIELDS: list[tuple[str, Any]] = [("block_hashes", list[Any]), ("medium", str | None), ("group_idx", int | None)]
+LEGACY = {"BlockStored": 6, "BlockRemoved": 2}
 
 
-class WireBlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
-    block_hashes: list[Any]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
+class WireFormat:
+    """The structs of one form (map or array), built from the field lists above."""
 
+    def __init__(self, form: str):
+        if form not in WIRE_FORMATS:
+            raise ValueError(f"kv_events_format must be one of {', '.join(WIRE_FORMATS)}, got {form!r}")
+        array = form == "array"
 
-class WireBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
-    block_hashes: list[Any]
-    medium: str | None
+        def event(name: str, fields: list[tuple[str, Any]]):
+            kept = fields[:LEGACY[name]] if array and name in LEGACY else fields
+            return msgspec.defstruct(name, kept, tag=name, array_like=array, gc=False)
 
+        self.form = form
+        self.BlockStored = event("BlockStored", STORED_FIELDS)
+        self.BlockRemoved = event("BlockRemoved", REMOVED_FIELDS)
+        self.AllBlocksCleared = event("AllBlocksCleared", [])
+        union = self.BlockStored | self.BlockRemoved | self.AllBlocksCleared
+        self.Batch = msgspec.defstruct("KVEventBatch", [("ts", float), ("events", list[union]),
+                                                        ("data_parallel_rank", int | None, None)],
+                                       array_like=True, gc=False)
+        self.decoder = msgspec.msgpack.Decoder(type=self.Batch)
 
-class WireAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"):
-    pass
+    def stored(self, hashes: list, parent, tokens: list[int], block_size: int, medium: str, group: int,
+               window: int | None, salt: str | None):
+        fields = [hashes, parent, tokens, block_size, None, medium]
+        if self.form == "array":
+            return self.BlockStored(*fields)
+        extra = None if salt is None else [[salt]] + [None] * (len(hashes) - 1)
+        return self.BlockStored(*fields, None, extra, group, GROUP_KINDS[group],
+                                window if group == WINDOW else None)
 
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
-    data_parallel_rank: int | None = None
+    def removed(self, hashes: list, medium: str, group: int):
+        if self.form == "array":
+            return self.BlockRemoved(hashes, medium)
+        return self.BlockRemoved(hashes, medium, group)
 
 
 class KVEventPublisher:
@@ -70,10 +107,11 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, *, block_size: int, media: dict[str, str],
                  hash_scheme: str = "chained", topic: str = "", buffer_batches: int = 10_000,
-                 data_parallel_rank: int | None = None):
+                 data_parallel_rank: int | None = None, wire_format: str = "map", window: int | None = None):
         if hash_scheme not in HASH_SCHEMES:
             raise ValueError(f"kv_events_hash must be one of {', '.join(HASH_SCHEMES)}, got {hash_scheme!r}")
         self.block_size, self.media, self.hash_scheme = block_size, media, hash_scheme
+        self.wire, self.window = WireFormat(wire_format), window
         self.topic, self.rank = topic.encode(), data_parallel_rank
         self._context = zmq.Context()
         try:
@@ -127,7 +165,8 @@ class KVEventPublisher:
             self._answer_replays()
 
     def _send(self, ts: float, events: list[KVEvent]) -> None:
-        payload = self._encoder.encode(KVEventBatch(ts, [self._wire(e) for e in events], self.rank))
+        wired = [w for w in (self._wire(e) for e in events) if w is not None]
+        payload = self._encoder.encode(self.wire.Batch(ts, wired, self.rank))
         self.sequence += 1
         self._buffer.append((self.sequence, payload))
         try:
@@ -150,13 +189,18 @@ class KVEventPublisher:
 
     def _wire(self, event: KVEvent):
         if isinstance(event, BlockStored):
+            if event.group != FULL and self.wire.form == "array":
+                return None  # the array form has no groups: older consumers see the full blocks only
             parent = None if event.parent_block_hash is None else self._hash(event.parent_block_hash)
-            return WireBlockStored([self._hash(h) for h in event.block_hashes], parent, event.token_ids,
-                                   self.block_size, None, self.media[event.medium])
+            return self.wire.stored([self._hash(h) for h in event.block_hashes], parent, event.token_ids,
+                                    self.block_size, self.media[event.medium], event.group, self.window, event.salt)
         if isinstance(event, BlockRemoved):
-            return WireBlockRemoved([self._hash(h) for h in event.block_hashes], self.media[event.medium])
+            if event.group != FULL and self.wire.form == "array":
+                return None
+            return self.wire.removed([self._hash(h) for h in event.block_hashes], self.media[event.medium],
+                                     event.group)
         assert isinstance(event, AllBlocksCleared)
-        return WireAllBlocksCleared()
+        return self.wire.AllBlocksCleared()
 
     def _hash(self, value: int):
         if self.hash_scheme == "chained64":
@@ -174,6 +218,36 @@ class KVEventPublisher:
         return socket
 
 
-def media_names(device_type: str, tier_on_disk: bool) -> dict[str, str]:
-    """The medium each of the cache's places is published as."""
-    return {POOL: "GPU" if device_type == "cuda" else "CPU", TIER: "DISK" if tier_on_disk else "CPU_TIER"}
+def media_names(tier_on_disk: bool) -> dict[str, str]:
+    """The medium each of the cache's places is published as (the consumers' names)."""
+    return {POOL: "GPU", TIER: "DISK" if tier_on_disk else "CPU"}
+
+
+class WindowGroupEvents:
+    """A hybrid model's window group (group 1) as events: a cached block is in the group while
+    it holds a window page (core/window_pages.py). Pages are trimmed and healed by the
+    scheduler as windows slide, far from the cache's event log, so the group is followed by
+    difference: each call compares the cached blocks holding pages with those published."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.published: set[int] = set()
+
+    def events(self, cache, window) -> list[KVEvent]:
+        now: dict[int, tuple[int | None, list[int], str | None]] = {}
+        bs = self.block_size
+        for node in cache.nodes():
+            if not node.blocks or len(node.digests) < len(node.blocks):
+                continue
+            first_parent = None if node.parent.is_root else node.parent.digests[-1]
+            for i, b in enumerate(node.blocks):
+                if window.has_page(b):
+                    parent = node.digests[i - 1] if i else first_parent
+                    now[node.digests[i]] = (parent, node.tokens[i * bs:(i + 1) * bs], node.salt)
+        gone = [d for d in self.published if d not in now]
+        out: list[KVEvent] = [BlockRemoved(gone, POOL, WINDOW)] if gone else []
+        for digest, (parent, tokens, salt) in now.items():
+            if digest not in self.published:
+                out.append(BlockStored([digest], parent, tokens, POOL, WINDOW, salt if parent is None else None))
+        self.published = set(now)
+        return out

@@ -33,13 +33,13 @@ def _engine(path: str, pub: str, replay: str, **options) -> Engine:
 
 def engine_view(engine: Engine) -> dict[str, set]:
     """The replica's own view: its radix cache's block names, pool and tier apart."""
-    view: dict[str, set] = {"CPU": set(), "CPU_TIER": set()}
+    view: dict[str, set] = {"GPU": set(), "CPU": set()}  # the pool, the tier (in memory)
     for node in engine.cache.nodes():
         names = [d.to_bytes(16, "big") for d in node.digests]
         if node.blocks:
-            view["CPU"].update(names)
+            view["GPU"].update(names)
         if node.slots:
-            view["CPU_TIER"].update(names)
+            view["CPU"].update(names)
     return {m: held for m, held in view.items() if held}
 
 
