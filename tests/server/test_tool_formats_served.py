@@ -118,3 +118,34 @@ def test_a_bad_request_template_is_a_400(client):
                                        extra_body={"chat_template": "{% for m in messages %}"})
     assert refused.value.status_code == 400
     assert refused.value.body["param"] == "chat_template" and "not a valid Jinja template" in refused.value.body["message"]
+
+
+def test_a_forced_call_cut_by_max_tokens_returns_its_arguments_so_far(client):
+    """Each format: a named call cut inside its first argument's value (max_tokens, found from
+    the whole answer's tokens) answers finish_reason length, one call, and the arguments as
+    the JSON text written so far: a prefix of the whole call's, holding the value's start,
+    streamed and whole alike. A named call is one call even with parallel calls on."""
+    messages = [{"role": "user", "content": "What is the weather in Paris? Use celsius."}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for family in FAMILIES:
+        whole = ask(client, family, messages, tool_choice=named, logprobs=True)
+        (call,) = whole.choices[0].message.tool_calls
+        arguments = call.function.arguments
+        city = json.loads(arguments)["city"]
+        assert len(city) >= 2, family
+        tokens = [entry.token for entry in whole.choices[0].logprobs.content]
+        value_at = "".join(tokens).index(city, "".join(tokens).index("city") + 4)
+        cut = next(k for k in range(1, len(tokens)) if len("".join(tokens[:k])) > value_at)
+        out = ask(client, family, messages, tool_choice=named, max_tokens=cut)
+        choice = out.choices[0]
+        assert choice.finish_reason == "length" and out.usage.completion_tokens == cut, family
+        (partial,) = choice.message.tool_calls
+        written = partial.function.arguments
+        assert partial.function.name == "get_weather" and arguments.startswith(written), (family, written)
+        assert written != arguments and written.startswith('{"city": "' + city[0]), (family, written)
+        streamed = ""
+        for chunk in ask(client, family, messages, tool_choice=named, max_tokens=cut, stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                assert delta.index == 0
+                streamed += delta.function.arguments or ""
+        assert streamed == written, family
