@@ -13,6 +13,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_agents          an agent swarm over a small pool: LRU, the second tier, sessions
     bench_agent_hints     agent hints (priority, ttl_s, speculative_prefill) against none
     bench_agent_turns     agent loops with tools over HTTP: reply ids reused against re-tokenized
+    bench_agent_conditions  chat agents and few-shot beside CPU-bound processes; Gemma 3's reuse (llama.cpp beside)
     bench_kv_events       step time with and without publishing KV events
     bench_kv_quant        int8 KV pages: accuracy, capacity and decode step time against float32
     bench_weights         quantized weights: accuracy, speed, memory (llama.cpp beside)

@@ -89,7 +89,7 @@ class FewShot:
         system = "Sort each support ticket into a team.\n" + shots
         questions = [f"Ticket: {_words(1000 + q, 14)}\nTeam:" for q in range(self.questions)]
         with ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(lambda q: client.ask(system, q, self.answer_tokens, key=q), questions))
+            list(pool.map(lambda q: client.ask(system, questions[q], self.answer_tokens, key=q), range(len(questions))))
 
 
 def _words(seed: int, n: int) -> str:
