@@ -15,14 +15,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from radixserve.model.builtin_template import with_builtin_template
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The directory's tokenizer, or None where it has no tokenizer files."""
+    """The directory's tokenizer, or None where it has no tokenizer files. A tokenizer without
+    a chat template gets its family's built-in one (model/builtin_template.py)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
+    return with_builtin_template(_load(path), path)
+
+
+def _load(path: Path) -> Any:
     if (path / "tokenizer.json").is_file():
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from radixserve.server.options import ServerOptions
-from radixserve.server.chat_template import load_chat_template
+from radixserve.server.chat_template import load_chat_template, template_in_force
 from radixserve.tools.formats import PARSER_CHOICES
 from radixserve.reasoning.registry import CHOICES as REASONING_CHOICES
 
@@ -110,7 +110,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     options = server_options(args)
     engine = Engine(**engine_kwargs)
     app = create_app(engine, options)
-    print(f"radixserve: serving {engine.model_name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"radixserve: serving {engine.model_name} on http://{args.host}:{args.port}; chat template: "
+          f"{template_in_force(engine.tokenizer, options.chat_template)}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.model.builtin_template import builtin_template
 from radixserve.model.tokenizer import load_tokenizer
 from real_prompts import RAW
 
@@ -34,8 +35,11 @@ def test_the_generic_class_tokenizes_decodes_and_templates_as_autotokenizer(mode
     directory = _model_dir(model)
     ours, auto = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
     assert len(ours) == len(auto) and ours.get_vocab() == auto.get_vocab()
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template"):
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids"):
         assert getattr(ours, attr) == getattr(auto, attr), attr
+    # the model's own template, or (Gemma 3's GGUF has none) its family's built-in one
+    assert ours.chat_template == (auto.chat_template or builtin_template("gemma3"))
+    auto.chat_template = ours.chat_template
     for text in TEXTS:
         for special in (True, False):
             ids = auto.encode(text, add_special_tokens=special)

@@ -1,0 +1,82 @@
+"""Built-in chat templates: the turn format of each family served, for a model file that
+carries no chat template (a base model's GGUF, a checkpoint without tokenizer_config's
+template), as llama.cpp falls back to its own. `--chat-template` still overrides it.
+
+The template is chosen by the family, and within the Llama family (Llama, Mistral, Qwen2,
+Qwen3 checkpoints) first by the turn markers the tokenizer has as tokens of their own, then
+by the model type. The templates are Jinja files beside this module (chat_templates/,
+shipped as package data). They know no tools: tool calls go through the fallback rendering
+(tools/rendering.py) in the hermes format, which `auto` picks for them.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from radixserve.model.registry import family_for_config
+
+TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
+BUILTIN_NAMES = ("gemma3", "chatml", "llama3", "mistral", "llama2")
+
+# a token of the tokenizer's own -> the turn format it marks (first match wins)
+TURN_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma3"),
+                ("[INST]", "mistral"))
+# a Llama-family model type -> the turn format, where the tokenizer marks none
+LLAMA_MODEL_TYPES = {"qwen2": "chatml", "qwen3": "chatml", "mistral": "mistral"}
+LLAMA_DEFAULT = "llama2"
+
+
+@cache
+def builtin_template(name: str) -> str:
+    """The text of a built-in template (one of BUILTIN_NAMES)."""
+    if name not in BUILTIN_NAMES:
+        raise ValueError(f"no built-in chat template {name!r}; there are {', '.join(BUILTIN_NAMES)}")
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def builtin_name(template: str | None) -> str | None:
+    """Which built-in template `template` is (None: not one of them)."""
+    for name in BUILTIN_NAMES:
+        if template is not None and template == builtin_template(name):
+            return name
+    return None
+
+
+def choose_builtin(config: dict[str, Any], tokenizer: Any) -> str | None:
+    """The built-in template's name for a model of `config` (config.json's fields) with
+    `tokenizer` (None: no family of ours; its checkpoint is refused elsewhere)."""
+    try:
+        family = family_for_config(SimpleNamespace(model_type=config.get("model_type"),
+                                                   architectures=config.get("architectures")))
+    except ValueError:
+        return None
+    if family.name == "gemma3":
+        return "gemma3"
+    own_tokens = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    for marker, name in TURN_MARKERS:
+        if marker in own_tokens:
+            return name
+    return LLAMA_MODEL_TYPES.get(config.get("model_type"), LLAMA_DEFAULT)
+
+
+def with_builtin_template(tokenizer: Any, model_dir: Path) -> Any:
+    """`tokenizer`, given its family's built-in chat template where it has none of its own
+    (the family read from model_dir/config.json)."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None):
+        return tokenizer
+    name = choose_builtin(_config(model_dir), tokenizer)
+    if name is not None:
+        tokenizer.chat_template = builtin_template(name)
+    return tokenizer
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
