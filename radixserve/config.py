@@ -126,6 +126,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft
     speculative_max_batch: int = 8  # speculate only while at most this many requests decode
+    jump_forward: bool = True  # constrained requests draft the text their grammar forces (verified in one step)
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

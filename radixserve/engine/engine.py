@@ -146,6 +146,8 @@ class Engine:
         self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
                                   stop_token_ids=self.eos_token_ids, window=window)
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
+        if cfg.jump_forward:  # constrained requests draft the text their grammar forces
+            self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)
         self.preparer = RequestPreparer(
             self.tokenizer, self.loaded.spec.vocab_size, self.max_model_len, cfg.block_size, num_blocks,
             self.grammars, self.model_name,

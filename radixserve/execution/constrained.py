@@ -7,6 +7,14 @@ bounded before compiling (a clear ValueError names the limit) and the compile ti
 cannot interrupt, finishes in the background on a single worker thread). Compiled
 grammars are cached up to a byte limit.
 
+Jump-forward: where the grammar forces the text that follows (a tool call's keys, a
+schema's punctuation, the rest of a choice), `forced_draft` tokenizes that text as the
+tokenizer would and offers it as a draft; the speculative path verifies it in one step with
+every row masked by the grammar state after the draft tokens before it (`apply_draft_masks`),
+so the tokens appended are exactly those masked decoding would pick, whatever the boundary
+tokenization: a draft token the model would not have chosen (a forced `"` where it writes
+`"get`) is replaced by the model's own choice at that row.
+
 Preemption by recompute keeps a request's generated tokens, so its matcher state stays in
 step with them: nothing is rolled back. xgrammar is imported on the first constrained
 request only.
@@ -71,6 +79,18 @@ class GrammarFactory:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self._compile(kind, spec))
+
+    def forced_draft(self, matcher: GrammarMatcher, limit: int) -> list[int]:
+        """Up to `limit` tokens of the text the matcher's grammar forces next, as the
+        tokenizer encodes it, cut at the first token the grammar refuses; [] when nothing is
+        forced. The matcher is left as it was."""
+        if limit <= 0 or matcher.is_terminated():
+            return []
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:limit]
+        return grammar_prefix(matcher, tokens)
 
     def cache_size_bytes(self) -> int:
         """Bytes held by compiled grammars in the cache (bounded by limits.cache_limit_bytes)."""
@@ -167,6 +187,44 @@ def apply_grammar_masks(logits, matchers: list[tuple[int, GrammarMatcher]]) -> N
     for row, matcher in matchers:
         matcher.fill_next_token_bitmask(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[row for row, _ in matchers])
+
+
+def grammar_prefix(matcher: GrammarMatcher, tokens: list[int]) -> list[int]:
+    """The longest prefix of `tokens` the matcher accepts from its state now; the matcher is
+    rolled back to that state."""
+    accepted = 0
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return tokens[:accepted]
+
+
+def apply_draft_masks(logits, drafted: list[tuple[int, GrammarMatcher, list[int]]]) -> None:
+    """Mask, in place, the len(draft) + 1 verification rows of each constrained draft from
+    `start`: row j by the grammar state after draft[:j] (the matcher is advanced through the
+    draft, then rolled back). Past a draft token the grammar refuses, rows are not masked:
+    verification stops at that token (its masked row cannot choose it)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    indices = []
+    for start, matcher, draft in drafted:
+        accepted = 0
+        for j in range(len(draft) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, start + j)
+            indices.append(start + j)
+            if j == len(draft) or not matcher.accept_token(draft[j]):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+    if indices:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)
 
 
 def choices_regex(choices: list[str]) -> str:

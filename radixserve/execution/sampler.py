@@ -70,9 +70,12 @@ class Sampler:
         a deterministic draft, exact in distribution): draft token d is accepted with
         probability p(d); on rejection the token is drawn from p with d removed and
         renormalised; when all are accepted the last row gives a bonus token from p.
-        Requests here have no constraint, penalties or seed (see core/prompt_lookup.py)."""
+        A constrained request's rows are masked by its grammar state after the draft tokens
+        before each (so a forced draft appends what masked decoding would). Requests here have
+        no penalties, logprobs or seed (see core/prompt_lookup.py)."""
         counts = [len(d) + 1 for d in drafts]
         starts = [sum(counts[:i]) for i in range(len(counts))]
+        logits = _apply_draft_grammars(logits, rows, drafts, starts)
         targets = logits.argmax(dim=-1).tolist()
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         probs = accept = None
@@ -248,6 +251,18 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
     logits = logits.clone()
     apply_grammar_masks(logits, constrained)
+    return logits
+
+
+def _apply_draft_grammars(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+                          starts: list[int]) -> torch.Tensor:
+    constrained = [(starts[i], r.grammar, drafts[i]) for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    from radixserve.execution.constrained import apply_draft_masks
+
+    logits = logits.clone()
+    apply_draft_masks(logits, constrained)
     return logits
 
 
