@@ -5,7 +5,9 @@ the conversation the replica will render, a completion's prompt text or token id
 router cannot drift from what the replicas parse. The key is namespaced like the replica's
 cache (the tenant, i.e. the API key's digest, and cache_salt), since prefixes are never shared
 across namespaces; a session (or a stored response) is led by its tenant as on the replica, so
-no key can move or probe another key's session. Plain Python, no Ray.
+no key can move or probe another key's session. OpenAI's `prompt_cache_key` is an affinity
+key of its own: requests without a session that give the same key (in the same namespace)
+go where the first went. Plain Python, no Ray.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def routing_key(path: str, body: Any, tenant: str | None = None, shared_cache: b
     session_id = tenant_session(tenant, routed.session_id) if routed.session_id else None
     if routed.previous_response_id is not None:
         session_id = session_id or response_session(tenant, routed.previous_response_id)
+    cache_key = body.get("prompt_cache_key") if isinstance(body, dict) else None
+    if session_id is None and isinstance(cache_key, str) and cache_key:
+        session_id = tenant_session(tenant, f"prompt_cache_key:{routed.cache_salt or ''}:{cache_key}")
     prompt = routed.prompt
     namespace = _namespace(None if shared_cache else tenant, routed.cache_salt)
     if namespace:
