@@ -58,6 +58,18 @@ def test_sdist_and_wheel_carry_the_c_sources(dist):
     assert torch_requirements == ["Requires-Dist: torch>=2.13"]  # a lower bound, never a pin
 
 
+def test_sdist_and_wheel_carry_the_builtin_chat_templates(dist):
+    from radixserve.model.builtin_template import BUILTIN_NAMES
+
+    templates = sorted(f"radixserve/model/chat_templates/{name}.jinja" for name in BUILTIN_NAMES)
+    assert all((ROOT / t).is_file() for t in templates)
+    (wheel,) = dist.glob("radixserve-*.whl")
+    (sdist,) = dist.glob("radixserve-*.tar.gz")
+    assert set(templates) <= set(zipfile.ZipFile(wheel).namelist())
+    with tarfile.open(sdist) as tar:
+        assert set(templates) <= {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+
+
 def test_wheel_installs_beside_an_existing_torch(dist, tmp_path):
     import torch
 
