@@ -20,8 +20,8 @@
  * sum_g scale * dx * (256 u.xq + u.xr) / 256 + offset * sum(x^): exactly w . x^ up to float
  * summation order, so the only error against the float product is the activations' rounding.
  * Two layouts of the same codes and values: one feature a row (above: what model/gguf_repack.py
- * makes and quantized.safetensors keeps), read by the AVX2 path (16-bit products, vpmaddwd: no
- * saturation for 8-bit codes) and the scalar one; and the lanes layout (features across the
+ * makes and quantized.safetensors keeps), read by the AVX2 path (vpmaddubsw on codes below 128, 8-bit
+ * codes as two nibbles: no saturation; a few rows share each load of the codes) and the scalar one; and the lanes layout (features across the
  * vector lanes, 32 a block: the AVX512-VNNI section below), into which kernels/quant_linear.py
  * moves every weight once at load on a CPU with AVX512-VNNI, for vpdpbusd's u8 x s8 products
  * at every row count. `path` chooses (0: the best this build has for the layout; 1: AVX2;
@@ -213,40 +213,86 @@ static inline __m256i block_codes_avx2(const uint8_t *codes, int64_t b, int64_t 
     return _mm256_and_si256(nib, _mm256_set1_epi8(15));
 }
 
-/* Per 16-element half of a block: the int32 dot products as 8 lanes (4 per half: lanes
- * 0-3 elements 0-15, lanes 4-7 elements 16-31 after the permute below). */
-static inline __m256i block_dot_avx2(__m256i u, const int8_t *q) {
-    const __m256i xq = _mm256_loadu_si256((const __m256i *)q);  /* no saturation: s16 products, s32 sums */
-    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)),
-                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xq)));
-    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)),
-                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xq, 1)));
-    /* lo: 8 pair sums of elements 0-15, hi: of 16-31; fold each to 4 lanes: [lo0..3 | hi0..3] */
-    const __m256i folded = _mm256_hadd_epi32(lo, hi);  /* [lo01 lo23 hi01 hi23 | lo45 lo67 hi45 hi67] */
-    return _mm256_permutevar8x32_epi32(folded, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+/* Up to AVX2_TILE rows share each block's codes, loaded (and split) once. maddubs multiplies
+ * unsigned codes by the signed activations into 16-bit pair sums, which saturate past 32,767:
+ * codes below 128 never reach it (4-bit codes; 5- and 6-bit ones stored in a byte), so 8-bit
+ * codes go in as their two nibbles, u = 16 uh + ul. Each lane i of the int32 sums covers
+ * elements 4i..4i+3, as the
+ * widening path this replaced: the same integers, so the same floats. */
+#define AVX2_TILE 4
+
+static inline __m256i pair_sums(__m256i u, __m256i x, __m256i weight16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), weight16);
+}
+
+/* How a block's codes meet the activations: codes below 128 as they are; 8-bit codes as two
+ * nibbles; or, for a symmetric 8-bit type (zero point 128, no offsets: Q8_0), as the signed
+ * code u - 128 through its magnitude and the activations' sign (llama.cpp's trick), whose
+ * products then need no offset term. */
+enum { CODES_SMALL, CODES_NIBBLES, CODES_SIGNED };
+
+/* 256 u.xq + u.xr of one block (u - 128 for CODES_SIGNED), as 8 int32 lanes; u and u2 as
+ * split for the mode: (codes, -), (low nibbles, high nibbles), (|u - 128|, u - 128). */
+static inline __m256i block_dot2(__m256i u, __m256i u2, int mode, const int8_t *q, const int8_t *res) {
+    __m256i xq = _mm256_loadu_si256((const __m256i *)q), xr = _mm256_loadu_si256((const __m256i *)res);
+    if (mode == CODES_SIGNED) xq = _mm256_sign_epi8(xq, u2), xr = _mm256_sign_epi8(xr, u2);
+    if (mode != CODES_NIBBLES)
+        return _mm256_add_epi32(pair_sums(u, xq, _mm256_set1_epi16(256)), pair_sums(u, xr, _mm256_set1_epi16(1)));
+    const __m256i high = _mm256_add_epi32(pair_sums(u2, xq, _mm256_set1_epi16(4096)),
+                                          pair_sums(u, xq, _mm256_set1_epi16(256)));
+    const __m256i low = _mm256_add_epi32(pair_sums(u2, xr, _mm256_set1_epi16(16)), pair_sums(u, xr, _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(high, low);
+}
+
+/* offset_term with F16C's conversion, 8 groups a vector */
+static inline float offset_term_avx2(const QWeight *w, int64_t n, const float *xsum, int64_t groups) {
+    const void *values = group_row(w, w->offset ? w->offset : w->scale, n, groups);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+#if defined(__F16C__)
+    for (; w->half && g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)values + g))),
+                              _mm256_loadu_ps(xsum + g), acc);
+#endif
+    for (; !w->half && g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)values + g), _mm256_loadu_ps(xsum + g), acc);
+    float s = hsum8(acc);
+    for (; g < groups; ++g) s += group_value_fast(w, values, g) * xsum[g];
+    return w->offset ? s : -(float)w->zero * s;
 }
 
 static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
-    for (int64_t r = 0; r < a->M; ++r) {
-        const int8_t *q = a->xq + r * a->K, *res = a->xr + r * a->K;
-        const float *dx = a->dx + r * blocks;
-        __m256 acc = _mm256_setzero_ps();
+    const int mode = w->bits == 4 ? CODES_SMALL : (w->zero == 128 && !w->offset) ? CODES_SIGNED : CODES_NIBBLES;
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
+        const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
+        __m256 acc[AVX2_TILE];
+        for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
-            const __m256i u = block_codes_avx2(codes, b, w->bits);
-            const __m256i hi = _mm256_slli_epi32(block_dot_avx2(u, q + 32 * b), 8);
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(hi, block_dot_avx2(u, res + 32 * b)));
+            __m256i u = block_codes_avx2(codes, b, w->bits), u2 = u;
+            if (mode == CODES_NIBBLES) u2 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4), u = _mm256_and_si256(u, low4);
+            if (mode == CODES_SIGNED) u2 = _mm256_xor_si256(u, flip), u = _mm256_abs_epi8(u2);
             __m256 s;
             if (w->group == 16)
                 s = _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
                                      _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
             else
                 s = _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
-            acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[b] * (1.0f / 256.0f))), acc);
+            for (int64_t t = 0; t < rows; ++t) {
+                const int64_t r = r0 + t;
+                const __m256i dot = block_dot2(u, u2, mode, a->xq + r * a->K + 32 * b, a->xr + r * a->K + 32 * b);
+                const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[t]);
+            }
         }
-        out[r * ldo + n] = hsum8(acc) + offset_term(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
+        for (int64_t t = 0; t < rows; ++t) {
+            const int64_t r = r0 + t;
+            const float offset = mode == CODES_SIGNED ? 0.0f : offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups);
+            out[r * ldo + n] = hsum8(acc[t]) + offset + (bias ? bias[n] : 0.0f);
+        }
     }
 }
 #endif
