@@ -7,6 +7,7 @@
     .venv/bin/python -m bench.bench_weights --json out.json
     .venv/bin/python -m bench.bench_weights --parts speed --model gemma3-270m --llama-server PATH
     .venv/bin/python -m bench.bench_weights --parts accuracy --model gemma3-270m
+    .venv/bin/python -m bench.bench_weights --parts memory --model gemma3-270m --llama-server PATH
 
   accuracy  teacher-forced next-token distributions over real text (bench/kv_quant_prompts.py's
             prompts and their float32 greedy continuations, >= --positions positions), fed in
@@ -21,10 +22,16 @@
             tokens/s at 512 and 2,048 tokens, and each engine's weight bytes; with --llama-server,
             llama.cpp's server on the same GGUF file takes the same requests (its /completion with
             token ids), and the resident memory of each serving process at the same KV budget.
+  memory    resident memory only: radixserve from the GGUF and llama.cpp's server (--llama-server
+            or $LLAMA_SERVER) on the same file, each after one run of every speed workload and the
+            KV written through. Both hold the KV bytes llama.cpp's server holds at 8 slots of 2,304
+            tokens (Gemma 3: its window layers keep a window and a ubatch per slot, 348 MiB; the
+            default model 810 MiB); targets <= 1.25x (default model) and <= 1.5x (Gemma 3).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +48,7 @@ from radixserve.model.default_model import default_gguf_path
 from radixserve.model.gguf_repack import HALF_SCALED
 
 TARGETS = {"top1": 0.995, "kl": 0.005, "decode_b1": 1.0, "decode_b8": 1.5, "prompt": 1.0, "memory": 1.25}
+MEMORY_TARGETS = {"default": 1.25, "gemma3-270m": 1.5}  # resident memory against llama.cpp's server (issue 58)
 PROMPT_CHUNK = 256  # > the integer kernel's 128 rows: quantized weights are dequantized to float32
 MADE_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 VARIANTS = ("Q4_1", *MADE_TYPES, "int8", "int4")
@@ -56,6 +64,10 @@ def main() -> None:
         from bench.weights_speed import speed
 
         report["speed"] = speed(args)
+    if "memory" in args.parts:
+        from bench.weights_speed import memory
+
+        report["memory"] = memory(args)
     report["layout_7b"] = layout_7b()
     _print(report)
     if args.json:
@@ -238,7 +250,11 @@ def _print(report: dict) -> None:
     if "speed" in report:
         from bench.weights_speed import print_speed
 
-        print_speed(report["speed"], TARGETS)
+        print_speed(report["speed"], {**TARGETS, "memory": MEMORY_TARGETS[report["speed"]["model"]]})
+    if "memory" in report:
+        from bench.weights_speed import print_memory
+
+        print_memory(report["memory"], MEMORY_TARGETS[report["memory"]["model"]])
     lay = report["layout_7b"]
     print(f"a 7B Llama-shaped model as Q4_K_M ({lay['weights'] / 1e9:.2f}B weights), computed from the layouts: "
           f"GGUF {lay['gguf_gib']:.2f} GiB, radixserve {lay['radixserve_gib']:.2f} GiB "
@@ -261,7 +277,7 @@ def _plot(path: str, report: dict) -> None:
 
 def _args():
     p = bench_parser(__doc__, quick="2,000 positions, 128 forced tokens, 64 new tokens, one repetition")
-    p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed"])
+    p.add_argument("--parts", nargs="+", default=["accuracy", "speed"], choices=["accuracy", "speed", "memory"])
     p.add_argument("--model", default="default", choices=["default", "gemma3-270m"],
                    help="the model served (accuracy: the default model's variants, or another model's own file)")
     p.add_argument("--types", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="accuracy variants")
@@ -272,7 +288,8 @@ def _args():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-memory-mb", type=int, default=256, help="the KV budget every server gets")
-    p.add_argument("--llama-server", help="a llama.cpp llama-server binary: served side by side")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                   help="a llama.cpp llama-server binary (or $LLAMA_SERVER): served side by side")
     p.add_argument("--llama-threads", type=int, default=2)
     args = p.parse_args()
     apply_quick(p, args, positions=2_000, tf_tokens=128, new_tokens=64, reps=1)

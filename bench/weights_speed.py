@@ -29,36 +29,96 @@ WORKLOADS = ("decode b1", "decode b8", "prompt 512", "prompt 2048")
 IDLE_BEFORE_MEMORY_S = 3.0  # every server idles this long before its memory is read
 
 
+LLAMA_UBATCH = 512  # llama.cpp's default -ub
+
+
 @dataclass(frozen=True)
 class SpeedModel:
-    """A model the speed part serves: its GGUF file, how it is named, its float32 KV bytes a token."""
+    """A model the speed part serves: its GGUF file, how it is named, its layers' float32 KV
+    bytes a token (K and V), and its sliding-window layers (how many, how wide)."""
 
     gguf: Callable[[], Path]
     quant: str
-    kv_bytes_per_token: int  # float32 K and V, all layers
+    layers: int
+    layer_bytes_per_token: int
     serve_args: tuple[str, ...]
+    window_layers: int = 0
+    window: int = 0
+
+    def llama_kv_bytes(self, tokens: int) -> int:
+        """The KV bytes llama.cpp's server holds at -c `tokens`, -np SLOTS, f32 K and V: every full
+        layer all `tokens` cells; each window layer, per slot, the window plus one ubatch padded
+        to 256 cells (its llama-kv-cache-iswa.cpp; at -v its log says 108 + 240 MiB for Gemma 3
+        270M). radixserve is given these bytes, so that both hold the same KV; llama.cpp runs
+        with -cram 0 and -ctxcp 0, so it keeps no prompt cache and no window checkpoints beyond
+        them (32 checkpoints a slot by default: +270 MiB on Gemma 3 after the speed workloads)."""
+        full = (self.layers - self.window_layers) * tokens
+        per_slot = min(tokens // SLOTS, -(-(self.window + LLAMA_UBATCH) // 256) * 256)
+        return (full + self.window_layers * SLOTS * per_slot) * self.layer_bytes_per_token
 
 
 MODELS = {
-    "default": SpeedModel(default_gguf_path, "Q4_1", 30 * 2 * 3 * 64 * 4, ()),
-    "gemma3-270m": SpeedModel(lambda: packaged_gguf("gemma3-270m"), "Q4_K_M", 18 * 2 * 1 * 256 * 4,
-                              ("--model", "gemma3-270m")),
+    "default": SpeedModel(default_gguf_path, "Q4_1", 30, 2 * 3 * 64 * 4, ()),
+    "gemma3-270m": SpeedModel(lambda: packaged_gguf("gemma3-270m"), "Q4_K_M", 18, 2 * 1 * 256 * 4,
+                              ("--model", "gemma3-270m"), window_layers=15, window=512),
 }
 
 
-def speed(args) -> dict:
+def _systems(args, float32: bool) -> tuple[str, list[tuple[str, list[str]]], int, int]:
+    """(the base system's label, [(label, command)], KV tokens, KV bytes each server holds)."""
     model = MODELS[args.model]
     tokens = SLOTS * SLOT_TOKENS
-    kv_bytes = tokens * model.kv_bytes_per_token
+    kv_bytes = model.llama_kv_bytes(tokens)
     memory_args = ["--kv-cache-memory", str(kv_bytes), *model.serve_args]
     base = f"radixserve {model.quant}"
-    systems = [(base, _radixserve(memory_args)),
-               ("radixserve float32", _radixserve([*memory_args, "--weight-dtype", "float32"]))]
+    systems = [(base, _radixserve(memory_args))]
+    if float32:
+        systems.append(("radixserve float32", _radixserve([*memory_args, "--weight-dtype", "float32"])))
     if args.llama_server:
         systems.append((f"llama.cpp {model.quant}", [
             args.llama_server, "-m", str(model.gguf()), "--host", "127.0.0.1", "-c", str(tokens), "-np", str(SLOTS),
             "-ctk", "f32", "-ctv", "f32", "-t", str(args.llama_threads), "-tb", str(args.llama_threads),
-            "-cram", "0", "--alias", "m"]))
+            "-cram", "0", "-ctxcp", "0", "--alias", "m"]))
+    return base, systems, tokens, kv_bytes
+
+
+def memory(args) -> dict:
+    """Resident memory after a warm-up (each speed workload once, then the KV budget written
+    through, then 3 s idle): radixserve from the GGUF (auto) and llama.cpp's server on the same
+    file, holding the same KV bytes."""
+    base, systems, tokens, kv_bytes = _systems(args, float32=False)
+    out: dict[str, dict[str, float]] = {}
+    for label, command in systems:
+        with _serving(command) as (url, process):
+            for workload in WORKLOADS:
+                asyncio.run(_warm(url, workload, args))
+            asyncio.run(_fill_kv(url, tokens))
+            time.sleep(IDLE_BEFORE_MEMORY_S)
+            out[label] = _memory(process.pid)
+            print(f"  memory: {label}: {out[label]['rss_mib']:.1f} MiB resident", flush=True)
+    return {"model": args.model, "base": base, "kv_bytes": kv_bytes, "memory": out}
+
+
+async def _warm(url: str, workload: str, args) -> None:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        await _once(client, url, workload, args, random.Random(len(workload)))
+
+
+def print_memory(report: dict, target: float) -> None:
+    memory, base = report["memory"], report["base"]
+    print(f"memory: {report['model']} model, every server holding {report['kv_bytes'] / 2**20:.0f} MiB of float32 KV, "
+          f"after each speed workload once and the KV written through")
+    for label, m in memory.items():
+        print(f"  {label:<24} RSS {m['rss_mib']:8.1f} MiB  (peak {m['peak_mib']:.1f})")
+    llama = next((s for s in memory if s.startswith("llama.cpp")), None)
+    if llama:
+        ratio = memory[base]["rss_mib"] / memory[llama]["rss_mib"]
+        print(f"  {base} / {llama}: {ratio:.3f}x (target <= {target}x) "
+              f"{'[meets target]' if ratio <= target else '[BELOW target]'}")
+
+
+def speed(args) -> dict:
+    base, systems, tokens, kv_bytes = _systems(args, float32=True)
     rates: dict[str, dict[str, float]] = {w: {} for w in WORKLOADS}
     memory: dict[str, dict[str, float]] = {}
     for label, command in systems:

@@ -25,6 +25,11 @@ from radixserve.model.spec import ModelSpec
 _SMALL_BATCH_ROWS = 256
 # A quantized weight past the integer kernel's rows is dequantized this many features at a time.
 _DEQUANT_FEATURES = 4096
+# RoPE tables on CPU start at this many positions and double as steps reach further.
+_ROPE_INITIAL = 4096
+# Positions a table computes per op: 64 x (head_dim / 2) values stay under torch's grain for
+# splitting an op across threads, and are a whole number of vectors (no scalar tail).
+_ROPE_CHUNK = 64
 
 
 @dataclass
@@ -166,32 +171,55 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to max_positions, computed once in float32. `layer_type`
+    """cos/sin of every position a step reads, from tables computed in float32. `layer_type`
     names the config's per-kind RoPE parameters (Gemma 3: sliding_attention, full_attention).
     The tables hold one half of head_dim: rotate-half RoPE's angles repeat in the other half
     (transformers' cat((freqs, freqs))), so `lookup` repeats the rows a step reads, the same
-    values, and the tables take half the memory (2 MiB of the default model's 4, Gemma 3's
-    two 32k-position tables 64 MiB of 128)."""
+    values. On CPU the tables cover the positions steps have reached (from _ROPE_INITIAL,
+    doubled as longer contexts come, up to max_positions), not the model's whole context:
+    Gemma 3's two 32k-position tables would hold 64 MiB resident for contexts few requests
+    reach. Elsewhere they are built whole once (a step's position is not read on the host)."""
 
     def __init__(self, spec: ModelSpec, max_positions: int, layer_type: str | None = None):
         super().__init__()
         self.spec = spec
         self.layer_type = layer_type
+        self.max_positions = max_positions
         if torch.empty(0).device.type == "meta":  # built for real once the model is placed (loader)
-            self.register_buffer("cos", torch.empty(max_positions, spec.head_dim // 2), persistent=False)
-            self.register_buffer("sin", torch.empty(max_positions, spec.head_dim // 2), persistent=False)
+            rows = min(max_positions, _ROPE_INITIAL)
+            self.register_buffer("cos", torch.empty(rows, spec.head_dim // 2), persistent=False)
+            self.register_buffer("sin", torch.empty(rows, spec.head_dim // 2), persistent=False)
         else:
             self.build(max_positions, None)
 
     def build(self, max_positions: int, device: torch.device | None) -> None:
+        self.max_positions = max_positions
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        self._fill(min(max_positions, _ROPE_INITIAL) if on_cpu else max_positions, device)
+
+    def _fill(self, rows: int, device: torch.device | None) -> None:
+        """Tables of `rows` positions, _ROPE_CHUNK positions an op: each chunk is one thread's
+        whole vector loop, so a position's values are the same bits whatever the table's size
+        or the thread count (KV written before the tables grew matches KV written after)."""
         inv_freq, scaling = _rope_inv_freq(self.spec, self.layer_type)
-        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = positions[:, None] * inv_freq.to(device)[None, :]
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        inv_freq = inv_freq.to(device)[None, :]
+        cos = torch.empty(rows, inv_freq.shape[1], dtype=torch.float32, device=device)
+        sin = torch.empty_like(cos)
+        for start in range(0, rows, _ROPE_CHUNK):
+            end = min(rows, start + _ROPE_CHUNK)
+            freqs = torch.arange(start, end, dtype=torch.float32, device=device)[:, None] * inv_freq
+            cos[start:end] = freqs.cos() * scaling
+            sin[start:end] = freqs.sin() * scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every token's position, [T, 1, head_dim], once per step for all layers."""
+        rows = self.cos.shape[0]
+        if rows < self.max_positions and positions.numel() and self.cos.device.type == "cpu":
+            need = int(positions.max()) + 1
+            if need > rows:
+                self._fill(min(self.max_positions, max(need, 2 * rows)), self.cos.device)
         cos, sin = self.cos[positions], self.sin[positions]
         return (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
                 torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
