@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from radixserve import Engine
+from radixserve import Engine, SamplingParams
 from radixserve.model.builtin_template import builtin_name
 from radixserve.server import ServerOptions, create_app
 from radixserve.server.testing import BackgroundServer
@@ -65,6 +65,8 @@ def test_completions_and_chat_through_the_builtin_gemma_template(gemma_engine):
                                                 tool_choice="required", max_tokens=40, temperature=0)
         (call,) = called.choices[0].message.tool_calls  # hermes, through the fallback rendering
         assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    (local,) = gemma_engine.chat(messages, SamplingParams(max_tokens=6, temperature=0))  # in-process alike
+    assert local.prompt_token_ids == ids and local.text == chat.choices[0].message.content
     with BackgroundServer(create_app(gemma_engine, ServerOptions(chat_template=PLAIN_TEMPLATE))) as server:
         chat = _client(server).chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=1,
                                                        extra_body={"return_token_ids": True})
