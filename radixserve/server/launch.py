@@ -48,8 +48,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "pythonic, mistral, qwen3_coder, deepseek_v3, harmony (see docs/tools.md), or auto: "
                             "detected from the chat template in force (default)")
     group.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
-                       help="a Jinja chat template (a file, or the template itself) in place of the model's own; "
-                            "the tool-call and reasoning parsers follow it under auto")
+                       help="a Jinja chat template (a file, or the template itself) in place of the model's own "
+                            "(or of its family's built-in one, for a model file without one); the tool-call and "
+                            "reasoning parsers follow it under auto")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let chat requests bring their own 'chat_template' (refused by default: a template is "
                             "code the server runs)")
