@@ -15,6 +15,7 @@ blocks go into the cache, its session advances), restore its tier blocks.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from radixserve.core.block_pool import BlockPool
@@ -171,28 +172,65 @@ class KVManager:
 
     def _trim_cached_windows(self, need: int, keep: set[int] = frozenset(), in_use: bool = False) -> int:
         """Drop at least `need` pages of the cache's blocks that no running request reads
-        (none of `keep`): first pages that serve no resident window at all, then whole
-        cached windows node by node in eviction order (rank, least recently used, deepest
-        first: an end goes before the shorter prefixes it passes through, which stay valid),
-        unlocked nodes only unless `in_use` (then locked ones after them), then the pages
-        that trimming left serving nothing. Returns how many were dropped."""
+        (none of `keep`): first pages that serve no resident window at all, then whole kept
+        windows (_cached_ends) least valuable first: demoted sessions' before the others',
+        protected ones' last, and within a rank by compute saved per page, the tokens a match
+        ending there would recompute without it (back to the kept end before it) over its
+        share of the pages it keeps (a page kept by k windows counts 1/k to each), discounted
+        by the log of how long ago (recency ticks) a match or an insert last ended there: an
+        agent that comes back after the others' turns is still likely to, so age weighs less
+        than what a window saves.
+        Unlocked ends only unless `in_use` (then locked ones after them); then the pages that
+        trimming left serving nothing. Returns how many were dropped."""
         window = self.pool.window
         dropped = self._trim_orphan_pages(keep)
         if dropped >= need:
             return dropped
-        candidates = []
-        for node, depth in _pool_nodes(self.cache):
-            if (node.lock_ref == 0 or in_use) and any(
-                    window.users[b] == 0 and window.has_page(b) and b not in keep for b in node.blocks):
-                candidates.append((node.lock_ref > 0, node.rank, node.last_access, -depth, node.node_id, node))
-        candidates.sort(key=lambda c: c[:5])
-        for *_, node in candidates:
-            for b in node.blocks:
-                if window.users[b] == 0 and b not in keep and window.trim(b):
+        ends = self._cached_ends()
+        kept = [0] * self.pool.num_blocks  # kept windows holding each block
+        for _, blocks, _ in ends:
+            for b in blocks:
+                kept[b] += 1
+        now = self.cache.now()
+        order = []
+        for node, blocks, saved in ends:
+            if node.lock_ref and not in_use:
+                continue
+            own = sum(1 / kept[b] for b in blocks if window.users[b] == 0 and b not in keep and window.has_page(b))
+            if own:
+                value = saved / (own * math.log2(now - node.end_access + 2))
+                order.append(((node.lock_ref > 0, node.rank, value, node.node_id), blocks))
+        order.sort(key=lambda o: o[0])
+        for _, blocks in order:
+            for b in blocks:
+                kept[b] -= 1
+                if kept[b] == 0 and window.users[b] == 0 and b not in keep and window.trim(b):
                     dropped += 1
             if dropped >= need:
                 break
         return dropped + self._trim_orphan_pages(keep)
+
+    def _cached_ends(self) -> list[tuple[RadixNode, list[int], int]]:
+        """Every kept end of the cache's pool part (a path's end, a branch point, an anchor):
+        its node, the blocks of its window (with slack) and the tokens from the kept end
+        before it on its path (or the root) to it."""
+        window, bs = self.pool.window, self.block_size
+        span = window.window // bs + window.slack + 2  # at least any kept window's blocks
+        tails: dict[int, list[int]] = {}  # node id -> the last `span` blocks of its path
+        prev: dict[int, int] = {}  # node id -> depth of the deepest kept end above and at it
+        ends = []
+        for node, depth in _pool_nodes(self.cache):
+            parent = node.parent
+            tail = (tails.get(parent.node_id, []) + node.blocks)[-span:]
+            tails[node.node_id] = tail
+            end = depth + len(node.blocks)
+            above = prev.get(parent.node_id, 0)
+            if _kept_end(node):
+                first = window.kept_from(end)
+                ends.append((node, tail[len(tail) - (end - first):], (end - above) * bs))
+                above = end
+            prev[node.node_id] = above
+        return ends
 
     def _trim_orphan_pages(self, keep: set[int] = frozenset()) -> int:
         """Drop the pages of cached blocks that lie in no resident window: a match can stop
@@ -300,6 +338,8 @@ class KVManager:
         if self.cache is None or not full:
             return
         node = self.cache.insert(request.token_ids, request.block_table[:full], request.cache_salt)
+        if self.pool.window is not None and request.num_computed_tokens >= request.num_prompt_tokens:
+            self.cache.mark_anchor(node, request.num_prompt_tokens // self.block_size)  # retries, n > 1 resume here
         if node is not request.cache_node:
             self.cache.lock(node)
             if request.cache_node is not None:
@@ -324,6 +364,7 @@ class KVManager:
         self._use_window(request.block_table[request.window_first:], -1)
         request.window_first = 0
         if self.pool.window is not None and node is not None:
+            self._mark_anchors(request, node)
             self._heal_cached_path(node, request.block_table)
             self._trim_cached_path(node)
             self.cache.save_windows(node)
@@ -364,15 +405,23 @@ class KVManager:
             request.window_first = first
 
     def _tail_needs(self, index: int, ends: list[int]) -> bool:
-        """Whether block `index` lies in the window before one of these node ends."""
-        window = self.pool.window
-        return any(window.first_needed(e) <= index < e // self.block_size for e in ends)
+        """Whether block `index` lies in the window (with its slack) before one of these node ends."""
+        window, bs = self.pool.window, self.block_size
+        return any(window.kept_from(e // bs) <= index < e // bs for e in ends)
 
     def _use_window(self, blocks: list[int], delta: int) -> None:
         window = self.pool.window
         if window is not None:
             for b in blocks:
                 window.users[b] += delta
+
+    def _mark_anchors(self, request: Request, node: RadixNode) -> None:
+        """The ends where agents resume keep their windows: the request's prompt's (a retry, a
+        regenerated reply, the next question on a shared prefix) and its own (the next turn)."""
+        if node.is_root:
+            return
+        node.anchor = True
+        self.cache.mark_anchor(node, request.num_prompt_tokens // self.block_size)
 
     def _heal_cached_path(self, node: RadixNode, table: list[int]) -> None:
         """Where the cache kept its own block for tokens the request computed again (its match
@@ -385,9 +434,9 @@ class KVManager:
 
     def _trim_cached_path(self, node: RadixNode) -> None:
         """Drop the pages of the cached path's blocks that no kept node end needs and no
-        running request reads. Kept ends: the path's own end, and the ends where it branches
-        (a later prompt that shares the prefix diverges there); an end a conversation went on
-        from (one child) keeps no window: the conversation matches its deeper end."""
+        running request reads. Kept ends (_kept_ends): the path's own end, the ends where it
+        branches (a later prompt that shares the prefix diverges there) and its anchors (every
+        prompt's and reply's end: retries, regenerations, re-rendered turns resume there)."""
         window, bs = self.pool.window, self.block_size
         ends = _kept_ends(node)
         index = ends[0] // bs if ends else 0
@@ -461,11 +510,17 @@ def _pool_nodes(cache: RadixCache) -> list[tuple[RadixNode, int]]:
 
 def _kept_ends(node: RadixNode | None) -> list[int]:
     """Token counts at which the path to `node` keeps a window, deepest first: its own end,
-    and each ancestor's that branches (two or more children)."""
+    each anchor's (a prompt's or a reply's end) and each ancestor's that branches (two or
+    more children)."""
     path = _path(node) if node is not None else []
     ends, end = [], sum(len(n.tokens) for n in path)
     for depth, n in enumerate(path):
-        if depth == 0 or len(n.children) > 1:
+        if depth == 0 or n.anchor or len(n.children) > 1:
             ends.append(end)
         end -= len(n.tokens)
     return ends
+
+
+def _kept_end(node: RadixNode) -> bool:
+    """Whether a pool node's end keeps its window: a path's end in the pool, a branch point, an anchor."""
+    return node.anchor or len(node.children) > 1 or not any(c.blocks for c in node.children.values())

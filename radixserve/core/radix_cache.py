@@ -40,7 +40,7 @@ RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
 class RadixNode:
     __slots__ = (
         "node_id", "parent", "children", "tokens", "blocks", "slots", "window_slots", "digests", "salt", "lock_ref",
-        "last_access", "protect", "demoted", "alive", "sort_key", "ev_count",
+        "last_access", "protect", "demoted", "alive", "sort_key", "ev_count", "anchor", "end_access",
     )
 
     def __init__(self, node_id: int, parent: "RadixNode | None", tokens: list[int], blocks: list[int]):
@@ -60,6 +60,8 @@ class RadixNode:
         self.alive = True
         self.sort_key: tuple[int, int, int] = (RANK_NORMAL, 0, node_id)
         self.ev_count = 0  # pool blocks this node adds to num_evictable_blocks
+        self.anchor = False  # hybrid KV: a prompt's or a reply's end (where agents resume): keeps its window
+        self.end_access = 0  # when a match or an insert last ended exactly here (0: never)
 
     @property
     def is_root(self) -> bool:
@@ -152,6 +154,7 @@ class RadixCache:
                 tier_blocks += n
             pos += n * bs
             node = child
+        node.end_access = now
         return MatchResult(blocks, node, tier_blocks)
 
     def peek_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[int, RadixNode | None]:
@@ -287,7 +290,31 @@ class RadixCache:
             self._touch(child, now)
             pos += n * bs
             node = child
+        node.end_access = now
         return node
+
+    def mark_anchor(self, node: RadixNode, num_blocks: int) -> RadixNode | None:
+        """Mark the end of the first `num_blocks` blocks of `node`'s path as an anchor (hybrid
+        KV: a prompt's or a reply's end, whose window the cache keeps), splitting the node
+        there if it ends further on; returns that node (None for 0 blocks)."""
+        path = self._path(node)
+        end = sum(self._size(n) for n in path)
+        if not 0 < num_blocks <= end:
+            return None
+        for n in path:  # deepest first
+            start = end - self._size(n)
+            if start < num_blocks:
+                if num_blocks < end:
+                    n = self._split(n, num_blocks - start)
+                n.anchor = True
+                n.end_access = max(n.end_access, node.end_access)
+                return n
+            end = start
+        return None
+
+    def now(self) -> int:
+        """The recency clock (a tick of it)."""
+        return next(self._clock)
 
     # ---- locks and hints ------------------------------------------------------------
 

@@ -14,9 +14,9 @@ pages. Window layers' K/V for a block live in a window page attached to it, or n
 A block gets a page when it is allocated and gives it back when it is freed. In between,
 its page is dropped ("trimmed", leaving a tombstone) once nobody can read it again: no
 running request has the block in its window (`users`), and the radix tree does not need
-it at the end of a cached node (the last W tokens before a node's end, where a later
-match may stop). A cached prefix is usable only up to a point whose preceding W tokens
-all still have pages (`valid_prefix`).
+it before a kept end of the cached tree (the last W tokens before it plus `slack` blocks,
+where a later match may stop: kv_manager.py says which ends are kept). A cached prefix is
+usable only up to a point whose preceding W tokens all still have pages (`valid_prefix`).
 
 Invariants (check_integrity): a page is attached to exactly one live block; free + attached
 == num_pages; every block a running request reads (from its window's first block on) has
@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 
 NO_PAGE = -1
+SLACK_TOKENS = 64  # a kept end keeps the window of every point this far before it (at most W / 4)
 
 
 class WindowPages:
@@ -38,6 +39,9 @@ class WindowPages:
         self.num_pages = num_pages
         self.window = window
         self.block_size = block_size
+        # blocks before a kept end whose points stay valid too: a re-rendered turn that differs in
+        # its last few tokens still matches to within a block of where it differs
+        self.slack = max(1, -(-min(SLACK_TOKENS, window // 4) // block_size))
         self.page_of = [NO_PAGE] * num_blocks  # each block's window page
         self.block_of = [NO_PAGE] * num_pages  # each page's block
         self.users = [0] * num_blocks  # running requests whose window holds the block
@@ -57,6 +61,11 @@ class WindowPages:
         next query's window, from its last full block's end (so that the cache's node,
         which ends there, finds its own window resident)."""
         return max(0, (num_tokens // self.block_size) * self.block_size - self.window) // self.block_size
+
+    def kept_from(self, end_blocks: int) -> int:
+        """The first block a kept end at `end_blocks` blocks keeps a page for: the window of
+        each point from `slack` blocks before it to it is resident."""
+        return self.first_needed(max(0, end_blocks - self.slack) * self.block_size)
 
     def attach(self, blocks: Iterable[int]) -> None:
         """New blocks (just allocated) each take a free page."""

@@ -121,7 +121,7 @@ def test_a_follow_up_hits_a_cached_prefix_longer_than_the_window_exactly(tiny_mo
     assert third.token_ids == hf_greedy(directory, early, 4)
 
 
-def test_a_cached_node_keeps_only_the_window_before_its_end(tiny_model_dir):
+def test_a_cached_node_keeps_only_the_windows_before_its_prompts_and_replys_ends(tiny_model_dir):
     engine = engine_for(tiny_model_dir("gemma3"))
     window = engine.pool.window
     prompt = prompts_of([30], seed=6)[0]
@@ -130,9 +130,11 @@ def test_a_cached_node_keeps_only_the_window_before_its_end(tiny_model_dir):
     # two nodes: the prompt's 7 full blocks (inserted once computed) and the reply's block
     assert [len(node.parent.blocks), len(node.blocks)] == [7, 1]
     blocks = node.parent.blocks + node.blocks
-    # ends at 28 (the conversation went on from it: no window kept) and 32: window from 26 (block 6)
-    assert [window.page_of[b] != NO_PAGE for b in blocks] == [False] * 6 + [True] * 2
-    assert window.num_attached == 2
+    # the prompt's end at 28 (an anchor: a retry resumes there) keeps the window of every point
+    # from a block (the slack) before it: from 24 - 6 = 18 (block 4); the reply's end at 32 from 22
+    assert window.slack == 1
+    assert [window.page_of[b] != NO_PAGE for b in blocks] == [False] * 4 + [True] * 4
+    assert window.num_attached == 4
     engine.flush_cache()
     assert window.num_attached == 0
     engine.check_integrity()
@@ -198,18 +200,19 @@ def test_kv_transfer_moves_hybrid_blocks_with_their_window_pages(tiny_model_dir)
     skips what the decode side holds, but never the last window's blocks."""
     directory = tiny_model_dir("gemma3")
     p, d = engine_for(directory), engine_for(directory)
-    prompt = prompts_of([30], seed=41)[0]  # 7 full blocks; the window before 28 starts at block 5
+    # 7 full blocks; the prompt's end (28) keeps the window of every point from a block before it: block 4 on
+    prompt = prompts_of([30], seed=41)[0]
     out, handoff, skip = _prefill_and_decode(p, d, prompt, 6)
     assert out == hf_greedy(directory, prompt, 6)
-    assert skip == 0 and handoff.num_blocks == 7 and handoff.window_mask == [False] * 5 + [True] * 2
+    assert skip == 0 and handoff.num_blocks == 7 and handoff.window_mask == [False] * 4 + [True] * 3
     stats = d.stats()
     assert stats["kv_received_blocks"] == 7 and stats["cached_prompt_tokens"] == 28
     follow = prompt + out + prompts_of([9], seed=42)[0]  # 45 tokens: 11 full blocks
     out2, handoff2, skip2 = _prefill_and_decode(p, d, follow, 5)
     assert out2 == hf_greedy(directory, follow, 5)
     # d holds 8 blocks of it (the first turn's 35 computed tokens); the window before 44 (blocks 9, 10)
-    # comes with the handoff's pages
-    assert skip2 == 8 and handoff2.start_block == 8 and handoff2.window_mask == [False, True, True]
+    # and its slack (block 8) come with the handoff's pages
+    assert skip2 == 8 and handoff2.start_block == 8 and handoff2.window_mask == [True, True, True]
     # asking again with all 11 blocks held: the last window's blocks are asked for all the same
     assert d.kv_transfer.cached_blocks(follow, None) == 9
     assert d.stats()["cached_prompt_tokens"] == 28 + 44
@@ -252,10 +255,12 @@ def test_the_second_tier_keeps_hybrid_kv_and_a_restore_equals_recompute(tiny_mod
     outs = [run_checked(engine, [p], 3)[0] for p in (a, b, c, d)]  # d's blocks push a's to the tier
     match = engine.cache.match_prefix(a + outs[0].token_ids[:2], None)
     assert match.blocks == [] and match.num_tier_blocks == 4
-    assert engine.cache.tier_windows(match) == [False, False, True, True]  # the window before a's end went too
+    # a's windows went with it, but page pressure had trimmed its reply's end (block 3: 4 tokens saved)
+    # before its prompt's (12 tokens; window and slack blocks 0-2): the least compute saved per page first
+    assert engine.cache.tier_windows(match) == [True, True, True, False]
     follow = a + outs[0].token_ids + [5, 6, 7]
     out = run_checked(engine, [follow], 4)[0]
-    assert out.cached_tokens == 16 and engine.stats()["restored_prompt_tokens"] == 16
+    assert out.cached_tokens == 12 and engine.stats()["restored_prompt_tokens"] == 12
     assert out.token_ids == hf_greedy(directory, follow, 4)
     engine.flush_cache()
     engine.check_integrity()
@@ -344,13 +349,15 @@ def test_a_restarted_hybrid_engine_adopts_full_layers_and_saved_windows_exactly(
     body = index_of(kv)
     assert body["header"]["hybrid_kv"]["layer_windows"] == [6, 6, 0]
     windows = {entry[0]: entry[6] >= 0 for entry in body["entries"]}  # slot -> has a window slot
-    assert [windows[s] for s in range(11)] == [False] * 7 + [True] * 4  # blocks 7, 8 and 9, 10
+    # blocks 6-8 (the prompt's end at 36 and its slack: saved when the turn's end healed nothing, as kept
+    # pages) and 9, 10
+    assert [windows[s] for s in range(11)] == [False] * 6 + [True] * 5
     engine = persisted(directory, kv)
     assert engine.runner.pool.hybrid and engine.tiering.loaded_blocks == 11
     engine.check_integrity()
-    assert engine.tiering.window_slots.num_slots - engine.tiering.window_slots.num_free == 4
+    assert engine.tiering.window_slots.num_slots - engine.tiering.window_slots.num_free == 5
     match, saved = tier_path(engine, FIRST_TURN + out.token_ids[:7])
-    assert match.blocks == [] and match.num_tier_blocks == 11 and saved == [False] * 7 + [True] * 4
+    assert match.blocks == [] and match.num_tier_blocks == 11 and saved == [False] * 6 + [True] * 5
     assert engine.pool.window.valid_length(saved) == 11
     follow = FIRST_TURN + out.token_ids + [11, 12, 13]
     second = run_checked(engine, [follow], 8)[0]
@@ -414,7 +421,7 @@ def test_a_match_after_a_restart_reaches_only_as_far_as_the_restored_windows(tin
     assert engine.tiering.loaded_blocks == 11
     engine.check_integrity()
     _, saved = tier_path(engine, FIRST_TURN + out.token_ids[:7])
-    assert saved == [False] * 7 + [True] * 3 + [False]
+    assert saved == [False] * 6 + [True] * 4 + [False]
     follow = FIRST_TURN + out.token_ids + [11, 12, 13]
     second = run_checked(engine, [follow], 6)[0]
     assert second.cached_tokens == second.restored_tokens == 40
@@ -437,7 +444,8 @@ def test_a_shared_prefix_branch_keeps_its_window_across_a_restart(tiny_model_dir
     run_checked(engine, [a], 4)
     assert run_checked(engine, [b], 4)[0].cached_tokens == 0  # the prefix's end was a tombstone
     node = engine.cache.match_prefix(shared[:12], None).node
-    assert [w >= 0 for w in node.window_slots] == [False, True, True]  # the window before 12 (blocks 1, 2)
+    # the window of every point from a block (the slack) before 12 to it: blocks 0-2
+    assert [w >= 0 for w in node.window_slots] == [True, True, True]
     assert engine.flush_tier()
     engine.close()
     engine = persisted(directory, kv)
@@ -705,11 +713,13 @@ def _cached_path(engine, tokens):
     return [b for n in reversed(_path(node)) for b in n.blocks]
 
 
-def test_page_pressure_trims_the_least_recently_used_window_and_evicts_nothing(tiny_model_dir):
-    """Three prompts leave three cached ends, each keeping the window before it (two pages);
-    a fourth finds no page free: the least recently used end's window is trimmed (its blocks
-    stay cached as tombstones, nothing is evicted), the others keep theirs. A follow-up to the
-    trimmed end recomputes it, equal to transformers, still without evicting anything."""
+def test_page_pressure_trims_the_least_valuable_windows_and_evicts_nothing(tiny_model_dir):
+    """Three prompts leave their prompts' and replies' ends (four pages each, of 8): the third
+    finds too few pages, and the windows that save the least compute per page go: a's (the
+    oldest) whole, b's reply's end (4 tokens past its prompt's). A fourth takes b's prompt's
+    end's page of its own and c's reply's end. Their blocks stay cached as tombstones,
+    nothing is evicted. A follow-up to a recomputes it, equal to transformers, still without
+    evicting anything."""
     directory = tiny_model_dir("gemma3")
     engine = engine_for(directory, num_kv_blocks=64, window_pages_ratio=0.125, chunked_prefill_size=8,
                         max_num_batched_tokens=16)
@@ -722,17 +732,16 @@ def test_page_pressure_trims_the_least_recently_used_window_and_evicts_nothing(t
     paths = {name: _cached_path(engine, p + outs[name].token_ids[:2]) for name, p in zip("abc", (a, b, c))}
     assert paths == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9, 10, 11]}
     pages = lambda: {k: [window.page_of[x] for x in v] for k, v in paths.items()}  # noqa: E731
-    assert pages() == {"a": [NO_PAGE, NO_PAGE, 2, 3], "b": [NO_PAGE, NO_PAGE, 6, 7], "c": [NO_PAGE, NO_PAGE, 4, 5]}
-    assert window.num_free == 2
+    assert pages() == {"a": [NO_PAGE] * 4, "b": [4, 5, 6, NO_PAGE], "c": [3, 7, 0, 1]}
+    assert window.num_free == 1
     engine.add_request(d, SamplingParams(max_tokens=3, **GREEDY))
-    engine.step()  # d's first chunk (8 tokens) takes the two free pages
-    engine.check_integrity()
-    assert window.num_free == 0 and pages()["a"] == [NO_PAGE, NO_PAGE, 2, 3]
     trimmed = window.trimmed
-    engine.step()  # d's third block finds no page: a's window (least recently used) goes, whole
+    engine.step()  # d's first chunk (8 tokens) takes the free page and one more
     engine.check_integrity()
-    assert pages() == {"a": [NO_PAGE] * 4, "b": [NO_PAGE, NO_PAGE, 6, 7], "c": [NO_PAGE, NO_PAGE, 4, 5]}
-    assert window.trimmed == trimmed + 2 and window.num_free == 1
+    engine.step()  # and its next block one more: c's reply's end's and b's prompt's end's own pages go
+    engine.check_integrity()
+    assert pages() == {"a": [NO_PAGE] * 4, "b": [NO_PAGE, 5, 6, NO_PAGE], "c": [3, 7, 0, NO_PAGE]}
+    assert window.trimmed == trimmed + 2 and window.num_free == 0
     assert engine.cache.evicted_blocks == 0 and _cached_path(engine, a + outs["a"].token_ids[:2]) == [0, 1, 2, 3]
     while engine.has_unfinished_requests():
         engine.step()
@@ -758,9 +767,8 @@ def test_a_window_on_a_running_requests_path_outlasts_the_unlocked_ones(tiny_mod
     for prompt in (s + x, s + y):
         run_checked(engine, [prompt], 1)
     s_blocks = engine.cache.match_prefix(s, None).blocks
-    assert s_blocks == [0, 1] and [window.page_of[b] for b in s_blocks] == [4, 1]
-    ends = [2, 6]  # the last blocks of s + x and s + y: their ends' windows (with S's block 1)
-    assert all(window.has_page(b) for b in ends)
+    assert s_blocks == [0, 1] and [window.page_of[b] for b in s_blocks] == [0, 1]
+    ends = [2, 6]  # the last blocks of s + x and s + y
     rid = engine.add_request(s + r, SamplingParams(max_tokens=12, **GREEDY))
     for _ in range(4):
         engine.step()
@@ -776,7 +784,7 @@ def test_a_window_on_a_running_requests_path_outlasts_the_unlocked_ones(tiny_mod
                 done[out.request_id] = out.token_ids
         engine.check_integrity()
         if r_running:
-            assert [window.page_of[b] for b in s_blocks] == [4, 1]
+            assert [window.page_of[b] for b in s_blocks] == [0, 1]
     assert not any(window.has_page(b) for b in ends)  # the unlocked ends' windows went
     assert done[rid] == hf_greedy(directory, s + r, 12) and done[qid] == hf_greedy(directory, q, 2)
     assert engine.cache.evicted_blocks == 0
@@ -808,7 +816,7 @@ def test_heavy_page_pressure_trims_windows_and_matches_every_layer_kept(tiny_mod
 
 def test_a_cold_hybrid_restore_after_a_restart_reads_its_window_slots_off_the_engine_thread(tiny_model_dir, tmp_path):
     """After a restart with the tier file's pages out of memory, the follow-up is held while
-    the prefetch thread reads its 11 block slots and its 4 window slots in, then restores the
+    the prefetch thread reads its 11 block slots and its 5 window slots in, then restores the
     whole first turn with transformers' tokens."""
     from radixserve.kv_tier.mapped_pages import MappedPages
 
@@ -822,7 +830,7 @@ def test_a_cold_hybrid_restore_after_a_restart_reads_its_window_slots_off_the_en
     follow = FIRST_TURN + out.token_ids + [11, 12, 13]
     windows = engine.cache.tier_only_window_slots(follow, None)
     store = engine.tiering.store
-    assert len(windows) == 4 and all(store.pages.missing_pages(*store.window_span(w)) for w in windows)
+    assert len(windows) == 5 and all(store.pages.missing_pages(*store.window_span(w)) for w in windows)
     rid = engine.add_request(follow, SamplingParams(max_tokens=6, **GREEDY))
     assert engine.tiering.num_held == 1
     second = None
