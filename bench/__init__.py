@@ -10,6 +10,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_latency         TTFT, inter-token gap and e2e under load across server configurations (llama.cpp beside)
     bench_step_budget     the same arrivals straight into Engine.step under each --max-step-ms
     bench_speculative     prompt-lookup speculation: decode tokens/s, acceptance, equal outputs
+    bench_jump_forward    jump-forward under a grammar: steps per tool call / JSON answer, equal outputs
     bench_agents          an agent swarm over a small pool: LRU, the second tier, sessions
     bench_agent_hints     agent hints (priority, ttl_s, speculative_prefill) against none
     bench_agent_turns     agent loops with tools over HTTP: reply ids reused against re-tokenized
@@ -32,6 +33,7 @@ Kernel micro-benches: one kernel, op or model step, apart from any workload
     bench_native_decoder  decode and mixed steps: the native decoder against the layer path
     bench_prefill         prompt tokens per second: two engine settings (attention, matmul dtype) in turns
     profile_decode        a decode step's phases (schedule, prepare, model, lm head, sample, post)
+    bench_decode_floor    memory bandwidth (a triad) and each decode step's share of the floor (llama.cpp beside)
     profile_prompt        a prompt step's phases: 8 extends over cached prefixes (matmuls, attention, norms, ...)
 
 Shared helpers: cli (the flags, JSON, Figures), harness (workload drivers, the one `percentile`),
