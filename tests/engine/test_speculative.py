@@ -330,7 +330,7 @@ def test_metrics_export_the_acceptance_counters():
     from radixserve.engine.stats import EngineStats
     from radixserve.server.metrics import ServerMetrics
 
-    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("cache", "tier", "transfer", "hints")}
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("cpu", "cache", "tier", "transfer", "hints")}
     stats = EngineStats(**{**zeros, "kv_cache_dtype": "float32", "weight_dtype": "float32", "spec_drafts": 3, "spec_draft_tokens": 12,
                            "spec_accepted_tokens": 9,
                            "spec_acceptance_rate": 0.75})
