@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -41,24 +41,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-offload-memory", type=int, default=0, help="bytes of second tier (0: none)")
+    parser.add_argument("--kv-events-port", type=int, default=0,
+                        help="the loopback port the engine publishes its KV events on, its replay socket on the next "
+                             "(0: any; fixed, a restarted worker's stream is found again by other subscribers, "
+                             "e.g. Dynamo's standalone indexer)")
     parser.add_argument("--engine-options", default="{}", help="other EngineConfig options as JSON")
     return parser.parse_args(argv)
 
 
 def card_dir(model_dir: Path) -> Path:
     """A directory Dynamo can load the model's card from: the model's own, or (a conversion
-    older than `convert` writing its architectures) a copy of its small files that names them."""
+    older than `convert` writing its architectures) a copy of its small files that names them,
+    at a path fixed by the model's, so that every worker of the model presents the same card
+    (Dynamo's frontend keeps the first card's workers and rejects those whose card differs)."""
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("architectures"):
         return model_dir
     from radixserve.model.default_model import _architectures
 
-    card = Path(tempfile.mkdtemp(prefix="radixserve-card-"))
-    for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors":
-            shutil.copy(path, card / path.name)
+    digest = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+    card = Path(tempfile.gettempdir()) / f"radixserve-dynamo-card-{model_dir.name}-{digest}"
+    card.mkdir(exist_ok=True)
     config["architectures"] = _architectures(config.get("model_type", ""))
-    (card / "config.json").write_text(json.dumps(config, indent=2))
+    files = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file() and p.suffix != ".safetensors"}
+    files["config.json"] = json.dumps(config, indent=2).encode()
+    for name, data in files.items():  # written whole and renamed: workers starting together see one card
+        if not (card / name).exists() or (card / name).read_bytes() != data:
+            tmp = card / f".{name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, card / name)
     return card
 
 
@@ -68,6 +79,21 @@ class Worker:
 
     def __init__(self, engine, loop):
         self.engine, self.engine_loop = engine, loop
+
+    async def cache_blocks(self, body: dict) -> dict:
+        """The engine's cached blocks as its KV events name them (64-bit), by medium; with
+        {"flush": true} the cache is flushed first (Dynamo's system server: /engine/cache_blocks)."""
+        def read(engine) -> dict:
+            if body.get("flush"):
+                engine.flush_cache()
+            pool, tier = [], []
+            for node in engine.cache.nodes():
+                names = [d & 0xFFFF_FFFF_FFFF_FFFF for d in node.digests]
+                pool += names if node.blocks else []
+                tier += names if node.slots else []
+            return {"GPU": sorted(pool), "tier": sorted(tier)}
+
+        return await asyncio.wrap_future(self.engine_loop.call(read))
 
     async def generate(self, request: dict, context: Any = None) -> AsyncIterator[dict]:
         if os.environ.get("RADIXSERVE_DYNAMO_DEBUG"):
@@ -120,8 +146,9 @@ async def serve(args: argparse.Namespace) -> None:
         options["num_kv_blocks"] = args.num_kv_blocks
     if args.kv_offload_memory:
         options["kv_offload_memory"] = args.kv_offload_memory
-    engine = Engine(args.model, block_size=args.block_size, kv_events_endpoint="tcp://127.0.0.1:*",
-                    kv_events_replay_endpoint="tcp://127.0.0.1:*", kv_events_hash="chained64", **options)
+    port, replay = (args.kv_events_port, args.kv_events_port + 1) if args.kv_events_port else ("*", "*")
+    engine = Engine(args.model, block_size=args.block_size, kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+                    kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}", kv_events_hash="chained64", **options)
     engine_loop = EngineLoop(engine, name="radixserve-dynamo-engine")
     runtime = DistributedRuntime(asyncio.get_running_loop(), args.discovery_backend, args.request_plane)
     endpoint = runtime.endpoint(args.endpoint)
@@ -130,11 +157,13 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = Path(engine.loaded.path)
     name = args.served_model_name or engine.loaded.name
     worker = Worker(engine, engine_loop)
+    runtime.register_engine_route("cache_blocks", worker.cache_blocks)
     try:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
                              str(card_dir(model_dir)), name, kv_cache_block_size=args.block_size,
                              worker_type=WorkerType.Aggregated, needs=[])
-        log.info("radixserve worker %s serves %s at %s", endpoint.connection_id(), name, args.endpoint)
+        log.info("radixserve worker %s serves %s at %s, KV events at %s", endpoint.connection_id(), name,
+                 args.endpoint, engine.kv_events.endpoint)
         await endpoint.serve_endpoint(worker.generate)
     finally:
         publisher.shutdown()

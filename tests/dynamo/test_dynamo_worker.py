@@ -48,7 +48,7 @@ def _wait(predicate, timeout_s: float, what: str, procs) -> None:
 def dynamo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamo")
     namespace = f"rs{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "DYN_LOG": "warn"}
+    env = {**os.environ, "DYN_FILE_KV": str(tmp / "discovery"), "DYN_LOG": "info"}
     port, procs = _port(), []
 
     def start(name: str, args: list[str]):
@@ -72,6 +72,10 @@ def dynamo(tmp_path_factory):
                 return False
 
         _wait(listed, 60, "frontend", procs)
+        frontend_log = procs[2][1]
+        # the frontend keeps the first card's workers and rejects a worker whose card differs
+        assert "Rejected incompatible workers" not in frontend_log.read_text()
+        client.frontend_log = frontend_log
         yield client
     finally:
         for proc, _ in procs:
@@ -103,6 +107,7 @@ def test_the_kv_router_places_each_repeat_where_its_prefix_is_cached(dynamo):
                 assert worker == firsts[k], f"prompt {k} round {round_}: routed away from its cached prefix"
                 assert cached >= 16 * ((reply.usage.prompt_tokens - 1) // 16) - 16, (cached, reply.usage)
                 assert reply.choices[0].text == texts[k]
+    assert "Rejected incompatible workers" not in dynamo.frontend_log.read_text(), "both workers serve the model"
 
 
 def test_a_tenants_salt_keeps_its_blocks_apart(dynamo):
