@@ -16,6 +16,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_agent_turns     agent loops with tools over HTTP: reply ids reused against re-tokenized
     bench_agent_conditions  chat agents and few-shot beside CPU-bound processes; Gemma 3's reuse (llama.cpp beside)
     bench_kv_events       step time with and without publishing KV events
+    bench_dynamo_swarm    an agent swarm through NVIDIA Dynamo's frontend onto 2 workers: kv vs round-robin reuse
     bench_kv_quant        int8 KV pages: accuracy, capacity and decode step time against float32
     bench_weights         quantized weights: accuracy, speed, memory (llama.cpp beside)
     bench_hybrid_kv       hybrid KV for sliding-window models

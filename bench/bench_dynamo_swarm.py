@@ -13,7 +13,6 @@ a flush, a demotion to the second tier and a restart of one worker.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import openai
+
+from bench.cli import apply_quick, bench_parser, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
@@ -253,7 +254,7 @@ def check_views(cluster: Cluster) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, quick="4 agents x 2 turns")
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--systems", type=int, default=4)
@@ -263,6 +264,7 @@ def main() -> None:
     parser.add_argument("--tier-bytes", type=int, default=256 << 20)
     parser.add_argument("--modes", default="kv,round-robin")
     args = parser.parse_args()
+    apply_quick(parser, args, agents=4, turns=2)
     from transformers import AutoTokenizer
 
     from radixserve.model.default_model import ensure_default_model
@@ -287,6 +289,8 @@ def main() -> None:
               f"{100 * r['share']:5.1f}%   errors {r['errors']} of {r['requests']}   {r['seconds']} s")
     for what, (agree, sizes) in results.get("views", {}).items():
         print(f"router's view == workers' caches after {what}: {agree}  {sizes}")
+    if args.json:
+        write_json(args.json, {k: v for k, v in results.items() if k != "views"}, args)
 
 
 if __name__ == "__main__":
