@@ -8,7 +8,7 @@ scheduler slice at a time and every region waits for it: with two threads on two
 one CPU-bound neighbour, a step took many times its quiet time. A team no larger than the
 cores left over has no thread to wait for.
 
-So before each step the stepping thread asks `threads()`: the usable cores (the affinity
+So each step runs inside `step_team()`, which asks `threads()`: the usable cores (the affinity
 mask, capped by a cgroup CPU quota) less the cores other processes used on them lately,
 measured from /proc/stat against this process's own CPU time every `interval_s`. A drop
 applies at once; a rise only once two samples in a row allow it, so a neighbour that
@@ -18,14 +18,14 @@ pauses for an instant does not make the team grow and shrink each step. With `fi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
-import threading
 from dataclasses import dataclass
 
-from radixserve.kernels.openmp_pool import set_team_size
+from radixserve.kernels.openmp_pool import set_team_size, team_size
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class CpuShare:
         self._last = self._sample() if not fixed else None
         self._last_at = time.monotonic()
         self._rise_votes = 0
-        self._applied: tuple[int, int] | None = None  # (thread, team size) last set
 
     def threads(self) -> int:
         """The team size for a step starting now (re-measured at most every interval_s)."""
@@ -75,14 +74,19 @@ class CpuShare:
             self._update(now)
         return self.current
 
-    def apply(self) -> int:
-        """Set the calling (stepping) thread's team size for the step it is about to run."""
-        threads = self.threads()
-        applied = (threading.get_ident(), threads)
-        if applied != self._applied:
-            set_team_size(threads)
-            self._applied = applied
-        return threads
+    @contextlib.contextmanager
+    def step_team(self):
+        """The calling (stepping) thread's team sized for one step, its own size given back
+        after: a caller stepping an Engine on its own thread keeps its torch thread count."""
+        want = self.threads()
+        before = team_size()
+        if want != before:
+            set_team_size(want)
+        try:
+            yield want
+        finally:
+            if want != before:
+                set_team_size(before)
 
     def snapshot(self) -> CpuSnapshot:
         return CpuSnapshot(self.usable, self.current, round(self.others, 2), bool(self.fixed), self.reductions)

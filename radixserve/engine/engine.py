@@ -256,7 +256,6 @@ class Engine:
         """Schedule, run one forward pass, sample; returns an output for every request
         that got a token or finished in this step."""
         t0 = time.perf_counter()
-        self.cpu_share.apply()  # the cores other processes left this step
         plan = self.scheduler.schedule(self._prefill_token_budget())
         self._after_cache_changes()
         t1 = time.perf_counter()
@@ -264,7 +263,8 @@ class Engine:
             self.timings["schedule_s"] += t1 - t0
             return []
         decode_tokens = sum(c.num_tokens for c in plan.chunks if c.decodes)  # before commit moves them on
-        result = self.runner.run(plan)
+        with self.cpu_share.step_team():  # as many threads as the cores other processes leave
+            result = self.runner.run(plan)
         t2 = time.perf_counter()
         self.scheduler.commit(plan)
         for request, index, logprob in result.prompt_logprobs:

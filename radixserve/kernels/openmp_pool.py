@@ -56,18 +56,30 @@ def release_thread_pool() -> bool:
 
 
 @functools.cache
-def _set_threads_call():
-    """The loaded libgomp's omp_set_num_threads, or None (another runtime, or none)."""
+def _team_calls():
+    """The loaded libgomp's (omp_set_num_threads, omp_get_max_threads), or None."""
     import torch  # noqa: F401  (the runtime torch brings is the one to find)
 
     try:
         runtime = ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
     except (OSError, AttributeError):
         return None
-    call = getattr(runtime, "omp_set_num_threads", None)
-    if call is not None:
-        call.argtypes, call.restype = [ctypes.c_int], None
-    return call
+    set_call, get_call = getattr(runtime, "omp_set_num_threads", None), getattr(runtime, "omp_get_max_threads", None)
+    if set_call is None or get_call is None:
+        return None
+    set_call.argtypes, set_call.restype = [ctypes.c_int], None
+    get_call.argtypes, get_call.restype = [], ctypes.c_int
+    return set_call, get_call
+
+
+def team_size() -> int:
+    """The calling thread's team size for its next parallel region."""
+    calls = _team_calls()
+    if calls is not None:
+        return int(calls[1]())
+    import torch
+
+    return torch.get_num_threads()
 
 
 def set_team_size(threads: int) -> None:
@@ -75,9 +87,9 @@ def set_team_size(threads: int) -> None:
     kernels alike (both read libgomp's per-thread setting). libgomp's own call costs
     microseconds; torch.set_num_threads, the fallback for other runtimes, milliseconds (it
     rebuilds torch's other pools), so a caller changes it only when the count changes."""
-    call = _set_threads_call()
-    if call is not None:
-        call(int(threads))
+    calls = _team_calls()
+    if calls is not None:
+        calls[0](int(threads))
         return
     import torch
 

@@ -136,26 +136,30 @@ def test_usable_cores_is_capped_by_the_quota(tmp_path, monkeypatch):
     assert cpu_share.usable_cores(str(tmp_path)) == 3
 
 
-def test_apply_sets_the_stepping_threads_own_team_size(machine):
+def test_a_step_team_is_the_stepping_threads_own_and_given_back_after(machine):
     """The team size is the calling thread's (libgomp's per-thread setting): torch's ops and
-    the C kernels both read it, and another thread's is left alone."""
+    the C kernels both read it inside the step; after it the thread has its own size again,
+    and another thread's is never touched."""
     share = CpuShare(interval_s=0.0)
     seen = {}
 
     def stepping_thread():
+        seen["own"] = torch.get_num_threads()
         machine.advance(100, [100, 100], own=120)  # a neighbour took 0.8 cores
-        seen["threads"] = share.apply()
-        seen["torch"] = torch.get_num_threads()
+        with share.step_team() as threads:
+            seen["inside"] = (threads, torch.get_num_threads())
+        seen["after"] = torch.get_num_threads()
         for _ in range(2):  # two quiet samples
             machine.advance(100, [10, 10], own=0)
-            share.apply()
-        seen["torch_after"] = torch.get_num_threads()
+            with share.step_team() as threads:
+                seen["quiet"] = (threads, torch.get_num_threads())
 
     before = torch.get_num_threads()
     t = threading.Thread(target=stepping_thread)
     t.start()
     t.join()
-    assert seen == {"threads": 1, "torch": 1, "torch_after": 2}
+    own = seen["own"]
+    assert seen == {"own": own, "inside": (1, 1), "after": own, "quiet": (2, 2)}
     assert torch.get_num_threads() == before
 
 

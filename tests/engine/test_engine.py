@@ -314,7 +314,8 @@ _TIER_KEYS = ["tier_blocks_total", "tier_blocks_used", "tier_bytes", "tier_persi
 _HINT_KEYS = [f"hint_requests_{kind}" for kind in ("priority", "latency_sensitivity", "osl", "ttl",
                                                     "speculative_prefill", "release")] + [
     "hint_ttl_held_blocks", "hint_ttl_holds", "speculative_prefills", "speculative_prefill_tokens"]
-_TIMING_KEYS = ["schedule_s", "model_s", "postprocess_s"]
+_CPU_KEYS = ["cpu_usable_cores", "cpu_threads", "cpu_others_cores", "cpu_team_reductions"]
+_TIMING_KEYS = _CPU_KEYS + ["schedule_s", "model_s", "postprocess_s"]
 
 
 def test_stats_keep_their_flat_shape_and_agree_with_the_snapshot(tiny_model_dir):

@@ -44,6 +44,7 @@ NEEDS = {
     "--decode-resource": ["--prefill-replicas", "1", "--decode-replicas", "1"],
     "--kv-events-replay-endpoint": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
     "--kv-events-hash": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
+    "--kv-events-format": ["--kv-events-endpoint", "tcp://127.0.0.1:5557"],
 }
 VALUES = {"--device": "cpu", "--speculative": "prompt-lookup", "--kv-events-endpoint": "tcp://127.0.0.1:5557",
           "--kv-events-replay-endpoint": "tcp://127.0.0.1:5558", "--window-pages-ratio": "0.5",
@@ -51,6 +52,7 @@ VALUES = {"--device": "cpu", "--speculative": "prompt-lookup", "--kv-events-endp
 REFUSED_ALONE = {
     "--kv-events-replay-endpoint": "set it too",
     "--kv-events-hash": "set it too",
+    "--kv-events-format": "set it too",
     "--ttft-target-ms": "max_step_ms",
     "--num-speculative-tokens": "speculative",
     "--prompt-lookup-max": "speculative",
