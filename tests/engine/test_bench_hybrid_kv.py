@@ -1,7 +1,6 @@
 """bench_hybrid_kv's memory part in its smallest form, on the tiny Gemma 3 (two window layers of
 6 tokens, one full layer): a conversation whose follow-ups hit the cache exactly as with every
-layer kept, and the bytes it accounts are the blocks held plus the one window page the conversation's
-end keeps (the ends it went on from keep none)."""
+layer kept, and the bytes it accounts are the blocks held plus the window pages the prompt and reply ends keep."""
 
 from __future__ import annotations
 
@@ -18,14 +17,15 @@ def test_memory_part_on_tiny_gemma3(tiny_model_dir):
     assert hybrid["cached_tokens"] == full["cached_tokens"] == 96
     assert hybrid["blocks_held"] == full["blocks_held"] == 96 // BLOCK_SIZE
     assert hybrid["cache_nodes"] == 3
-    # a window of 6 tokens before the last end lies in the block that ends there; the ends the
-    # conversation went on from (one child each) keep no window
-    assert hybrid["window_pages_attached"] == 1
+    # every prompt end and every reply end keeps the window of each point up to the slack (one
+    # block here) before it (core/window_pages.py): with 6-token windows and three turns of two
+    # ends each, all six blocks keep their window page, so this tiny conversation saves nothing
+    assert hybrid["window_pages_attached"] == 6
     layer_token = full["block_bytes"] // (3 * BLOCK_SIZE)  # the tiny model: 3 layers
     assert hybrid["block_bytes"] == layer_token * BLOCK_SIZE
     assert hybrid["window_page_bytes"] == 2 * hybrid["block_bytes"]
-    assert hybrid["bytes_per_cached_token"] == (6 * hybrid["block_bytes"] + hybrid["window_page_bytes"]) / 96
-    assert report["bytes_per_cached_token_ratio"] == (6 + 2) / (6 * 3)
+    assert hybrid["bytes_per_cached_token"] == (6 * hybrid["block_bytes"] + 6 * hybrid["window_page_bytes"]) / 96
+    assert report["bytes_per_cached_token_ratio"] == (6 + 12) / (6 * 3)
     assert report["tokens_fit_ratio"] > 1.5  # 1 + 2 * 0.25 layers a block against 3
 
 
