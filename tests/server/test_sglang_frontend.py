@@ -69,7 +69,7 @@ class Expected:
         self.forks = [outs["fork0"].text, outs["fork1"].text]
         self.reviews = [outs[f"review{i}"].text for i in range(len(REVIEWS))]
         self.fewshot_tokens = len(engine.tokenizer.encode(FEWSHOT))
-        self.choice_entries = [self._choice_entries(outs[f"choice{i}"]) for i in range(len(COLOURS))]
+        self.choice_entries = _shared_prefix_alike([self._choice_entries(outs[f"choice{i}"]) for i in range(len(COLOURS))])
         alone = engine.generate([[e[1] for e in lst] for lst in self.choice_entries],
                                 SamplingParams(max_tokens=0, prompt_logprobs=0))
         self.unconditional = [[[lp.logprob if lp else None, t] for lp, t in zip(o.prompt_logprobs, o.prompt_token_ids)]
@@ -82,6 +82,19 @@ class Expected:
         entries = [[lp.logprob, t, self.engine.tokenizer.decode([t])]
                    for lp, t in zip(out.prompt_logprobs[start:], out.prompt_token_ids[start:])]
         return entries[1:] if PICK.endswith(entries[0][2]) else entries
+
+
+def _shared_prefix_alike(entries: list[list]) -> list[list]:
+    """The choices' entries with the tokens all of them share given the first choice's logprob.
+    The four prompts ran as rows of one batch, and on some CPUs (AVX2 without AVX-512) the
+    BLAS's result for a row depends on its place in the batch in the last bits; the server
+    computes the shared prefix once (the radix cache), so its entries tie exactly there, and
+    SGLang's greedy selection breaks ties on the first token that differs, as it must."""
+    shared = 0
+    while all(len(e) > shared for e in entries) and len({e[shared][1] for e in entries}) == 1:
+        shared += 1
+    return [[[entries[0][j][0], *entry[1:]] if j < shared else entry for j, entry in enumerate(lst)]
+            for lst in entries]
 
 
 @pytest.fixture(scope="module")
