@@ -225,7 +225,7 @@ class PeakKV(threading.Thread):
         self.url, self.peak, self.done = url, 0, threading.Event()
         m = _metrics(url)
         self.block_bytes = m.get("radixserve_kv_bytes_per_token", 0) * 16
-        self.page_bytes = m.get("radixserve_kv_window_page_bytes", 0)
+        self.page_bytes = _debug_stats(url).get("window_page_bytes", 0)  # a hybrid KV engine's window page
 
     def run(self) -> None:
         while not self.done.wait(0.25):
