@@ -1,6 +1,6 @@
 """Benchmarks: run each with `python -m bench.<name> --help`. Every bench takes the same
 `--json PATH` (its figures), `--plot PATH` (a PNG of them) and `--quick` (a smaller run),
-through bench/cli.py; tests/test_bench_cli.py checks each one's parser.
+through bench/cli.py; tests/bench/test_bench_cli.py checks each one's parser.
 
 System benches: an engine, a server or a cluster end to end, on a workload
     bench_engine          no sharing: radixserve against transformers' static batching

@@ -45,7 +45,7 @@ from bench.bench_server import served_process
 from bench.cli import Figures, apply_quick, bench_parser
 
 GEMMA = "gemma3-270m"
-GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "tests", "server", "templates", "gemma3.jinja")
+GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "tests", "templates", "gemma3.jinja")
 _WORDS = ("pallet route depot driver invoice order delay north south truck customer window callback status "
           "function test branch commit review error module import value return string config deploy train "
           "station ticket platform change price hour minute city budget hotel seat booking confirmed").split()

@@ -4,7 +4,7 @@
 #   bench/gpu_check.sh              # from anywhere; needs .venv (scripts/setup.sh) with triton
 #   PYTHON=python bench/gpu_check.sh
 #
-# 1. tests/kernels/test_kernels.py and tests/kernels/test_triton_backend.py with RADIXSERVE_TEST_DEVICE=cuda:
+# 1. tests/kernels/test_kernels.py and tests/attention/test_triton_backend.py with RADIXSERVE_TEST_DEVICE=cuda:
 #    the kernels compiled for the GPU, against their torch references and the torch backend.
 # 2. python -m bench.bench_kernels: decode attention (batch 64 x 4k context) and prefix-extend
 #    (2k cached prefix + 256 new tokens) in bf16 for 9q/3kv/64 and 32q/8kv/128 heads, beside
@@ -44,7 +44,7 @@ if ! "$PY" -c "import sys, torch, triton; sys.exit(0 if torch.cuda.is_available(
 fi
 
 stage "kernel and backend tests on cuda" 200 \
-    env RADIXSERVE_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels/test_kernels.py tests/kernels/test_triton_backend.py -q -p no:cacheprovider
+    env RADIXSERVE_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels/test_kernels.py tests/attention/test_triton_backend.py -q -p no:cacheprovider
 stage "kernel micro-benchmarks" 130 "$PY" -m bench.bench_kernels
 stage "engine throughput" 130 "$PY" -m bench.bench_kernels --engine
 

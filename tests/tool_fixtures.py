@@ -1,9 +1,9 @@
 """Tools the tool-calling tests share: two functions with bounded schemas, and the family
-templates of tests/server/templates (one per tool-call format)."""
+templates of tests/templates (one per tool-call format)."""
 
 from pathlib import Path
 
-TEMPLATES = Path(__file__).parent / "server" / "templates"
+TEMPLATES = Path(__file__).parent / "templates"
 FORMAT_FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                    "unit": {"enum": ["c", "f"]}},

@@ -248,7 +248,7 @@ def test_every_routed_route_is_named_as_the_replica_publishes_its_blocks(real_mo
 
     chat_template = None
     if template is not None:
-        chat_template = (Path(__file__).parents[1] / "server" / "templates" / f"{template}.jinja").read_text()
+        chat_template = (Path(__file__).parents[1] / "templates" / f"{template}.jinja").read_text()
     options = ServerOptions(api_keys=("key-a",), chat_template=chat_template)
     engine = Engine(str(real_model_dir), num_kv_blocks=512, kv_events_endpoint="tcp://127.0.0.1:*",
                     kv_events_replay_endpoint="tcp://127.0.0.1:*")

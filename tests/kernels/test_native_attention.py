@@ -675,7 +675,7 @@ def test_cpu_backend_generates_what_the_torch_backend_does(tiny_model_dir, kind)
     results = {}
     for name in ("torch", "cpu", "cpu+native decoder"):
         engine = Engine(str(model_dir), attention_backend=name.split("+")[0], **options)
-        if name == "cpu":  # the backend's own kernels, layer by layer (tests/kernels/test_native_decoder.py: the other)
+        if name == "cpu":  # the backend's own kernels, layer by layer (tests/model/test_native_decoder.py: the other)
             engine.runner.model.native, engine.runner.row_limit = None, 0
             calls = _count_native_decodes(engine)
         first = engine.generate(prompts[:1], greedy)  # the others then hit its cached prefix

@@ -23,7 +23,7 @@ from subprocess_server import free_port, wait_healthy
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
-GEMMA_TEMPLATE = (Path(__file__).parent.parent / "server" / "templates" / "gemma3.jinja").read_text(encoding="utf-8")
+GEMMA_TEMPLATE = (Path(__file__).parents[1] / "templates" / "gemma3.jinja").read_text(encoding="utf-8")
 WINDOW = 512
 TWO_TURNS = ("<bos><start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
              "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n")

@@ -17,7 +17,7 @@ from radixserve.server import ServerOptions
 pytestmark = pytest.mark.real_model
 
 MODEL = "SmolLM2-135M-Instruct"
-GEMMA = (Path(__file__).parent / "templates" / "gemma3.jinja").read_text(encoding="utf-8")
+GEMMA = (Path(__file__).parents[1] / "templates" / "gemma3.jinja").read_text(encoding="utf-8")
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
           "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]

@@ -137,7 +137,7 @@ def test_a_template_in_place_of_the_models_own_reuses_the_reply_ids(engine):
     generated."""
     from pathlib import Path
 
-    template = (Path(__file__).parent / "templates" / "hermes.jinja").read_text()
+    template = (Path(__file__).parents[1] / "templates" / "hermes.jinja").read_text()
     ids = {"return_token_ids": True}
     with BackgroundServer(create_app(engine, ServerOptions(chat_template=template))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -20,7 +20,7 @@ from radixserve.server.testing import BackgroundServer
 pytestmark = pytest.mark.real_model
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parents[1] / "templates"
 FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
           "required": ["city", "unit"], "additionalProperties": False}

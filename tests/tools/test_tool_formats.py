@@ -1,5 +1,5 @@
 """The tool-call formats (tools/formats/), each without a server: a chat template per
-family (tests/server/templates/) renders that family's documented prompt byte for byte;
+family (tests/templates/) renders that family's documented prompt byte for byte;
 parsing streamed in token-sized pieces (markers split anywhere) equals parsing whole;
 rendering what was parsed gives back the generated text; the grammar of forced and auto
 calls accepts the canonical calls and refuses ones that break the schema; `auto` picks the
@@ -23,7 +23,7 @@ from radixserve.tools.formats import FORMATS, PARSER_CHOICES, detect_format, for
 from radixserve.tools.formats.mistral import MistralFormat
 from radixserve.tools.rendering import fallback_messages
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parents[1] / "templates"
 FAMILIES = ["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "harmony"]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
                   "required": ["city", "unit"]}

@@ -291,12 +291,12 @@ def test_a_schema_xgrammar_refuses_is_a_400_after_reasoning_too():
     ("qwen3_coder", None), ("deepseek_v3", None), ("gemma3", None),
 ])
 def test_auto_on_each_family_template(family, parser, real_model_dir):
-    """The test templates of the tool-call families (tests/server/templates/): only harmony's
+    """The test templates of the tool-call families (tests/templates/): only harmony's
     speaks of reasoning."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    template = (Path(__file__).parent / "templates" / f"{family}.jinja").read_text()
+    template = (Path(__file__).parents[1] / "templates" / f"{family}.jinja").read_text()
     found = Reasoning(AutoTokenizer.from_pretrained(real_model_dir), chat_template=template).parser
     assert (found.name if found is not None else None) == parser
