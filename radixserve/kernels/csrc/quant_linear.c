@@ -21,7 +21,8 @@
  * summation order, so the only error against the float product is the activations' rounding.
  * Two layouts of the same codes and values: one feature a row (above: what model/gguf_repack.py
  * makes and quantized.safetensors keeps), read by the AVX2 path (vpmaddubsw on codes below 128, 8-bit
- * codes as two nibbles: no saturation; a few rows share each load of the codes) and the scalar one; and the lanes layout (features across the
+ * codes as two nibbles: no saturation; a few rows share each load of the codes, and a single row
+ * a few features each load of its activations) and the scalar one; and the lanes layout (features across the
  * vector lanes, 32 a block: the AVX512-VNNI section below), into which kernels/quant_linear.py
  * moves every weight once at load on a CPU with AVX512-VNNI, for vpdpbusd's u8 x s8 products
  * at every row count. `path` chooses (0: the best this build has for the layout; 1: AVX2;
@@ -295,6 +296,49 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
         }
     }
 }
+
+/* One activation row (a decode step at batch 1) against FEATURE_TILE features at once: the row's
+ * codes and each block's dx are read once for the tile, and the features' sums are independent
+ * chains. Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
+#define FEATURE_TILE 4
+
+/* Measured on Zen 3 (one thread, the default model's Q4_1 layers): 0.81x the per-feature path's
+ * time with 4-bit codes; 8-bit codes (Q8_0's signed path, Q6_K's nibbles) gained nothing. */
+static inline int tile_pays(const QWeight *w) { return w->bits == 4; }
+
+static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
+    const int64_t blocks = a->K / 32;
+    const int mode = w->bits == 4 ? CODES_SMALL : (w->zero == 128 && !w->offset) ? CODES_SIGNED : CODES_NIBBLES;
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const uint8_t *codes[FEATURE_TILE];
+    const void *scale[FEATURE_TILE];
+    __m256 acc[FEATURE_TILE];
+    for (int j = 0; j < FEATURE_TILE; ++j) {
+        codes[j] = w->codes + (n0 + j) * row_bytes(w);
+        scale[j] = group_row(w, w->scale, n0 + j, a->groups);
+        acc[j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256 d = _mm256_set1_ps(a->dx[b] * (1.0f / 256.0f));
+        for (int j = 0; j < FEATURE_TILE; ++j) {
+            __m256i u = block_codes_avx2(codes[j], b, w->bits), u2 = u;
+            if (mode == CODES_NIBBLES) u2 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4), u = _mm256_and_si256(u, low4);
+            if (mode == CODES_SIGNED) u2 = _mm256_xor_si256(u, flip), u = _mm256_abs_epi8(u2);
+            __m256 s;
+            if (w->group == 16)
+                s = _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale[j], 2 * b)),
+                                     _mm_set1_ps(group_value_fast(w, scale[j], 2 * b + 1)));
+            else
+                s = _mm256_set1_ps(group_value_fast(w, scale[j], 32 * b / w->group));
+            const __m256i dot = block_dot2(u, u2, mode, a->xq + 32 * b, a->xr + 32 * b);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d), acc[j]);
+        }
+    }
+    for (int j = 0; j < FEATURE_TILE; ++j) {
+        const float offset = mode == CODES_SIGNED ? 0.0f : offset_term_avx2(w, n0 + j, a->xsum, a->groups);
+        out[n0 + j] = hsum8(acc[j]) + offset + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
 #endif
 
 /* ---- AVX512-VNNI: features across the vector lanes (the `lanes` layout) ---------------- */
@@ -500,7 +544,14 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 #endif
     int64_t done = 0;
 #if defined(__AVX2__)
-    if (path <= 1) {
+    if (path <= 1 && M == 1 && tile_pays(&w)) {
+        const int64_t tiles = N / FEATURE_TILE;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) feature_tile_avx2(&w, &a, t * FEATURE_TILE, out, bias);
+        for (int64_t n = tiles * FEATURE_TILE; n < N; ++n) feature_avx2(&w, &a, n, out, ldo, bias);
+        done = N;
+    }
+    if (path <= 1 && !done) {
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; ++n) feature_avx2(&w, &a, n, out, ldo, bias);
         done = N;
