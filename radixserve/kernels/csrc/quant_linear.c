@@ -22,7 +22,8 @@
  * Two layouts of the same codes and values: one feature a row (above: what model/gguf_repack.py
  * makes and quantized.safetensors keeps), read by the AVX2 path (vpmaddubsw on codes below 128, 8-bit
  * codes as two nibbles: no saturation; a few rows share each load of the codes, and a single row
- * a few features each load of its activations) and the scalar one; and the lanes layout (features across the
+ * a few features each load of its activations; 8-bit codes widened to 16 bits against 16-bit
+ * activations, vpmaddwd) and the scalar one; and the lanes layout (features across the
  * vector lanes, 32 a block: the AVX512-VNNI section below), into which kernels/quant_linear.py
  * moves every weight once at load on a CPU with AVX512-VNNI, for vpdpbusd's u8 x s8 products
  * at every row count. `path` chooses (0: the best this build has for the layout; 1: AVX2;
@@ -58,6 +59,7 @@ typedef struct {
     int8_t *xr;      /* [M, K] residual codes, in 1/256ths of dx */
     float *dx;       /* [M, K / 32] */
     float *xsum;     /* [M, K / G] */
+    int16_t *x16;    /* [M, K] 256 xq + xr (|x16| <= 32,639): the 8-bit codes' products read it */
     int64_t M, K, groups;
 } QActs;
 
@@ -155,9 +157,11 @@ static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) 
         int8_t *q = a->xq + r * K, *res = a->xr + r * K;
         float *dx = a->dx + r * blocks, *xs = a->xsum + r * a->groups;
         memset(xs, 0, sizeof(float) * a->groups);
+        int16_t *x16 = a->x16 + r * K;
         for (int64_t b = 0; b < blocks; ++b) {
             float half[2];
             const float d = dx[b] = quantize_block(xr + 32 * b, q + 32 * b, res + 32 * b, half);
+            for (int64_t i = 32 * b; i < 32 * b + 32; ++i) x16[i] = (int16_t)(256 * q[i] + res[i]);
             if (group == 16) {
                 xs[2 * b] += d * half[0], xs[2 * b + 1] += d * half[1];
             } else {
@@ -262,6 +266,49 @@ static inline float offset_term_avx2(const QWeight *w, int64_t n, const float *x
     return w->offset ? s : -(float)w->zero * s;
 }
 
+/* 8-bit codes against the 16-bit activations, vpmaddwd: codes widened as they load (less 128 for
+ * the signed form, whose products need no offset term), 256 u.xq + u.xr in two multiplies a
+ * block. Lane i of the sums covers elements 2i, 2i + 1 of each 16-element half. */
+static inline __m256i widened_codes(const uint8_t *c, int signed_form) {
+    const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    return signed_form ? _mm256_sub_epi16(u, _mm256_set1_epi16(128)) : u;
+}
+
+static void feature8_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+    const uint8_t *codes = w->codes + n * row_bytes(w);
+    const void *scale = group_row(w, w->scale, n, a->groups);
+    const int64_t blocks = a->K / 32;
+    const int signed_form = w->zero == 128 && !w->offset;
+    for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
+        const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
+        __m256 acc[AVX2_TILE];
+        for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const __m256i lo = widened_codes(codes + 32 * b, signed_form), hi = widened_codes(codes + 32 * b + 16, signed_form);
+            const float s0 = group_value_fast(w, scale, w->group == 16 ? 2 * b : 32 * b / w->group);
+            const float s1 = w->group == 16 ? group_value_fast(w, scale, 2 * b + 1) : s0;
+            for (int64_t t = 0; t < rows; ++t) {
+                const int64_t r = r0 + t;
+                const int16_t *x = a->x16 + r * a->K + 32 * b;
+                const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
+                const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+                const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
+                if (w->group == 16) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s0 * dx), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s1 * dx), acc[t]);
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), _mm256_set1_ps(s0 * dx), acc[t]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < rows; ++t) {
+            const int64_t r = r0 + t;
+            const float offset = signed_form ? 0.0f : offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups);
+            out[r * ldo + n] = hsum8(acc[t]) + offset + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
 static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
@@ -306,10 +353,18 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
  * time with 4-bit codes; 8-bit codes (Q8_0's signed path, Q6_K's nibbles) gained nothing. */
 static inline int tile_pays(const QWeight *w) { return w->bits == 4; }
 
+/* Block b's scale as a vector: lanes 0-3 cover its first 16 elements, 4-7 the next 16. */
+static inline __m256 block_scale_avx2(const QWeight *w, const void *scale, int64_t b) {
+    if (w->group == 16)
+        return _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
+                                _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
+    return _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
+}
+
+/* 4-bit codes only: each 64-element chunk's 32 bytes of a feature are loaded once for its two blocks. */
 static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
     const int64_t blocks = a->K / 32;
-    const int mode = w->bits == 4 ? CODES_SMALL : (w->zero == 128 && !w->offset) ? CODES_SIGNED : CODES_NIBBLES;
-    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i low4 = _mm256_set1_epi8(15);
     const uint8_t *codes[FEATURE_TILE];
     const void *scale[FEATURE_TILE];
     __m256 acc[FEATURE_TILE];
@@ -318,26 +373,19 @@ static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, floa
         scale[j] = group_row(w, w->scale, n0 + j, a->groups);
         acc[j] = _mm256_setzero_ps();
     }
-    for (int64_t b = 0; b < blocks; ++b) {
-        const __m256 d = _mm256_set1_ps(a->dx[b] * (1.0f / 256.0f));
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const __m256 d0 = _mm256_set1_ps(a->dx[b] * (1.0f / 256.0f)), d1 = _mm256_set1_ps(a->dx[b + 1] * (1.0f / 256.0f));
         for (int j = 0; j < FEATURE_TILE; ++j) {
-            __m256i u = block_codes_avx2(codes[j], b, w->bits), u2 = u;
-            if (mode == CODES_NIBBLES) u2 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4), u = _mm256_and_si256(u, low4);
-            if (mode == CODES_SIGNED) u2 = _mm256_xor_si256(u, flip), u = _mm256_abs_epi8(u2);
-            __m256 s;
-            if (w->group == 16)
-                s = _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale[j], 2 * b)),
-                                     _mm_set1_ps(group_value_fast(w, scale[j], 2 * b + 1)));
-            else
-                s = _mm256_set1_ps(group_value_fast(w, scale[j], 32 * b / w->group));
-            const __m256i dot = block_dot2(u, u2, mode, a->xq + 32 * b, a->xr + 32 * b);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, d), acc[j]);
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes[j] + 16 * b));
+            const __m256i u0 = _mm256_and_si256(packed, low4), u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            const __m256i dot0 = block_dot2(u0, u0, CODES_SMALL, a->xq + 32 * b, a->xr + 32 * b);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(block_scale_avx2(w, scale[j], b), d0), acc[j]);
+            const __m256i dot1 = block_dot2(u1, u1, CODES_SMALL, a->xq + 32 * b + 32, a->xr + 32 * b + 32);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(block_scale_avx2(w, scale[j], b + 1), d1), acc[j]);
         }
     }
-    for (int j = 0; j < FEATURE_TILE; ++j) {
-        const float offset = mode == CODES_SIGNED ? 0.0f : offset_term_avx2(w, n0 + j, a->xsum, a->groups);
-        out[n0 + j] = hsum8(acc[j]) + offset + (bias ? bias[n0 + j] : 0.0f);
-    }
+    for (int j = 0; j < FEATURE_TILE; ++j)
+        out[n0 + j] = hsum8(acc[j]) + offset_term_avx2(w, n0 + j, a->xsum, a->groups) + (bias ? bias[n0 + j] : 0.0f);
 }
 #endif
 
@@ -527,13 +575,14 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 #if !defined(__AVX2__)
     if (path == 1) return -3;
 #endif
-    QActs a = {NULL, NULL, NULL, NULL, M, K, K / group};
-    void *scratch = malloc((size_t)(2 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group)) + 64);
+    QActs a = {NULL, NULL, NULL, NULL, NULL, M, K, K / group};
+    void *scratch = malloc((size_t)(4 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group)) + 128);
     if (!scratch) return -2;
     a.xq = (int8_t *)scratch;
     a.xr = a.xq + M * K;
     a.dx = (float *)(((uintptr_t)(a.xr + M * K) + 63) & ~(uintptr_t)63);
     a.xsum = a.dx + M * (K / 32);
+    a.x16 = (int16_t *)(((uintptr_t)(a.xsum + M * (K / group)) + 63) & ~(uintptr_t)63);
     quantize_rows(x, ldx, &a, group);
 #if defined(HAVE_VNNI)
     if (lanes) {
@@ -553,7 +602,10 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
     }
     if (path <= 1 && !done) {
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; ++n) feature_avx2(&w, &a, n, out, ldo, bias);
+        for (int64_t n = 0; n < N; ++n) {
+            if (bits == 8) feature8_avx2(&w, &a, n, out, ldo, bias);
+            else feature_avx2(&w, &a, n, out, ldo, bias);
+        }
         done = N;
     }
 #endif
