@@ -1,6 +1,10 @@
 """Benchmarks: run each with `python -m bench.<name> --help`. Every bench takes the same
 `--json PATH` (its figures), `--plot PATH` (a PNG of them) and `--quick` (a smaller run),
-through bench/cli.py; tests/bench/test_bench_cli.py checks each one's parser.
+through bench/lib/cli.py; tests/bench/test_bench_cli.py checks each one's parser.
+
+bench/*.py are the runners, thin: each imports shared code from bench/lib/ only, never from
+another runner (tests/bench/test_bench_layout.py). llama.cpp's server, where a bench runs it
+beside radixserve, is found through --llama-server or the LLAMA_SERVER variable.
 
 System benches: an engine, a server or a cluster end to end, on a workload
     bench_engine          no sharing: radixserve against transformers' static batching
@@ -19,7 +23,8 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_dynamo_swarm    an agent swarm through NVIDIA Dynamo's frontend onto 2 workers: kv vs round-robin reuse
     bench_kv_quant        int8 KV pages: accuracy, capacity and decode step time against float32
     bench_weights         quantized weights: accuracy, speed, memory (llama.cpp beside)
-    bench_hybrid_kv       hybrid KV for sliding-window models
+    bench_hybrid_kv       hybrid KV for sliding-window models: bytes per cached token; a swarm against llama.cpp
+    hybrid_swarm_sim      bench_hybrid_kv's swarm on a tiny Gemma 3 and a virtual clock: reuse for a KV budget
     bench_output_path     the server's output path per token, every API, no model
     bench_cluster         replicas on Ray Serve: prefix reuse under each router
     bench_disagg          prefill/decode disaggregation: do long prompts stall running streams
@@ -37,7 +42,15 @@ Kernel micro-benches: one kernel, op or model step, apart from any workload
     bench_decode_floor    memory bandwidth (a triad) and each decode step's share of the floor (llama.cpp beside)
     profile_prompt        a prompt step's phases: 8 extends over cached prefixes (matmuls, attention, norms, ...)
 
-Shared helpers: cli (the flags, JSON, Figures), harness (workload drivers, the one `percentile`),
-sse (the one SSE client), report (tables, bar charts), workloads / agent_workload / dsl_workloads /
-dsl_backends / kv_quant_prompts / weights_speed / gguf_kquants (what the benches above run on).
+The library (bench/lib/), what the runners share:
+    cli            the shared flags, JSON, Figures
+    workloads      the `Workload` concept and the token-session workloads (SGLang-like)
+    chat_sessions  chat sessions over HTTP sharing system prompts (bench_cluster, the cluster tests)
+    swarm          the agent swarm (bench_agents, bench_hybrid_kv, hybrid_swarm_sim) and its ideal reuse
+    harness        engine drivers (radixserve, transformers' static batching), the one `percentile`
+    servers        start a server until healthy and stop it; read /metrics and /debug/stats
+    peers          llama.cpp's server (--llama-server / LLAMA_SERVER), the GGUF file of a model
+    client         the one SSE client, a streamed completion as the client saw it, Poisson arrivals
+    report         tables, ratio lines, bar charts
+    dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants: what single benches run on
 """

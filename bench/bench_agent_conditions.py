@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,12 +36,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
-from bench.bench_server import served_process
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
+from bench.lib.peers import add_llama_server, gguf_path
+from bench.lib.servers import debug_stats, keyless_env, metrics, radixserve_command, served_process
 
 GEMMA = "gemma3-270m"
 GEMMA_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "tests", "templates", "gemma3.jinja")
@@ -59,6 +58,7 @@ class ChatAgents:
     turns: int = 5
     system_words: int = 1100  # ~1.5k tokens with the template
     reply_tokens: int = 24
+    name: str = "chat-agents"
 
     def describe(self) -> str:
         return (f"chat agents: {self.agents} x {self.turns} turns, one ~{self.system_words}-word system prompt, "
@@ -77,6 +77,7 @@ class FewShot:
     examples: int = 40  # ~1.4k tokens: past two 512-token windows
     answer_tokens: int = 8
     concurrency: int = 4
+    name: str = "few-shot"
 
     def describe(self) -> str:
         return (f"few-shot: {self.questions} questions on one {self.examples}-example block, "
@@ -194,27 +195,18 @@ class System:
 
 def serve(system: System, model: str, llama_server: str | None, log):
     if system.kind == "llama":
-        gguf = _gguf_path(model)
+        gguf = gguf_path(model)
         command = [llama_server, "-m", gguf, "--host", "127.0.0.1", "-np", "6", "-c", str(6 * 4096), "--jinja",
                    "-t", str(len(os.sched_getaffinity(0))), "--alias", "m"]
         if model == GEMMA:
             command += ["--chat-template-file", GEMMA_TEMPLATE]
         return served_process(command + list(system.args), stdout=log, stderr=subprocess.STDOUT)
-    command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning", "--served-model-name", "m",
-               "--enable-debug-endpoints"]
+    command = radixserve_command("--enable-debug-endpoints")
     if model != "default":
         command += ["--model", model]
     if model == GEMMA:
         command += ["--chat-template", GEMMA_TEMPLATE]
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
-    return served_process(command + list(system.args), env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _gguf_path(model: str) -> str:
-    from radixserve.model.default_model import default_gguf_path
-    from radixserve.model.packaged_models import packaged_gguf
-
-    return str(default_gguf_path() if model == "default" else packaged_gguf(model))
+    return served_process(command + list(system.args), keyless_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 class PeakKV(threading.Thread):
@@ -223,33 +215,17 @@ class PeakKV(threading.Thread):
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.url, self.peak, self.done = url, 0, threading.Event()
-        m = _metrics(url)
+        m = metrics(url)
         self.block_bytes = m.get("radixserve_kv_bytes_per_token", 0) * 16
-        self.page_bytes = _debug_stats(url).get("window_page_bytes", 0)  # a hybrid KV engine's window page
+        self.page_bytes = debug_stats(url).get("window_page_bytes", 0)  # a hybrid KV engine's window page
 
     def run(self) -> None:
         while not self.done.wait(0.25):
             with contextlib.suppress(httpx.HTTPError):
-                m = _metrics(self.url)
+                m = metrics(self.url)
                 used = m["radixserve_kv_blocks_total"] - m["radixserve_kv_blocks_free"]
                 held = used * self.block_bytes + m.get("radixserve_kv_window_pages_attached", 0) * self.page_bytes
                 self.peak = max(self.peak, int(held))
-
-
-def _metrics(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            out[sample.name] = sample.value
-    return out
-
-
-def _debug_stats(url: str) -> dict[str, Any]:
-    with contextlib.suppress(httpx.HTTPError, ValueError):
-        return httpx.get(url + "/debug/stats", timeout=30).json()
-    return {}
 
 
 def run_once(system: System, model: str, workload, busy: int, llama_server: str | None) -> RunRecord:
@@ -262,7 +238,7 @@ def run_once(system: System, model: str, workload, busy: int, llama_server: str 
                     httpx.post(url + "/flush_cache", timeout=60)
                 client.record = RunRecord()
                 client._seen.clear()
-                before = _debug_stats(url)
+                before = debug_stats(url)
                 peak = PeakKV(url) if system.kind == "radixserve" else None
                 if peak:
                     peak.start()
@@ -273,7 +249,7 @@ def run_once(system: System, model: str, workload, busy: int, llama_server: str 
                 if peak:
                     peak.done.set()
                     peak.join()
-                after = _debug_stats(url)
+                after = debug_stats(url)
                 record = client.record
                 for key in ("steps", "schedule_s", "model_s", "postprocess_s", "computed_tokens"):
                     if key in after:
@@ -390,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=6)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--questions", type=int, default=24)
-    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                        help="llama.cpp's llama-server binary (or LLAMA_SERVER); left out when not given")
+    add_llama_server(parser, "llama.cpp's llama-server binary (or LLAMA_SERVER); left out when not given")
     args = parser.parse_args(argv)
     apply_quick(parser, args, agents=3, turns=3, questions=8, busy="0,1")
     args.busy = [int(b) for b in args.busy.split(",")]

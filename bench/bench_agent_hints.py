@@ -19,8 +19,8 @@ import random
 import statistics
 import time
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import percentile
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import percentile
 from radixserve import Engine, SamplingParams
 from radixserve.core.agent_hints import AgentHints
 
@@ -185,7 +185,7 @@ def main() -> None:
     if args.json:
         write_json(args.json, report, args)
     if args.plot:
-        from bench.report import plot_bars
+        from bench.lib.report import plot_bars
 
         plot_bars(args.plot, "agent hints: without / with", ["priority: agent TTFT p95", "ttl: next-turn TTFT",
                                                               "spec. prefill: next-turn TTFT"],

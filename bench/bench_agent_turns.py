@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.cli import bench_parser, write_json
+from bench.lib.cli import bench_parser, write_json
 
 BLOCK_SIZE = 16
 TARGET_SHARE = 0.05
@@ -49,12 +49,13 @@ TOOLS = [
 
 
 @dataclass(frozen=True)
-class Workload:
+class ToolLoops:
     agents: int
     turns: int
     max_tokens: int = 64
     cut_tokens: int = 22  # a cut turn's max_tokens: inside a get_weather call's arguments
     cut_every: int = 4  # turn t of agent i is cut when (i + t) % cut_every == cut_every - 1
+    name: str = "tool-loops"
 
     def describe(self) -> str:
         return (f"{self.agents} agents x {self.turns} turns, the default model, 2 tools; tool_choice required and "
@@ -68,8 +69,8 @@ class Workload:
         return ("required" if (agent + turn) % 2 == 0 else "auto"), self.max_tokens
 
 
-FULL = Workload(agents=6, turns=5)
-QUICK = Workload(agents=3, turns=3)
+FULL = ToolLoops(agents=6, turns=5)
+QUICK = ToolLoops(agents=3, turns=3)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class SystemResult:
 # ---- one agent ---------------------------------------------------------------------------------
 
 
-def run_agent(url: str, model: str, workload: Workload, agent: int, bar: Any) -> AgentRun:
+def run_agent(url: str, model: str, workload: ToolLoops, agent: int, bar: Any) -> AgentRun:
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("RADIXSERVE_API_KEY") or "unused",
@@ -180,9 +181,9 @@ def _tool_result(function: Any) -> str:
 # ---- one system --------------------------------------------------------------------------------
 
 
-def run_system(name: str, reuse: str, args: argparse.Namespace, workload: Workload) -> SystemResult:
-    from bench.bench_server import served
-    from bench.harness import progress
+def run_system(name: str, reuse: str, args: argparse.Namespace, workload: ToolLoops) -> SystemResult:
+    from bench.lib.servers import served
+    from bench.lib.harness import progress
 
     command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning", "--reply-token-reuse", reuse]
     command += ["--model", args.model] if args.model else []
@@ -209,8 +210,8 @@ def _served_model(url: str) -> str:
 KINDS = ("tool calls", "cut call", "text")
 
 
-def print_report(workload: Workload, results: list[SystemResult]) -> None:
-    from bench.report import print_header
+def print_report(workload: ToolLoops, results: list[SystemResult]) -> None:
+    from bench.lib.report import print_header
 
     print_header("Agent turns: prompt tokens computed again beyond the previous turn's whole blocks",
                  [workload.describe(), "systems: --reply-token-reuse on (the earlier replies' generated ids "
@@ -240,7 +241,7 @@ def print_report(workload: Workload, results: list[SystemResult]) -> None:
 
 
 def plot(path: str, results: list[SystemResult]) -> None:
-    from bench.report import plot_bars
+    from bench.lib.report import plot_bars
 
     groups = list(KINDS) + ["all"]
     series = {r.name: [100 * r.share(k) for k in KINDS] + [100 * r.share()] for r in results}
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="the model to serve (default: the server's default)")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
-    workload = Workload(args.agents or base.agents, args.turns or base.turns)
+    workload = ToolLoops(args.agents or base.agents, args.turns or base.turns)
     results = [run_system(f"reuse {s}", s, args, workload) for s in args.systems.split(",")]
     print_report(workload, results)
     if args.json:

@@ -37,38 +37,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from bench.cli import bench_parser, write_json
-from radixserve.core.hashing import extend_block_hashes
+from bench.lib.cli import bench_parser, write_json
+from bench.lib.swarm import BLOCK_SIZE, AgentSwarm, ideal_cached, remember
 
-BLOCK_SIZE = 16
 VOCAB_LOW, VOCAB_HIGH = 200, 40000  # plain tokens of the default model's vocabulary
 
 
-@dataclass
-class Workload:
-    agents: int
-    turns: int
-    tool_prompt: int
-    instructions: int
-    tool_result: int
-    answer: int
-    latency: tuple[float, float]
-    seed: int = 0
-    retry_share: float = 0.0  # chance that an answer's tool call is retried (see Agent.answered)
-
-    def describe(self) -> str:
-        retries = f"; {self.retry_share:.0%} of tool calls retried" if self.retry_share else ""
-        return (f"{self.agents} agents x {self.turns} turns; tool prompt {self.tool_prompt} tokens, "
-                f"instructions {self.instructions}, tool result {self.tool_result}, answer {self.answer}; "
-                f"tool latency {self.latency[0]}-{self.latency[1]} s{retries}")
-
-    def working_set_tokens(self) -> int:
-        per_agent = self.instructions + self.turns * (self.answer + self.tool_result)
-        return self.tool_prompt + self.agents * per_agent
-
-
-FULL = Workload(32, 6, 1536, 64, 160, 32, (0.5, 3.0))
-QUICK = Workload(8, 3, 128, 64, 96, 8, (0.3, 1.0))
+FULL = AgentSwarm(32, 6, 1536, 64, 160, 32, (0.5, 3.0))
+QUICK = AgentSwarm(8, 3, 128, 64, 96, 8, (0.3, 1.0))
 
 
 @dataclass
@@ -93,7 +69,7 @@ class SystemResult:
 
 
 class Agent:
-    def __init__(self, index: int, workload: Workload, tool_prompt: list[int], rng: random.Random):
+    def __init__(self, index: int, workload: AgentSwarm, tool_prompt: list[int], rng: random.Random):
         self.index = index
         self.rng = rng
         self.workload = workload
@@ -122,7 +98,7 @@ class Agent:
         self.ready_at = now + self.rng.uniform(low, high)
 
 
-def run_system(name: str, workload: Workload, engine_options: dict, use_sessions: bool, progress: bool) -> SystemResult:
+def run_system(name: str, workload: AgentSwarm, engine_options: dict, use_sessions: bool, progress: bool) -> SystemResult:
     from radixserve import Engine, SamplingParams
 
     engine = Engine(**engine_options)
@@ -143,8 +119,8 @@ def run_system(name: str, workload: Workload, engine_options: dict, use_sessions
         for agent in agents:
             if agent.turn < workload.turns and agent.ready_at <= now and agent not in owner.values():
                 prompt = agent.next_prompt()
-                result.ideal_cached += _ideal_cached(prompt, seen)
-                _remember(prompt[:-1], seen)  # later requests may share it once it is computed
+                result.ideal_cached += ideal_cached(prompt, seen)
+                remember(prompt[:-1], seen)  # later requests may share it once it is computed
                 session = f"agent-{agent.index}" if use_sessions else None
                 owner[engine.add_request(prompt, params, session_id=session)] = agent
         if not engine.has_unfinished_requests():
@@ -154,7 +130,7 @@ def run_system(name: str, workload: Workload, engine_options: dict, use_sessions
             if not out.finished:
                 continue
             agent = owner.pop(out.request_id)
-            _remember((out.prompt_token_ids + out.token_ids)[:-1], seen)  # the last token is never computed
+            remember((out.prompt_token_ids + out.token_ids)[:-1], seen)  # the last token is never computed
             result.prompt_tokens += out.prompt_tokens
             result.cached_tokens += out.cached_tokens
             result.restored_tokens += out.restored_tokens
@@ -438,7 +414,7 @@ def _summary(r: SystemResult) -> dict:
     }
 
 
-def _plot(path: str, results: list[SystemResult], workload: Workload) -> None:
+def _plot(path: str, results: list[SystemResult], workload: AgentSwarm) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,20 +446,6 @@ def _plot(path: str, results: list[SystemResult], workload: Workload) -> None:
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
-
-
-def _ideal_cached(prompt: list[int], seen: set[int]) -> int:
-    """Tokens an unbounded cache could serve: whole blocks of the longest prefix computed
-    before, never the prompt's last token (its logits are needed)."""
-    hashes = extend_block_hashes([], prompt[: len(prompt) - 1], BLOCK_SIZE, None)
-    n = 0
-    while n < len(hashes) and hashes[n] in seen:
-        n += 1
-    return n * BLOCK_SIZE
-
-
-def _remember(tokens: list[int], seen: set[int]) -> None:
-    seen.update(extend_block_hashes([], tokens, BLOCK_SIZE, None))
 
 
 if __name__ == "__main__":

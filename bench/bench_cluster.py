@@ -6,7 +6,7 @@
 
 Starts a local Ray (loopback), then for each configuration deploys the cluster app afresh
 (`radixserve.cluster`, empty caches) and runs the same agent workload against it: sessions
-that share system prompts, each growing turn by turn (bench.agent_workload).
+that share system prompts, each growing turn by turn (bench.lib.chat_sessions).
 Configurations: `single` (1 replica: one cache sees every request, the reference), and
 2 replicas (one engine thread each) under each router:
   affinity      radixserve's PrefixAffinityRouter (sessions, approximate radix trees, balance)
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench import agent_workload
-from bench.agent_workload import Workload
-from bench.cli import apply_quick, bench_parser, write_json
+from bench.lib import chat_sessions
+from bench.lib.chat_sessions import ChatSessions
+from bench.lib.cli import apply_quick, bench_parser, write_json
 from radixserve.cluster.metrics_merge import sample_total
 
 from radixserve.cluster.options import ROUTERS
@@ -42,18 +42,18 @@ TARGET = 0.95
 class Result:
     name: str
     replicas: int
-    turns: list[agent_workload.Turn]
+    turns: list[chat_sessions.Turn]
     wall_s: float
     deploy_s: float
     metrics_cached: float
 
     @property
     def cached(self) -> int:
-        return agent_workload.cached_tokens(self.turns)
+        return chat_sessions.cached_tokens(self.turns)
 
     @property
     def prompt(self) -> int:
-        return agent_workload.prompt_tokens(self.turns)
+        return chat_sessions.prompt_tokens(self.turns)
 
     def spread(self) -> str:
         """Requests per replica, and whether each system prompt stayed on one replica."""
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(routers) - set(ROUTERS)
     if unknown:
         parser.error(f"unknown router(s): {', '.join(sorted(unknown))}")
-    workload = Workload(args.sessions, args.turns, args.system_prompts, args.max_tokens, args.observation_words,
+    workload = ChatSessions(args.sessions, args.turns, args.system_prompts, args.max_tokens, args.observation_words,
                         args.think)
 
     import ray
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] up in {deploy_s:.0f}s; running the workload", flush=True)
             t0 = time.monotonic()
             try:
-                turns = agent_workload.run(url, workload, timeout_s=90, progress=_progress(name))
+                turns = chat_sessions.run(url, workload, timeout_s=90, progress=_progress(name))
             except Exception as exc:
                 print(f"[{name}] failed: {type(exc).__name__}: {exc}", flush=True)
                 serve.delete("radixserve")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, results, args)
     if args.plot and results:
-        from bench.report import plot_bars
+        from bench.lib.report import plot_bars
 
         single = _single(results)
         names = [r.name for r in results]

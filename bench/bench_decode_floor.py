@@ -16,7 +16,7 @@ floor      a step must read every weight once (the tied embedding read whole as 
 step       the median of --steps engine steps over --prompt-len-token prompts, EOS ignored, no
            speculation (a decode step as bench/profile_decode.py times it).
 llama.cpp  with --llama-server (or $LLAMA_SERVER): its server on the same GGUF file and radixserve's
-           server, the same streamed requests to each (bench/weights_speed.py's decode workloads):
+           server, the same streamed requests to each (bench/lib/weights_speed.py's decode workloads):
            tokens/s, the step time that implies, its share of the floor, and radixserve / llama.cpp.
 """
 
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
+from bench.lib.peers import add_llama_server
 from radixserve import Engine, SamplingParams
 from radixserve.attention.kv_pool import KVPool
 
@@ -126,7 +127,8 @@ def llama_rows(args, rows: list[dict], bw: Bandwidth) -> list[dict]:
     """llama.cpp's server and radixserve's on the same file, the same decode requests."""
     import asyncio
 
-    from bench.weights_speed import _measure, _radixserve, _serving
+    from bench.lib.servers import radixserve_command, serving
+    from bench.lib.weights_speed import measure
     from radixserve.model.default_model import default_gguf_path
     from radixserve.model.packaged_models import packaged_gguf
 
@@ -136,13 +138,13 @@ def llama_rows(args, rows: list[dict], bw: Bandwidth) -> list[dict]:
     systems = [("llama.cpp", [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "-c", str(ctx),
                               "-np", str(slots), "-ctk", "f32", "-ctv", "f32", "-t", str(args.llama_threads),
                               "-tb", str(args.llama_threads), "-cram", "0", "--alias", "m"]),
-               ("radixserve", _radixserve([*model_args, "--kv-cache-memory", str(SERVED_KV_BYTES)]))]
+               ("radixserve", radixserve_command(*model_args, "--kv-cache-memory", str(SERVED_KV_BYTES)))]
     floors = {r["batch"]: r["floor_ms"] for r in rows}
     out = []
     for label, command in systems:
-        with _serving(command) as (url, _):
+        with serving(command) as (url, _):
             for batch in args.batches:
-                rate = asyncio.run(_measure(url, f"decode b{batch}", args))
+                rate = asyncio.run(measure(url, f"decode b{batch}", args))
                 ms = 1000 * batch / rate
                 out.append({"system": label, "batch": batch, "tokens_s": rate, "step_ms": ms,
                             "share": floors[batch] / ms})
@@ -182,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--triad-mib", type=int, default=512, help="MiB per triad array (L3 here: 32 MiB)")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                   help="a llama.cpp llama-server binary (default: $LLAMA_SERVER): served side by side")
+    add_llama_server(p, "a llama.cpp llama-server binary (default: $LLAMA_SERVER): served side by side")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--new-tokens", type=int, default=128, help="tokens a served decode request generates")
     p.add_argument("--reps", type=int, default=3, help="served runs per workload (median)")

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import percentile
-from bench.sse import stream_json
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import percentile
+from bench.lib.client import stream_json
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {"num_threads": 1}

@@ -27,10 +27,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import radixserve.lang as rl
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.dsl_backends import MeteredBackend, NaiveTransformersBackend
-from bench.dsl_workloads import choose_ending, hellaswag_like, tot_problems, tree_of_thought
-from bench.report import plot_bars, print_header
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.dsl_backends import MeteredBackend, NaiveTransformersBackend
+from bench.lib.dsl_workloads import choose_ending, hellaswag_like, tot_problems, tree_of_thought
+from bench.lib.report import plot_bars, print_header
 
 WORKLOADS = ("few-shot-select", "tree-of-thought")
 SYSTEMS = ("radixserve cache-on", "radixserve cache-off", "transformers naive")

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.cli import apply_quick, bench_parser, write_json
+from bench.lib.cli import apply_quick, bench_parser, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import gc
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import run_hf_static, run_radixserve
-from bench.report import plot_bars, print_header, print_table, ratio_line
-from bench.workloads import no_sharing
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import run_hf_static, run_radixserve
+from bench.lib.report import plot_bars, print_header, print_table, ratio_line
+from bench.lib.workloads import no_sharing
 
 
 def main() -> None:

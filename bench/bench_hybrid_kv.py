@@ -29,7 +29,7 @@ swarm   An agent swarm (bench_agents' agents: a shared tool prompt, own instruct
         time <= 0.5x llama.cpp's default, at <= 0.4x the KV memory of full caching.
         --swarm-workload: short (the default; bench_agents' tool loop, each agent's history
         ~640 tokens, barely over the 512-token window) or long (coding agents whose
-        conversations grow to ~4.5k tokens; why these sizes: LONG_SWARM).
+        conversations grow to ~4.5k tokens; why these sizes: LONG_SWARM in bench/lib/swarm.py).
 
 Token ids are synthetic, greedy, EOS ignored. llama.cpp's KV is f16 (its default);
 radixserve's float32: memory is also given as float32-equivalent token-layers.
@@ -37,7 +37,6 @@ radixserve's float32: memory is also given as float32-equivalent token-layers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -54,11 +53,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
-from bench.bench_agents import Workload as SwarmWorkload
+from bench.lib.cli import bench_parser
+from bench.lib.peers import add_llama_server
+from bench.lib.servers import keyless_env, metrics, radixserve_command, served_process
+from bench.lib.swarm import FULL_SWARM, LONG_SWARM, QUICK_SWARM, SWARMS, AgentSwarm, SwarmAgent, ideal_cached, remember
 
 MODEL = "gemma3-270m"
 BLOCK_SIZE = 16
-LLAMA_SERVER = "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 MIB = 1 << 20
 
 
@@ -259,17 +260,6 @@ def print_memory(report: dict) -> None:
 # ---- part 2: an agent swarm against llama.cpp -------------------------------------------------
 
 
-# short: bench_agents' tool loop; each agent's own history (~640 tokens) is barely over the window
-FULL_SWARM = SwarmWorkload(8, 4, 1024, 64, 128, 16, (0.5, 2.0))
-QUICK_SWARM = SwarmWorkload(4, 2, 256, 32, 64, 8, (0.2, 0.5))
-# long: coding agents in a SWE-agent-style loop. A 1,536-token system prompt with the tools'
-# definitions (bench_agents' full size), a 256-token task (an issue's text); each turn a 64-token
-# answer (a short thought and one tool call) and a 384-token tool result: a mix of file views
-# (SWE-agent's viewer shows 100 lines, ~1,000 tokens of code) and short outputs (ls, grep hits, a
-# test's tail). A conversation ends at 4,480 tokens, its own history 2,944 (nearly six windows).
-LONG_SWARM = SwarmWorkload(8, 6, 1536, 256, 384, 64, (0.5, 2.0))
-QUICK_LONG_SWARM = SwarmWorkload(4, 3, 512, 64, 384, 32, (0.2, 0.5))
-SWARMS = {"short": (FULL_SWARM, QUICK_SWARM), "long": (LONG_SWARM, QUICK_LONG_SWARM)}
 
 
 @dataclass
@@ -299,28 +289,12 @@ class SwarmResult:
         return self.kv_allocated_token_layers * self.token_layer_bytes_f32
 
 
-class _Agent:
-    """bench_agents' agent (shared tool prompt + instructions, then answer + tool result per
-    turn, seeded tool pauses), with the ids of this model's vocabulary."""
-
-    def __init__(self, index: int, workload: SwarmWorkload, tool_prompt: list[int], low: int, high: int):
-        self.rng = random.Random(workload.seed * 1000 + index)
-        self.index, self.workload, self.low, self.high = index, workload, low, high
-        self.context = tool_prompt + self.tokens(workload.instructions)
-        self.start = self.rng.uniform(0, workload.latency[1])  # staggered first arrivals
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.low, self.high) for _ in range(n)]
-
-
-async def _swarm(name: str, url: str, workload: SwarmWorkload, llama: bool, progress: bool,
+async def _swarm(name: str, url: str, workload: AgentSwarm, llama: bool, progress: bool,
                  vocab_size: int) -> SwarmResult:
-    from bench.bench_agents import _ideal_cached, _remember
-
     low, high = token_range(vocab_size)
     rng = random.Random(workload.seed)
     tool_prompt = [rng.randrange(low, high) for _ in range(workload.tool_prompt)]
-    agents = [_Agent(i, workload, tool_prompt, low, high) for i in range(workload.agents)]
+    agents = [SwarmAgent(i, workload, tool_prompt, low, high) for i in range(workload.agents)]
     seen: set[int] = set()
     result = SwarmResult(name)
     total = workload.agents * workload.turns
@@ -344,18 +318,18 @@ async def _swarm(name: str, url: str, workload: SwarmWorkload, llama: bool, prog
             data = answer.json()
             return list(data["choices"][0]["token_ids"]), int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
 
-        async def run(agent: _Agent) -> None:
+        async def run(agent: SwarmAgent) -> None:
             await asyncio.sleep(agent.start)
             for _ in range(workload.turns):
                 prompt = list(agent.context)
-                ideal = _ideal_cached(prompt, seen)
-                _remember(prompt[:-1], seen)
+                ideal = ideal_cached(prompt, seen)
+                remember(prompt[:-1], seen)
                 try:
                     answer, cached = await one(prompt)
                 except httpx.HTTPError as exc:
                     result.errors.append(f"agent {agent.index}: {type(exc).__name__}: {exc}")
                     return
-                _remember((prompt + answer)[:-1], seen)
+                remember((prompt + answer)[:-1], seen)
                 result.requests += 1
                 result.prompt_tokens += len(prompt)
                 result.cached_tokens += cached
@@ -372,16 +346,6 @@ async def _swarm(name: str, url: str, workload: SwarmWorkload, llama: bool, prog
     return result
 
 
-def _radixserve_metrics(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            values[sample.name] = sample.value
-    return values
-
-
 class _PeakHeld(threading.Thread):
     """Polls a radixserve server's /metrics for the KV bytes held (blocks used, window pages attached)."""
 
@@ -392,7 +356,7 @@ class _PeakHeld(threading.Thread):
         self.done = threading.Event()
 
     def sample(self) -> None:
-        m = _radixserve_metrics(self.url)
+        m = metrics(self.url)
         held = int(m.get("radixserve_kv_blocks_used", 0)) * self.block_bytes
         held += int(m.get("radixserve_kv_window_pages_attached", 0)) * self.page_bytes
         self.peak = max(self.peak, held)
@@ -404,19 +368,15 @@ class _PeakHeld(threading.Thread):
 
 
 def _served(command: list[str], log):
-    from bench.bench_server import served_process
-
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
-    return served_process(command, env, stdout=log, stderr=subprocess.STDOUT)
+    return served_process(command, keyless_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bool, max_num_seqs: int,
+def run_radixserve(name: str, workload: AgentSwarm, kv_bytes: int, hybrid: bool, max_num_seqs: int,
                    progress: bool, window_pages_ratio: float | None = None,
                    geometry: ModelGeometry | None = None, serve_args: str = "") -> SwarmResult:
     geometry = geometry or model_geometry(MODEL)
-    command = [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning",
-               "--served-model-name", "m", "--kv-cache-memory", str(kv_bytes), "--block-size", str(BLOCK_SIZE),
-               "--hybrid-kv", "auto" if hybrid else "off", "--max-num-seqs", str(max_num_seqs)]
+    command = radixserve_command("--kv-cache-memory", str(kv_bytes), "--block-size", str(BLOCK_SIZE),
+                                 "--hybrid-kv", "auto" if hybrid else "off", "--max-num-seqs", str(max_num_seqs))
     command += [] if geometry.name == "default" else ["--model", geometry.name]
     layers, window_layers, token_layer = geometry.layers, geometry.window_layers, geometry.token_layer_bytes_f32
     if hybrid and window_pages_ratio is not None:
@@ -425,7 +385,7 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
     with tempfile.TemporaryFile() as log:
         try:
             with _served(command, log) as (url, _):
-                m = _radixserve_metrics(url)
+                m = metrics(url)
                 blocks, pages = int(m["radixserve_kv_blocks_total"]), int(m.get("radixserve_kv_window_pages_total", 0))
                 full_layers = layers - window_layers if pages else layers
                 block_bytes = BLOCK_SIZE * full_layers * token_layer
@@ -446,7 +406,7 @@ def run_radixserve(name: str, workload: SwarmWorkload, kv_bytes: int, hybrid: bo
                 result.kv_allocated_token_layers = BLOCK_SIZE * (blocks * full_layers + pages * window_layers)
                 result.token_layer_bytes_f32 = token_layer
                 result.kv_peak_held_bytes = poller.peak
-                m = _radixserve_metrics(url)
+                m = metrics(url)
                 result.notes = (f"{blocks} blocks" + (f" + {pages} window pages" if pages else "")
                                 + f"; {int(m.get('radixserve_evicted_blocks_total', 0))} blocks evicted, "
                                 f"{int(m.get('radixserve_preemptions_total', 0))} preemptions"
@@ -466,7 +426,7 @@ _TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
 _CACHE_STATE = re.compile(r"cache state: (\d+) prompts, ([\d.]+) MiB")
 
 
-def run_llama(name: str, workload: SwarmWorkload, server: str, slots: int, slot_tokens: int, threads: int,
+def run_llama(name: str, workload: AgentSwarm, server: str, slots: int, slot_tokens: int, threads: int,
               swa_full: bool, progress: bool, geometry: ModelGeometry | None = None) -> SwarmResult:
     geometry = geometry or model_geometry(MODEL)
     command = [server, "-m", geometry.gguf, "--host", "127.0.0.1", "-c", str(slots * slot_tokens), "-np", str(slots),
@@ -509,7 +469,7 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def measure_swarm(workload: SwarmWorkload, systems: list[str], args, geometry: ModelGeometry | None = None) -> dict:
+def measure_swarm(workload: AgentSwarm, systems: list[str], args, geometry: ModelGeometry | None = None) -> dict:
     geometry = geometry or model_geometry(MODEL)
     per_agent = workload.instructions + workload.turns * (workload.answer + workload.tool_result)
     longest = workload.tool_prompt + per_agent + 64
@@ -536,8 +496,9 @@ def measure_swarm(workload: SwarmWorkload, systems: list[str], args, geometry: M
             results.append(run_radixserve(off_label, workload, full_kv, False, args.max_num_seqs, not args.quiet,
                                           geometry=geometry, serve_args=args.serve_args))
         elif key in ("llama", "llama-swa-full"):
-            if not os.path.exists(args.llama_server):
-                print(f"  skipped: no llama-server at {args.llama_server}")
+            if not args.llama_server or not os.path.exists(args.llama_server):
+                print(f"  skipped: no llama-server at {args.llama_server}" if args.llama_server
+                      else "  skipped: no llama-server given (--llama-server or LLAMA_SERVER)")
                 continue
             label = "llama.cpp --swa-full" if key == "llama-swa-full" else "llama.cpp default"
             results.append(run_llama(label, workload, args.llama_server, args.max_num_seqs, slot_tokens,
@@ -618,9 +579,9 @@ def print_swarm(report: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"memory: {QUICK_CONVERSATION.describe()}; swarm: {QUICK_SWARM.describe()}")
+    parser = bench_parser(__doc__, quick=f"memory: {QUICK_CONVERSATION.describe()}; swarm: {QUICK_SWARM.describe()}",
+                          json_help="write the report here (JSON), after each part",
+                          plot="write a chart of the parts run here (PNG)")
     parser.add_argument("--parts", default="memory,swarm", help="which parts, run in the order given")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="memory part: bytes for each engine (default 256 MiB, 64 MiB with --quick)")
@@ -641,10 +602,8 @@ def main() -> None:
                         "string (e.g. --serve-args='--step-trace /tmp/steps.jsonl')")
     parser.add_argument("--agents", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
-    parser.add_argument("--llama-server", default=LLAMA_SERVER)
+    add_llama_server(parser)
     parser.add_argument("--llama-threads", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--plot", default=None)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]

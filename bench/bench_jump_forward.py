@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 
 # (substring of the device name, peak HBM bandwidth in GB/s)
 PEAK_BANDWIDTH_GBPS = [("H200", 4800.0), ("H100 80GB HBM3", 3350.0), ("H100 SXM", 3350.0), ("A100-SXM4-80GB", 2039.0),
@@ -371,7 +371,7 @@ def bench_cpu_routing(args: argparse.Namespace, figures: Figures) -> None:
     import statistics
 
     import radixserve.execution.runner as runner
-    from bench.bench_native_decoder import prompt, settle
+    from bench.lib.harness import seeded_prompt, settle
     from radixserve import Engine, SamplingParams
 
     work = {"rows": 1 << 62, "tiled": -1}
@@ -384,9 +384,9 @@ def bench_cpu_routing(args: argparse.Namespace, figures: Figures) -> None:
         for name, engine in engines.items():
             runner.ROWS_ATTENTION_WORK = work[name]
             for i in range(8):
-                engine.add_request(prompt(i, 300), params)
+                engine.add_request(seeded_prompt(i, 300), params)
             settle(engine)
-            engine.add_request(prompt(99, args.routing_prompt), params)
+            engine.add_request(seeded_prompt(99, args.routing_prompt), params)
         for step in range(-(-args.routing_prompt // chunk)):
             context = min((step + 1) * chunk, args.routing_prompt)
             for name, engine in engines.items():

@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from bench.cli import apply_quick, bench_parser, write_json
+from bench.lib.cli import apply_quick, bench_parser, write_json
 from radixserve import Engine, SamplingParams
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     if args.json:
         write_json(args.json, report, args)
     if args.plot:
-        from bench.report import plot_bars
+        from bench.lib.report import plot_bars
 
         plot_bars(args.plot, "mean step time, KV events off / on", ["mean step"],
                   {k: [v] for k, v in best.items()}, "ms")

@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.bench_kv_quant --plot kv_quant.png
     .venv/bin/python -m bench.bench_kv_quant --clock cpu     # CPU seconds on one thread (a loaded machine)
 
-  accuracy   greedy continuations (--new-tokens, 64) of every prompt in bench/kv_quant_prompts.py
+  accuracy   greedy continuations (--new-tokens, 64) of every prompt in bench/lib/kv_quant_prompts.py
              (raw text, and chat through the template) by two engines, float32 KV and quantized
              KV (each of --kv-dtypes: int8, and optionally fp8_e4m3) on the same attention
              backend (int8: the C kernels; fp8_e4m3: torch, the one CPU path that reads fp8):
@@ -28,16 +28,14 @@ import time
 
 import torch
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.kv_quant_prompts import CHAT, RAW
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.kv_quant_prompts import BLOCK, CHAT, RAW, attention_metadata, tokenized_prompts
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
-from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.registry import get_backend_class, resolve_backend_name
 from radixserve.model.native_decoder import NativeDecoder
 
-BLOCK = 16
 DTYPES = ("auto", "int8")
 TARGETS = {"top1": 0.99, "kl": 0.01, "capacity": 3.5}
 # The attention backend each quantized dtype's accuracy runs on, float32 reference included
@@ -53,7 +51,7 @@ def main() -> None:
     engines = {"auto": Engine(kv_cache_memory=args.kv_memory_mb << 20)}
     report = {"capacity": capacity(engines["auto"]), "accuracy": {}, "speed": []}
     if "accuracy" in args.parts:
-        prompts = _prompts(engines["auto"], args.prompts)
+        prompts = tokenized_prompts(engines["auto"], args.prompts)
         report["accuracy"] = {d: accuracy(engines["auto"], d, prompts, args) for d in args.kv_dtypes}
     model, spec = engines["auto"].runner.model, engines["auto"].loaded.spec
     del engines
@@ -111,7 +109,7 @@ def teacher_forced_logits(model, spec, tokens: list[int], kv_cache_dtype: str, b
                   torch.device("cpu"), kv_cache_dtype)
     backend = backend_class(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5,
                             torch.float32, pool.pages)
-    meta = _metadata(0, [0, n], [n], [list(range(blocks))], list(range(n)))
+    meta = attention_metadata(0, [0, n], [n], [list(range(blocks))], list(range(n)))
     plan = backend.prepare(meta)
     ids, positions = torch.tensor(tokens), torch.arange(n)
     return model(ids, positions, backend, pool, plan, torch.arange(n))
@@ -176,7 +174,7 @@ def _decode_step(spec, num_blocks: int, batch: int, context: int) -> dict:
     per_request = -(-context // BLOCK)
     tables = [rng.sample(range(num_blocks), per_request) for _ in range(batch)]
     slots = [t[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for t in tables]
-    meta = _metadata(batch, list(range(batch + 1)), [context] * batch, tables, slots)
+    meta = attention_metadata(batch, list(range(batch + 1)), [context] * batch, tables, slots)
     ids = torch.tensor([rng.randrange(100, 40000) for _ in range(batch)])
     return {"meta": meta, "ids": ids, "positions": torch.full((batch,), context - 1)}
 
@@ -192,25 +190,6 @@ def _time_step(model, spec, pool: KVPool, step: dict, clock) -> float:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-def _metadata(num_decodes, query_start, seq_lens, tables, slots) -> AttentionMetadata:
-    width = max(len(t) for t in tables)
-    return AttentionMetadata(
-        num_decodes=num_decodes, block_size=BLOCK,
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_list=list(query_start), seq_lens_list=list(seq_lens),
-    )
-
-
-def _prompts(engine: Engine, count: int) -> list[list[int]]:
-    half = -(-count // 2)
-    raw = [engine.tokenizer.encode(p) for p in RAW[:half]]
-    chat = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT[: count - len(raw)]]
-    return raw + chat
 
 
 def _agreeing(a: list[int], b: list[int]) -> int:

@@ -9,7 +9,7 @@
 Two (or more) `radixserve serve` processes, one per configuration, run side by side and take turns:
 each run sends a workload's prompts (token ids) to one server as streaming /v1/completions with
 Poisson arrivals (--rate, default 0.8 req/s), greedy with ignore_eos, and records when each chunk
-of text arrives. Workloads (bench/workloads.py): no-sharing (32 prompts of 64-512 tokens, 32-128
+of text arrives. Workloads (bench/lib/workloads.py): no-sharing (32 prompts of 64-512 tokens, 32-128
 new), shared-prefix (4 groups x 8 prompts on a 512-token system prompt, 32 new) and long-context
 (8 unrelated 3,000-token prompts, 64 new each; give llama.cpp 4k of context a slot:
 `--llama-args "-np 8 -c 32768 -t 2"`). Reports, per
@@ -43,10 +43,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from bench import workloads
-from bench.bench_server import Record, _arrivals, _complete, served
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import percentile
+from bench.lib import workloads
+from bench.lib.client import Record, arrivals, complete
+from bench.lib.servers import served
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import percentile
 
 TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
 
@@ -115,7 +116,7 @@ async def _run_all(systems: list[tuple[str, str]], args: argparse.Namespace) -> 
     results = []
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         for _, url in systems:  # one untimed warm-up request each
-            await _complete(client, "m", [1, 2, 3, 4], 4, "warm-up", url)
+            await complete(client, "m", [1, 2, 3, 4], 4, "warm-up", url)
         for repeat in range(args.repeats):
             for name in args.workloads:
                 for label, url in systems:
@@ -139,12 +140,12 @@ async def _flush(client: httpx.AsyncClient, label: str, url: str) -> None:
 
 async def _one_run(client, url, label, name, args, seed: int) -> RunResult:
     items = _workload(name, args)
-    delays = _arrivals(random.Random(100 + seed), args.rate, len(items))
+    delays = arrivals(random.Random(100 + seed), args.rate, len(items))
     start = time.monotonic()
 
     async def one(delay, prompt, max_tokens):
         await asyncio.sleep(delay)
-        return await _complete(client, "m", prompt, max_tokens, label, url)
+        return await complete(client, "m", prompt, max_tokens, label, url)
 
     streams = await asyncio.gather(*(one(d, p, m) for d, (p, m) in zip(delays, items)))
     return RunResult(label, name, list(streams), start, time.monotonic() - start)

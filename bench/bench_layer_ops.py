@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.cli import Figures, apply_quick, bench_parser, write_json
+from bench.lib.cli import Figures, apply_quick, bench_parser, write_json
 from radixserve.kernels import native_ops
 
 

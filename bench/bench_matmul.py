@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.report import plot_bars
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.report import plot_bars
 from radixserve.kernels.native_build import CSRC, SIGNATURES, build_native
 from radixserve.kernels.native_ops import max_rows
 from radixserve.kernels.onednn_linear import available as onednn_available, onednn_linear

@@ -19,9 +19,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import progress
-from bench.report import plot_bars
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import progress, seeded_prompt, settle
+from bench.lib.report import plot_bars
 from radixserve import Engine, SamplingParams
 
 NAMES = ("native", "layers")
@@ -31,22 +31,12 @@ def twin_engines(**config) -> dict[str, Engine]:
     return {name: Engine(native_decoder=name == "native", **config) for name in NAMES}
 
 
-def prompt(seed: int, length: int) -> list[int]:
-    return [100 + (seed * 7919 + j * 31) % 40000 for j in range(length)]
-
-
-def settle(engine: Engine) -> None:
-    """Step until nothing is left in prefill."""
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
-
-
 def decode_steps(batch: int, context: int, steps: int) -> tuple[dict[str, float], bool]:
     engines = twin_engines()
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         for i in range(batch):
-            engine.add_request(prompt(i, context), params)
+            engine.add_request(seeded_prompt(i, context), params)
         settle(engine)
     times: dict[str, list[float]] = {name: [] for name in NAMES}
     for _ in range(steps):
@@ -63,12 +53,12 @@ def mixed_steps(chunk: int, prompt_len: int, repeats: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=4 * prompt_len, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
         for i in range(8):
-            engine.add_request(prompt(i, 300), params)
+            engine.add_request(seeded_prompt(i, 300), params)
         settle(engine)
     times: dict[str, list[float]] = {name: [] for name in NAMES}
     for repeat in range(repeats):
         for name, engine in engines.items():
-            engine.add_request(prompt(50 + repeat, prompt_len), params)
+            engine.add_request(seeded_prompt(50 + repeat, prompt_len), params)
             while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
                 t0 = time.perf_counter()
                 engine.step()

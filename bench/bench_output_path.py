@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.report import plot_bars
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.report import plot_bars
 from radixserve import outputs as engine_outputs
 from radixserve.core.request import Request, RequestStatus
 from radixserve.engine.output import OutputProcessor

@@ -39,9 +39,9 @@ import argparse
 import random
 import time
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import progress
-from bench.report import plot_bars
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import progress
+from bench.lib.report import plot_bars
 from radixserve import Engine, SamplingParams
 
 OPTIONS = {

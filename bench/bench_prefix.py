@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import gc
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import ideal_cached_tokens, run_hf_static, run_radixserve
-from bench.report import plot_bars, print_header, print_table, ratio_line
-from bench.workloads import WORKLOADS
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import ideal_cached_tokens, run_hf_static, run_radixserve
+from bench.lib.report import plot_bars, print_header, print_table, ratio_line
+from bench.lib.workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = "shared-prefix,few-shot,multi-turn,agent-loop,no-sharing"
 TARGETS = {"shared-prefix": (3.0, 5.0), "few-shot": (3.0, 5.0)}  # x cache-off, x static

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cli import Figures, bench_parser
+from bench.lib.cli import Figures, bench_parser
 from radixserve.kernels.native_build import CSRC, SIGNATURES, build_native
 from radixserve.kernels.quant_linear import QuantWeight, lanes_preferred
 

@@ -23,9 +23,6 @@ import contextlib
 import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,9 +31,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from bench.cli import apply_quick, bench_parser, write_json
-from bench.harness import percentile
-from bench.sse import StreamRefused, astream_json
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.harness import percentile
+from bench.lib.client import Record, arrivals, complete
+from bench.lib.servers import served
 
 # Common words that are one token each (with their leading space) in most BPE vocabularies.
 WORDS = (
@@ -48,36 +46,6 @@ WORDS = (
     "art war history party result change morning reason research girl guy moment air teacher force education"
 ).split()
 TOOLS = ("search", "read_file", "write_file", "run_tests", "http_get", "calculator", "calendar", "send_email")
-
-
-@dataclass
-class Record:
-    """One request as the client saw it."""
-
-    label: str
-    sent: float
-    first: float | None = None
-    end: float | None = None
-    chunks: list[float] = field(default_factory=list)  # when each chunk with text arrived
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    text: str = ""
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        if self.first is None or self.end is None or self.completion_tokens < 2:
-            return None
-        return (self.end - self.first) / (self.completion_tokens - 1)
-
-    @property
-    def hit(self) -> bool:
-        return self.cached_tokens >= self.prompt_tokens // 2
 
 
 @dataclass
@@ -144,10 +112,10 @@ async def _shared_prefix(client: httpx.AsyncClient, model: str, args: argparse.N
 
     async def one(delay: float, group: int, prompt: str) -> None:
         await asyncio.sleep(delay)
-        phase.records.append(await _complete(client, model, prompt, args.max_tokens, f"group{group}"))
+        phase.records.append(await complete(client, model, prompt, args.max_tokens, f"group{group}"))
         bar.update(1)
 
-    await asyncio.gather(*(one(t, g, p) for t, (g, p) in zip(_arrivals(rng, args.rate, len(prompts)), prompts)))
+    await asyncio.gather(*(one(t, g, p) for t, (g, p) in zip(arrivals(rng, args.rate, len(prompts)), prompts)))
     bar.close()
     return phase
 
@@ -164,13 +132,13 @@ async def _agents(client: httpx.AsyncClient, model: str, args: argparse.Namespac
         await asyncio.sleep(delay)
         prompt = tools + f"\nTask {index}: " + _words(rng, args.question_tokens) + "\nThought:"
         for step in range(args.steps):
-            record = await _complete(client, model, prompt, args.max_tokens, f"step{step}")
+            record = await complete(client, model, prompt, args.max_tokens, f"step{step}")
             phase.records.append(record)
             bar.update(1)
             prompt += record.text + f"\nAction: {rng.choice(TOOLS)}\nObservation: "
             prompt += _words(rng, args.observation_tokens) + "\nThought:"
 
-    await asyncio.gather(*(agent(i, t) for i, t in enumerate(_arrivals(rng, args.rate, args.agents))))
+    await asyncio.gather(*(agent(i, t) for i, t in enumerate(arrivals(rng, args.rate, args.agents))))
     bar.close()
     return phase
 
@@ -183,48 +151,11 @@ async def _hit_vs_miss(client: httpx.AsyncClient, model: str, args: argparse.Nam
         prefix = _system_prompt(rng, args.probe_prefix_tokens, 1000 + pair)
         for label in ("miss", "hit"):
             prompt = prefix + "\nQuestion: " + _words(rng, args.question_tokens) + "\nAnswer:"
-            phase.records.append(await _complete(client, model, prompt, args.max_tokens, label))
+            phase.records.append(await complete(client, model, prompt, args.max_tokens, label))
     return phase
 
 
 # ---- one request ---------------------------------------------------------------------------
-
-
-async def _complete(client: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int, label: str,
-                    url: str = "") -> Record:
-    """One streaming greedy completion (EOS ignored) to `url` (default: the client's base URL)."""
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    record = Record(label, time.monotonic())
-    try:
-        async for chunk in astream_json(client, url + "/v1/completions", body):
-            _on_event(record, chunk)
-    except StreamRefused as exc:
-        record.error = str(exc)
-        return record
-    except httpx.HTTPError as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    record.end = time.monotonic()
-    return record
-
-
-def _on_event(record: Record, chunk: dict) -> None:
-    if "error" in chunk:
-        record.error = chunk["error"]["message"]
-        return
-    for choice in chunk["choices"]:
-        if record.first is None:
-            record.first = time.monotonic()
-        if choice["text"]:
-            record.chunks.append(time.monotonic())
-        record.text += choice["text"]
-    usage = chunk.get("usage")
-    if usage:
-        record.prompt_tokens = usage["prompt_tokens"]
-        record.completion_tokens = usage["completion_tokens"]
-        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 # ---- text ----------------------------------------------------------------------------------
@@ -244,15 +175,6 @@ def _tool_descriptions(rng: random.Random, n_words: int) -> str:
     return "You are an agent. You can call these tools:\n" + "\n".join(lines)
 
 
-def _arrivals(rng: random.Random, rate: float, n: int) -> list[float]:
-    """Arrival offsets (s) of a Poisson process with `rate` arrivals per second."""
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
 # ---- server and metrics --------------------------------------------------------------------
 
 
@@ -266,52 +188,6 @@ def _server(args: argparse.Namespace):
     command += (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
     with served(command, env=dict(os.environ, RADIXSERVE_API_KEY=args.api_key or "")) as url:
         yield url
-
-
-@contextlib.contextmanager
-def served(command: list[str], env: dict[str, str] | None = None, port_flag: str = "--port", **popen):
-    """Run a server `command` (given `port_flag` and a free port) until it answers /health;
-    yield its URL; stop it with SIGINT at the end (killed after 60 s)."""
-    with served_process(command, env, port_flag, **popen) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def served_process(command: list[str], env: dict[str, str] | None = None, port_flag: str = "--port", **popen):
-    """As `served`, yielding (url, the server's process)."""
-    port = _free_port()
-    command = command + [port_flag, str(port)]
-    print("starting:", " ".join(command), file=sys.stderr)
-    process = subprocess.Popen(command, env=env, **popen)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process)
-        yield url, process
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise SystemExit("the server did not become healthy")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _cache_counters(client: httpx.AsyncClient) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve.attention.metadata import AttentionMetadata
 from radixserve.attention.torch_backend import TorchAttentionBackend
 from radixserve.kernels.native_attention import load_native_attention

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 NAMES = ["Ada", "Grace", "Linus", "Barbara", "Ken", "Margaret", "Dennis", "Frances"]

@@ -11,9 +11,9 @@ import random
 import sys
 import time
 
-from bench import workloads
-from bench.cli import Figures, apply_quick, bench_parser
-from bench.harness import percentile
+from bench.lib import workloads
+from bench.lib.cli import Figures, apply_quick, bench_parser
+from bench.lib.harness import percentile
 from radixserve import Engine, SamplingParams
 
 

@@ -9,7 +9,7 @@
     .venv/bin/python -m bench.bench_weights --parts accuracy --model gemma3-270m
     .venv/bin/python -m bench.bench_weights --parts memory --model gemma3-270m --llama-server PATH
 
-  accuracy  teacher-forced next-token distributions over real text (bench/kv_quant_prompts.py's
+  accuracy  teacher-forced next-token distributions over real text (bench/lib/kv_quant_prompts.py's
             prompts and their float32 greedy continuations, >= --positions positions), fed in
             chunks of --chunk tokens so that every matmul takes the integer kernel (steps that
             large run it, as decodes and small prompt chunks do): top-1 agreement and mean
@@ -31,16 +31,14 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.bench_kv_quant import BLOCK, _metadata, _prompts
-from bench.kv_quant_prompts import CHAT, RAW
-from bench.cli import apply_quick, bench_parser, write_json
+from bench.lib.kv_quant_prompts import BLOCK, CHAT, RAW, attention_metadata, tokenized_prompts
+from bench.lib.cli import apply_quick, bench_parser, write_json
+from bench.lib.peers import add_llama_server
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuAttentionBackend
 from radixserve.attention.kv_pool import KVPool
@@ -61,11 +59,11 @@ def main() -> None:
     if "accuracy" in args.parts:
         report["accuracy"] = accuracy(args)
     if "speed" in args.parts:
-        from bench.weights_speed import speed
+        from bench.lib.weights_speed import speed
 
         report["speed"] = speed(args)
     if "memory" in args.parts:
-        from bench.weights_speed import memory
+        from bench.lib.weights_speed import memory
 
         report["memory"] = memory(args)
     report["layout_7b"] = layout_7b()
@@ -115,7 +113,7 @@ def accuracy(args) -> list[dict]:
 def _sequences(engine: Engine, args) -> list[list[int]]:
     """Prompts and their float32 greedy continuations until --positions tokens in all."""
     try:
-        prompts = _prompts(engine, args.prompts)
+        prompts = tokenized_prompts(engine, args.prompts)
     except ValueError:  # a base model without a chat template (Gemma 3 270M): every prompt as plain text
         prompts = [engine.tokenizer.encode(p) for p in (RAW + CHAT)[: args.prompts]]
     greedy = SamplingParams(max_tokens=args.tf_tokens, temperature=0.0, ignore_eos=True)
@@ -160,7 +158,7 @@ def forced_logits(engine: Engine, tokens: list[int], chunk: int) -> torch.Tensor
     out = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
-        meta = _metadata(0, [0, end - start], [end], [list(range(blocks))], list(range(start, end)))
+        meta = attention_metadata(0, [0, end - start], [end], [list(range(blocks))], list(range(start, end)))
         ids, positions = torch.tensor(tokens[start:end]), torch.arange(start, end)
         out.append(model(ids, positions, backend, pool, backend.prepare(meta), torch.arange(end - start)))
     return torch.cat(out)
@@ -171,12 +169,12 @@ _K_NOTE = "; ffn_down only: the model's other matrices have 576 columns, not who
 
 def _made_gguf(kind: str, work: Path) -> Path:
     """The default GGUF with its Q4_1 tensors requantized to `kind` from their float32 values
-    (the gguf package's quantizer; bench/gguf_kquants.py for K types, which take only rows of
+    (the gguf package's quantizer; bench/lib/gguf_kquants.py for K types, which take only rows of
     whole 256-value blocks), the Q8_0 embedding and float tensors kept; written under `work`."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-    from bench.gguf_kquants import quantize_k
+    from bench.lib.gguf_kquants import quantize_k
 
     source = GGUFReader(default_gguf_path())
     path = work / f"smollm2-{kind}.gguf"
@@ -248,11 +246,11 @@ def _print(report: dict) -> None:
               f"  {row['positions']} positions: top-1 {row['top1']:.2%} (>= {TARGETS['top1']:.1%}), KL "
               f"{row['kl']:.2g} nats (<= {TARGETS['kl']}) {verdict}")
     if "speed" in report:
-        from bench.weights_speed import print_speed
+        from bench.lib.weights_speed import print_speed
 
         print_speed(report["speed"], {**TARGETS, "memory": MEMORY_TARGETS[report["speed"]["model"]]})
     if "memory" in report:
-        from bench.weights_speed import print_memory
+        from bench.lib.weights_speed import print_memory
 
         print_memory(report["memory"], MEMORY_TARGETS[report["memory"]["model"]])
     lay = report["layout_7b"]
@@ -262,7 +260,7 @@ def _print(report: dict) -> None:
 
 
 def _plot(path: str, report: dict) -> None:
-    from bench.report import plot_bars
+    from bench.lib.report import plot_bars
 
     if "speed" in report:
         rows = report["speed"]["rows"]
@@ -288,8 +286,7 @@ def _args():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-memory-mb", type=int, default=256, help="the KV budget every server gets")
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
-                   help="a llama.cpp llama-server binary (or $LLAMA_SERVER): served side by side")
+    add_llama_server(p, "a llama.cpp llama-server binary (or $LLAMA_SERVER): served side by side")
     p.add_argument("--llama-threads", type=int, default=2)
     args = p.parse_args()
     apply_quick(p, args, positions=2_000, tf_tokens=128, new_tokens=64, reps=1)

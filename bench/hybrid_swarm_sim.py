@@ -7,22 +7,23 @@ overlap follow the same script as the bench's). It tells reuse and memory, never
 takes seconds.
 
     python -m bench.hybrid_swarm_sim [--swarm-workload short|long] [--memory-share 0.4]
-        [--blocks N --window-pages N] [--max-num-seqs 8] [--seeds 0,1,2,3]
+        [--blocks N --window-pages N] [--max-num-seqs 8] [--seeds 0,1,2,3] [--quick] [--json F] [--plot F]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.bench_agents import _ideal_cached, _remember
-from bench.bench_hybrid_kv import LAYERS, SWARMS, WINDOW_LAYERS, SwarmWorkload, _Agent
+from bench.lib.cli import bench_parser
+from bench.lib.report import plot_bars
+from bench.lib.swarm import SWARMS, AgentSwarm, SwarmAgent, ideal_cached, remember
 
 BLOCK, WINDOW, VOCAB = 16, 512, 128
+LAYERS, WINDOW_LAYERS = 18, 15  # Gemma 3 270M: five of every six layers attend to a window
 FULL_LAYERS = LAYERS - WINDOW_LAYERS
 STEP_S, PREFILL_TOKEN_S, DECODE_TOKEN_S = 0.05, 0.0013, 0.002  # ~Gemma 3 270M on two cores
 
@@ -59,18 +60,18 @@ def tiny_gemma3(directory: Path) -> Path:
     return directory
 
 
-def budget(workload: SwarmWorkload, share: float, ratio: float = 0.25) -> tuple[int, int]:
+def budget(workload: AgentSwarm, share: float, ratio: float = 0.25) -> tuple[int, int]:
     """Blocks and window pages that share of full caching's KV buys at `ratio` pages a block."""
     full = 1.25 * workload.working_set_tokens() * LAYERS
     blocks = int(share * full / (BLOCK * (FULL_LAYERS + ratio * WINDOW_LAYERS)))
     return blocks, int(blocks * ratio)
 
 
-def memory_share(workload: SwarmWorkload, blocks: int, pages: int) -> float:
+def memory_share(workload: AgentSwarm, blocks: int, pages: int) -> float:
     return BLOCK * (blocks * FULL_LAYERS + pages * WINDOW_LAYERS) / (1.25 * workload.working_set_tokens() * LAYERS)
 
 
-def simulate(model: Path, workload: SwarmWorkload, blocks: int, pages: int, max_num_seqs: int) -> SimResult:
+def simulate(model: Path, workload: AgentSwarm, blocks: int, pages: int, max_num_seqs: int) -> SimResult:
     from radixserve import Engine, SamplingParams
 
     engine = Engine(str(model), block_size=BLOCK, num_kv_blocks=blocks, window_pages_ratio=pages / blocks,
@@ -79,10 +80,10 @@ def simulate(model: Path, workload: SwarmWorkload, blocks: int, pages: int, max_
                        memory_share(workload, blocks, engine.pool.window.num_pages))
     rng = random.Random(workload.seed)
     tool = [rng.randrange(VOCAB) for _ in range(workload.tool_prompt)]
-    agents = [_Agent(i, workload, tool, 0, VOCAB) for i in range(workload.agents)]
+    agents = [SwarmAgent(i, workload, tool, 0, VOCAB) for i in range(workload.agents)]
     ready = {a.index: a.start for a in agents}  # agents between turns, and when they come back
     left = {a.index: workload.turns for a in agents}
-    inflight: dict[str, tuple[_Agent, list[int], int]] = {}
+    inflight: dict[str, tuple[SwarmAgent, list[int], int]] = {}
     seen: set[int] = set()
     params = SamplingParams(max_tokens=workload.answer, temperature=0.0, ignore_eos=True)
     now = 0.0
@@ -90,8 +91,8 @@ def simulate(model: Path, workload: SwarmWorkload, blocks: int, pages: int, max_
         for agent in [a for a in agents if a.index in ready and ready[a.index] <= now]:
             del ready[agent.index]
             prompt = list(agent.context)
-            ideal = _ideal_cached(prompt, seen)
-            _remember(prompt[:-1], seen)
+            ideal = ideal_cached(prompt, seen)
+            remember(prompt[:-1], seen)
             inflight[engine.add_request(prompt, params)] = (agent, prompt, ideal)
         if not inflight:
             now = min(ready.values())
@@ -103,7 +104,7 @@ def simulate(model: Path, workload: SwarmWorkload, blocks: int, pages: int, max_
             agent, prompt, ideal = inflight.pop(out.request_id)
             result.credited += min(out.cached_tokens, ideal)
             result.ideal += ideal
-            _remember((prompt + out.token_ids)[:-1], seen)
+            remember((prompt + out.token_ids)[:-1], seen)
             agent.context = prompt + out.token_ids + agent.tokens(workload.tool_result)
             left[agent.index] -= 1
             if left[agent.index]:
@@ -116,7 +117,8 @@ def simulate(model: Path, workload: SwarmWorkload, blocks: int, pages: int, max_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, quick="the swarm workload's quick size", plot="write each seed's reuse here (PNG)",
+                          json_help="write each seed's result here (JSON)")
     parser.add_argument("--swarm-workload", choices=sorted(SWARMS), default="short")
     parser.add_argument("--memory-share", type=float, default=0.4, help="of full caching's KV (bench_hybrid_kv's)")
     parser.add_argument("--blocks", type=int, default=None, help="instead of --memory-share: blocks ...")
@@ -124,9 +126,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "radixserve-sim-gemma3"))
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    workload = SWARMS[args.swarm_workload][0]
+    workload = SWARMS[args.swarm_workload][1 if args.quick else 0]
     blocks, pages = budget(workload, args.memory_share)
     blocks, pages = args.blocks or blocks, args.window_pages or pages
     model = tiny_gemma3(Path(args.model_dir))
@@ -141,6 +142,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**vars(r), "reuse": r.reuse} for r in results], f, indent=2)
+    if args.plot:
+        plot_bars(args.plot, f"simulated swarm ({args.swarm_workload}): share of ideal reuse",
+                  [f"seed {r.seed}" for r in results], {"reuse": [r.reuse for r in results]}, "share of ideal")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from bench.cli import Figures, apply_quick, bench_parser
+from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
 PHASES = ("step", "prepare", "plan", "matmuls", "attention", "kernel", "norms", "rope", "gelu", "head", "sample")

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from bench.bench_server import served
-from bench.cli import apply_quick, bench_parser, write_json
+from bench.lib.servers import served
+from bench.lib.cli import apply_quick, bench_parser, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"A": "soak-key-a", "B": "soak-key-b"}

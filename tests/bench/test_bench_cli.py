@@ -1,4 +1,4 @@
-"""Every bench takes the same --json PATH, --plot PATH and --quick, through bench/cli.py's one
+"""Every bench takes the same --json PATH, --plot PATH and --quick, through bench/lib/cli.py's one
 parser helper, and the benches share one percentile and one SSE client. Each bench's parser is
 caught as its main() parses (no bench runs)."""
 
@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-MODULES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem.startswith("bench_") or p.stem in ("soak", "profile_decode", "profile_prompt"))
-# Being written by another session when the shared parser landed: the three flags, not yet bench_parser.
-OWN_PARSER = {"bench_hybrid_kv"}
+# The runners: every module of bench/ but its package file; the shared code is in bench/lib/.
+MODULES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
 
 
 class _Caught(Exception):
@@ -43,26 +42,25 @@ def test_every_bench_takes_json_plot_and_quick(name, monkeypatch):
     args = parser.parse_args(["--json", "out.json", "--plot", "out.png", "--quick"])
     assert (args.json, args.plot, args.quick) == ("out.json", "out.png", True)
     assert parser.parse_args([]).quick is False
-    if name not in OWN_PARSER:
-        groups = [g.title for g in parser._action_groups]
-        assert "every bench" in groups, f"{name} builds its parser without bench.cli.bench_parser"
+    groups = [g.title for g in parser._action_groups]
+    assert "every bench" in groups, f"{name} builds its parser without bench.lib.cli.bench_parser"
 
 
 def test_the_benches_share_one_percentile_and_one_sse_reader():
     own = []
-    for path in sorted(BENCH.glob("*.py")):
-        if path.stem in ("harness", "sse") or path.stem in OWN_PARSER:
+    for path in sorted(BENCH.rglob("*.py")):
+        if path.relative_to(BENCH).as_posix() in ("lib/harness.py", "lib/client.py"):
             continue
         text = path.read_text()
         if re.search(r"^def _?(pct|p\d\d|percentile|quantile)\(", text, re.M):
-            own.append(f"{path.name}: a percentile of its own (use bench.harness.percentile)")
+            own.append(f"{path.name}: a percentile of its own (use bench.lib.harness.percentile)")
         if 'startswith("data: ' in text:
-            own.append(f"{path.name}: reads SSE lines itself (use bench.sse)")
+            own.append(f"{path.name}: reads SSE lines itself (use bench.lib.client)")
     assert not own, own
 
 
 def test_percentile_is_linear_between_ranks():
-    from bench.harness import percentile
+    from bench.lib.harness import percentile
 
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, None, 2.0], 100) == 2.0
@@ -70,7 +68,7 @@ def test_percentile_is_linear_between_ranks():
 
 
 def test_quick_takes_the_smaller_defaults_unless_given():
-    from bench.cli import apply_quick, bench_parser
+    from bench.lib.cli import apply_quick, bench_parser
 
     parser = bench_parser(None, quick="fewer rows")
     parser.add_argument("--rows", type=int, default=32)
@@ -82,7 +80,7 @@ def test_quick_takes_the_smaller_defaults_unless_given():
 
 def test_figures_write_the_json_and_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench.cli import Figures
+    from bench.lib.cli import Figures
 
     figures = Figures()
     figures.add("batch 1", "native", 11.5)
@@ -100,8 +98,8 @@ def test_every_bench_is_listed_as_a_system_bench_or_a_kernel_micro_bench():
     import bench
 
     doc = bench.__doc__
-    system, micro = doc.split("Kernel micro-benches")
+    system, micro = doc.split("The library")[0].split("Kernel micro-benches")
     system = system.split("System benches")[1]
     listed = {line.split()[0] for part in (system, micro) for line in part.splitlines()[1:] if line.startswith("    ")}
     assert not set(MODULES) - listed, "bench/__init__.py lists neither as a system nor as a kernel bench"
-    assert listed - set(MODULES) <= OWN_PARSER, "bench/__init__.py lists a bench that is not there"
+    assert not listed - set(MODULES), "bench/__init__.py lists a bench that is not there"

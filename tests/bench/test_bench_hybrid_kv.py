@@ -35,7 +35,7 @@ def test_the_swarm_takes_the_default_model_and_skips_what_needs_window_layers(re
     import argparse
     from pathlib import Path
 
-    from bench.bench_agents import Workload
+    from bench.lib.swarm import AgentSwarm
     from bench.bench_hybrid_kv import measure_swarm, model_geometry
 
     geometry = model_geometry("default")
@@ -44,7 +44,7 @@ def test_the_swarm_takes_the_default_model_and_skips_what_needs_window_layers(re
     assert Path(geometry.gguf).name.endswith(".Q4_1.gguf") and Path(geometry.gguf).is_file()
     args = argparse.Namespace(max_num_seqs=8, hybrid_memory_share=0.4, window_pages_ratio=None, quiet=True,
                               llama_server="/nonexistent", llama_threads=2)
-    report = measure_swarm(Workload(agents=2, turns=1, tool_prompt=64, instructions=16, tool_result=16, answer=4, latency=(0.0, 0.1)), ["hybrid", "hybrid-same", "llama-swa-full"], args, geometry)
+    report = measure_swarm(AgentSwarm(agents=2, turns=1, tool_prompt=64, instructions=16, tool_result=16, answer=4, latency=(0.0, 0.1)), ["hybrid", "hybrid-same", "llama-swa-full"], args, geometry)
     assert report["systems"] == [] and report["model"] == "default"
     assert capsys.readouterr().out.count("has no sliding-window layers") == 3
 
@@ -53,7 +53,7 @@ def test_serve_args_reach_every_radixserve_server(monkeypatch, capsys):
     """--serve-args (e.g. a step trace) is split like a shell line and appended to the command
     of the radixserve server the swarm starts."""
     import bench.bench_hybrid_kv as bench
-    from bench.bench_agents import Workload
+    from bench.lib.swarm import AgentSwarm
 
     commands = []
 
@@ -65,7 +65,7 @@ def test_serve_args_reach_every_radixserve_server(monkeypatch, capsys):
         raise Started
 
     monkeypatch.setattr(bench, "_served", served)
-    workload = Workload(agents=1, turns=1, tool_prompt=16, instructions=4, tool_result=4, answer=2, latency=(0.0, 0.0))
+    workload = AgentSwarm(agents=1, turns=1, tool_prompt=16, instructions=4, tool_result=4, answer=2, latency=(0.0, 0.0))
     for hybrid in (True, False):
         try:
             bench.run_radixserve("x", workload, 1 << 20, hybrid, 2, False, 0.5, bench.model_geometry("gemma3-270m"),

@@ -1,4 +1,4 @@
-"""bench/gguf_kquants.py's Q4_K/Q5_K/Q6_K encoders, read back by the `gguf` package's own
+"""bench/lib/gguf_kquants.py's Q4_K/Q5_K/Q6_K encoders, read back by the `gguf` package's own
 dequantizer: every value lands where the decoder reads it, the error is that of a real K-quant,
 and zero and constant rows survive."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.gguf_kquants import quantize_k
+from bench.lib.gguf_kquants import quantize_k
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # noqa: E402

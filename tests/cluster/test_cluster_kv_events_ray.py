@@ -16,7 +16,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray Serve")
 serve = pytest.importorskip("ray.serve")
 
-from bench.agent_workload import REPLICA_HEADER  # noqa: E402
+from bench.lib.chat_sessions import REPLICA_HEADER  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
 from subprocess_server import free_port  # noqa: E402
 

@@ -21,28 +21,28 @@ ray = pytest.importorskip(
 )
 serve = pytest.importorskip("ray.serve")
 
-from bench import agent_workload  # noqa: E402
-from bench.agent_workload import REPLICA_HEADER, Workload  # noqa: E402
+from bench.lib import chat_sessions  # noqa: E402
+from bench.lib.chat_sessions import REPLICA_HEADER, ChatSessions  # noqa: E402
 from radixserve.cluster.metrics_merge import sample_total  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
 from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
-WORKLOAD = Workload(sessions=4, turns=3, system_prompts=2, max_tokens=8)
+WORKLOAD = ChatSessions(sessions=4, turns=3, system_prompts=2, max_tokens=8)
 ENGINE = {"num_threads": 1}
 APP = "radixserve"
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[agent_workload.Turn]:
+def reference() -> list[chat_sessions.Turn]:
     """The workload on one in-process replica (one cache sees every request): the reuse to keep."""
     from radixserve.engine import Engine
     from radixserve.server.app import create_app
     from radixserve.server.testing import BackgroundServer
 
     with BackgroundServer(create_app(Engine(**ENGINE), ServerOptions())) as server:
-        return agent_workload.run(server.url, WORKLOAD)
+        return chat_sessions.run(server.url, WORKLOAD)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +60,20 @@ def cluster(reference, local_ray) -> str:
 
 
 def test_affinity_routing_keeps_one_replicas_reuse(cluster, reference):
-    turns = agent_workload.run(cluster, WORKLOAD)
+    turns = chat_sessions.run(cluster, WORKLOAD)
     sessions = {s: {t.replica for t in turns if t.session == s} for s in range(WORKLOAD.sessions)}
     prompts = {p: {t.replica for t in turns if t.system_prompt == p} for p in range(WORKLOAD.system_prompts)}
     assert all(len(replicas) == 1 for replicas in sessions.values()), sessions
     assert all(len(replicas) == 1 for replicas in prompts.values()), prompts
     assert prompts[0] != prompts[1]  # the two system prompts spread over both replicas
-    single = agent_workload.cached_tokens(reference)
-    cached = agent_workload.cached_tokens(turns)
-    assert single > 0.5 * agent_workload.prompt_tokens(reference)
+    single = chat_sessions.cached_tokens(reference)
+    cached = chat_sessions.cached_tokens(turns)
+    assert single > 0.5 * chat_sessions.prompt_tokens(reference)
     assert cached >= 0.95 * single, (cached, single)
 
     metrics = httpx.get(cluster + "/metrics", timeout=30).text
     assert sample_total(metrics, "radixserve_cached_prompt_tokens_total") == cached
-    assert sample_total(metrics, "radixserve_prompt_tokens_total") == agent_workload.prompt_tokens(turns)
+    assert sample_total(metrics, "radixserve_prompt_tokens_total") == chat_sessions.prompt_tokens(turns)
     assert 'radixserve_cluster_replicas{state="reachable"} 2.0' in metrics
     health = httpx.get(cluster + "/health", timeout=30).json()
     assert health["status"] == "ok" and health["replicas_healthy"] == 2

@@ -58,7 +58,7 @@ def test_the_engine_thread_only_queues(tiny_model_dir, tmp_path):
 
 def test_bench_latency_tail_anatomy_lines_gaps_up_with_steps():
     from bench.bench_latency import RunResult, tail_anatomy
-    from bench.bench_server import Record
+    from bench.lib.client import Record
 
     stream = Record("x", 10.0, chunks=[10.5, 10.55, 10.9, 10.95, 11.3])  # gaps 50, 350, 50, 350 ms
     run = RunResult("c", "no-sharing", [stream], start=10.0, duration_s=2.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.harness import RunResult
+from bench.lib.harness import RunResult
 
 
 def print_header(title: str, lines: list[str]) -> None:

@@ -1,17 +1,12 @@
-"""bench_weights' speed part: the default model served from its Q4_1 file (radixserve auto),
+"""bench_weights' speed part (bench_decode_floor serves its decode workloads too): the default model served from its Q4_1 file (radixserve auto),
 in float32 (radixserve --weight-dtype float32), and by llama.cpp's server on the same file,
 one server at a time, the same requests to each, the same KV bytes."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_server import _complete, served_process
+from bench.lib.client import complete
+from bench.lib.servers import radixserve_command, serving
 from radixserve.model.default_model import default_gguf_path
 from radixserve.model.packaged_models import packaged_gguf
 
@@ -71,9 +67,9 @@ def _systems(args, float32: bool) -> tuple[str, list[tuple[str, list[str]]], int
     kv_bytes = model.llama_kv_bytes(tokens)
     memory_args = ["--kv-cache-memory", str(kv_bytes), *model.serve_args]
     base = f"radixserve {model.quant}"
-    systems = [(base, _radixserve(memory_args))]
+    systems = [(base, radixserve_command(*memory_args))]
     if float32:
-        systems.append(("radixserve float32", _radixserve([*memory_args, "--weight-dtype", "float32"])))
+        systems.append(("radixserve float32", radixserve_command(*memory_args, "--weight-dtype", "float32")))
     if args.llama_server:
         systems.append((f"llama.cpp {model.quant}", [
             args.llama_server, "-m", str(model.gguf()), "--host", "127.0.0.1", "-c", str(tokens), "-np", str(SLOTS),
@@ -89,7 +85,7 @@ def memory(args) -> dict:
     base, systems, tokens, kv_bytes = _systems(args, float32=False)
     out: dict[str, dict[str, float]] = {}
     for label, command in systems:
-        with _serving(command) as (url, process):
+        with serving(command) as (url, process):
             for workload in WORKLOADS:
                 asyncio.run(_warm(url, workload, args))
             asyncio.run(_fill_kv(url, tokens))
@@ -122,10 +118,10 @@ def speed(args) -> dict:
     rates: dict[str, dict[str, float]] = {w: {} for w in WORKLOADS}
     memory: dict[str, dict[str, float]] = {}
     for label, command in systems:
-        with _serving(command) as (url, process):
+        with serving(command) as (url, process):
             print(f"  speed: {label} serving", flush=True)
             for workload in WORKLOADS:
-                rates[workload][label] = asyncio.run(_measure(url, workload, args))
+                rates[workload][label] = asyncio.run(measure(url, workload, args))
                 print(f"  speed: {label} {workload}: {rates[workload][label]:.1f} tokens/s", flush=True)
             asyncio.run(_fill_kv(url, tokens))
             time.sleep(IDLE_BEFORE_MEMORY_S)
@@ -135,26 +131,7 @@ def speed(args) -> dict:
             "rows": [{"workload": w, "rate": rates[w]} for w in WORKLOADS], "memory": memory}
 
 
-def _radixserve(extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "radixserve", "serve", "--log-level", "warning", "--served-model-name", "m",
-            *extra]
-
-
-@contextlib.contextmanager
-def _serving(command: list[str]):
-    """The server until it answers /health: (url, process); its log printed if a run fails."""
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_API_KEY"}
-    with tempfile.TemporaryFile() as log, served_process(command, env, stdout=log, stderr=subprocess.STDOUT) as running:
-        try:
-            yield running
-        except BaseException:
-            log.seek(0)
-            print(f"{command[0]} exited {running[1].poll()}; its log ends:\n"
-                  + log.read()[-3000:].decode(errors="replace"), file=sys.stderr)
-            raise
-
-
-async def _measure(url: str, workload: str, args) -> float:
+async def measure(url: str, workload: str, args) -> float:
     """The workload's median tokens/s over --reps runs (one warm-up run first)."""
     results = []
     # no kept-alive connections: llama.cpp's server closed them under the client after a few requests
@@ -173,12 +150,12 @@ async def _once(client, url: str, workload: str, args, rng: random.Random) -> fl
     if kind == "prompt":
         prompt = [rng.randrange(100, 40000) for _ in range(int(size))]
         start = time.monotonic()
-        record = await _complete(client, "m", prompt, 1, workload, url)
+        record = await complete(client, "m", prompt, 1, workload, url)
         _check(record)
         return int(size) / (record.first - start)
     batch = int(size[1:])
     prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(batch)]
-    records = await asyncio.gather(*(_complete(client, "m", p, args.new_tokens, workload, url) for p in prompts))
+    records = await asyncio.gather(*(complete(client, "m", p, args.new_tokens, workload, url) for p in prompts))
     for r in records:
         _check(r)
     generated = sum(r.completion_tokens or len(r.chunks) for r in records) - batch
@@ -193,7 +170,7 @@ async def _fill_kv(url: str, tokens: int) -> None:
     rng = random.Random(4242)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         for _ in range(-(-tokens // size)):
-            _check(await _complete(client, "m", [rng.randrange(100, 40000) for _ in range(size)], 1, "fill", url))
+            _check(await complete(client, "m", [rng.randrange(100, 40000) for _ in range(size)], 1, "fill", url))
 
 
 def _check(record) -> None:

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from bench.workloads import LOW_ID, Workload
+from bench.lib.workloads import LOW_ID, TokenSessions
 
 
 @dataclass
@@ -58,10 +58,21 @@ def progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
+def seeded_prompt(seed: int, length: int) -> list[int]:
+    """`length` plain token ids of the default model's vocabulary, a fixed function of `seed`."""
+    return [100 + (seed * 7919 + j * 31) % 40000 for j in range(length)]
+
+
+def settle(engine) -> None:
+    """Step until nothing is left in prefill."""
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+
+
 # ---- radixserve ---------------------------------------------------------------------
 
 
-def run_radixserve(engine, workload: Workload, label: str = "radixserve", step_log: list | None = None) -> RunResult:
+def run_radixserve(engine, workload: TokenSessions, label: str = "radixserve", step_log: list | None = None) -> RunResult:
     from radixserve import SamplingParams
 
     _warm_up_radixserve(engine)
@@ -134,7 +145,7 @@ def _warm_up_radixserve(engine) -> None:
 # ---- transformers static batching ---------------------------------------------------------
 
 
-def run_hf_static(model, workload: Workload, batch_size: int, pad_token_id: int, label: str = "transformers-static"):
+def run_hf_static(model, workload: TokenSessions, batch_size: int, pad_token_id: int, label: str = "transformers-static"):
     """Rounds of turns (turn i of every session), each round in static batches with left padding."""
     import torch
 

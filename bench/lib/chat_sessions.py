@@ -1,4 +1,4 @@
-"""An agent workload over HTTP: sessions sharing system prompts, several turns each.
+"""Chat sessions over HTTP (a `Workload`): sessions sharing system prompts, several turns each.
 
 Each session has one of a few long system prompts and grows its chat turn by turn: each
 user turn carries a tool's output (a few dozen words of its own) and a question, and the
@@ -54,13 +54,14 @@ _WORDS = (
 
 
 @dataclass(frozen=True)
-class Workload:
+class ChatSessions:
     sessions: int = 8
     turns: int = 4
     system_prompts: int = 2
     max_tokens: int = 12
     observation_words: int = 40  # words of tool output in each user turn
     think_s: float = 0.0  # before each turn, the tool "runs" for a random time within [0, think_s]
+    name: str = "chat-sessions"
 
     def __post_init__(self) -> None:
         if not 1 <= self.system_prompts <= len(_SYSTEM_PROMPTS):
@@ -90,7 +91,7 @@ class Turn:
     seconds: float
 
 
-def run(base_url: str, workload: Workload, *, timeout_s: float = 120.0,
+def run(base_url: str, workload: ChatSessions, *, timeout_s: float = 120.0,
         progress: Callable[[int, int], None] | None = None) -> list[Turn]:
     """Run the workload against base_url; raises on any non-200 answer."""
     with httpx.Client(base_url=base_url, timeout=timeout_s) as client:

@@ -1,4 +1,13 @@
-"""Real prompts for bench_kv_quant: raw text openings and chat questions, of varied kinds."""
+"""Real prompts for bench_kv_quant and bench_weights (raw text openings and chat questions, of
+varied kinds, tokenized by an engine) and the attention metadata their accuracy runs step with."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.attention.metadata import AttentionMetadata
+
+BLOCK = 16
 
 RAW = [
     "The capital of France is",
@@ -57,3 +66,24 @@ CHAT = [
     "Write a short thank-you note to a teacher.",
     "What should I pack for a weekend hiking trip?",
 ]
+
+
+def attention_metadata(num_decodes, query_start, seq_lens, tables, slots) -> AttentionMetadata:
+    """One attention step's metadata on the CPU: `num_decodes` decode rows first, then prefills."""
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        num_decodes=num_decodes, block_size=BLOCK,
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_list=list(query_start), seq_lens_list=list(seq_lens),
+    )
+
+
+def tokenized_prompts(engine, count: int) -> list[list[int]]:
+    """`count` prompts: half raw openings, half chat questions in the model's template."""
+    half = -(-count // 2)
+    raw = [engine.tokenizer.encode(p) for p in RAW[:half]]
+    chat = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT[: count - len(raw)]]
+    return raw + chat

@@ -83,7 +83,7 @@ class Figures:
         if args.json:
             write_json(args.json, self.rows, args)
         if args.plot and self.rows:
-            from bench.report import plot_bars
+            from bench.lib.report import plot_bars
 
             groups = list(dict.fromkeys(r["group"] for r in self.rows))
             names = list(dict.fromkeys(r["series"] for r in self.rows))
