@@ -210,43 +210,34 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
 
 #if defined(__AVX2__)
 
-/* 32 codes of block b (elements 32b..32b+31) as bytes. */
-static inline __m256i block_codes_avx2(const uint8_t *codes, int64_t b, int64_t bits) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(codes + 32 * b));
-    const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * (b / 2)));
-    const __m256i nib = b % 2 ? _mm256_srli_epi16(packed, 4) : packed;
-    return _mm256_and_si256(nib, _mm256_set1_epi8(15));
-}
-
-/* Up to AVX2_TILE rows share each block's codes, loaded (and split) once. maddubs multiplies
- * unsigned codes by the signed activations into 16-bit pair sums, which saturate past 32,767:
- * codes below 128 never reach it (4-bit codes; 5- and 6-bit ones stored in a byte), so 8-bit
- * codes go in as their two nibbles, u = 16 uh + ul. Each lane i of the int32 sums covers
- * elements 4i..4i+3, as the
- * widening path this replaced: the same integers, so the same floats. */
+/* 4-bit codes (below 128) meet the activations' int8 codes through vpmaddubsw, whose 16-bit
+ * pair sums cannot saturate there; each lane i of the int32 sums covers elements 4i..4i+3. Up to
+ * AVX2_TILE rows share each chunk's codes, loaded and split once. */
 #define AVX2_TILE 4
 
 static inline __m256i pair_sums(__m256i u, __m256i x, __m256i weight16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), weight16);
 }
 
-/* How a block's codes meet the activations: codes below 128 as they are; 8-bit codes as two
- * nibbles; or, for a symmetric 8-bit type (zero point 128, no offsets: Q8_0), as the signed
- * code u - 128 through its magnitude and the activations' sign (llama.cpp's trick), whose
- * products then need no offset term. */
-enum { CODES_SMALL, CODES_NIBBLES, CODES_SIGNED };
+/* 256 u.xq + u.xr of one block of 4-bit codes u, as 8 int32 lanes. */
+static inline __m256i block_dot2(__m256i u, const int8_t *q, const int8_t *res) {
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)q), xr = _mm256_loadu_si256((const __m256i *)res);
+    return _mm256_add_epi32(pair_sums(u, xq, _mm256_set1_epi16(256)), pair_sums(u, xr, _mm256_set1_epi16(1)));
+}
 
-/* 256 u.xq + u.xr of one block (u - 128 for CODES_SIGNED), as 8 int32 lanes; u and u2 as
- * split for the mode: (codes, -), (low nibbles, high nibbles), (|u - 128|, u - 128). */
-static inline __m256i block_dot2(__m256i u, __m256i u2, int mode, const int8_t *q, const int8_t *res) {
-    __m256i xq = _mm256_loadu_si256((const __m256i *)q), xr = _mm256_loadu_si256((const __m256i *)res);
-    if (mode == CODES_SIGNED) xq = _mm256_sign_epi8(xq, u2), xr = _mm256_sign_epi8(xr, u2);
-    if (mode != CODES_NIBBLES)
-        return _mm256_add_epi32(pair_sums(u, xq, _mm256_set1_epi16(256)), pair_sums(u, xr, _mm256_set1_epi16(1)));
-    const __m256i high = _mm256_add_epi32(pair_sums(u2, xq, _mm256_set1_epi16(4096)),
-                                          pair_sums(u, xq, _mm256_set1_epi16(256)));
-    const __m256i low = _mm256_add_epi32(pair_sums(u2, xr, _mm256_set1_epi16(16)), pair_sums(u, xr, _mm256_set1_epi16(1)));
-    return _mm256_add_epi32(high, low);
+/* The two blocks of a 64-element chunk of 4-bit codes (b even): low nibbles block b, high b + 1. */
+static inline void chunk_codes(const uint8_t *codes, int64_t b, __m256i u[2]) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 16 * b)), low4 = _mm256_set1_epi8(15);
+    u[0] = _mm256_and_si256(packed, low4);
+    u[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+}
+
+/* Block b's scale as a vector: lanes 0-3 cover its first 16 elements, 4-7 the next 16. */
+static inline __m256 block_scale_avx2(const QWeight *w, const void *scale, int64_t b) {
+    if (w->group == 16)
+        return _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
+                                _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
+    return _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
 }
 
 /* offset_term with F16C's conversion, 8 groups a vector */
@@ -313,58 +304,38 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
-    const int mode = w->bits == 4 ? CODES_SMALL : (w->zero == 128 && !w->offset) ? CODES_SIGNED : CODES_NIBBLES;
-    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
         const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
         __m256 acc[AVX2_TILE];
         for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m256i u = block_codes_avx2(codes, b, w->bits), u2 = u;
-            if (mode == CODES_NIBBLES) u2 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low4), u = _mm256_and_si256(u, low4);
-            if (mode == CODES_SIGNED) u2 = _mm256_xor_si256(u, flip), u = _mm256_abs_epi8(u2);
-            __m256 s;
-            if (w->group == 16)
-                s = _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
-                                     _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
-            else
-                s = _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
-            for (int64_t t = 0; t < rows; ++t) {
-                const int64_t r = r0 + t;
-                const __m256i dot = block_dot2(u, u2, mode, a->xq + r * a->K + 32 * b, a->xr + r * a->K + 32 * b);
-                const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[t]);
+        for (int64_t b = 0; b < blocks; b += 2) {
+            __m256i u[2];
+            chunk_codes(codes, b, u);
+            for (int h = 0; h < 2; ++h) {
+                const __m256 s = block_scale_avx2(w, scale, b + h);
+                for (int64_t t = 0; t < rows; ++t) {
+                    const int64_t r = r0 + t, off = r * a->K + 32 * (b + h);
+                    const __m256i dot = block_dot2(u[h], a->xq + off, a->xr + off);
+                    const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[t]);
+                }
             }
         }
         for (int64_t t = 0; t < rows; ++t) {
             const int64_t r = r0 + t;
-            const float offset = mode == CODES_SIGNED ? 0.0f : offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups);
-            out[r * ldo + n] = hsum8(acc[t]) + offset + (bias ? bias[n] : 0.0f);
+            out[r * ldo + n] = hsum8(acc[t]) + offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
         }
     }
 }
 
-/* One activation row (a decode step at batch 1) against FEATURE_TILE features at once: the row's
- * codes and each block's dx are read once for the tile, and the features' sums are independent
- * chains. Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
+/* One activation row (a decode step at batch 1) against FEATURE_TILE features of 4-bit codes: the
+ * row's codes and each block's dx are read once for the tile, and the features' sums are
+ * independent chains (0.81x the per-feature time on Zen 3's default-model layers; 8-bit codes
+ * gained nothing). Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
 #define FEATURE_TILE 4
 
-/* Measured on Zen 3 (one thread, the default model's Q4_1 layers): 0.81x the per-feature path's
- * time with 4-bit codes; 8-bit codes (Q8_0's signed path, Q6_K's nibbles) gained nothing. */
-static inline int tile_pays(const QWeight *w) { return w->bits == 4; }
-
-/* Block b's scale as a vector: lanes 0-3 cover its first 16 elements, 4-7 the next 16. */
-static inline __m256 block_scale_avx2(const QWeight *w, const void *scale, int64_t b) {
-    if (w->group == 16)
-        return _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
-                                _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
-    return _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
-}
-
-/* 4-bit codes only: each 64-element chunk's 32 bytes of a feature are loaded once for its two blocks. */
 static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
     const int64_t blocks = a->K / 32;
-    const __m256i low4 = _mm256_set1_epi8(15);
     const uint8_t *codes[FEATURE_TILE];
     const void *scale[FEATURE_TILE];
     __m256 acc[FEATURE_TILE];
@@ -376,11 +347,11 @@ static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, floa
     for (int64_t b = 0; b < blocks; b += 2) {
         const __m256 d0 = _mm256_set1_ps(a->dx[b] * (1.0f / 256.0f)), d1 = _mm256_set1_ps(a->dx[b + 1] * (1.0f / 256.0f));
         for (int j = 0; j < FEATURE_TILE; ++j) {
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes[j] + 16 * b));
-            const __m256i u0 = _mm256_and_si256(packed, low4), u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-            const __m256i dot0 = block_dot2(u0, u0, CODES_SMALL, a->xq + 32 * b, a->xr + 32 * b);
+            __m256i u[2];
+            chunk_codes(codes[j], b, u);
+            const __m256i dot0 = block_dot2(u[0], a->xq + 32 * b, a->xr + 32 * b);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(block_scale_avx2(w, scale[j], b), d0), acc[j]);
-            const __m256i dot1 = block_dot2(u1, u1, CODES_SMALL, a->xq + 32 * b + 32, a->xr + 32 * b + 32);
+            const __m256i dot1 = block_dot2(u[1], a->xq + 32 * b + 32, a->xr + 32 * b + 32);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(block_scale_avx2(w, scale[j], b + 1), d1), acc[j]);
         }
     }
@@ -593,7 +564,7 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 #endif
     int64_t done = 0;
 #if defined(__AVX2__)
-    if (path <= 1 && M == 1 && tile_pays(&w)) {
+    if (path <= 1 && M == 1 && bits == 4) {
         const int64_t tiles = N / FEATURE_TILE;
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) feature_tile_avx2(&w, &a, t * FEATURE_TILE, out, bias);
