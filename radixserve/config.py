@@ -10,7 +10,7 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")
-SPECULATIVE_METHODS = ("prompt-lookup",)
+SPECULATIVE_METHODS = ("prompt-lookup", "suffix")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 PREFILL_ATTENTION_DTYPES = ("float32", "bfloat16")
 PREFILL_MATMUL_DTYPES = ("float32", "bfloat16")
@@ -121,7 +121,9 @@ class EngineConfig:
     # persistence keep them too); "off" keeps every layer's KV for every token.
     hybrid_kv: str = "auto"
     window_pages_ratio: float = 0.25
-    speculative: str | None = None  # "prompt-lookup": draft from the request's own tokens; None: off
+    # "prompt-lookup": draft from the request's own tokens; "suffix": from them and from the
+    # prefix cache's stored sequences of the request's namespace, scored by frequency; None: off
+    speculative: str | None = None
     num_speculative_tokens: int = 8  # most draft tokens per request and step (drafts start at 4 and double)
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft

@@ -57,10 +57,16 @@ class SpeculationStats:
     forced_drafts: int = 0  # jump-forward verifications (not counted in drafts above)
     forced_tokens: int = 0  # forced-text tokens drafted
     forced_accepted: int = 0  # of those, accepted
+    tree_drafts: int = 0  # drafts a cached sequence of the request's namespace contributed to (suffix drafting)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def accepted_length(self) -> float:
+        """Tokens a verification appends on average: its accepted draft tokens and the one after."""
+        return (self.accepted_tokens + self.drafts) / self.drafts if self.drafts else 0.0
 
 
 class PromptLookupDrafter:
@@ -93,7 +99,11 @@ class PromptLookupDrafter:
         if state.paused > 0:
             state.paused -= 1
             return []
-        return lookup(request.token_ids, min(state.length, self.num_tokens, max_tokens), self.ngram_min, self.ngram_max)
+        return self._lookup(request, min(state.length, self.num_tokens, max_tokens))
+
+    def _lookup(self, request: Request, k: int) -> list[int]:
+        """Up to k draft tokens for the request (the drafting rule; subclasses draw elsewhere)."""
+        return lookup(request.token_ids, k, self.ngram_min, self.ngram_max)
 
     def _propose_forced(self, request: Request, max_tokens: int) -> list[int]:
         if self.forced is None or not _verifiable(request):

@@ -90,6 +90,11 @@ class EngineStats:
     spec_accepted_tokens: int
     spec_acceptance_rate: float
     spec_pauses: int
+    spec_tree_drafts: int  # drafts a cached sequence of the request's namespace contributed to (suffix drafting)
+    spec_accepted_length: float  # tokens a verification appends on average (accepted + the one after)
+    spec_forced_drafts: int  # jump-forward: a grammar's forced text verified in one step
+    spec_forced_tokens: int  # forced tokens drafted
+    spec_forced_accepted: int  # of those, accepted
     schedule_s: float  # seconds spent so far in each part of a step
     model_s: float
     postprocess_s: float

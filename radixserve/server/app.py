@@ -40,6 +40,8 @@ def create_app(engine: EngineProtocol, options: ServerOptions | None = None) -> 
     one that calls it until shutdown). Serve with uvicorn; its lifespan starts and stops
     the engine thread."""
     options = options or ServerOptions()
+    if options.shared_cache_across_keys and hasattr(engine, "isolate_drafts"):
+        engine.isolate_drafts()  # keys share cache namespaces: another key's replies must not feed drafts
     async_engine = AsyncEngine(engine, options.max_queued_requests, options.request_timeout_s, options.retry_after_s)
     metrics = ServerMetrics(lambda: async_engine.latest_snapshot, lambda: _server_gauges(async_engine))
     async_engine.on_finished = metrics.observe_finished

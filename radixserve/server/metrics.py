@@ -71,6 +71,12 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
     "radixserve_spec_drafts": ("Speculative drafts verified (one per request and step)", lambda s: s.spec_drafts),
     "radixserve_spec_draft_tokens": ("Speculative tokens proposed", lambda s: s.spec_draft_tokens),
     "radixserve_spec_accepted_tokens": ("Speculative tokens accepted by verification", lambda s: s.spec_accepted_tokens),
+    "radixserve_spec_tree_drafts": ("Drafts that the prefix cache's stored sequences (the request's namespace) "
+                                    "contributed to", lambda s: s.spec_tree_drafts),
+    "radixserve_spec_forced_drafts": ("Jump-forward verifications (a grammar's forced text checked in one step)",
+                                      lambda s: s.spec_forced_drafts),
+    "radixserve_spec_forced_tokens": ("Forced tokens drafted by jump-forward", lambda s: s.spec_forced_tokens),
+    "radixserve_spec_forced_accepted": ("Forced tokens accepted by verification", lambda s: s.spec_forced_accepted),
     # prefill/decode disaggregation (engine/kv_transfer.py): a prefill replica's exports ...
     "radixserve_kv_sent_blocks": ("KV blocks exported to decode replicas", _transfer(lambda t: t.sent_blocks)),
     "radixserve_kv_sent_tokens": ("Prompt tokens whose KV was exported to decode replicas",
@@ -141,6 +147,8 @@ _ENGINE_GAUGES: dict[str, tuple[str, Read]] = {
                                      _tier(lambda t: t.tier_persist_failed)),
     "radixserve_spec_acceptance_rate": ("Accepted / proposed speculative tokens so far",
                                         lambda s: s.spec_acceptance_rate),
+    "radixserve_spec_accepted_length": ("Tokens a speculative verification appends on average (accepted + 1)",
+                                        lambda s: s.spec_accepted_length),
     "radixserve_kv_blocks_used": ("KV blocks in use (requests or cache)", lambda s: s.blocks_used),
     "radixserve_kv_export_holds": ("Exports holding their blocks until the decode side acks",
                                    _transfer(lambda t: t.holds)),

@@ -1,0 +1,103 @@
+"""Suffix drafting's corpora and scoring: the radix tree read per namespace (core/tree_drafts.py),
+the per-request suffix index, the frequency trie, and the drafter that merges them."""
+
+from __future__ import annotations
+
+from radixserve import SamplingParams
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.request import Request
+from radixserve.core.suffix_drafts import SuffixDrafter, SuffixIndex, best_path
+from radixserve.core.tree_drafts import TreeIndex
+
+BS = 4
+
+
+def cache_with(sequences: list[tuple[list[int], str | None]], num_blocks: int = 64) -> tuple[BlockPool, RadixCache]:
+    pool = BlockPool(num_blocks)
+    cache = RadixCache(pool, BS)
+    for tokens, salt in sequences:
+        n = len(tokens) // BS
+        blocks = pool.allocate(n)
+        cache.insert(tokens, blocks, salt)
+        pool.free(reversed(blocks))
+    return pool, cache
+
+
+def test_continuations_come_from_the_salts_own_tree_only():
+    reply = [7, 8, 9, 10, 11, 12, 13, 14]
+    prompt = [1, 2, 3, 4, 5, 6, 20, 21]
+    _, cache = cache_with([(prompt + reply, "key:a"), ([1, 2, 3, 4, 5, 6, 30, 31, 32, 33, 34, 35], "key:b")])
+    index = TreeIndex(cache)
+    context = [99, 5, 6, 20, 21]
+    assert index.continuations("key:a", context, 4) == [([7, 8, 9, 10], 4.0)]  # matched 5 6 20 21 backwards
+    assert index.continuations("key:b", context, 4) == []  # b never saw 20 21
+    assert index.continuations(None, context, 4) == []  # nor does the unsalted namespace
+    assert index.continuations("key:a/sub", context, 4) == []  # a sub-salt is a namespace of its own
+    # b's own continuation of 5 6 is its own reply; a's tree answers with a's
+    assert index.continuations("key:b", [4, 5, 6], 3) == [([30, 31, 32], 3.0)]
+    assert index.continuations("key:a", [4, 5, 6], 3) == [([20, 21, 7], 3.0)]
+
+
+def test_branches_split_the_weight_and_new_nodes_are_indexed_after_a_split():
+    _, cache = cache_with([([1, 2, 3, 4, 5, 6, 7, 8], None)])
+    index = TreeIndex(cache)
+    assert index.continuations(None, [2, 3, 4], 4) == [([5, 6, 7, 8], 3.0)]
+    pool = cache.pool
+    blocks = pool.allocate(2)
+    cache.insert([1, 2, 3, 4, 40, 41, 42, 43], blocks)  # splits the first node after one block
+    pool.free(reversed(blocks))
+    got = sorted(index.continuations(None, [2, 3, 4], 4))
+    assert got == [([5, 6, 7, 8], 1.5), ([40, 41, 42, 43], 1.5)]
+    # the lower half of the split node still answers for its own keys, at its new offsets
+    assert index.continuations(None, [5, 6, 7], 1) == [([8], 3.0)]
+    cache.check_integrity()
+
+
+def test_evicted_sequences_stop_feeding_drafts():
+    _, cache = cache_with([([1, 2, 3, 4, 5, 6, 7, 8], None)])
+    index = TreeIndex(cache)
+    assert index.continuations(None, [1, 2, 3], 2) == [([4, 5], 3.0)]
+    cache.evict(2)
+    assert cache.num_cached_blocks == 0
+    assert index.continuations(None, [1, 2, 3], 2) == []
+
+
+def test_suffix_index_weighs_earlier_occurrences_by_their_match():
+    index = SuffixIndex()
+    tokens = [9, 1, 2, 3, 50, 8, 1, 2, 3, 60, 8, 1, 2, 3]
+    # latest first: [8 1 2 3] matched 4 back before 60, and 4 back before 50 (9 != 8 stops the first at 3)
+    assert index.continuations(tokens, 2) == [([60, 8], 4.0), ([50, 8], 3.0)]
+    tokens += [60]
+    assert index.continuations(tokens, 2) == [([8, 1], 5.0)]  # extended incrementally
+    assert index.indexed == len(tokens)
+
+
+def test_best_path_follows_the_heaviest_branch_while_it_is_likely():
+    candidates = [([1, 2, 3, 4], 3.0), ([1, 2, 9, 9], 1.0), ([5, 6], 0.5)]
+    # 1: 4/4.5, 2: 1, 3: 3/4 -> 0.67, 4: 1 -> 0.67
+    assert best_path(candidates, 8) == [1, 2, 3, 4]
+    assert best_path(candidates, 2) == [1, 2]
+    assert best_path(candidates, 8, min_share=0.7) == [1, 2]
+    assert best_path([([1, 2], 1.0), ([3, 4], 1.0), ([5], 1.0)], 8) == [1, 2]  # 1/3 >= 0.3
+    assert best_path([([1, 2], 1.0), ([3, 4], 1.0), ([5], 1.0), ([6], 1.0)], 8) == []  # 1/4 < 0.3
+    assert best_path([], 4) == []
+
+
+def _request(tokens, salt=None):
+    return Request("r", list(tokens), SamplingParams(max_tokens=32, temperature=0.0), len(tokens) + 32, cache_salt=salt)
+
+
+def test_drafter_drafts_another_requests_reply_in_the_same_namespace_only():
+    earlier = [1, 2, 3, 4, 5, 6, 7, 8, 60, 61, 62, 63, 64, 65, 66, 67]
+    _, cache = cache_with([(earlier, "key:a")])
+    drafter = SuffixDrafter(8, 2, 4, default_on=True, cache=cache)
+    assert drafter.propose(_request([1, 2, 3, 4, 5, 6, 7, 8], "key:a"), 8) == [60, 61, 62, 63]  # first length 4
+    assert drafter.stats.tree_drafts == 1
+    drafter.forget("r")
+    # another namespace sees nothing of it; prompt lookup over the request's own tokens is all it has
+    assert drafter.propose(_request([1, 2, 3, 4, 5, 6, 7, 8], "key:b"), 8) == []
+    assert drafter.propose(_request([5, 6, 7, 1, 2, 5, 6, 7], "key:b"), 8) == [1, 2, 5, 6]
+    assert drafter.stats.tree_drafts == 1
+    drafter.forget("r")
+    assert not drafter._indexes and not drafter._states
