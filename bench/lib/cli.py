@@ -16,9 +16,6 @@ import dataclasses
 import json
 from typing import Any
 
-SHARED_FLAGS = ("--json", "--plot", "--quick")
-
-
 class BenchParser(argparse.ArgumentParser):
     """An ArgumentParser that remembers which options the last command line gave (`given`),
     so that --quick never overrides one given, even at its default value."""

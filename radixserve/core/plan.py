@@ -1,4 +1,5 @@
-"""StepPlan: what the scheduler hands the runner for one forward pass (ints and lists)."""
+"""StepPlan: what the scheduler hands the runner for one forward pass: the scheduled chunks
+(a request, the span of its tokens to compute, any draft) and the requests preempted; no tensors."""
 
 from __future__ import annotations
 

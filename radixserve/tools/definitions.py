@@ -107,10 +107,6 @@ class ToolSpec:
         """Whether the output is read for calls (tool_choice `none` leaves it all content)."""
         return bool(self.tools) and self.mode != "none"
 
-    @property
-    def forces_calls(self) -> bool:
-        return self.mode in ("required", "named")
-
     def callable_tools(self) -> list[tuple[ToolDefinition, str]]:
         """(tool, arguments grammar) of every tool a call may name."""
         pairs = list(zip(self.tools, self.compiled().grammars))
