@@ -63,6 +63,34 @@ class KVEventLog:
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())
 
+    def node_stored(self, node, medium: str) -> None:
+        """A tree node's blocks are now in `medium` (named by its digests, chained to its parent's)."""
+        parent = None if node.parent.is_root else node.parent.digests[-1]
+        self.stored(node.digests, parent, node.tokens, medium, node.salt)
+
+    def node_removed(self, node, medium: str) -> None:
+        self.removed(node.digests, medium)
+
     def take(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+
+class NoEventLog(KVEventLog):
+    """The log of a cache nobody follows: records nothing (no publisher configured)."""
+
+    def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str,
+               salt: str | None = None) -> None:
+        pass
+
+    def removed(self, hashes: list[int], medium: str) -> None:
+        pass
+
+    def node_stored(self, node, medium: str) -> None:
+        pass
+
+    def node_removed(self, node, medium: str) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass

@@ -19,21 +19,22 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from radixserve.core.no_prefix_cache import NoPrefixCache
 from radixserve.core.radix_cache import RadixCache, RadixNode
 from radixserve.core.request import Request
 
 
 class SchedulePolicy:
-    def __init__(self, name: str, cache: RadixCache | None, starvation_steps: int, fcfs_threshold: int):
+    def __init__(self, name: str, cache: RadixCache | NoPrefixCache, starvation_steps: int, fcfs_threshold: int):
         self.name = name
-        self.cache = cache
+        self.cache = cache  # read only: peek_prefix
         self.starvation_steps = starvation_steps
         self.fcfs_threshold = fcfs_threshold
 
     def order(self, waiting: list[Request]) -> list[Request]:
         starving = [r for r in waiting if r.waited_steps >= self.starvation_steps]
         rest = [r for r in waiting if r.waited_steps < self.starvation_steps] if starving else waiting
-        if self.cache is None or self.name == "fcfs" or len(waiting) > self.fcfs_threshold or len(rest) < 2:
+        if not self.cache.caching or self.name == "fcfs" or len(waiting) > self.fcfs_threshold or len(rest) < 2:
             return starving + _by_hints(rest, arrival=True)
         if self.name == "lpm":
             return starving + _by_hints(self._longest_prefix_first(rest), arrival=False)

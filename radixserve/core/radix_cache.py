@@ -94,6 +94,8 @@ class MatchResult:
 class RadixCache:
     """Prefix tree over KV blocks in one or two tiers; see the module docstring."""
 
+    caching = True
+
     def __init__(
         self, pool: BlockPool, block_size: int, tier: KVTier | None = None,
         write_through: bool = False, record_entries: bool = False, events: KVEventLog | None = None,
@@ -127,6 +129,7 @@ class RadixCache:
         self.tier_hits = 0  # matches that restored at least one block
         self.copies: list[KVCopy] = []  # tier copies decided since the last take_copies()
         self.tier_events: list[tuple[str, object]] = []  # ("set", TierEntry) / ("free", slot)
+        self.components: list = []  # the KV manager's cache components (core/cache_component.py)
 
     # ---- matching and inserting -----------------------------------------------------
 

@@ -61,7 +61,7 @@ class Scheduler:
         self.kv = KVManager(pool, cache, config.block_size, sessions, prefetch,
                             max_chunk_tokens=min(config.chunked_prefill_size, config.max_num_batched_tokens))
         self.policy = SchedulePolicy(
-            config.schedule_policy, cache, config.starvation_steps, config.policy_fcfs_threshold
+            config.schedule_policy, self.kv.cache, config.starvation_steps, config.policy_fcfs_threshold
         )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -226,13 +226,13 @@ class Scheduler:
     def _try_admit(self, request: Request, budget: int, reserved: int = 0) -> ScheduledChunk | None:
         bs = self.block_size
         match = self.kv.match_and_lock(request)
-        tier_blocks = match.num_tier_blocks if match is not None else 0
-        cached = (len(match.blocks) + tier_blocks) * bs if match is not None else 0
+        tier_blocks = match.num_tier_blocks
+        cached = (len(match.blocks) + tier_blocks) * bs
         n = min(request.num_tokens - cached, self.config.chunked_prefill_size, budget)
         if not self.kv.fits(request, match, self._expected_output(request), reserved, alone=not self.running):
             self.kv.unlock(match)
             return None
-        if match is not None and self.kv.sessions is not None:
+        if self.kv.sessions is not None:
             self.kv.sessions.holds.refresh(match.node)  # a hit on a held prefix starts its TTL again
         self.kv.adopt_match(request, match)
         request.num_computed_tokens = cached

@@ -6,7 +6,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -36,6 +35,8 @@ from radixserve.engine.prompt_builder import BuiltPrompt, ChatPrompt, PromptBuil
 from radixserve.tools.definitions import checked_tools
 from radixserve.engine.kv_import import PendingImport
 from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
+from radixserve.engine.memory_plan import plan_memory
+from radixserve.core.kv_manager import KVUsage
 from radixserve.core.agent_hints import AgentHints
 from radixserve.core.request import Request
 from radixserve.execution.runner import ModelRunner
@@ -48,12 +49,9 @@ from radixserve.core.sessions import SessionTable
 from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
-from radixserve.core.suffix_drafts import SuffixDrafter
 from radixserve.core.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
-_CPU_KV_BYTES_CAP = 2 << 30
-_GPU_MEMORY_SHARE = 0.85
 _HELD_POLL_S = 0.005  # an idle step waits this long for a held request's tier pages
 MAX_SESSION_ID_CHARS = 512  # a client's 256 characters, led by the server's tenant name
 
@@ -125,20 +123,23 @@ class Engine:
         # the KV pool's element: the model's dtype (auto), or quantized pages (int8, fp8_e4m3)
         self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
         self.hybrid = self._hybrid_kv()
-        num_blocks, num_pages = self._kv_sizes()
-        window = WindowPages(num_pages, num_blocks, max(self.loaded.spec.layer_windows),
+        self.memory_plan = plan_memory(cfg, self.loaded.spec, self.dtype, self.device, self.hybrid)
+        num_blocks = self.memory_plan.num_blocks
+        window = WindowPages(self.memory_plan.num_window_pages, num_blocks, self.memory_plan.window,
                              cfg.block_size) if self.hybrid else None
-        self.pool = BlockPool(num_blocks, window)
+        pool = BlockPool(num_blocks, window)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
-        self.cache = self._build_cache() if cfg.enable_prefix_cache else None
-        sessions = SessionTable(self.cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if self.cache is not None else None
-        self.drafter = _drafter(cfg, self.cache)
-        self.scheduler = Scheduler(cfg, self.pool, self.cache, self.drafter, sessions, prefetch=self.tiering)
-        self.kv = self.scheduler.kv
-        if self.cache is not None:
-            self.tiering.load(self.cache.load_tier_entries)
-            if self.kv_events is not None:  # a restarted engine announces the tier it adopted
-                self.kv_events.publish(self.cache.events.take())
+        cache = self._build_cache(pool) if cfg.enable_prefix_cache else None
+        sessions = SessionTable(cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if cache is not None else None
+        self.drafter = PromptLookupDrafter(
+            cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+            default_on=cfg.speculative == "prompt-lookup",
+        )
+        self.scheduler = Scheduler(cfg, pool, cache, self.drafter, sessions, prefetch=self.tiering)
+        self.kv = self.scheduler.kv  # the one door to the pool, the tree and the tier
+        self.tiering.load(self.kv.load_tier)
+        if self.kv_events is not None:  # a restarted engine announces the tier it adopted
+            self.kv_events.publish(self.kv.take_events())
         runner_config = RunnerConfig.from_engine(cfg, num_blocks=num_blocks, backend=self.attention_backend,
                                                  device=self.device, dtype=self.dtype)
         self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
@@ -204,13 +205,6 @@ class Engine:
         prepared.session_id = session_id
         prepared.hints = hints
         return prepared
-
-    def isolate_drafts(self) -> None:
-        """Drafts read only each request's own tokens, never the prefix cache's stored
-        sequences: for a server whose API keys share cache namespaces (another key's replies
-        would feed them). Called before serving."""
-        if isinstance(self.drafter, SuffixDrafter):
-            self.drafter.tree = None
 
     @_one_thread
     def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str:
@@ -415,7 +409,7 @@ class Engine:
     def snapshot(self) -> EngineStats:
         """The counters and gauges, typed."""
         s = self.scheduler.stats
-        cache, spec = self.cache, self.drafter.stats
+        usage, spec = self.kv.usage(), self.drafter.stats
         return EngineStats(
             prompt_tokens=s.prompt_tokens,
             cached_prompt_tokens=s.cached_prompt_tokens,
@@ -426,12 +420,12 @@ class Engine:
             steps=s.steps,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            blocks_total=self.pool.num_blocks,
-            blocks_free=self.pool.num_free_blocks,
-            blocks_cached=cache.num_cached_blocks if cache is not None else 0,
-            blocks_evictable=cache.num_evictable_blocks if cache is not None else 0,
-            evicted_blocks=cache.evicted_blocks if cache is not None else 0,
-            cache_nodes=cache.num_nodes if cache is not None else 0,
+            blocks_total=usage.blocks_total,
+            blocks_free=usage.blocks_free,
+            blocks_cached=usage.blocks_cached,
+            blocks_evictable=usage.blocks_evictable,
+            evicted_blocks=usage.evicted_blocks,
+            cache_nodes=usage.cache_nodes,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_token=self.runner.pool.bytes_per_token,
             weight_dtype=self.loaded.weight_dtype,
@@ -441,26 +435,19 @@ class Engine:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_acceptance_rate=spec.acceptance_rate,
             spec_pauses=spec.pauses,
-            spec_tree_drafts=spec.tree_drafts,
-            spec_accepted_length=spec.accepted_length,
-            spec_forced_drafts=spec.forced_drafts,
-            spec_forced_tokens=spec.forced_tokens,
-            spec_forced_accepted=spec.forced_accepted,
             cpu=self.cpu_share.snapshot(),
-            cache=self._cache_stats(),
-            tier=self.tiering.stats(cache.num_tier_blocks) if cache is not None else None,
+            cache=self._cache_stats(usage),
+            tier=self.tiering.stats(usage.tier_blocks) if self.kv.caching else None,
             transfer=self.kv_transfer.snapshot(),
             hints=self.hint_stats.snapshot(self.kv.sessions),
-            **self._window_stats(),
+            **self._window_stats(usage),
             **self.timings,
         )
 
-    def _window_stats(self) -> dict[str, int]:
-        window = self.pool.window
-        if window is None:
+    def _window_stats(self, usage: KVUsage) -> dict[str, int]:
+        if not usage.window:
             return {}
-        return dict(window_pages_total=window.num_pages, window_pages_attached=window.num_attached,
-                    window_pages_trimmed=window.trimmed, window_page_bytes=self.runner.pool.window_page_bytes)
+        return dict(**usage.window, window_page_bytes=self.runner.pool.window_page_bytes)
 
     # ---- agent-aware cache: sessions, pins, the second tier ------------------------
 
@@ -475,27 +462,22 @@ class Engine:
     def pin_prefix(self, prompt: Prompt, ttl_s: float, cache_salt: str | None = None) -> int:
         """Keep the cached part of this prompt (a shared system prompt and tool list) ahead of
         other entries for ttl_s seconds; returns how many of its tokens are cached and pinned."""
-        if self.cache is None:
+        if not self.kv.caching:
             return 0
         token_ids = self.prepare(prompt, SamplingParams(max_tokens=0), cache_salt).token_ids
-        match = self.cache.match_prefix(token_ids, cache_salt)
-        if match.node.is_root:
-            return 0
-        self.kv.sessions.pin(match.node, ttl_s)
-        return (len(match.blocks) + match.num_tier_blocks) * self.config.block_size
+        return self.kv.pin(token_ids, cache_salt, ttl_s)
 
     @_one_thread
     def release_hints(self, cache_salt: str | None = None, session_id: str | None = None,
                       prompt: Prompt | None = None) -> int:
         """Drop now what holds a prefix (agent hints' release): the session's hold, and the
         TTL holds and pins on its context and on `prompt`'s cached path; returns how many."""
-        if self.cache is None:
+        if not self.kv.caching:
             return 0
-        node = None
+        token_ids = None
         if prompt is not None:
             token_ids = self.prepare(prompt, SamplingParams(max_tokens=0), cache_salt).token_ids
-            node = self.cache.peek_prefix(token_ids, cache_salt)[1]
-        return self.kv.sessions.release(cache_salt, session_id, node)
+        return self.kv.release_hints(cache_salt, session_id, token_ids)
 
     @_one_thread
     def flush_tier(self, timeout_s: float = 30.0) -> bool:
@@ -613,7 +595,7 @@ class Engine:
         if self.hybrid:  # a slot holds a block's full layers; window pages get slots of their own
             page_shape, _ = KVPool.geometry(self._window_layers(), cfg.block_size, spec.num_kv_heads, spec.head_dim,
                                             self.dtype, cfg.kv_cache_dtype)
-            ratio = self.pool.window.num_pages / self.pool.num_blocks
+            ratio = self.memory_plan.window_ratio
         layout = {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
                   "block_size": cfg.block_size, "kv_layout": "layer,kv,block,token,head,dim",
                   "kv_cache_dtype": self.kv_cache_dtype}
@@ -629,38 +611,36 @@ class Engine:
         """Run the tier copies decided since the last call (the scheduler's, finishing
         requests') before anything reuses the blocks they read; hand the cache's block events
         to the publisher (a queue put: encoding and sending happen on its thread)."""
-        if self.cache is None:
+        if not self.kv.caching:
             return
         if self.tiering.store is not None:
             self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
         if self.kv_events is not None:
-            events = self.cache.events.take()
-            if self._window_events is not None:
-                events += self._window_events.events(self.cache, self.pool.window)
-            self.kv_events.publish(events)
+            followers = () if self._window_events is None else (self._window_events,)
+            self.kv_events.publish(self.kv.take_events(*followers))
 
-    def _cache_stats(self) -> CacheStats | None:
-        if self.cache is None:
+    def _cache_stats(self, usage: KVUsage) -> CacheStats | None:
+        if not self.kv.caching:
             return None
         sessions = self.kv.sessions
         return CacheStats(
             restored_prompt_tokens=self.scheduler.stats.restored_prompt_tokens,
-            tier_hits=self.cache.tier_hits,
-            restored_blocks=self.cache.restored_blocks,
-            evictions=dict(self.cache.evictions),
+            tier_hits=usage.tier_hits,
+            restored_blocks=usage.restored_blocks,
+            evictions=usage.evictions,
             sessions_open=sessions.num_open if sessions is not None else 0,
-            pool_cached_bytes=self.cache.num_cached_blocks * self.runner.pool.block_bytes,
+            pool_cached_bytes=usage.blocks_cached * self.runner.pool.block_bytes,
             pins=sessions.num_pins if sessions is not None else 0,
         )
 
-    def _build_cache(self) -> RadixCache:
+    def _build_cache(self, pool: BlockPool) -> RadixCache:
         persisted, cfg = self.tiering.persisted, self.config
         events = None
         if cfg.kv_events_endpoint:
             from radixserve.core.kv_events import KVEventLog
             from radixserve.engine.kv_events import KVEventPublisher, WindowGroupEvents, media_names
 
-            window = self.pool.window
+            window = pool.window
             self.kv_events = KVEventPublisher(
                 cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, block_size=cfg.block_size,
                 media=media_names(bool(cfg.kv_offload_dir or cfg.kv_persist_dir)),
@@ -671,7 +651,7 @@ class Engine:
                 self._window_events = WindowGroupEvents(cfg.block_size)
             events = KVEventLog()
             events.cleared()  # a (re)started engine holds nothing, whatever a subscriber knew of it
-        return RadixCache(self.pool, cfg.block_size, self.tiering.slots, write_through=persisted,
+        return RadixCache(pool, cfg.block_size, self.tiering.slots, write_through=persisted,
                           record_entries=persisted, events=events, window_tier=self.tiering.window_slots)
 
     def _hybrid_kv(self) -> bool:
@@ -686,61 +666,16 @@ class Engine:
     def _window_layers(self) -> int:
         return sum(1 for w in self.loaded.spec.layer_windows if w)
 
-    def _kv_sizes(self) -> tuple[int, int]:
-        """(blocks, window pages): num_kv_blocks or what kv_cache_memory holds; window pages
-        (hybrid KV) window_pages_ratio of the blocks, but never fewer than one request's window
-        plus its largest chunk, inside the same memory."""
-        cfg, spec = self.config, self.loaded.spec
-        if not self.hybrid:
-            return cfg.num_kv_blocks or self._blocks_from_memory(), 0
-        window = max(spec.layer_windows)
-        least = -(-(window + min(cfg.chunked_prefill_size, cfg.max_num_batched_tokens)) // cfg.block_size) + 2
-        if cfg.num_kv_blocks:
-            blocks = cfg.num_kv_blocks
-            return blocks, min(blocks, max(least, int(blocks * cfg.window_pages_ratio)))
-        layer = self._layer_block_bytes()
-        full, page = (spec.num_layers - self._window_layers()) * layer, self._window_layers() * layer
-        budget = self._kv_budget()
-        blocks = int(budget // (full + cfg.window_pages_ratio * page))
-        pages = int(blocks * cfg.window_pages_ratio)
-        if pages < least:  # the least pages first, blocks in what is left
-            pages = least
-            blocks = int((budget - least * page) // full) if full else int(least / cfg.window_pages_ratio)
-        if blocks < 1 or budget < least * page:
-            raise ValueError(f"kv_cache_memory of {budget} bytes holds less than one request's window "
-                             f"({least} window pages of {page} bytes)")
-        return blocks, min(blocks, pages)
+    # ---- the engine's KV, for inspection (tests, debugging): its own code goes through self.kv ----
 
-    def _blocks_from_memory(self) -> int:
-        per_block = self._layer_block_bytes() * self.loaded.spec.num_layers
-        budget = self._kv_budget()
-        blocks = int(budget // per_block)
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes each)")
-        return blocks
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
-    def _layer_block_bytes(self) -> int:
-        spec = self.loaded.spec
-        return KVPool.bytes_per_block(1, self.config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype,
-                                      self.config.kv_cache_dtype)
-
-    def _kv_budget(self) -> int:
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _GPU_MEMORY_SHARE)
-            else:
-                budget = min(_CPU_KV_BYTES_CAP, _available_memory() // 4)
-        return budget
-
-
-def _drafter(cfg: EngineConfig, cache: RadixCache | None) -> PromptLookupDrafter:
-    """The speculative drafter: prompt lookup, or suffix drafting over the prefix cache too."""
-    args = (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    if cfg.speculative == "suffix":
-        return SuffixDrafter(*args, default_on=True, cache=cache)
-    return PromptLookupDrafter(*args, default_on=cfg.speculative == "prompt-lookup")
+    @property
+    def cache(self) -> RadixCache | None:
+        """The prefix cache's tree (None: caching is off)."""
+        return self.kv.cache if self.kv.caching else None
 
 
 def _prefill_done(request: Request) -> bool:
@@ -766,14 +701,3 @@ def _progress_bar(total: int, use_tqdm: bool | None):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="generate", unit="req")
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

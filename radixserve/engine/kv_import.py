@@ -95,9 +95,9 @@ def reserve(engine: "Engine", handoff: Handoff, hold_id: str, deadline: float) -
     reason = incompatible(engine, handoff)
     if reason is not None:
         return ImportResult(failed=reason)
-    cache = engine.cache
+    kv = engine.kv
     bs, start, end = handoff.block_size, handoff.start_block, handoff.start_block + handoff.num_blocks
-    match = cache.match_prefix(handoff.token_ids[:end * bs], handoff.cache_salt)
+    match = kv.match_prefix(handoff.token_ids[:end * bs], handoff.cache_salt)
     have = len(match.blocks)
     if have < start:
         return ImportResult(failed=f"the tree holds {have} leading blocks, the handoff starts at {start}")
@@ -108,22 +108,12 @@ def reserve(engine: "Engine", handoff: Handoff, hold_id: str, deadline: float) -
     if todo <= 0:
         pending.state = "copied"  # nothing to copy, nothing held
         return pending
-    cache.lock(match.node)  # the matched prefix must not be evicted to make room, nor until commit
-    if todo > engine.pool.num_free_blocks:
-        cache.evict(todo - engine.pool.num_free_blocks)
-    todo = min(todo, engine.pool.num_free_blocks)
-    windows = None
-    if engine.pool.window is not None:  # hybrid KV: a page for each block whose window page came
-        windows = handoff.window_mask[skip:skip + todo]
-        if not engine.kv.make_window_room(sum(windows)):
-            todo = 0
-    if todo <= 0:
-        cache.unlock(match.node)
+    # the matched prefix is locked (not evicted to make room, nor until commit); hybrid KV: a
+    # window page for each block whose window page came
+    mask = handoff.window_mask[skip:] if getattr(handoff, "window_mask", None) is not None else None
+    pending.block_table, pending.pages = kv.reserve(match, todo, mask)
+    if not pending.block_table:
         return ImportResult(0, skip, failed="no free block for the handoff")
-    pending.block_table = engine.pool.allocate(todo, windows)
-    if windows is not None:
-        page_of = engine.pool.window.page_of
-        pending.pages = [page_of[b] for b, w in zip(pending.block_table, windows) if w]
     pending.cache_node = match.node
     return pending
 
@@ -139,7 +129,7 @@ def commit(engine: "Engine", pending: PendingImport) -> ImportResult:
     if pending.block_table:
         h = pending.handoff
         blocks = pending.prefix_blocks + pending.block_table
-        engine.cache.insert(h.token_ids[:len(blocks) * h.block_size], blocks, h.cache_salt)
+        engine.kv.insert(h.token_ids[:len(blocks) * h.block_size], blocks, h.cache_salt)
         _drop(engine, pending)  # the tree holds its own references now
     return ImportResult(len(pending.block_table), pending.skip)
 
@@ -157,7 +147,7 @@ def cancel(engine: "Engine", pending: PendingImport) -> bool:
 def incompatible(engine: "Engine", handoff: Handoff) -> str | None:
     """Why this engine cannot take the handoff's blocks, or None."""
     pool = engine.runner.pool
-    if engine.cache is None:
+    if not engine.kv.caching:
         return "the prefix cache is off"
     if handoff.block_size != engine.config.block_size:
         return f"block size {handoff.block_size} != {engine.config.block_size}"
@@ -195,9 +185,7 @@ def page_bytes(pool: Any) -> int:
 
 
 def _drop(engine: "Engine", pending: PendingImport) -> None:
-    engine.kv.external_holds.pop(pending.hold_id, None)
-    engine.pool.free(reversed(pending.block_table))
-    engine.cache.unlock(pending.cache_node)
+    engine.kv.drop_hold(pending.hold_id, pending)
 
 
 def _write_blocks(pool: Any, blocks: list[int], handoff: Handoff, skip: int, pages: list[int]) -> None:

@@ -162,23 +162,7 @@ class KVTransfer:
         """Leading full blocks of the prompt this engine's tree holds in its pool (read-only).
         Hybrid KV: never the last window's blocks before the prompt's full blocks end (their
         window pages come with the handoff, so the decode side's match reaches its end)."""
-        cache = self.engine.cache
-        if cache is None:
-            return 0
-        bs = cache.block_size
-        full = _full_blocks(token_ids, bs)
-        tokens, node = cache.peek_prefix(token_ids[:full * bs], salt)
-        if node is None or node.is_root or node.in_pool:
-            blocks = tokens // bs  # residency is top-connected: the whole match is in the pool
-        else:
-            while not node.is_root and not node.in_pool:
-                node = node.parent  # the tier-only tail would need restoring: it does not count
-            blocks = 0
-            while not node.is_root:
-                blocks += len(node.tokens) // bs
-                node = node.parent
-        window = self.engine.pool.window
-        return min(blocks, window.first_needed(full * bs)) if window is not None else blocks
+        return self.engine.kv.cached_pool_blocks(token_ids, salt)
 
     # ---- prefill side -------------------------------------------------------------------
 
@@ -194,18 +178,16 @@ class KVTransfer:
         self.enabled = True
         now = time.monotonic() if now is None else now
         self.expire(now)
-        engine, cache = self.engine, self.engine.cache
+        engine, kv = self.engine, self.engine.kv
         bs = engine.config.block_size
         pool = engine.runner.pool
         handoff_id = f"{self._prefix}-{next(self._ids)}"
         full = _full_blocks(token_ids, bs)
         blocks: list[int] = []
-        if cache is not None and full > skip_blocks:
-            match = cache.match_prefix(token_ids[:full * bs], salt)
-            if len(match.blocks) > skip_blocks:
-                cache.lock(match.node)
-                engine.pool.share(match.blocks)
-                engine.kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
+        if full > skip_blocks:
+            match = kv.hold_prefix(token_ids[:full * bs], salt, more_than=skip_blocks)
+            if match is not None:
+                kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
                 blocks = match.blocks[skip_blocks:]
         hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(blocks)) * bs], bs)[skip_blocks:]
         handoff = KVHandoff(
@@ -213,10 +195,9 @@ class KVTransfer:
             str(pool.kv.dtype), _read_blocks(pool, blocks), first_logprob,
         )
         if pool.hybrid:
-            window = engine.pool.window
             handoff.page_shape = tuple(pool.page_shape())
-            handoff.window_mask = [window.has_page(b) for b in blocks]
-            handoff.window_data = _read_pages(pool, [window.page_of[b] for b in blocks if window.has_page(b)])
+            handoff.window_mask, pages = kv.window_pages(blocks)
+            handoff.window_data = _read_pages(pool, pages)
         handoff.export_ms = (time.perf_counter() - t0) * 1000.0
         self.stats.exports += 1
         self.stats.sent_blocks += len(blocks)
@@ -229,9 +210,7 @@ class KVTransfer:
         holds = self.engine.kv.external_holds
         if not isinstance(holds.get(handoff_id), _Hold):
             return False
-        hold = holds.pop(handoff_id)
-        self.engine.cache.unlock(hold.cache_node)
-        self.engine.pool.free(reversed(hold.block_table))
+        self.engine.kv.drop_hold(handoff_id, holds[handoff_id])
         return True
 
     def expire(self, now: float | None = None) -> int:

@@ -707,7 +707,7 @@ def test_a_shared_prefix_becomes_a_branch_that_keeps_its_window(tiny_model_dir):
 
 def _cached_path(engine, tokens):
     """The cache's blocks for the leading full blocks of `tokens` (a tombstone's too)."""
-    from radixserve.core.kv_manager import _path
+    from radixserve.core.sliding_window import _path
 
     node = engine.cache.match_prefix(tokens, None).node
     return [b for n in reversed(_path(node)) for b in n.blocks]
