@@ -49,6 +49,7 @@ from radixserve.core.sessions import SessionTable
 from radixserve.kv_tier.tiering import Tiering
 from radixserve.core.step_cost import StepCostModel
 from radixserve.core.prompt_lookup import PromptLookupDrafter
+from radixserve.core.suffix_drafts import SuffixDrafter
 from radixserve.core.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,7 @@ class Engine:
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         cache = self._build_cache(pool) if cfg.enable_prefix_cache else None
         sessions = SessionTable(cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if cache is not None else None
-        self.drafter = PromptLookupDrafter(
-            cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-            default_on=cfg.speculative == "prompt-lookup",
-        )
+        self.drafter = _drafter(cfg, cache)
         self.scheduler = Scheduler(cfg, pool, cache, self.drafter, sessions, prefetch=self.tiering)
         self.kv = self.scheduler.kv  # the one door to the pool, the tree and the tier
         self.tiering.load(self.kv.load_tier)
@@ -205,6 +203,13 @@ class Engine:
         prepared.session_id = session_id
         prepared.hints = hints
         return prepared
+
+    def isolate_drafts(self) -> None:
+        """Drafts read only each request's own tokens, never the prefix cache's stored
+        sequences: for a server whose API keys share cache namespaces (another key's replies
+        would feed them). Called before serving."""
+        if isinstance(self.drafter, SuffixDrafter):
+            self.drafter.tree = None
 
     @_one_thread
     def admit(self, prepared: PreparedRequest, request_id: str | None = None) -> str:
@@ -435,6 +440,11 @@ class Engine:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_acceptance_rate=spec.acceptance_rate,
             spec_pauses=spec.pauses,
+            spec_tree_drafts=spec.tree_drafts,
+            spec_accepted_length=spec.accepted_length,
+            spec_forced_drafts=spec.forced_drafts,
+            spec_forced_tokens=spec.forced_tokens,
+            spec_forced_accepted=spec.forced_accepted,
             cpu=self.cpu_share.snapshot(),
             cache=self._cache_stats(usage),
             tier=self.tiering.stats(usage.tier_blocks) if self.kv.caching else None,
@@ -676,6 +686,14 @@ class Engine:
     def cache(self) -> RadixCache | None:
         """The prefix cache's tree (None: caching is off)."""
         return self.kv.cache if self.kv.caching else None
+
+
+def _drafter(cfg: EngineConfig, cache: RadixCache | None) -> PromptLookupDrafter:
+    """The speculative drafter: prompt lookup, or suffix drafting over the prefix cache too."""
+    args = (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.speculative == "suffix":
+        return SuffixDrafter(*args, default_on=True, cache=cache)
+    return PromptLookupDrafter(*args, default_on=cfg.speculative == "prompt-lookup")
 
 
 def _prefill_done(request: Request) -> bool:
