@@ -2,7 +2,7 @@
 carries no chat template (a base model's GGUF, a checkpoint without tokenizer_config's
 template), as llama.cpp falls back to its own. `--chat-template` still overrides it.
 
-The template is chosen by the family, and within the Llama family (Llama, Mistral, Qwen2,
+The template is chosen by the family (its registry entry's `chat_template`), and within the Llama family (Llama, Mistral, Qwen2,
 Qwen3 checkpoints) first by the turn markers the tokenizer has as tokens of their own, then
 by the model type. The templates are Jinja files beside this module (chat_templates/,
 shipped as package data). They know no tools: tool calls go through the fallback rendering
@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from radixserve.model.registry import family_for_config
+from radixserve.model.registry import ModelFamily, family_for_config
 
 TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
 BUILTIN_NAMES = ("gemma3", "chatml", "llama3", "mistral", "llama2")
@@ -46,16 +46,19 @@ def builtin_name(template: str | None) -> str | None:
     return None
 
 
-def choose_builtin(config: dict[str, Any], tokenizer: Any) -> str | None:
+def choose_builtin(config: dict[str, Any], tokenizer: Any, family: ModelFamily | None = None) -> str | None:
     """The built-in template's name for a model of `config` (config.json's fields) with
-    `tokenizer` (None: no family of ours; its checkpoint is refused elsewhere)."""
-    try:
-        family = family_for_config(SimpleNamespace(model_type=config.get("model_type"),
-                                                   architectures=config.get("architectures")))
-    except ValueError:
-        return None
-    if family.name == "gemma3":
-        return "gemma3"
+    `tokenizer`: the family's own template, else by the tokenizer's turn markers and the model
+    type (None: no family of ours; its checkpoint is refused elsewhere). `family`: where the
+    caller has looked it up already."""
+    if family is None:
+        try:
+            family = family_for_config(SimpleNamespace(model_type=config.get("model_type"),
+                                                       architectures=config.get("architectures")))
+        except ValueError:
+            return None
+    if family.chat_template is not None:
+        return family.chat_template
     own_tokens = getattr(tokenizer, "added_tokens_encoder", None) or {}
     for marker, name in TURN_MARKERS:
         if marker in own_tokens:
@@ -63,12 +66,12 @@ def choose_builtin(config: dict[str, Any], tokenizer: Any) -> str | None:
     return LLAMA_MODEL_TYPES.get(config.get("model_type"), LLAMA_DEFAULT)
 
 
-def with_builtin_template(tokenizer: Any, model_dir: Path) -> Any:
+def with_builtin_template(tokenizer: Any, model_dir: Path, family: ModelFamily | None = None) -> Any:
     """`tokenizer`, given its family's built-in chat template where it has none of its own
-    (the family read from model_dir/config.json)."""
+    (`family`, else the family read from model_dir/config.json)."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None):
         return tokenizer
-    name = choose_builtin(_config(model_dir), tokenizer)
+    name = choose_builtin(_config(model_dir), tokenizer, family)
     if name is not None:
         tokenizer.chat_template = builtin_template(name)
     return tokenizer

@@ -6,7 +6,10 @@ Every op works on [T, ...] rows where T is all the step's tokens from all reques
 (prefill chunks and decodes together); only attention needs to know which row belongs
 to which request, and it learns that from the step's AttentionPlan. A family subclass
 builds `embed_tokens`, `layers`, `norm` and `lm_head` (None when tied) and runs its layers
-in `run_layers`.
+in `run_layers`. Its class also says what is the family's own in a checkpoint: how llama.cpp
+names its tensors (`gguf_layer_names`), what its ModelSpec takes from the config
+(`spec_fields`), and how a transformers checkpoint's values become the ones it holds
+(`from_hf_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,29 @@ from radixserve.kernels.quant_linear import QuantWeight, concat_rows, lanes_pref
 from radixserve.model.layers import Embedding, Linear, StepRows, linear, quantized_linear
 from radixserve.model.spec import ModelSpec
 
+# How llama.cpp names a block's tensors (blk.N.<stem>.weight) -> transformers' name under model.layers.N.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
 
 class CausalLM(nn.Module):
+    gguf_layer_names: dict[str, str] = GGUF_LAYER_NAMES
+    gguf_interleaved_qk: tuple[str, ...] = ()  # GGUF architectures whose q/k rows llama.cpp interleaved
+
+    @classmethod
+    def spec_fields(cls, config) -> dict:
+        """What the family's ModelSpec takes from `config` beyond the shared fields (spec.py)."""
+        return {}
+
+    @classmethod
+    def text_config(cls, config):
+        """The config of the text model to run (an image-text model's text tower), or config."""
+        return config
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
@@ -151,8 +175,20 @@ class CausalLM(nn.Module):
                    if isinstance(m, Linear) and m.weight_bf16 is not None)
         return params + quant + bf16
 
+    def from_hf_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A transformers checkpoint's tensors as this model holds them (a GGUF's are read as
+        held already): the same here."""
+        return tensors
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Float weights named as in transformers' checkpoints, from a transformers checkpoint
+        (`source` 'hf') or read from a GGUF file ('gguf'), q/k/v and gate/up fused."""
+        if source not in ("hf", "gguf"):
+            raise ValueError(f"weights come from 'hf' or 'gguf', not {source!r}")
+        self.load_hf_state_dict(self.from_hf_checkpoint(tensors) if source == "hf" else tensors)
+
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in transformers' checkpoints, fusing q/k/v and gate/up."""
+        """Load weights named as in transformers' checkpoints, their values as held, fusing q/k/v and gate/up."""
         own = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in tensors.items():

@@ -71,11 +71,13 @@ def _source_key(converted: Path) -> str | None:
         return None
 
 
-def ensure_converted_gguf(path: Path, cache_dir: str | None = None, float_weights: bool = True) -> Path:
-    """A converted copy of any GGUF file, keyed by its path, size and modification time; the
-    packaged default model's file is the default model (one conversion, one copy on disk).
-    Without `float_weights` only the config and tokenizer are written (seconds, whatever the
-    model's size): the weights are then read from the GGUF itself (gguf_file.py)."""
+def ensure_converted_gguf(source, cache_dir: str | None = None, float_weights: bool = True) -> Path:
+    """A converted copy of any GGUF file (`source`: its path, or the load's gguf_file.GGUFFile,
+    whose header is then read once for the whole load), keyed by its path, size and modification
+    time; the packaged default model's file is the default model (one conversion, one copy on
+    disk). Without `float_weights` only the config and tokenizer are written (seconds, whatever
+    the model's size): the weights are then read from the GGUF itself (gguf_file.py)."""
+    path = Path(getattr(source, "path", source))
     if _is_default_gguf(path):
         return ensure_default_model(cache_dir)
     stat = path.stat()
@@ -85,7 +87,7 @@ def ensure_converted_gguf(path: Path, cache_dir: str | None = None, float_weight
         return target
     from radixserve.model.gguf_file import open_gguf
 
-    open_gguf(path)  # a corrupt file is refused before anything is converted or cached
+    open_gguf(source)  # a corrupt file is refused before anything is converted or cached
     return convert_gguf(path, target) if float_weights else convert_gguf_metadata(path, target)
 
 

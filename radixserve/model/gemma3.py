@@ -1,7 +1,8 @@
 """Gemma3ForCausalLM: Gemma 3's text model (gemma3_text).
 
 Where it departs from Llama: the embeddings are scaled by sqrt(hidden); every RMSNorm
-multiplies by (1 + weight) (held here as 1 + weight, added once at load); each layer has
+multiplies by (1 + weight) (held here as 1 + weight: as a GGUF stores it, and added once to a
+transformers checkpoint's w); each layer has
 four norms (before and after attention, before and after the MLP) and q/k norms; the MLP
 is GELU-tanh gated; attention scales by query_pre_attn_scalar ** -0.5; and five of every
 six layers attend to a sliding window with their own RoPE base (`layer_types`).
@@ -67,6 +68,24 @@ def _add_normed(x: torch.Tensor, y: torch.Tensor, norm: RMSNorm) -> torch.Tensor
 
 
 class Gemma3ForCausalLM(CausalLM):
+    # llama.cpp names Gemma 3's four norms its own way (its ffn_norm comes before the MLP, not after attention)
+    gguf_layer_names = {**CausalLM.gguf_layer_names, "post_attention_norm": "post_attention_layernorm",
+                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+    @classmethod
+    def spec_fields(cls, config) -> dict:
+        return {"qk_norm": True}
+
+    @classmethod
+    def text_config(cls, config):
+        """Gemma3ForConditionalGeneration's text tower (its tie_word_embeddings is the outer config's)."""
+        text = getattr(config, "text_config", None)
+        if getattr(config, "model_type", None) != "gemma3" or text is None:
+            return config
+        if not hasattr(text, "tie_word_embeddings") or getattr(config, "tie_word_embeddings", None) is not None:
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        return text
+
     def __init__(self, spec: ModelSpec, max_positions: int):
         super().__init__(spec)
         config = spec.hf_config
@@ -104,12 +123,11 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary.build(max_positions, device)
         self.rotary_local.build(max_positions, device)
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def from_hf_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """As transformers names them (an image-text checkpoint's text tower too, its vision
-        tower left out): every norm's weight w is held as 1 + w (float32)."""
+        tower left out): every norm's weight w held as 1 + w (float32)."""
         text = {_text_tower_name(name): t for name, t in tensors.items() if not name.startswith(_VISION_PREFIXES)}
-        super().load_hf_state_dict({name: t.float() + 1.0 if name.endswith("norm.weight") else t
-                                    for name, t in text.items()})
+        return {name: t.float() + 1.0 if name.endswith("norm.weight") else t for name, t in text.items()}
 
 
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")

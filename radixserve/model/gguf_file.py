@@ -8,9 +8,10 @@ tensor, before anything is converted or cached. The file is memory-mapped, never
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,44 +19,64 @@ import torch
 
 from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.gguf_repack import REPACKED, repack
-from radixserve.model.registry import family_for_gguf
+from radixserve.model.causal_lm import GGUF_LAYER_NAMES
+from radixserve.model.registry import ModelFamily, family_for_gguf, model_class
 
-_FLOAT_TYPES = ("F32", "F16", "BF16")
 _MAX_DIM = 1 << 24  # no real weight has a side this long; a corrupt header often does
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 names its four norms differently (its ffn_norm comes before the MLP, not after attention).
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
-# llama.cpp stores these architectures' RMSNorm weights as 1 + w; transformers' (and ours) hold w.
-_NORM_PLUS_ONE = ("gemma3",)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def open_gguf(path: Path):
-    """The file's GGUFReader after its architecture and every tensor's header were checked;
-    ValueError otherwise (in well under a second: the header is all that is read)."""
-    from gguf import GGUFReader
+class GGUFFile:
+    """A GGUF file whose header is read once, on first use (`header`): scanned field by field,
+    its architecture's family looked up, every tensor's entry checked against the file; its
+    data memory-mapped only when tensors are read. A load opens one and hands it on (the
+    conversion's check, the weights' read)."""
 
-    header = scan_header(path)
-    try:
-        family_for_gguf(header.architecture)
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: {exc}") from None
-    for info in header.tensors:
-        _check_tensor(info, path.stat().st_size, path.name)
-    try:
-        return GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as exc:
-        raise ValueError(f"{path.name} is not a readable GGUF file: {exc}") from None
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @functools.cached_property
+    def header(self) -> GGUFHeader:
+        """ValueError for a file that cannot be served (in well under a second)."""
+        header = scan_header(self.path)
+        try:
+            header.family = family_for_gguf(header.architecture)
+        except ValueError as exc:
+            raise ValueError(f"{self.path.name}: {exc}") from None
+        size = self.path.stat().st_size
+        for info in header.tensors:
+            _check_tensor(info, size, self.path.name)
+        return header
+
+    @property
+    def opened(self) -> bool:
+        """Whether the header was read (this object's `header` computed)."""
+        return "header" in self.__dict__
+
+    @property
+    def family(self) -> ModelFamily:
+        return self.header.family
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """A tensor's bytes as stored, [rows, row bytes] uint8, a view of the file's mapping."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)]
+        row_bytes = info.dims[0] // block * type_size
+        rows = math.prod(info.dims[1:])
+        return self._mapping[info.data_offset:info.data_offset + rows * row_bytes].reshape(rows, row_bytes)
+
+    @functools.cached_property
+    def _mapping(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
+
+
+def open_gguf(path: Path | GGUFFile) -> GGUFFile:
+    """The file with its header read and checked; ValueError otherwise."""
+    gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    gguf.header  # noqa: B018 - read and checked here
+    return gguf
 
 
 @dataclass
@@ -72,6 +93,8 @@ class TensorInfo:
 class GGUFHeader:
     architecture: str  # general.architecture ('' when the file names none)
     tensors: list[TensorInfo]
+    metadata: dict[str, int | float | str | bool] = field(default_factory=dict)  # scalar fields (arrays left out)
+    family: ModelFamily | None = None  # set by GGUFFile once the architecture is found served
 
 
 def scan_header(path: Path) -> GGUFHeader:
@@ -85,15 +108,17 @@ def scan_header(path: Path) -> GGUFHeader:
         if version not in (2, 3):
             raise ValueError(f"{path.name} is GGUF version {version}; versions 2 and 3 are read")
         count, kv_count = header.u64(), header.u64()
-        alignment, arch = 32, ""
+        metadata: dict[str, int | float | str | bool] = {}
         for _ in range(kv_count):
             key = header.string()
             kind = header.u32()
             value = header.value(kind)
-            if key == "general.alignment" and isinstance(value, int) and value > 0:
-                alignment = value
-            elif key == "general.architecture" and isinstance(value, str):
-                arch = value
+            if value is not None:
+                metadata[key] = value
+        alignment = metadata.get("general.alignment", 32)
+        alignment = alignment if isinstance(alignment, int) and not isinstance(alignment, bool) and alignment > 0 else 32
+        arch = metadata.get("general.architecture", "")
+        arch = arch if isinstance(arch, str) else ""
         entries = []
         for _ in range(count):
             name = header.string()
@@ -103,7 +128,8 @@ def scan_header(path: Path) -> GGUFHeader:
             dims = [header.u64() for _ in range(n_dims)]
             entries.append((name, dims, header.u32(), header.u64()))
         start = -(-header.position // alignment) * alignment
-    return GGUFHeader(arch, [TensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in entries])
+    return GGUFHeader(arch, [TensorInfo(name, dims, kind, start + offset) for name, dims, kind, offset in entries],
+                      metadata)
 
 
 class _Header:
@@ -148,47 +174,43 @@ class _Header:
         raise ValueError(f"{self.name} has a metadata value of unknown type {kind} at byte {self.position}")
 
 
-def architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("the GGUF file names no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode(errors="replace")
+def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor of the file named as transformers names it, its values as the family's
+    model holds them (as stored, but for the row order of Llama's q/k): the repackable
+    quantized types as QuantWeight when `quantized` (2-D weights only), everything else float32."""
+    from gguf import GGMLQuantizationType, quants
 
-
-def read_weights(path: Path, quantized: bool) -> dict[str, torch.Tensor | QuantWeight]:
-    """Every tensor of the file named as transformers names it: the repackable quantized
-    types as QuantWeight when `quantized` (2-D weights only), everything else float32."""
-    from gguf import quants
-
-    reader = open_gguf(path)
-    arch = architecture(reader)
-    heads = _field_int(reader, f"{arch}.attention.head_count")
-    kv_heads = _field_int(reader, f"{arch}.attention.head_count_kv") or heads
+    gguf = open_gguf(source)
+    arch, meta = gguf.header.architecture, gguf.header.metadata
+    names = model_class(gguf.family)
+    heads = _int(meta.get(f"{arch}.attention.head_count"))
+    kv_heads = _int(meta.get(f"{arch}.attention.head_count_kv")) or heads
+    interleaved = arch in names.gguf_interleaved_qk and heads is not None
     out: dict[str, torch.Tensor | QuantWeight] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, arch)
-        kind = tensor.tensor_type.name
-        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
-        permute = _permutation(arch, name, heads, kv_heads, shape[0])
-        if quantized and kind in REPACKED and len(shape) == 2 and shape[1] % 64 == 0:
-            weight = repack(kind, np.asarray(tensor.data), shape[0], shape[1])
+    for info in gguf.header.tensors:
+        name = hf_name(info.name, arch, names.gguf_layer_names)
+        kind = GGMLQuantizationType(info.type)
+        shape = [int(d) for d in reversed(info.dims)]  # GGUF lists the innermost dimension first
+        raw = gguf.raw(info)
+        permute = _permutation(name, heads, kv_heads, shape[0]) if interleaved else None
+        if quantized and kind.name in REPACKED and len(shape) == 2 and shape[1] % 64 == 0:
+            weight = repack(kind.name, raw, shape[0], shape[1])
             out[name] = weight if permute is None else _permute_quant(weight, permute)
             continue
-        values = np.asarray(tensor.data) if kind in _FLOAT_TYPES else quants.dequantize(tensor.data, tensor.tensor_type)
+        values = raw.view(np.float32) if kind == GGMLQuantizationType.F32 else quants.dequantize(raw, kind)
         t = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
-            t = t - 1.0
         out[name] = t if permute is None else t[permute].contiguous()
     return out
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str:
-    """transformers' name of a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
+def hf_name(gguf_name: str, arch: str = "llama", layer_names: dict[str, str] | None = None) -> str:
+    """transformers' name of a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight),
+    a block's tensors by the family's `layer_names` (CausalLM.gguf_layer_names)."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
+    names = GGUF_LAYER_NAMES if layer_names is None else layer_names
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
@@ -214,16 +236,13 @@ def _check_tensor(info: TensorInfo, file_size: int, file_name: str) -> None:
         raise ValueError(f"{file_name} is truncated: tensor {name!r} ends at byte {end} of a {file_size}-byte file")
 
 
-def _field_int(reader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _permutation(arch: str, name: str, heads: int | None, kv_heads: int, rows: int) -> torch.Tensor | None:
+def _permutation(name: str, heads: int, kv_heads: int, rows: int) -> torch.Tensor | None:
     """llama.cpp stores Llama's q and k rows interleaved for its RoPE; the row order that
     undoes it (as transformers' GGUF loader does), or None for other tensors."""
-    if arch not in ("llama", "mistral") or heads is None:
-        return None
     if name.endswith("self_attn.q_proj.weight"):
         n = heads
     elif name.endswith("self_attn.k_proj.weight"):

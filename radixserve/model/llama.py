@@ -81,6 +81,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    gguf_interleaved_qk = ("llama", "mistral")
+
+    @classmethod
+    def spec_fields(cls, config) -> dict:
+        model_type = getattr(config, "model_type", None)
+        return {"qkv_bias": model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+                "qk_norm": model_type == "qwen3"}
+
     def __init__(self, spec: ModelSpec, max_positions: int):
         super().__init__(spec)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)

@@ -8,6 +8,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,14 +22,16 @@ from radixserve.model.causal_lm import CausalLM, _map_weight_name
 from radixserve.model.hf_config import load_hf_config
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.model.packaged_models import PACKAGED_MODELS, packaged_gguf
-from radixserve.model.registry import family_for_config, model_class
+from radixserve.model.registry import ModelFamily, family_for_config, model_class
 from radixserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 REPACKED_FILE = "quantized.safetensors"  # a GGUF's weights in QuantWeight's layout, beside the conversion
-_REPACK_FORMAT = "radixserve-repacked-2"  # 2: the legacy types' scales and offsets float16
+# 2: the legacy types' scales and offsets float16; 3: float tensors as the model holds them (Gemma 3's
+# norms as the GGUF stores them, 1 + w)
+_REPACK_FORMAT = "radixserve-repacked-3"
 # Weights quantized by --weight-dtype int8/int4: the projections, the embedding, the lm head.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
@@ -71,20 +74,50 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def resolve_model_path(model: str | None, cache_dir: str | None = None, float_weights: bool = True) -> Path:
     """The model's directory (a GGUF's conversion; without `float_weights` only its config
     and tokenizer are converted, the weights being read from the file itself)."""
+    return open_model(model, cache_dir, float_weights).directory
+
+
+@dataclass
+class ModelSource:
+    """Where a load reads from: the directory (config.json, tokenizer; a GGUF's conversion),
+    the GGUF file the model comes from (its header read at most once, by whichever step
+    needs it first), and the family where that header has named it already."""
+
+    directory: Path
+    gguf: Any | None  # a gguf_file.GGUFFile
+
+    def family(self, config_fields: dict[str, Any]) -> ModelFamily:
+        """The model's family, looked up once: from the GGUF header where this load read it,
+        else from config.json's own fields (whether or not transformers knows the type)."""
+        if self.gguf is not None and self.gguf.opened:
+            return self.gguf.family
+        return family_for_config(SimpleNamespace(model_type=config_fields.get("model_type"),
+                                                 architectures=config_fields.get("architectures")))
+
+
+def open_model(model: str | None, cache_dir: str | None = None, float_weights: bool = True) -> ModelSource:
     if model is None:
-        return ensure_default_model(cache_dir)
+        return ModelSource(ensure_default_model(cache_dir), _gguf_file(default_gguf_path()))
     if model in PACKAGED_MODELS:
-        return ensure_converted_gguf(packaged_gguf(model, cache_dir), cache_dir, float_weights)
+        gguf = _gguf_file(packaged_gguf(model, cache_dir))
+        return ModelSource(ensure_converted_gguf(gguf, cache_dir, float_weights), gguf)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model {model!r} not found: {_HINT} (no model hub is contacted)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {model!r} is not a .gguf file: {_HINT}")
-        return ensure_converted_gguf(path, cache_dir, float_weights)
+        gguf = _gguf_file(path)
+        return ModelSource(ensure_converted_gguf(gguf, cache_dir, float_weights), gguf)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model!r} has no config.json: {_HINT}")
-    return path
+    return ModelSource(path, None)
+
+
+def _gguf_file(path: Path) -> Any:
+    from radixserve.model.gguf_file import GGUFFile
+
+    return GGUFFile(path)
 
 
 def resolve_weight_dtype(weight_dtype: str, model: str | None, device: torch.device, dtype: str,
@@ -124,28 +157,30 @@ def load_model(
     if weight_dtype == "bfloat16" and dtype == "auto":
         dtype = "bfloat16"
     storage = resolve_weight_dtype(weight_dtype, model, torch_device, dtype, cache_dir)
-    path = resolve_model_path(model, cache_dir, float_weights=storage != "gguf")
+    source = open_model(model, cache_dir, float_weights=storage != "gguf")
+    path = source.directory
     torch_dtype = resolve_dtype(dtype, torch_device)
-    config = _load_hf_config(path)
-    spec = ModelSpec.from_hf_config(config)
+    config, family = _load_hf_config(source)
+    spec = ModelSpec.from_hf_config(config, family)
     context = spec.max_position_embeddings if max_model_len is None else max_model_len
     if context > spec.max_position_embeddings:
         raise ValueError(
             f"max_model_len {context} exceeds the model's context ({spec.max_position_embeddings} tokens)"
         )
-    tensors = _weights_for(storage, model, path, cache_dir)
+    tensors = _weights_for(storage, source, cache_dir)
     quantized = {name: t for name, t in tensors.items() if isinstance(t, QuantWeight)}
     with torch.device("meta"):
-        net = model_class(family_for_config(config))(spec, context)
+        net = model_class(family)(spec, context)
     net.drop_float_weights({_map_weight_name(name)[0] for name in quantized})
     _allocate(net, torch_dtype, torch_device)
     net.build_rotary(context, torch_device)
-    net.load_hf_state_dict({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)})
+    net.load_weights({name: t for name, t in tensors.items() if not isinstance(t, QuantWeight)},
+                     "gguf" if storage == "gguf" else "hf")
     net.load_quantized(quantized)
     del tensors, quantized
     return_freed_memory()
     net.eval()
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, family)
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else path.name
     described = _describe_weights(net, storage, torch_dtype)
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
@@ -182,11 +217,13 @@ def _gguf_source(model: str | None, cache_dir: str | None = None) -> Path | None
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _weights_for(storage: str, model: str | None, path: Path,
+def _weights_for(storage: str, source: ModelSource,
                  cache_dir: str | None = None) -> dict[str, torch.Tensor | QuantWeight]:
+    """The weights as named in transformers' checkpoints: a GGUF's as the model holds them
+    (storage 'gguf'), else a transformers checkpoint's (quantized at load for int8 / int4)."""
     if storage == "gguf":
-        return repacked_weights(_gguf_source(model, cache_dir), path)
-    tensors = _read_weights(path)
+        return repacked_weights(source.gguf, source.directory)
+    tensors = _read_weights(source.directory)
     if storage in ("int8", "int4"):
         bits = 8 if storage == "int8" else 4
         tensors = {name: quantize(t, bits) if _quantizable(name, t) else t for name, t in tensors.items()}
@@ -208,8 +245,9 @@ def _fuse_consistently(tensors: dict[str, torch.Tensor | QuantWeight]) -> dict[s
             for name, t in tensors.items()}
 
 
-def repacked_weights(gguf: Path, directory: Path) -> dict[str, torch.Tensor | QuantWeight]:
-    """The GGUF's weights, quantized ones in QuantWeight's layout: from REPACKED_FILE in the
+def repacked_weights(gguf: Any, directory: Path) -> dict[str, torch.Tensor | QuantWeight]:
+    """The GGUF's weights (`gguf`: its path or its gguf_file.GGUFFile), quantized ones in
+    QuantWeight's layout, the rest as the family's model holds them: from REPACKED_FILE in the
     model's converted directory, or repacked from the file once and written there."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -258,20 +296,19 @@ def _describe_weights(net: CausalLM, storage: str, dtype: torch.dtype) -> str:
     return storage if storage in ("int8", "int4") else str(dtype).removeprefix("torch.")
 
 
-def _load_hf_config(path: Path) -> Any:
-    """The model's config; a family radixserve does not run is refused from config.json's
-    own fields first (whether or not transformers knows it), naming what it runs."""
-    from types import SimpleNamespace
-
+def _load_hf_config(source: ModelSource) -> tuple[Any, ModelFamily]:
+    """The model's config and family; a family radixserve does not run is refused from
+    config.json's own fields first (or the GGUF's header), naming what it runs."""
+    path = source.directory
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path / 'config.json'} is not a JSON object")
-    family_for_config(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
+    family = source.family(raw)
     try:
-        return load_hf_config(path)
+        return load_hf_config(path), family
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from None
 

@@ -1,8 +1,10 @@
 """ModelFamily: the model families radixserve runs, and how a checkpoint names each one.
 
 Plain data, importing nothing heavy, so a model is refused from its config.json or GGUF
-header before any weight is read. A new family is one module (its CausalLM subclass) and
-one entry here.
+header before any weight is read. A new family is one module (its CausalLM subclass, which
+also says how the family's GGUF tensors are named and what its ModelSpec needs) and one
+entry here (docs/model-families.md lists the steps). A load looks its family up once and
+hands the ModelFamily on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ModelFamily:
     activations: tuple[str, ...]  # the MLP activations its forward runs
     module: str  # where its CausalLM subclass lives (imported only when a model is built)
     class_name: str
+    chat_template: str | None = None  # its built-in template (model/chat_templates/); None: by the tokenizer
 
 
 FAMILIES = (
@@ -31,7 +34,8 @@ FAMILIES = (
     # gemma3 / Gemma3ForConditionalGeneration: the text tower of the image-text model (its
     # vision tower's weights are not loaded; images are not taken)
     ModelFamily("gemma3", ("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-                ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM"),
+                ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM",
+                chat_template="gemma3"),
 )
 
 

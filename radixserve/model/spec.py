@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.model.registry import family_for_config
+from radixserve.model.registry import ModelFamily, family_for_config, model_class
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,12 @@ class ModelSpec:
         return any(self.layer_windows)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelSpec":
-        family = family_for_config(config)
-        config = _text_config(config)
+    def from_hf_config(cls, config: Any, family: ModelFamily | None = None) -> "ModelSpec":
+        """The spec of `config` (of `family`, where the caller has looked it up already): the
+        fields every family shares, then the family's own (its class's `spec_fields`)."""
+        family = family or family_for_config(config)
+        family_class = model_class(family)
+        config = family_class.text_config(config)
         model_type = getattr(config, "model_type", None)
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -56,7 +59,8 @@ class ModelSpec:
                              f"{' or '.join(family.activations)}")
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         scalar = getattr(config, "query_pre_attn_scalar", None)
-        return cls(
+        recurrent_types = getattr(family_class, "recurrent_layer_types", ())
+        fields = dict(
             model_type=model_type,
             vocab_size=config.vocab_size,
             hidden_size=hidden,
@@ -65,29 +69,29 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
+            rms_norm_eps=getattr(config, "rms_norm_eps", None),  # LFM2 names it norm_eps (its spec_fields)
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
             o_bias=bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=False,
             hidden_act=act,
             hf_config=config,
             family=family.name,
-            layer_windows=_layer_windows(config, model_type),
+            layer_windows=_layer_windows(config, model_type, recurrent_types),
+            recurrent_layers=_recurrent_layers(config, recurrent_types),
             attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         )
+        fields.update(family_class.spec_fields(config))
+        return cls(**fields)
 
 
-def _text_config(config: Any) -> Any:
-    """An image-text model's text tower (Gemma 3's), or the config itself."""
-    text = getattr(config, "text_config", None)
-    if getattr(config, "model_type", None) == "gemma3" and text is not None:
-        if not hasattr(text, "tie_word_embeddings") or getattr(config, "tie_word_embeddings", None) is not None:
-            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        return text
-    return config
+def _recurrent_layers(config: Any, recurrent_types: tuple[str, ...]) -> tuple[int, ...]:
+    """The layers whose `layer_types` entry is one of the family's recurrent kinds (its class's
+    `recurrent_layer_types`: LFM2's conv, Qwen3.5's linear_attention)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return tuple(i for i, t in enumerate(layer_types) if t in recurrent_types)
 
 
 def _layer_windows(config: Any, model_type: str | None) -> tuple[int, ...]:

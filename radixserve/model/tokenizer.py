@@ -16,17 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.model.builtin_template import with_builtin_template
+from radixserve.model.registry import ModelFamily
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(path: str | Path) -> Any | None:
+def load_tokenizer(path: str | Path, family: ModelFamily | None = None) -> Any | None:
     """The directory's tokenizer, or None where it has no tokenizer files. A tokenizer without
-    a chat template gets its family's built-in one (model/builtin_template.py)."""
+    a chat template gets its family's built-in one (model/builtin_template.py; `family`: where
+    the caller has looked it up)."""
     path = Path(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
-    return with_builtin_template(_load(path), path)
+    return with_builtin_template(_load(path), path, family)
 
 
 def _load(path: Path) -> Any:

@@ -1,0 +1,115 @@
+"""Tiny GGUF files written from tiny random transformers models, as llama.cpp's converter lays
+them out (its tensor names, its metadata keys, Gemma 3's norms stored as 1 + w, experts stacked
+per layer), with a byte-level tokenizer that transformers can read back. No hub access."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# transformers' name under model.layers.N -> llama.cpp's block tensor stem
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+}
+_GEMMA3 = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+           "post_feedforward_layernorm": "post_ffw_norm"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2"}
+
+
+def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
+    """The model saved in `model_dir` as a GGUF at `path`: 2-D weights with 64-multiple rows
+    (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    arch = _ARCH[config.model_type]
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    writer = GGUFWriter(str(path), arch=arch)
+    _metadata(writer, arch, config)
+    _tokenizer(writer, config.vocab_size)
+    kind = GGMLQuantizationType[quant]
+    for name, t in _gguf_tensors(tensors, arch, config):
+        data = t.float().numpy()
+        if kind != GGMLQuantizationType.F32 and data.ndim >= 2 and data.shape[-1] % 64 == 0 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
+    names = _GEMMA3 if arch == "gemma3" else _LAYER
+    for name, t in tensors.items():
+        if name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
+            continue
+        stem, _, suffix = name.rpartition(".")
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's (1 + w)
+        if stem in _TOP:
+            yield f"{_TOP[stem]}.{suffix}", t
+            continue
+        parts = name.split(".")  # model.layers.N.<rest>
+        layer, rest = parts[2], ".".join(parts[3:])
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            gate, up = t.chunk(2, dim=1)
+            yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
+            yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
+        elif rest == "mlp.experts.down_proj":
+            yield f"blk.{layer}.ffn_down_exps.weight", t
+        elif ".experts." in rest:  # per-expert checkpoints: mlp.experts.E.gate_proj.weight
+            raise ValueError("write_gguf takes fused expert tensors")
+        else:
+            yield f"blk.{layer}.{names[rest.rpartition('.')[0]]}.{suffix}", t
+
+
+def _metadata(writer, arch: str, config) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if "rope_theta" in rope else rope.get("full_attention", {}).get("rope_theta")
+    writer.add_rope_freq_base(float(theta or 10000.0))
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+
+def _tokenizer(writer, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary: single characters and one merged pair."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    tokens = alphabet[:vocab_size - 1] + ['!"']
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
