@@ -59,7 +59,6 @@ class ModelSpec:
                              f"{' or '.join(family.activations)}")
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         scalar = getattr(config, "query_pre_attn_scalar", None)
-        recurrent_types = getattr(family_class, "recurrent_layer_types", ())
         fields = dict(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -69,7 +68,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=getattr(config, "rms_norm_eps", None),  # LFM2 names it norm_eps (its spec_fields)
+            rms_norm_eps=config.rms_norm_eps,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(config, "attention_bias", False)),
@@ -79,19 +78,11 @@ class ModelSpec:
             hidden_act=act,
             hf_config=config,
             family=family.name,
-            layer_windows=_layer_windows(config, model_type, recurrent_types),
-            recurrent_layers=_recurrent_layers(config, recurrent_types),
+            layer_windows=_layer_windows(config, model_type),
             attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         )
         fields.update(family_class.spec_fields(config))
         return cls(**fields)
-
-
-def _recurrent_layers(config: Any, recurrent_types: tuple[str, ...]) -> tuple[int, ...]:
-    """The layers whose `layer_types` entry is one of the family's recurrent kinds (its class's
-    `recurrent_layer_types`: LFM2's conv, Qwen3.5's linear_attention)."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    return tuple(i for i, t in enumerate(layer_types) if t in recurrent_types)
 
 
 def _layer_windows(config: Any, model_type: str | None) -> tuple[int, ...]:
