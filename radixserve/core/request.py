@@ -53,6 +53,9 @@ class Request:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.restored_tokens = 0  # of those, restored from the second KV tier
         self.session_id: str | None = None  # the agent conversation this request continues
+        # Most leading tokens a prefix hit may serve; None: no limit. 0 for a model with recurrent
+        # layers while the cache keeps no state snapshots (their state at a prefix's end is not kept).
+        self.reuse_limit: int | None = None
         self.hints: AgentHints = NO_HINTS
         self.cache_node: Any = None
         self.grammar: Any = None  # an xgrammar matcher when the request is constrained
@@ -104,6 +107,8 @@ class Request:
         """How many leading tokens may come from the prefix cache: all but the last (its
         logits give the next token), and none from which a prompt logprob is still owed."""
         limit = self.num_tokens - 1
+        if self.reuse_limit is not None:
+            limit = min(limit, self.reuse_limit)
         if self.prompt_logprobs is not None:
             first = max(self.params.prompt_logprobs_start, 1)
             missing = next((j for j in range(first, self.num_prompt_tokens) if self.prompt_logprobs[j] is None), None)

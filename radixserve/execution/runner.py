@@ -16,6 +16,7 @@ from radixserve.model.spec import ModelSpec
 from radixserve.model.native_decoder import NativeDecoder
 from radixserve.kernels.native_ops import max_rows
 from radixserve.outputs import TokenLogprob
+from radixserve.execution.recurrent_state import RecurrentStatePool
 from radixserve.execution.runner_config import RunnerConfig
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
@@ -72,6 +73,7 @@ class ModelRunner:
         self.device = config.device
         self.window = window  # hybrid KV: window layers read pages of their own
         self.pool = self._kv_pool(config, spec, window)
+        self.states = RecurrentStatePool.for_model(model, config.dtype, config.device)  # recurrent layers' states
         self.backend = get_backend_class(config.backend)(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_scale, config.dtype, self.pool.pages
         )
@@ -107,6 +109,7 @@ class ModelRunner:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
         attention = self.backend.prepare(batch.meta)  # once per step, read by every layer
+        self._begin_recurrent(chunks, batch)
         if batch.window_meta is not None:
             attention = GroupPlans(attention, self.backend.prepare(batch.window_meta))
         logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices,
@@ -121,9 +124,21 @@ class ModelRunner:
             drafts = [c.draft for c in drafted]
             accepted = self.sampler.verify(logits[len(sampling):verified], rows, drafts)
             result.speculative = list(zip(drafted, accepted))
+            self._settle_recurrent(result.speculative)
         if prompt_rows:
             result.prompt_logprobs = _score_prompt_tokens(logits[verified:], prompt_rows)
         return result
+
+    def _begin_recurrent(self, chunks: list[ScheduledChunk], batch: PackedBatch) -> None:
+        """A model with recurrent layers reads its requests' states through the step's
+        RecurrentStep (execution/recurrent_state.py)."""
+        if self.states is not None:
+            self.model.recurrent_step = self.states.begin_step(chunks, batch.chunk_starts)
+
+    def _settle_recurrent(self, verified: list[tuple[ScheduledChunk, list[int]]]) -> None:
+        """Verified drafts: recurrent states keep only the accepted tokens."""
+        if self.states is not None:
+            self.states.settle(verified)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> PackedBatch:
         """Flat token batch and attention metadata. A drafted chunk (a decode plus its draft)

@@ -1,0 +1,161 @@
+"""RecurrentStatePool: the per-request states of a model's recurrent layers (LFM2's short
+convolutions), beside the KV pool: slot i of every recurrent layer's state tensors belongs to
+one running request.
+
+A request takes a slot the first time one of its chunks runs and gives it back once it is no
+longer running (finished, aborted or preempted: its next chunk after a preemption starts at
+token 0 again). Its state stands at a token position, the end of its last chunk; a chunk must
+start there or at 0 (a fresh state, zeros). A chunk starting anywhere else would need the state
+of a prefix this pool never saw (a prefix-cache hit that the cache has no snapshot for): that is
+refused loudly, never computed wrong. The scheduling side sees none of this.
+
+A drafted chunk (a decode and its draft tokens) keeps its states after every row until the
+draft is verified; `settle` then keeps the state after the accepted tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.core.plan import ScheduledChunk
+from radixserve.core.request import Request, RequestStatus
+from radixserve.model.recurrent_step import RecurrentStep, Segment, StateShape
+
+_INITIAL_SLOTS = 8  # doubled as more requests run at once
+
+
+@dataclass
+class _Holder:
+    request: Request
+    slot: int
+    position: int  # tokens the slot's state has consumed
+
+
+class RecurrentStatePool:
+    def __init__(self, shapes: dict[int, tuple[StateShape, ...]], dtype: torch.dtype, device: torch.device,
+                 initial_slots: int = _INITIAL_SLOTS):
+        self.shapes = shapes  # per recurrent layer, one request's state tensors: (shape, dtype or None)
+        self.dtype = dtype
+        self.device = device
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.capacity = 0
+        self.free: list[int] = []
+        self.holders: dict[str, _Holder] = {}  # request id -> its slot
+        self._step: RecurrentStep | None = None
+        self._grow(initial_slots)
+
+    @classmethod
+    def for_model(cls, model, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
+        """The pool of a model with recurrent layers (`recurrent_state_shapes`), else None."""
+        shapes = getattr(model, "recurrent_state_shapes", None)
+        return cls(shapes(), dtype, device) if shapes is not None else None
+
+    @property
+    def slot_bytes(self) -> int:
+        """One request's state, all layers."""
+        return sum(_itemsize(dtype or self.dtype) * _numel(shape)
+                   for shapes in self.shapes.values() for shape, dtype in shapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.capacity
+
+    @property
+    def num_used(self) -> int:
+        return len(self.holders)
+
+    def begin_step(self, chunks: list[ScheduledChunk], chunk_starts: list[int]) -> RecurrentStep:
+        """The step's RecurrentStep for chunks laid out from `chunk_starts` in the batch.
+        Slots of requests no longer running are freed first."""
+        for request_id in [r for r, h in self.holders.items() if h.request.status is not RequestStatus.RUNNING]:
+            self.release(request_id)
+        single_rows: list[int] = []
+        single_slots: list[int] = []
+        segments: list[Segment] = []
+        for chunk, first_row in zip(chunks, chunk_starts):
+            slot = self._slot_for(chunk)
+            if chunk.num_tokens == 1:
+                single_rows.append(first_row)
+                single_slots.append(slot)
+            else:
+                segments.append(Segment(first_row, chunk.num_tokens, slot, keep_history=bool(chunk.draft)))
+            self.holders[chunk.request.request_id].position = chunk.start + chunk.num_tokens
+        self._step = RecurrentStep(
+            self.states,
+            torch.tensor(single_rows, dtype=torch.int64, device=self.device),
+            torch.tensor(single_slots, dtype=torch.int64, device=self.device),
+            segments,
+        )
+        return self._step
+
+    def settle(self, verified: list[tuple[ScheduledChunk, list[int]]]) -> None:
+        """After a step's drafts are verified: each drafted chunk's request keeps the state
+        after its accepted rows (its decode token and the accepted draft tokens: as many as
+        the tokens it appends)."""
+        step = self._step
+        for chunk, tokens in verified:
+            holder = self.holders[chunk.request.request_id]
+            kept = len(tokens)
+            for layer, tensors in self.states.items():
+                for state, history in zip(tensors, step.history.pop((layer, holder.slot))):
+                    state[holder.slot] = history[kept]
+            holder.position = chunk.start + kept
+        step.history.clear()
+
+    def release(self, request_id: str) -> None:
+        holder = self.holders.pop(request_id, None)
+        if holder is not None:
+            self.free.append(holder.slot)
+
+    def _slot_for(self, chunk: ScheduledChunk) -> int:
+        request = chunk.request
+        holder = self.holders.get(request.request_id)
+        if holder is not None and holder.request is not request:  # an id reused by a new request
+            self.release(request.request_id)
+            holder = None
+        if chunk.start == 0:
+            if holder is None:
+                holder = self._take(request)
+            for tensors in self.states.values():
+                for state in tensors:
+                    state[holder.slot].zero_()
+            return holder.slot
+        if holder is None or holder.position != chunk.start:
+            at = "no state" if holder is None else f"a state at token {holder.position}"
+            raise RuntimeError(
+                f"request {request.request_id!r} computes from token {chunk.start} but its recurrent layers "
+                f"hold {at} (a prefix hit whose state is not kept, or drafts left unsettled)")
+        return holder.slot
+
+    def _take(self, request: Request) -> _Holder:
+        if not self.free:
+            self._grow(self.capacity * 2)
+        holder = _Holder(request, self.free.pop(), 0)
+        self.holders[request.request_id] = holder
+        return holder
+
+    def _grow(self, capacity: int) -> None:
+        """Room for `capacity` requests, the states held so far copied over."""
+        grown = {}
+        for layer, shapes in self.shapes.items():
+            tensors = tuple(torch.zeros(capacity, *shape, dtype=dtype or self.dtype, device=self.device)
+                            for shape, dtype in shapes)
+            for new, old in zip(tensors, self.states.get(layer, ())):
+                new[: old.shape[0]] = old
+            grown[layer] = tensors
+        self.states = grown
+        self.free.extend(reversed(range(self.capacity, capacity)))
+        self.capacity = capacity
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,43 @@
+"""RecurrentStep: what a model's recurrent layers (short convolutions, SSM and linear-attention
+layers) read in one step: each request's state, and which rows of the flat batch are whose.
+
+A step's rows are the requests' chunks side by side. A chunk of one token (a decode) is a
+*single*: all singles of a step advance their states in one batched op. A longer chunk (a
+prompt chunk, a decode with its draft) is a *segment*, run over its rows in order from its
+request's state. The runner's state pool (execution/recurrent_state.py) builds this per step
+and owns the state tensors it points at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+# One state tensor of one request: its shape, and its dtype (None: the model's).
+StateShape = tuple[tuple[int, ...], "torch.dtype | None"]
+
+
+@dataclass
+class Segment:
+    first_row: int  # where the chunk's rows begin in the batch
+    num_rows: int
+    slot: int  # its request's state slot
+    keep_history: bool = False  # drafted: keep the state after every row, to roll back to
+
+
+@dataclass
+class RecurrentStep:
+    # per recurrent layer: its state tensors, each [slots, ...]; updated in place by the layer
+    states: dict[int, tuple[torch.Tensor, ...]]
+    single_rows: torch.Tensor  # int64 rows of one-token chunks
+    single_slots: torch.Tensor  # int64 their state slots
+    segments: list[Segment]
+    # (layer, slot) -> a drafted segment's states after each of its rows: per state tensor,
+    # [num_rows + 1, ...], index k the state after its first k rows (written by the layer, read
+    # by RecurrentStatePool.settle to keep the accepted rows only)
+    history: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def layer_states(self, layer_index: int) -> tuple[torch.Tensor, ...]:
+        return self.states[layer_index]
