@@ -55,7 +55,7 @@ import httpx
 
 from bench.lib.cli import bench_parser
 from bench.lib.peers import add_llama_server
-from bench.lib.servers import keyless_env, metrics, radixserve_command, served_process
+from bench.lib.servers import keyless_env, metrics, radixserve_command, resident_mib, served_process
 from bench.lib.swarm import FULL_SWARM, LONG_SWARM, QUICK_SWARM, SWARMS, AgentSwarm, SwarmAgent, ideal_cached, remember
 
 MODEL = "gemma3-270m"
@@ -438,7 +438,7 @@ def run_llama(name: str, workload: AgentSwarm, server: str, slots: int, slot_tok
                 httpx.post(url + "/completion", json={"prompt": [2000 + i for i in range(24)], "n_predict": 2,
                                                       "cache_prompt": False}, timeout=600).raise_for_status()
                 result = asyncio.run(_swarm(name, url, workload, True, progress, geometry.vocab_size))
-                rss = _rss_mib(process.pid)
+                rss = resident_mib(process.pid)["rss_mib"]
         except BaseException:
             log.seek(0)
             print(f"{name}: its log ends:\n" + log.read()[-3000:].decode(errors="replace"), file=sys.stderr)
@@ -459,14 +459,6 @@ def run_llama(name: str, workload: AgentSwarm, server: str, slots: int, slot_tok
     if not sizes:
         result.notes += "; no KV size line found in its log"
     return result
-
-
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def measure_swarm(workload: AgentSwarm, systems: list[str], args, geometry: ModelGeometry | None = None) -> dict:

@@ -1,6 +1,6 @@
 """Servers a bench runs and reads: a command (radixserve's, or a peer's such as llama.cpp's)
-started on a free port until it answers /health and stopped with SIGINT at the end, and a
-radixserve server's /metrics and /debug/stats read as plain dicts."""
+started on a free port until it answers /health and stopped with SIGINT at the end, its
+resident memory, and a radixserve server's /metrics and /debug/stats read as plain dicts."""
 
 from __future__ import annotations
 
@@ -87,6 +87,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def resident_mib(pid: int) -> dict[str, float]:
+    """A process's resident MiB now and at its peak (/proc/PID/status)."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mib": fields.get("VmRSS", 0.0), "peak_mib": fields.get("VmHWM", 0.0)}
 
 
 def metrics(url: str) -> dict[str, float]:

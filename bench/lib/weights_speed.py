@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from bench.lib.client import complete
-from bench.lib.servers import radixserve_command, serving
+from bench.lib.servers import radixserve_command, resident_mib, serving
 from radixserve.model.default_model import default_gguf_path
 from radixserve.model.packaged_models import packaged_gguf
 
@@ -90,7 +90,7 @@ def memory(args) -> dict:
                 asyncio.run(_warm(url, workload, args))
             asyncio.run(_fill_kv(url, tokens))
             time.sleep(IDLE_BEFORE_MEMORY_S)
-            out[label] = _memory(process.pid)
+            out[label] = resident_mib(process.pid)
             print(f"  memory: {label}: {out[label]['rss_mib']:.1f} MiB resident", flush=True)
     return {"model": args.model, "base": base, "kv_bytes": kv_bytes, "memory": out}
 
@@ -125,7 +125,7 @@ def speed(args) -> dict:
                 print(f"  speed: {label} {workload}: {rates[workload][label]:.1f} tokens/s", flush=True)
             asyncio.run(_fill_kv(url, tokens))
             time.sleep(IDLE_BEFORE_MEMORY_S)
-            memory[label] = _memory(process.pid)
+            memory[label] = resident_mib(process.pid)
     return {"model": args.model, "base": base, "kv_tokens": tokens, "kv_bytes": kv_bytes,
             "new_tokens": args.new_tokens, "reps": args.reps,
             "rows": [{"workload": w, "rate": rates[w]} for w in WORKLOADS], "memory": memory}
@@ -176,17 +176,6 @@ async def _fill_kv(url: str, tokens: int) -> None:
 def _check(record) -> None:
     if record.error or record.first is None:
         raise SystemExit(f"a request failed: {record.error}")
-
-
-def _memory(pid: int) -> dict[str, float]:
-    """Resident MiB of the serving process now and at its peak."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) / 1024
-    return {"rss_mib": fields.get("VmRSS", 0.0), "peak_mib": fields.get("VmHWM", 0.0)}
 
 
 def print_speed(report: dict, targets: dict) -> None:
