@@ -47,6 +47,21 @@ def tiny_config(kind: str, **overrides):
         cls = Gemma3TextConfig
         values.update(head_dim=16, tie_word_embeddings=False, sliding_window=6, query_pre_attn_scalar=24,
                       layer_types=["sliding_attention", "sliding_attention", "full_attention"], num_hidden_layers=3)
+    elif kind in ("lfm2", "lfm2_bias"):  # short convolutions beside one full-attention layer
+        from transformers import Lfm2Config
+
+        cls = Lfm2Config
+        values.update(num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
+                      norm_eps=values.pop("rms_norm_eps"), block_multiple_of=32)  # MLP width: 85 -> 96
+        if kind == "lfm2_bias":  # conv biases, an untied head, the MLP width as given
+            values.update(conv_bias=True, tie_word_embeddings=False, block_auto_adjust_ff_dim=False)
+    elif kind == "qwen3_5":  # Gated DeltaNet layers, then one gated full-attention layer (partial RoPE)
+        from transformers import Qwen3_5TextConfig
+
+        cls = Qwen3_5TextConfig
+        values.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=False, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      linear_conv_kernel_dim=4)  # layers: linear x 3, full (full_attention_interval 4)
     else:
         raise ValueError(kind)
     values.update(overrides)
@@ -84,6 +99,16 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> 
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if kind == "lfm2_bias":  # nonzero conv biases, so they are tested
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer, "conv"):
+                    layer.conv.conv.bias.normal_(0, 0.5)
+    if kind == "qwen3_5":  # norms multiply by (1 + weight), zero at init: make them nonzero so the offset is tested
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     if kind == "gemma3":  # norms multiply by (1 + weight): make weight nonzero so the offset is tested
         with torch.no_grad():
             for name, param in model.named_parameters():

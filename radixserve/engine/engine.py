@@ -226,6 +226,8 @@ class Engine:
         prepared.admitted = True
         p = prepared
         request = Request(request_id, p.token_ids, p.params, p.max_total_tokens, p.cache_salt, prompt=p.prompt)
+        if self.loaded.spec.recurrent:  # no state of a cached prefix is kept: nothing to hit
+            request.reuse_limit = 0
         request.grammar = p.grammar
         request.session_id = p.session_id
         if p.hints is not None:

@@ -47,10 +47,11 @@ class RecurrentStatePool:
         self._grow(initial_slots)
 
     @classmethod
-    def for_model(cls, model, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
-        """The pool of a model with recurrent layers (`recurrent_state_shapes`), else None."""
-        shapes = getattr(model, "recurrent_state_shapes", None)
-        return cls(shapes(), dtype, device) if shapes is not None else None
+    def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
+        """The pool of a model's recurrent layers (the modules with `state_shapes`: ShortConv,
+        GatedDeltaNet), or None for a model that has none."""
+        shapes = {m.layer_index: m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")}
+        return cls(shapes, dtype, device) if shapes else None
 
     @property
     def slot_bytes(self) -> int:

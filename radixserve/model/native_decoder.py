@@ -91,7 +91,8 @@ class NativeDecoder:
         params = list(layers.parameters())
         q_size = spec.num_heads * spec.head_dim
         if not (
-            model_ops_enabled() and max_rows() > 0
+            not spec.recurrent  # its layers are attention layers only
+            and model_ops_enabled() and max_rows() > 0
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
             and all(m.quant is None or m.quant.codes.device.type == "cpu" for m in layers.modules()
                     if hasattr(m, "quant"))
