@@ -1,9 +1,9 @@
 """KVBlockIndex: which blocks each replica's prefix cache holds, as its KV event stream says
 (plain Python, no Ray, no sockets: kv_subscriber.py feeds it).
 
-Blocks are named as the replica publishes them (engine/kv_events.py): with the "chained"
-scheme the cache's chained xxh3-128 hash as 16 big-endian bytes, with "chained64" its low 64
-bits. A request's blocks are named the same way from its token ids (core/hashing.py), so the
+Blocks are named as the replica publishes them (engine/kv_events.py wire_name): with the
+"chained" scheme the cache's chained xxh3-128 hash as 16 big-endian bytes, with "chained64"
+its low 64 bits. A request's blocks are named the same way from its token ids (core/hashing.py), so the
 longest run of a request's leading blocks that a replica holds (in any medium: the pool, or
 the second tier it restores from) is that replica's cached prefix, in blocks.
 
@@ -21,18 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.core.hashing import chain_hashes, root_hash
-
-HASH_SCHEMES = ("chained", "chained64")
+from radixserve.engine.kv_events import HASH_SCHEMES, wire_name
 
 
 def wire_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                 scheme: str = "chained") -> list[Any]:
     """The names a replica publishes for the whole blocks of these token ids (its cache salt
     `salt`: the tenant's namespace and the request's cache_salt, as the replica computes it)."""
-    hashes = chain_hashes(root_hash(salt), list(token_ids), block_size)
-    if scheme == "chained64":
-        return [h & 0xFFFF_FFFF_FFFF_FFFF for h in hashes]
-    return [h.to_bytes(16, "big") for h in hashes]
+    return [wire_name(h, scheme) for h in chain_hashes(root_hash(salt), list(token_ids), block_size)]
 
 
 @dataclass
@@ -125,4 +121,4 @@ class KVBlockIndex:
 
 
 def _kind(event: Any) -> str:
-    return type(event).__name__.removeprefix("Wire")
+    return type(event).__name__  # the struct's name is its wire tag (engine/kv_events.py WireFormat)

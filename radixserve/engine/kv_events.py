@@ -45,12 +45,12 @@ from typing import Any
 import msgspec
 import zmq
 
+from radixserve.config import KV_EVENT_FORMATS as WIRE_FORMATS
+from radixserve.config import KV_EVENT_HASHES as HASH_SCHEMES
 from radixserve.core.kv_events import FULL, POOL, TIER, WINDOW, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
-HASH_SCHEMES = ("chained", "chained64")
-WIRE_FORMATS = ("map", "array")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 GROUP_KINDS = {FULL: "full_attention", WINDOW: "sliding_window"}
 
@@ -63,6 +63,14 @@ STORED_FIELDS: list[tuple[str, Any]] = [
 ]
 REMOVED_FIELDS: list[tuple[str, Any]] = [("block_hashes", list[Any]), ("medium", str | None), ("group_idx", int | None)]
 LEGACY = {"BlockStored": 6, "BlockRemoved": 2}
+
+
+def wire_name(digest: int, hash_scheme: str):
+    """A block's name on the wire: its chained hash (core/hashing.py) as 16 big-endian bytes
+    ("chained"), or its low 64 bits as an integer ("chained64")."""
+    if hash_scheme == "chained64":
+        return digest & 0xFFFF_FFFF_FFFF_FFFF
+    return digest.to_bytes(16, "big")
 
 
 class WireFormat:
@@ -203,9 +211,7 @@ class KVEventPublisher:
         return self.wire.AllBlocksCleared()
 
     def _hash(self, value: int):
-        if self.hash_scheme == "chained64":
-            return value & 0xFFFF_FFFF_FFFF_FFFF
-        return value.to_bytes(16, "big")
+        return wire_name(value, self.hash_scheme)
 
     def _bound(self, kind: int, endpoint: str, option: str):
         socket = self._context.socket(kind)
