@@ -128,6 +128,10 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched against the request's earlier tokens
     prompt_lookup_min: int = 2  # shortest n-gram that may propose a draft
     speculative_max_batch: int = 8  # speculate only while at most this many requests decode
+    # drafts as long as the step times measured here by rows and the request's acceptance make
+    # pay, none where no length does (core/draft_length.py); off: the acceptance rule alone
+    # (drafts that do not depend on timing: reproducible counts)
+    speculative_adaptive: bool = True
     jump_forward: bool = True  # constrained requests draft the text their grammar forces (verified in one step)
 
     def __post_init__(self) -> None:
@@ -209,7 +213,8 @@ class EngineConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-_SPECULATIVE_KNOBS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch")
+_SPECULATIVE_KNOBS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+                      "speculative_adaptive")
 _CACHE_KNOBS = ("session_ttl_s", "kv_offload_memory", "kv_offload_dir", "kv_persist_dir")
 
 

@@ -8,7 +8,10 @@ with a seed (their noise is keyed by position; speculation would draw differentl
 request whose drafts stop paying (few accepted tokens per verification) pauses drafting
 for a while, pausing longer each time. A request's draft length follows what it had accepted:
 it starts short, doubles while whole drafts are accepted (a copied passage) up to num_tokens,
-and falls to one past the accepted count when a draft is cut.
+and falls to one past the accepted count when a draft is cut; within that, it is the length
+that promises the most tokens per second from the step times measured here by rows and the
+request's per-token acceptance (core/draft_length.py), and where no length pays (a large
+batch, a low acceptance, rows that cost as much as steps) the request pauses drafting too.
 
 Constrained requests jump forward instead (on unless `jump_forward` is off, whatever
 `speculative` says): where the grammar forces the next text, `forced(request, k)` (the
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.core.draft_length import StepCosts, best_length
 from radixserve.core.request import Request
 
 MIN_ACCEPTED = 0.5  # accepted tokens per verification below which drafting does not pay
@@ -36,6 +40,7 @@ FIRST_LENGTH = 4
 # Most tokens of forced text drafted at once: a tool call's `", "arguments": {"city": "` is
 # ~10 tokens; verifying 32 rows costs well under two 1-row steps at batch 1.
 MAX_FORCED_TOKENS = 32
+PRIOR_ACCEPTS, PRIOR_TRIALS = 1.5, 2.0  # a request's per-token acceptance starts at 0.75
 
 
 @dataclass
@@ -46,6 +51,8 @@ class _DraftState:
     next_pause: int = PAUSE_STEPS
     length: int = FIRST_LENGTH  # draft length for the next step; follows what was accepted
     forced: bool = False  # the draft being verified is the grammar's forced text
+    accepts: float = 0.0  # draft tokens accepted
+    trials: float = 0.0  # draft tokens judged: the accepted ones and each draft's first rejected one
 
 
 @dataclass
@@ -79,6 +86,14 @@ class PromptLookupDrafter:
         self._states: dict[str, _DraftState] = {}
         # (request, k) -> up to k tokens its grammar forces next; None: constrained requests never draft
         self.forced: Callable[[Request, int], list[int]] | None = None
+        self.costs = StepCosts()  # decode step time by rows, as measured (core/draft_length.py)
+        self.adaptive = True  # lengths from those costs; False: the acceptance rule alone
+        self.decodes = 1  # requests the last decode step decoded
+
+    def observe_step(self, decodes: int, rows: int, ms: float) -> None:
+        """A decode-only step of `decodes` requests and `rows` rows (their drafts included) took ms."""
+        self.decodes = max(1, decodes)
+        self.costs.observe(rows, ms)
 
     def eligible(self, request: Request) -> bool:
         p = request.params
@@ -98,8 +113,17 @@ class PromptLookupDrafter:
         state.forced = False
         if state.paused > 0:
             state.paused -= 1
+            if state.paused == 0:  # judge it afresh: what it accepted before weighs half
+                state.accepts, state.trials = state.accepts / 2, state.trials / 2
             return []
-        return self._lookup(request, min(state.length, self.num_tokens, max_tokens))
+        k = min(state.length, self.num_tokens, max_tokens)
+        if self.adaptive:
+            p = (state.accepts + PRIOR_ACCEPTS) / (state.trials + PRIOR_TRIALS)
+            k = best_length(p, self.decodes, k, self.costs)
+        if k == 0:  # no draft pays at this acceptance and batch: stop drafting for a while
+            self._pause(state)
+            return []
+        return self._lookup(request, k)
 
     def _lookup(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens for the request (the drafting rule; subclasses draw elsewhere)."""
@@ -130,11 +154,16 @@ class PromptLookupDrafter:
         # what was accepted last time; a whole draft accepted means a copied run: double.
         state.length = min(self.num_tokens, accepted + 1 if accepted < proposed else 2 * proposed)
         state.accepted_ema = accepted if state.tries == 1 else (1 - EMA) * state.accepted_ema + EMA * accepted
+        state.accepts += accepted
+        state.trials += accepted + (accepted < proposed)
         if state.tries >= MIN_TRIES and state.accepted_ema < MIN_ACCEPTED:
-            state.paused = state.next_pause
-            state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
-            state.tries = 0
-            self.stats.pauses += 1
+            self._pause(state)
+
+    def _pause(self, state: _DraftState) -> None:
+        state.paused = state.next_pause
+        state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
+        state.tries = 0
+        self.stats.pauses += 1
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -285,6 +285,8 @@ class Engine:
         t3 = time.perf_counter()
         self.last_step_timings = {"schedule_s": t1 - t0, "model_s": t2 - t1, "postprocess_s": t3 - t2}
         self._observe_step(decode_tokens, plan.num_tokens - decode_tokens, (t3 - t0) * 1000.0)
+        if decode_tokens == plan.num_tokens:  # decode-only steps teach the drafter what rows cost
+            self.drafter.observe_step(sum(1 for c in plan.chunks if c.decodes), decode_tokens, (t3 - t0) * 1000.0)
         for name, value in self.last_step_timings.items():
             self.timings[name] += value
         return outputs
@@ -694,8 +696,11 @@ def _drafter(cfg: EngineConfig, cache: RadixCache | None) -> PromptLookupDrafter
     """The speculative drafter: prompt lookup, or suffix drafting over the prefix cache too."""
     args = (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.speculative == "suffix":
-        return SuffixDrafter(*args, default_on=True, cache=cache)
-    return PromptLookupDrafter(*args, default_on=cfg.speculative == "prompt-lookup")
+        drafter = SuffixDrafter(*args, default_on=True, cache=cache)
+    else:
+        drafter = PromptLookupDrafter(*args, default_on=cfg.speculative == "prompt-lookup")
+    drafter.adaptive = cfg.speculative_adaptive
+    return drafter
 
 
 def _prefill_done(request: Request) -> bool:

@@ -31,7 +31,7 @@ def test_suffix_drafts_are_greedy_exact_and_reuse_cached_replies(tiny_model_dir,
     base = dict(block_size=4, num_kv_blocks=256, **options)
     plain = Engine(directory, **base)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
-    engine = Engine(directory, speculative="suffix", speculative_max_batch=64, **base)
+    engine = Engine(directory, speculative="suffix", speculative_max_batch=64, speculative_adaptive=False, **base)
     if kind == "gemma3":
         assert engine.runner.pool.hybrid
     first = [o.token_ids for o in engine.generate(prompts, params)]
@@ -69,7 +69,8 @@ def test_a_namespace_never_drafts_from_another(tiny_model_dir):
         after = engine.stats()
         return out, tuple(after[k] - before[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
 
-    options = dict(block_size=4, num_kv_blocks=256, speculative="suffix", speculative_max_batch=64)
+    options = dict(block_size=4, num_kv_blocks=256, speculative="suffix", speculative_max_batch=64,
+                   speculative_adaptive=False)  # drafts that do not depend on step times: exact counts
     fresh_out, fresh = run(Engine(directory, **options), "key:b")
     engine = Engine(directory, **options)
     out_a, _ = run(engine, "key:a")
@@ -79,3 +80,17 @@ def test_a_namespace_never_drafts_from_another(tiny_model_dir):
     assert other == fresh  # a's reply fed none of b's drafts
     assert same[2] > fresh[2]  # within a's namespace it does
     engine.check_integrity()
+
+
+def test_adaptive_lengths_keep_greedy_output_and_the_engine_intact(tiny_model_dir):
+    """With lengths from measured step times (the default), drafts come and go with timing;
+    the output never does."""
+    directory = str(tiny_model_dir("llama"))
+    prompts = _prompts([21, 34, 13], seed=5)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    expected = [o.token_ids for o in Engine(directory, block_size=4, num_kv_blocks=256).generate(prompts, params)]
+    engine = Engine(directory, block_size=4, num_kv_blocks=256, speculative="suffix")
+    for _ in range(2):
+        assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+        engine.check_integrity()
+    assert engine.drafter.costs.ms  # decode steps were measured

@@ -24,7 +24,7 @@ COUNTERS = ("radixserve_spec_drafts_total", "radixserve_spec_draft_tokens_total"
 
 @pytest.fixture(scope="module")
 def suffix_engine(real_model_dir):
-    engine = Engine(str(real_model_dir), speculative="suffix")
+    engine = Engine(str(real_model_dir), speculative="suffix", speculative_adaptive=False)  # exact counts
     yield engine
     engine.check_integrity()
 

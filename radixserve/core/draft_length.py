@@ -1,0 +1,74 @@
+"""How many tokens a draft should have, from what verifying costs here and what the request
+accepts: the length that maximises tokens per second, 0 (no draft) where none pays.
+
+A step's time depends on its rows (every decoding request's token plus every draft token):
+on a CPU whose kernels are compute-bound at a few rows (this project's AVX2 machine: 4 rows
+2.2x one row's time, 8 rows 6x) long drafts cost more than they save; where rows are nearly
+free (AVX512-VNNI, GPUs) they pay. StepCosts keeps the measured time of decode-only steps
+per row count (a running average); a count never seen is estimated from its neighbours, or
+past the largest seen along the slope of the last two (optimistically where only one was seen,
+so that a length gets tried once and then judged).
+
+With per-token acceptance p (each draft token accepted with probability p given the ones
+before were), a draft of k tokens appends 1 + p + ... + p^k tokens on average; with d
+requests decoding, the step's throughput is (d - 1 + that) / time(d + k) against
+d / time(d) without the draft.
+"""
+
+from __future__ import annotations
+
+EMA = 0.2  # weight of the newest step time of a row count
+OPTIMISTIC_ROW = 0.15  # past the largest row count seen, each row is guessed at this share of one row's step
+MARGIN = 1.03  # a draft must promise this much more throughput than none (noise in the step times)
+
+
+class StepCosts:
+    """Measured decode step time (ms) by its number of rows."""
+
+    def __init__(self) -> None:
+        self.ms: dict[int, float] = {}
+
+    def observe(self, rows: int, ms: float) -> None:
+        old = self.ms.get(rows)
+        self.ms[rows] = ms if old is None else (1 - EMA) * old + EMA * ms
+
+    def estimate(self, rows: int) -> float | None:
+        """The step time of `rows` rows, or None before any decode step was measured."""
+        if rows in self.ms:
+            return self.ms[rows]
+        if not self.ms:
+            return None
+        below = max((r for r in self.ms if r < rows), default=None)
+        above = min((r for r in self.ms if r > rows), default=None)
+        if below is not None and above is not None:
+            share = (rows - below) / (above - below)
+            return self.ms[below] + share * (self.ms[above] - self.ms[below])
+        if above is not None:  # fewer rows than any seen: no cheaper than proportional
+            return self.ms[above] * rows / above
+        return self.ms[below] + (rows - below) * self._slope(below)
+
+    def _slope(self, top: int) -> float:
+        """ms per row past `top`, the largest count seen: the slope from the count seen before it,
+        else an optimistic guess (tried once, then measured)."""
+        before = max((r for r in self.ms if r < top), default=None)
+        if before is None:
+            return OPTIMISTIC_ROW * self.ms[top] / top
+        return max(0.0, (self.ms[top] - self.ms[before]) / (top - before))
+
+
+def best_length(p: float, decodes: int, most: int, costs: StepCosts) -> int:
+    """The draft length in [0, most] with the highest expected throughput for a request whose
+    draft tokens are accepted with probability p, beside decodes - 1 other decoding requests;
+    `most` where nothing was measured yet."""
+    base = costs.estimate(decodes)
+    if base is None:
+        return most
+    best_k, best = 0, MARGIN * decodes / base
+    expected, term = 1.0, 1.0
+    for k in range(1, most + 1):
+        term *= p
+        expected += term
+        rate = (decodes - 1 + expected) / costs.estimate(decodes + k)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
