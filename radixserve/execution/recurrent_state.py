@@ -11,6 +11,10 @@ refused loudly, never computed wrong. The scheduling side sees none of this.
 
 A drafted chunk (a decode and its draft tokens) keeps its states after every row until the
 draft is verified; `settle` then keeps the state after the accepted tokens only.
+
+Snapshots are states kept by id apart from any request (`save_snapshot`, `restore_snapshot`):
+the tensor half of a prefix cache for these layers, whose other half (which positions to keep,
+which to evict, where a match is cut) belongs to the cache.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class RecurrentStatePool:
         self.holders: dict[str, _Holder] = {}  # request id -> its slot
         self._step: RecurrentStep | None = None
         self._grow(initial_slots)
+        self.snapshots: dict[int, tuple[torch.Tensor, ...]] = {}  # per layer, [snapshot_capacity, ...]
+        self.snapshot_capacity = 0
+        self.snapshot_positions: dict[int, int] = {}  # saved snapshot -> the token position it stands at
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
@@ -61,7 +68,8 @@ class RecurrentStatePool:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_bytes * self.capacity
+        """The requests' slots and the snapshots' room."""
+        return self.slot_bytes * (self.capacity + self.snapshot_capacity)
 
     @property
     def num_used(self) -> int:
@@ -104,6 +112,53 @@ class RecurrentStatePool:
                     state[holder.slot] = history[kept]
             holder.position = chunk.start + kept
         step.history.clear()
+
+    # ---- snapshots: states kept apart from any request, by id (the cache's to decide) ----
+
+    def save_snapshot(self, request_id: str, snapshot: int) -> int:
+        """Copy a request's states, as they stand, into snapshot `snapshot` (made room for);
+        returns the token position they stand at. Call between steps: before the step that
+        moves the request on, or after the one that finished it (its slot is kept until the
+        next begin_step)."""
+        holder = self.holders[request_id]
+        self._snapshot_room(snapshot + 1)
+        for layer, tensors in self.states.items():
+            for kept, state in zip(self.snapshots[layer], tensors):
+                kept[snapshot] = state[holder.slot]
+        self.snapshot_positions[snapshot] = holder.position
+        return holder.position
+
+    def restore_snapshot(self, request: Request, snapshot: int) -> int:
+        """Start a request's states from snapshot `snapshot` (its next chunk then starts at the
+        snapshot's position, returned) instead of from zeros."""
+        if snapshot not in self.snapshot_positions:
+            raise ValueError(f"no recurrent-state snapshot {snapshot} was saved")
+        holder = self.holders.get(request.request_id)
+        if holder is None or holder.request is not request:
+            self.release(request.request_id)
+            holder = self._take(request)
+        for layer, tensors in self.states.items():
+            for kept, state in zip(self.snapshots[layer], tensors):
+                state[holder.slot] = kept[snapshot]
+        holder.position = self.snapshot_positions[snapshot]
+        return holder.position
+
+    def drop_snapshot(self, snapshot: int) -> None:
+        self.snapshot_positions.pop(snapshot, None)
+
+    def _snapshot_room(self, count: int) -> None:
+        if self.snapshot_capacity >= count:
+            return
+        capacity = max(count, 2 * self.snapshot_capacity, _INITIAL_SLOTS)
+        grown = {}
+        for layer, shapes in self.shapes.items():
+            tensors = tuple(torch.zeros(capacity, *shape, dtype=dtype or self.dtype, device=self.device)
+                            for shape, dtype in shapes)
+            for new, old in zip(tensors, self.snapshots.get(layer, ())):
+                new[: old.shape[0]] = old
+            grown[layer] = tensors
+        self.snapshots = grown
+        self.snapshot_capacity = capacity
 
     def release(self, request_id: str) -> None:
         holder = self.holders.pop(request_id, None)

@@ -111,3 +111,20 @@ def test_a_chunk_starting_where_no_state_is_kept_is_refused():
     run(pool, conv, [ScheduledChunk(r, 0, 5)], [torch.randn(5, C)])
     with pytest.raises(RuntimeError, match="a state at token 5"):
         pool.begin_step([ScheduledChunk(r, 6, 1)], [0])
+
+
+def test_a_snapshot_restored_into_another_request_continues_as_the_saved_one_would():
+    conv = conv_layer(2)
+    pool = RecurrentStatePool({3: conv.state_shapes()}, torch.float32, torch.device("cpu"))
+    a, b = request("a"), request("b")
+    x = torch.randn(14, C)
+    run(pool, conv, [ScheduledChunk(a, 0, 8)], [x[:8]])
+    assert pool.save_snapshot("a", 5) == 8 and pool.snapshot_capacity == 8
+    run(pool, conv, [ScheduledChunk(a, 8, 3)], [x[8:11]])  # a moves on; the snapshot stays at 8
+    assert pool.restore_snapshot(b, 5) == 8
+    _, out = run(pool, conv, [ScheduledChunk(b, 8, 6)], [x[8:14]])  # b goes on from token 8
+    torch.testing.assert_close(out, reference(conv, x)[8:], rtol=1e-5, atol=1e-6)
+    assert pool.nbytes == (8 + 8) * C * (WIDTH - 1) * 4
+    pool.drop_snapshot(5)
+    with pytest.raises(ValueError, match="no recurrent-state snapshot 5"):
+        pool.restore_snapshot(request("c"), 5)
