@@ -4,23 +4,33 @@ and once with `round-robin`: 16 agents x 5 turns over 4 shared system prompts, e
 whole conversation re-sent (the frontend templates it). Printed: the share of the ideal reuse
 each mode reached (prompt tokens served from a worker's cache / what one unbounded cache
 would have served: each prompt's longest block-aligned prefix shared with an earlier prompt
-and its reply), errors, and, in the kv run, whether the router's view (Dynamo's own indexer,
-python -m dynamo.indexer, reading the same events) equals the workers' caches after the swarm,
-a flush, a demotion to the second tier and a restart of one worker.
+and its reply), errors, and where the rest went: routing (the ideal on the worker the request
+went to, one unbounded cache per worker, falls short of the ideal: its prefix was on the
+other worker) or the worker's cache (the worker held less than that); by turn. The kv run's
+frontend gets --router-args (default: prefill weighed 8x a resident block, the recipe of
+docs/cluster.md for CPU workers; "" for Dynamo's defaults). Then, in the kv run, whether the
+router's view equals the workers' caches after the swarm, a demotion to the second tier, a
+flush and a restart of one worker: the view of Dynamo's own KV router (dynamo.llm.KvRouter,
+in this process, reading the events the workers relay on Dynamo's event plane, as the
+frontend's router does) and of its standalone indexer (python -m dynamo.indexer, reading the
+workers' ZMQ streams directly).
 
-    python -m bench.bench_dynamo_swarm            # about 5 minutes on 2 cores
+    python -m bench.bench_dynamo_swarm            # about 6 minutes on 2 cores
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
 import random
+import shlex
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +41,11 @@ from bench.lib.cli import apply_quick, bench_parser, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
+ENDPOINT = "radixserve.backend.generate"
+# A CPU worker's cost is its prefill: Dynamo's default weighs a block a decoding request holds
+# like a block to prefill (a GPU's decode reads every resident block each step); here a decode
+# step costs about a token per request, so 8x keeps a conversation on the worker holding it.
+ROUTER_ARGS = "--router-prefill-load-scale 8"
 TOPICS = ["refunds", "returns", "lost parcels", "customs", "damaged goods", "address changes", "delivery times",
           "insurance"]
 
@@ -87,9 +102,10 @@ class Cluster:
     def start(self) -> None:
         for i in range(2):
             self.start_worker(i)
+        extra = shlex.split(self.args.router_args) if self.mode == "kv" else []
         self.others.append(self._spawn("frontend", ["-m", "dynamo.frontend", "--router-mode", self.mode,
                                                     "--discovery-backend", "file", "--http-host", "127.0.0.1",
-                                                    "--http-port", str(self.http)]))
+                                                    "--http-port", str(self.http), *extra]))
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.http}/v1", api_key="x", max_retries=0,
                                     timeout=600)
         self._wait(self._listed, "frontend")
@@ -99,6 +115,7 @@ class Cluster:
             self._wait(lambda: self._get(f"http://127.0.0.1:{self.index_port}/dump") is not None, "indexer")
             for i in range(2):
                 self.register(i)
+            self.router = RouterView(self.tmp / "discovery")
 
     def register(self, i: int) -> None:
         body = {"instance_id": i + 1, "endpoint": f"tcp://127.0.0.1:{self.events[i]}",
@@ -135,32 +152,38 @@ class Cluster:
     # ---- the two views ------------------------------------------------------------------
 
     def worker_blocks(self, i: int, flush: bool = False) -> dict[str, set]:
+        return self._cache_blocks(i, flush)[1]
+
+    def _cache_blocks(self, i: int, flush: bool = False) -> tuple[int, dict[str, set]]:
         answer = httpx.post(f"http://127.0.0.1:{self.system[i]}/engine/cache_blocks", json={"flush": flush},
                             timeout=60).json()
-        return {"device": set(answer["GPU"]), "host_pinned": set(answer["tier"])}
+        return answer["worker_id"], {"device": set(answer["GPU"]), "host_pinned": set(answer["tier"])}
 
-    def router_blocks(self) -> dict[int, dict[str, set]]:
+    def indexer_blocks(self) -> dict[int, dict[str, set]]:
         dump = self._get(f"http://127.0.0.1:{self.index_port}/dump") or {}
-        view: dict[int, dict[str, set]] = {1: {"device": set(), "host_pinned": set()},
-                                           2: {"device": set(), "host_pinned": set()}}
-        for group in dump.values():
-            for entry in group["events"]:
-                stored = entry["event"]["data"].get("stored")
-                tier = view[entry["worker_id"]].setdefault(entry["storage_tier"], set())
-                tier.update(b["block_hash"] for b in stored["blocks"]) if stored else None
-        return view
+        return _tiers([entry for group in dump.values() for entry in group["events"]])
 
     def views_agree(self, settle_s: float = 15.0) -> tuple[bool, dict]:
+        """Whether the router's view (Dynamo's KvRouter's, keyed by Dynamo's worker ids) and
+        the standalone indexer's (keyed 1, 2 as registered) equal the workers' caches."""
         deadline = time.monotonic() + settle_s
         while True:
-            workers = {i + 1: self.worker_blocks(i) for i in range(2)}
-            router = self.router_blocks()
-            if router == workers or time.monotonic() > deadline:
-                sizes = {w: {t: (len(router[w].get(t, ())), len(workers[w][t])) for t in workers[w]} for w in workers}
-                return router == workers, sizes
+            listed = [self._cache_blocks(i) for i in range(2)]
+            workers = {i + 1: blocks for i, (_, blocks) in enumerate(listed)}
+            by_id = {wid: blocks for wid, blocks in listed}
+            router, indexer = self.router.blocks(), self.indexer_blocks()
+            agree = _held(router) == _held(by_id) and _held(indexer) == _held(workers)
+            if agree or time.monotonic() > deadline:
+                sizes = {f"worker {i + 1}": {t: (len(router.get(wid, {}).get(t, ())), len(indexer.get(i + 1, {}).get(t, ())),
+                                                 len(blocks[t])) for t in blocks}
+                         for i, (wid, blocks) in enumerate(listed)}
+                sizes["workers in the router's view"] = len(_held(router))
+                return agree, sizes
             time.sleep(0.5)
 
     def close(self) -> None:
+        if getattr(self, "router", None) is not None:
+            self.router.close()
         for proc in [*self.workers, *self.others]:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
@@ -172,16 +195,74 @@ class Cluster:
                     proc.kill()
 
 
+class RouterView:
+    """Dynamo's own KV router (dynamo.llm.KvRouter) on the workers' endpoint, on a loop of its
+    own in this process: it subscribes to the events the workers' KvEventPublishers relay on
+    Dynamo's event plane, as the frontend's router does, and dump_events() lists its indexer."""
+
+    def __init__(self, discovery: Path):
+        os.environ["DYN_FILE_KV"] = str(discovery)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="router-view", daemon=True).start()
+        self.router = self._call(self._start())
+
+    def _call(self, coro, timeout_s: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self):
+        from dynamo.llm import KvRouter, KvRouterConfig
+        from dynamo.runtime import DistributedRuntime
+
+        self.runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        return KvRouter(self.runtime.endpoint(f"dyn://{ENDPOINT}"), BLOCK, KvRouterConfig())
+
+    def blocks(self) -> dict[int, dict[str, set]]:
+        """Dynamo worker id -> storage tier -> block names, as the router's indexer holds them."""
+        dump = json.loads(self._call(self._dump()))
+        return _tiers(dump if isinstance(dump, list) else [e for g in dump.values() for e in g["events"]])
+
+    def close(self) -> None:
+        try:
+            self._call(self._stop(), 10)
+        except Exception:  # noqa: BLE001 - the bench is over either way
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _dump(self) -> str:
+        return await self.router.dump_events()
+
+    async def _stop(self):
+        self.runtime.shutdown()
+
+
+def _held(view: dict[int, dict[str, set]]) -> dict[int, dict[str, set]]:
+    """The view without empty tiers and workers (a flushed worker holds nothing)."""
+    kept = {w: {t: b for t, b in tiers.items() if b} for w, tiers in view.items()}
+    return {w: tiers for w, tiers in kept.items() if tiers}
+
+
+def _tiers(events: list[dict]) -> dict[int, dict[str, set]]:
+    view: dict[int, dict[str, set]] = {}
+    for entry in events:
+        stored = entry["event"]["data"].get("stored")
+        tier = view.setdefault(entry["worker_id"], {"device": set(), "host_pinned": set()})
+        tier.setdefault(entry["storage_tier"], set()).update(b["block_hash"] for b in stored["blocks"]) \
+            if stored else None
+    return view
+
+
 def run_swarm(cluster: Cluster, args, tokenizer) -> dict:
     histories = [[{"role": "system", "content": system_prompt(a % args.systems)}] for a in range(args.agents)]
-    seen: list[list[int]] = []
-    cached = ideal = errors = 0
+    seen: list[tuple[int | None, list[int]]] = []  # (the worker that served it, prompt + reply)
+    rows: list[dict] = []
+    errors = 0
 
     def turn(a: int, t: int):
         histories[a].append({"role": "user", "content": f"Agent {a}, turn {t}: a customer asks about "
                                                         f"{TOPICS[(a + t) % len(TOPICS)]}. What do I say?"})
         reply = cluster.client.chat.completions.create(model=MODEL, messages=histories[a], max_tokens=args.max_tokens,
-                                                       temperature=0.0)
+                                                       temperature=0.0,
+                                                       extra_body={"nvext": {"extra_fields": ["worker_id"]}})
         return a, reply
 
     order = list(range(args.agents))
@@ -198,14 +279,28 @@ def run_swarm(cluster: Cluster, args, tokenizer) -> dict:
                 tokens = tokenizer.apply_chat_template(histories[a], tokenize=True, add_generation_prompt=True)
                 if not isinstance(tokens, list):
                     tokens = tokens["input_ids"]
-                best = max((_common(tokens, s) for s in seen), default=0)
-                ideal += min(best, len(tokens) - 1) // BLOCK * BLOCK
-                cached += reply.usage.prompt_tokens_details.cached_tokens or 0
+                worker = ((getattr(reply, "nvext", None) or {}).get("worker_id") or {}).get("decode_worker_id")
+                rows.append({"turn": t, "agent": a, "worker": worker,
+                             "ideal": _reusable(tokens, [s for _, s in seen]),
+                             "on_its_worker": _reusable(tokens, [s for w, s in seen if w == worker]),
+                             "cached": reply.usage.prompt_tokens_details.cached_tokens or 0})
                 text = reply.choices[0].message.content or ""
                 histories[a].append({"role": "assistant", "content": text})
-                seen.append(tokens + tokenizer.encode(text, add_special_tokens=False))
+                seen.append((worker, tokens + tokenizer.encode(text, add_special_tokens=False)))
+    cached, ideal = sum(r["cached"] for r in rows), sum(r["ideal"] for r in rows)
+    by_turn = [{k: sum(r[k] for r in rows if r["turn"] == t) for k in ("ideal", "on_its_worker", "cached")}
+               for t in range(args.turns)]
     return {"cached": cached, "ideal": ideal, "share": cached / ideal if ideal else 0.0, "errors": errors,
-            "requests": args.agents * args.turns}
+            "requests": args.agents * args.turns,
+            "routing_loss": sum(r["ideal"] - r["on_its_worker"] for r in rows),
+            "cache_loss": sum(r["on_its_worker"] - r["cached"] for r in rows),
+            "rerouted": sum(r["on_its_worker"] < r["ideal"] for r in rows), "by_turn": by_turn}
+
+
+def _reusable(tokens: list[int], earlier: list[list[int]]) -> int:
+    """Whole blocks of the prompt (its last token always computed) one cache holding `earlier` serves."""
+    best = max((_common(tokens, s) for s in earlier), default=0)
+    return min(best, len(tokens) - 1) // BLOCK * BLOCK
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -220,14 +315,15 @@ def _common(a: list[int], b: list[int]) -> int:
 def check_views(cluster: Cluster) -> dict:
     out = {}
     out["the swarm"] = cluster.views_agree()
-    filler = 0
-    while sum(len(cluster.worker_blocks(i)["host_pinned"]) for i in range(2)) == 0 and filler < 40:
-        filler += 1  # unrelated long prompts fill a pool until blocks are demoted to the tier
+    filler, before = 0, sum(len(cluster.worker_blocks(i)["host_pinned"]) for i in range(2))
+    demoted = before
+    while demoted <= before and filler < 40:
+        filler += 1  # unrelated long prompts fill a pool until more blocks are demoted to the tier
         cluster.client.completions.create(model=MODEL, max_tokens=1, temperature=0.0,
                                           prompt=f"Filler {filler}: " + " ".join(f"w{filler}x{j}" for j in range(400)))
-    demoted = sum(len(cluster.worker_blocks(i)["host_pinned"]) for i in range(2))
-    out["a tier demotion (blocks in the tier)"] = (cluster.views_agree()[0] and demoted > 0,
-                                                     {"tier blocks": demoted, "filler prompts": filler})
+        demoted = sum(len(cluster.worker_blocks(i)["host_pinned"]) for i in range(2))
+    out["a tier demotion (blocks in the tier)"] = (cluster.views_agree()[0] and demoted > before,
+                                                     {"tier blocks": (before, demoted), "filler prompts": filler})
     cluster.worker_blocks(0, flush=True)
     out["a flush of worker 1"] = cluster.views_agree()
     proc = cluster.workers[1]
@@ -253,6 +349,14 @@ def check_views(cluster: Cluster) -> dict:
     return out
 
 
+def report(mode: str, r: dict) -> None:
+    print(f"--router-mode {mode:12s} reuse {r['cached']:6d} / ideal {r['ideal']:6d} tokens = "
+          f"{100 * r['share']:5.1f}%   errors {r['errors']} of {r['requests']}   {r['seconds']} s")
+    print(f"    lost to routing {r['routing_loss']} tokens ({r['rerouted']} requests away from their longest "
+          f"prefix), to the worker's cache {r['cache_loss']}; by turn (ideal / on its worker / cached): "
+          + ", ".join(f"{b['ideal']}/{b['on_its_worker']}/{b['cached']}" for b in r["by_turn"]), flush=True)
+
+
 def main() -> None:
     parser = bench_parser(__doc__, quick="4 agents x 2 turns")
     parser.add_argument("--agents", type=int, default=16)
@@ -263,6 +367,8 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=160, help="each worker's pool (small: the swarm demotes)")
     parser.add_argument("--tier-bytes", type=int, default=256 << 20)
     parser.add_argument("--modes", default="kv,round-robin")
+    parser.add_argument("--router-args", default=ROUTER_ARGS,
+                        help=f"the kv run's extra frontend flags (default {ROUTER_ARGS!r}; '' for Dynamo's defaults)")
     args = parser.parse_args()
     apply_quick(parser, args, agents=4, turns=2)
     from transformers import AutoTokenizer
@@ -271,6 +377,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
     results = {}
+    print(f"{args.agents} agents x {args.turns} turns, {args.systems} shared system prompts, 2 workers of "
+          f"{args.kv_blocks} pool blocks; kv run's frontend flags: {args.router_args or '(Dynamo defaults)'}",
+          flush=True)
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"dynamo-swarm-{mode}-") as tmp:
             cluster = Cluster(mode, Path(tmp), args)
@@ -279,14 +388,14 @@ def main() -> None:
                 start = time.monotonic()
                 results[mode] = run_swarm(cluster, args, tokenizer)
                 results[mode]["seconds"] = round(time.monotonic() - start, 1)
+                report(mode, results[mode])
                 if mode == "kv":
                     results["views"] = check_views(cluster)
             finally:
                 cluster.close()
-    for mode in args.modes.split(","):
-        r = results[mode]
-        print(f"--router-mode {mode:12s} reuse {r['cached']:6d} / ideal {r['ideal']:6d} tokens = "
-              f"{100 * r['share']:5.1f}%   errors {r['errors']} of {r['requests']}   {r['seconds']} s")
+    if "kv" in results and "round-robin" in results:
+        print(f"kv routing reached {100 * results['kv']['share']:.1f}% of ideal reuse against round robin's "
+              f"{100 * results['round-robin']['share']:.1f}% (target >= 95%)")
     for what, (agree, sizes) in results.get("views", {}).items():
         print(f"router's view == workers' caches after {what}: {agree}  {sizes}")
     if args.json:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from radixserve.dynamo.request import engine_request
+from radixserve.engine.kv_events import wire_name
 
 log = logging.getLogger("radixserve.dynamo")
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -77,21 +78,23 @@ class Worker:
     """The handler Dynamo calls for each request: prepare off the engine thread, submit, and
     yield each step's new token ids."""
 
-    def __init__(self, engine, loop):
+    def __init__(self, engine, loop, instance_id: int | None = None):
         self.engine, self.engine_loop = engine, loop
+        self.instance_id = instance_id  # Dynamo's id of this worker (the router's name for it)
 
     async def cache_blocks(self, body: dict) -> dict:
         """The engine's cached blocks as its KV events name them (64-bit), by medium; with
-        {"flush": true} the cache is flushed first (Dynamo's system server: /engine/cache_blocks)."""
+        {"flush": true} the cache is flushed first (Dynamo's system server: /engine/cache_blocks),
+        with the worker's Dynamo instance id."""
         def read(engine) -> dict:
             if body.get("flush"):
                 engine.flush_cache()
             pool, tier = [], []
             for node in engine.cache.nodes():
-                names = [d & 0xFFFF_FFFF_FFFF_FFFF for d in node.digests]
+                names = [wire_name(d, "chained64") for d in node.digests]
                 pool += names if node.blocks else []
                 tier += names if node.slots else []
-            return {"GPU": sorted(pool), "tier": sorted(tier)}
+            return {"worker_id": self.instance_id, "GPU": sorted(pool), "tier": sorted(tier)}
 
         return await asyncio.wrap_future(self.engine_loop.call(read))
 
@@ -156,7 +159,7 @@ async def serve(args: argparse.Namespace) -> None:
                                  zmq_endpoint=engine.kv_events.endpoint, zmq_topic="")
     model_dir = Path(engine.loaded.path)
     name = args.served_model_name or engine.loaded.name
-    worker = Worker(engine, engine_loop)
+    worker = Worker(engine, engine_loop, endpoint.connection_id())
     runtime.register_engine_route("cache_blocks", worker.cache_blocks)
     try:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
