@@ -130,7 +130,7 @@ class KVManager:
     def take_events(self, *followers: Any) -> list[KVEvent]:
         """The cache's block events since the last call, then each follower's (an object with
         events(cache, window): a group followed by difference, engine/kv_events.py)."""
-        events = self.cache.events.take()
+        events = self.cache.event_log.take()
         for follower in followers:
             events += follower.events(self.cache, self.pool.window)
         return events

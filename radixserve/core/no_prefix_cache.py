@@ -23,7 +23,8 @@ class NoPrefixCache:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.events = NoEventLog()
+        self.events = None
+        self.event_log = NoEventLog()
         self.evictions: Counter[str] = Counter()
         self.components: list[CacheComponent] = []
         self._root = RadixNode(-1, None, [], [])

@@ -19,76 +19,31 @@ pool leaves (no child in the pool) leave the pool: least recently used first, wi
 eviction rank that sessions give (demoted, then normal, then protected). A leaving node
 moves to the tier when the tier has room (taking its least valuable entries if the one
 leaving is worth more), else it is dropped with everything below it.
+
+The tree itself holds only the tree: tokens, children, locks, hints and the eviction
+order. What a node's blocks hold is kept by components (core/cache_component.py), each
+with its rule and its integrity check: FullBlocks (core/full_blocks.py) the pool blocks and
+their references, TierSlots (core/tier_slots.py, NoTierSlots without a tier) the second
+tier's copies, and the ones the KV manager registers (sliding-window pages, ...), told of
+every split and every node leaving the pool.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass
 
 from sortedcontainers import SortedSet
 
 from radixserve.core.block_pool import BlockPool
+from radixserve.core.full_blocks import FullBlocks
 from radixserve.core.hashing import chain_hashes, root_hash
-from radixserve.core.kv_events import POOL, TIER, KVEventLog
+from radixserve.core.kv_events import KVEventLog, NoEventLog
+from radixserve.core.radix_node import MatchResult, RadixNode
+from radixserve.core.tier_slots import NoTierSlots, TierSlots
 from radixserve.kv_tier.index import KVCopy, KVTier, TierEntry
 
-RANK_DEMOTED, RANK_NORMAL, RANK_PROTECTED = 0, 1, 2
-
-
-class RadixNode:
-    __slots__ = (
-        "node_id", "parent", "children", "tokens", "blocks", "slots", "window_slots", "digests", "salt", "lock_ref",
-        "last_access", "protect", "demoted", "alive", "sort_key", "ev_count", "anchor", "end_access",
-    )
-
-    def __init__(self, node_id: int, parent: "RadixNode | None", tokens: list[int], blocks: list[int]):
-        self.node_id = node_id
-        self.parent = parent
-        self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.tokens = tokens
-        self.blocks = blocks  # pool block ids; [] when the node is only in the tier
-        self.slots: list[int] = []  # tier slot ids; [] when the node has no tier copy
-        self.window_slots: list[int] = []  # hybrid KV: each tier block's window-page slot (-1: none), or []
-        self.digests: list[int] = []  # chained hash of each block's prefix (tier on)
-        self.salt: str | None = None
-        self.lock_ref = 0
-        self.last_access = 0
-        self.protect = 0  # sessions and pins whose context passes through this node
-        self.demoted = False  # a session moved past this branch: evict it first
-        self.alive = True
-        self.sort_key: tuple[int, int, int] = (RANK_NORMAL, 0, node_id)
-        self.ev_count = 0  # pool blocks this node adds to num_evictable_blocks
-        self.anchor = False  # hybrid KV: a prompt's or a reply's end (where agents resume): keeps its window
-        self.end_access = 0  # when a match or an insert last ended exactly here (0: never)
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def in_pool(self) -> bool:
-        return bool(self.blocks)
-
-    @property
-    def rank(self) -> int:
-        if self.protect > 0:
-            return RANK_PROTECTED
-        return RANK_DEMOTED if self.demoted else RANK_NORMAL
-
-    def __repr__(self) -> str:
-        return f"RadixNode(#{self.node_id}, blocks={self.blocks}, slots={self.slots}, lock={self.lock_ref})"
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The longest cached block-aligned prefix: the pool blocks of its pool part, how many
-    blocks follow them in the tier only (restore() brings those in), and where it ends."""
-
-    blocks: list[int]
-    node: RadixNode
-    num_tier_blocks: int = 0
+__all__ = ["MatchResult", "RadixCache", "RadixNode"]
 
 
 class RadixCache:
@@ -102,34 +57,52 @@ class RadixCache:
         window_tier: KVTier | None = None,
     ):
         self.pool = pool
-        # hybrid KV: tier slots for window pages; a block saved while it has a page keeps it in one
-        # (if one is free), and a restored block has a page only where its window came back
-        self.window_tier = window_tier if tier is not None and pool.window is not None else None
-        self.events = events  # every block stored and removed, medium by medium (KV events)
-        self._digests = tier is not None or events is not None  # nodes name their blocks by chained hash
         self.block_size = block_size
-        self.tier = tier
-        self.write_through = write_through and tier is not None  # every new block gets a tier copy
-        self.record_entries = record_entries and tier is not None  # report slot contents (persistence)
+        self.events = events  # every block stored and removed, medium by medium (KV events; None: off)
+        self.event_log = events if events is not None else NoEventLog()  # where the components write them
+        self._digests = tier is not None or events is not None  # nodes name their blocks by chained hash
+        self.full = FullBlocks(pool, self.event_log)
+        self.tier_slots = (TierSlots(self, tier, write_through, record_entries, window_tier) if tier is not None
+                           else NoTierSlots())
+        self.components: list = []  # the KV manager's cache components (core/cache_component.py)
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self._roots: dict[str | None, RadixNode] = {}
-        # Pool leaves and tier candidates in eviction order: eviction never scans the tree.
+        # Pool leaves in eviction order: eviction never scans the tree.
         self._evictable = SortedSet(key=lambda n: n.sort_key)
-        self._tier_evictable = SortedSet(key=lambda n: n.sort_key)
-        # hybrid KV: those of the tier candidates that hold window slots (what a save may take)
-        self._window_holders = SortedSet(key=lambda n: n.sort_key)
-        self.num_cached_blocks = 0  # pool blocks stored in the tree
-        self.num_evictable_blocks = 0  # of those, blocks in unlocked nodes
-        self.num_tier_blocks = 0  # tier slots held by the tree
+        self.num_evictable_blocks = 0  # of the cached pool blocks, those in unlocked nodes
         self.num_nodes = 0  # excluding roots
         self.evicted_blocks = 0  # cumulative: blocks that left the pool
         self.evictions: Counter[str] = Counter()  # blocks by reason: demoted, dropped, tier_dropped, flushed
-        self.restored_blocks = 0
-        self.tier_hits = 0  # matches that restored at least one block
-        self.copies: list[KVCopy] = []  # tier copies decided since the last take_copies()
-        self.tier_events: list[tuple[str, object]] = []  # ("set", TierEntry) / ("free", slot)
-        self.components: list = []  # the KV manager's cache components (core/cache_component.py)
+
+    # ---- what the components count ------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Pool blocks stored in the tree."""
+        return self.full.num_cached
+
+    @property
+    def num_tier_blocks(self) -> int:
+        """Tier slots held by the tree."""
+        return self.tier_slots.num_blocks
+
+    @property
+    def restored_blocks(self) -> int:
+        return self.tier_slots.restored_blocks
+
+    @property
+    def tier_hits(self) -> int:
+        """Matches that restored at least one block."""
+        return self.tier_slots.tier_hits
+
+    @property
+    def tier(self) -> KVTier | None:
+        return self.tier_slots.tier
+
+    @property
+    def window_tier(self) -> KVTier | None:
+        return self.tier_slots.window_tier
 
     # ---- matching and inserting -----------------------------------------------------
 
@@ -209,12 +182,7 @@ class RadixCache:
         """Hybrid KV: for each block of the match's tier-only tail, in order, whether its
         window page is in the tier too (a restore brings it back; the others come back as
         tombstones)."""
-        path = []
-        node = match.node
-        while not node.is_root and not node.in_pool:
-            path.append(node)
-            node = node.parent
-        return [w >= 0 for n in reversed(path) for w in self._window_slots(n)]
+        return self.tier_slots.tier_windows(self._tier_tail(match))
 
     def restore_windows(self, match: MatchResult) -> list[bool]:
         """Hybrid KV: for each block of the match's tier-only tail, whether a restore gives it a
@@ -224,8 +192,14 @@ class RadixCache:
         first = self.pool.window.first_needed((len(match.blocks) + len(saved)) * self.block_size) - len(match.blocks)
         return [w and i >= first for i, w in enumerate(saved)]
 
-    def _window_slots(self, node: RadixNode) -> list[int]:
-        return node.window_slots or [-1] * len(node.slots)
+    def _tier_tail(self, match: MatchResult) -> list[RadixNode]:
+        """The nodes of the match's tier-only tail, top down."""
+        path = []
+        node = match.node
+        while not node.is_root and not node.in_pool:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
 
     def restore(self, match: MatchResult) -> list[int]:
         """Bring the tier-only tail of a (locked) match into the pool, top down, evicting
@@ -233,11 +207,7 @@ class RadixCache:
         queued in `copies`. Raises MemoryError (nothing restored) if the pool cannot hold it."""
         if not match.num_tier_blocks:
             return list(match.blocks)
-        path = []
-        node = match.node
-        while not node.is_root and not node.in_pool:
-            path.append(node)
-            node = node.parent
+        path = self._tier_tail(match)
         need = sum(self._size(n) for n in path)
         given = self.restore_windows(match) if self.pool.window is not None else []
         pages = sum(given) if self.pool.window is not None else need
@@ -246,24 +216,16 @@ class RadixCache:
         if need > self.pool.num_free_blocks or (self.pool.window is not None and pages > self.pool.window.num_free):
             raise MemoryError(f"restoring {need} blocks ({pages} window pages): only {self.pool.num_free} free")
         blocks = list(match.blocks)
-        for node in reversed(path):
-            if self.pool.window is None:
-                node.blocks = self.pool.allocate(len(node.slots))
-                self.copies.extend(KVCopy(False, b, s) for b, s in zip(node.blocks, node.slots))
-            else:  # a window page only where restore_windows gives one: the others are tombstones
-                windows = self._window_slots(node)
-                mine, given = given[:len(node.slots)], given[len(node.slots):]
-                node.blocks = self.pool.allocate(len(node.slots), mine)
-                page_of = self.pool.window.page_of
-                self.copies.extend(KVCopy(False, b, s, page_of[b], w) if g else KVCopy(False, b, s)
-                                   for b, s, w, g in zip(node.blocks, node.slots, windows, mine))
-            self._stored(node, POOL)
-            self.num_cached_blocks += len(node.blocks)
-            blocks.extend(node.blocks)
+        for node in path:
+            n = self._size(node)
+            mine, given = (given[:n], given[n:]) if self.pool.window is not None else (None, given)
+            # hybrid KV: a window page only where restore_windows gives one: the others are tombstones
+            blocks.extend(self.full.allocate(node, n, mine))
+            self.tier_slots.restored(node, mine)
             self._refresh(node)
             self._refresh(node.parent)
-        self.restored_blocks += need
-        self.tier_hits += 1
+        self.tier_slots.restored_blocks += need
+        self.tier_slots.tier_hits += 1
         return blocks
 
     def insert(self, tokens: list[int], blocks: list[int], salt: str | None = None) -> RadixNode:
@@ -389,57 +351,21 @@ class RadixCache:
         return freed
 
     def take_copies(self) -> list[KVCopy]:
-        copies, self.copies = self.copies, []
-        return copies
+        return self.tier_slots.take_copies()
 
     def take_tier_events(self) -> list[tuple[str, object]]:
-        events, self.tier_events = self.tier_events, []
-        return events
+        return self.tier_slots.take_tier_events()
+
+    def save_windows(self, node: RadixNode) -> None:
+        """Hybrid KV: the path's blocks whose pool block has a page but whose tier copy has
+        none save it (TierSlots.save_windows)."""
+        self.tier_slots.save_windows(node)
 
     # ---- loading a persisted tier ---------------------------------------------------
 
     def load_tier_entries(self, entries: list[TierEntry]) -> list[TierEntry]:
-        """Rebuild tier-only nodes from persisted block entries (before any request runs).
-        An entry is adopted only if its digest chain from its namespace's root checks out
-        and its slot is unused; returns the entries adopted. Hybrid KV: an adopted entry keeps
-        its window slot where that is in range and unused (else it comes back as a tombstone
-        for the window layers: its entry as returned says -1)."""
-        if self.tier is None:
-            return []
-        windows: set[int] = set()
-
-        def window_of(e: TierEntry) -> TierEntry:
-            w = e.window_slot
-            if w < 0 or (self.window_tier is not None and 0 <= w < self.window_tier.num_slots and w not in windows):
-                windows.add(w)
-                return e
-            return TierEntry(e.slot, e.salt, e.parent, e.digest, e.tokens)
-
-        by_parent: dict[tuple[str | None, int], list[TierEntry]] = {}
-        for e in entries:
-            if 0 <= e.slot < self.tier.num_slots and len(e.tokens) == self.block_size:
-                by_parent.setdefault((e.salt, e.parent), []).append(e)
-        adopted: list[TierEntry] = []
-        used: set[int] = set()
-        for salt in {e.salt for e in entries}:
-            root = self._root(salt)
-            stack = [(root, root_hash(salt))]
-            while stack:
-                node, digest = stack.pop()
-                for e in by_parent.get((salt, digest), ()):
-                    key = tuple(e.tokens)
-                    if e.slot in used or key in node.children:
-                        continue
-                    if chain_hashes(digest, list(e.tokens), self.block_size) != [e.digest]:
-                        continue
-                    used.add(e.slot)
-                    e = window_of(e)
-                    adopted.append(e)
-                    stack.append((self._add_tier_leaf(node, e), e.digest))
-        self.tier.take(used)
-        if self.window_tier is not None:
-            self.window_tier.take(windows - {-1})
-        return adopted
+        """Rebuild tier-only nodes from persisted block entries (TierSlots.load)."""
+        return self.tier_slots.load(entries)
 
     # ---- reading the tree -----------------------------------------------------------
 
@@ -461,46 +387,31 @@ class RadixCache:
         return [s for node in self.nodes() for s in node.slots]
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the counters, the eviction sets, the block locations or
-        the tier's slots disagree with the tree."""
-        cached = evictable = nodes = tier_blocks = 0
-        want_evictable, want_tier = set(), set()
+        """Raise AssertionError if the counters, the eviction set or the block locations
+        disagree with the tree; then each component's own check."""
+        evictable, want_evictable, nodes = 0, set(), []
         stack = [(root, 0) for root in self._roots.values()]
         while stack:
             node, parent_lock = stack.pop()
             if not node.is_root:
-                nodes += 1
-                cached += len(node.blocks)
-                tier_blocks += len(node.slots)
+                nodes.append(node)
                 self._check_node(node, parent_lock)
                 if node.lock_ref == 0:
                     evictable += len(node.blocks)
                 if self._pool_evictable(node):
                     want_evictable.add(node.node_id)
-                if self._tier_candidate(node):
-                    want_tier.add(node.node_id)
             lock = node.lock_ref if not node.is_root else float("inf")
             stack.extend((c, lock) for c in node.children.values())
+        cached, tier_blocks = sum(len(n.blocks) for n in nodes), sum(len(n.slots) for n in nodes)
         counters = (self.num_cached_blocks, self.num_evictable_blocks, self.num_nodes, self.num_tier_blocks)
-        if counters != (cached, evictable, nodes, tier_blocks):
-            raise AssertionError(
-                f"counters (cached, evictable, nodes, tier) = {counters}, tree says {(cached, evictable, nodes, tier_blocks)}"
-            )
+        if counters != (cached, evictable, len(nodes), tier_blocks):
+            raise AssertionError(f"counters (cached, evictable, nodes, tier) = {counters}, "
+                                 f"tree says {(cached, evictable, len(nodes), tier_blocks)}")
         got = {n.node_id for n in self._evictable}
         if got != want_evictable:
             raise AssertionError(f"evictable set {sorted(got)} != unlocked pool leaves {sorted(want_evictable)}")
-        got_tier = {n.node_id for n in self._tier_evictable}
-        if got_tier != want_tier:
-            raise AssertionError(f"tier eviction set {sorted(got_tier)} != candidates {sorted(want_tier)}")
-        holders = {n.node_id for n in self._window_holders}
-        if holders != {n.node_id for n in self._tier_evictable if _holds_window(n)}:
-            raise AssertionError(f"window holders {sorted(holders)} are not the tier candidates holding windows")
-        if self.tier is not None:
-            self.tier.check_integrity(self.held_slots())
-        if self.window_tier is not None:
-            self.window_tier.check_integrity([w for node in self.nodes() for w in node.window_slots if w >= 0])
-        if self.tier is None and tier_blocks:
-            raise AssertionError("tier slots held without a tier")
+        self.full.check_integrity(nodes)
+        self.tier_slots.check_integrity(nodes)
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -537,17 +448,16 @@ class RadixCache:
         """Cut node after n_blocks; returns the new upper part (which keeps node's key)."""
         bs = self.block_size
         parent = node.parent
-        upper = RadixNode(next(self._ids), parent, node.tokens[:n_blocks * bs], node.blocks[:n_blocks])
-        upper.slots = node.slots[:n_blocks]
-        upper.window_slots = node.window_slots[:n_blocks]
+        upper = RadixNode(next(self._ids), parent, node.tokens[:n_blocks * bs], [])
+        self.full.split(upper, node, n_blocks)
+        self.tier_slots.split(upper, node, n_blocks)
+        for c in self.components:
+            c.split(upper, node, n_blocks)
         upper.digests = node.digests[:n_blocks]
         for attr in ("salt", "lock_ref", "last_access", "protect", "demoted"):
             setattr(upper, attr, getattr(node, attr))
         parent.children[tuple(upper.tokens[:bs])] = upper
         node.tokens = node.tokens[n_blocks * bs:]
-        node.blocks = node.blocks[n_blocks:]
-        node.slots = node.slots[n_blocks:]
-        node.window_slots = node.window_slots[n_blocks:]
         node.digests = node.digests[n_blocks:]
         node.parent = upper
         upper.children[tuple(node.tokens[:bs])] = node
@@ -556,8 +466,8 @@ class RadixCache:
         self._refresh(upper)
         return upper
 
-    def _new_node(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
-        node = RadixNode(next(self._ids), parent, list(tokens), list(blocks))
+    def _new_node(self, parent: RadixNode, tokens: list[int], now: int) -> RadixNode:
+        node = RadixNode(next(self._ids), parent, list(tokens), [])
         node.last_access = now
         node.salt = parent.salt
         if self._digests:
@@ -567,33 +477,16 @@ class RadixCache:
         return node
 
     def _add_leaf(self, parent: RadixNode, tokens: list[int], blocks: list[int], now: int) -> RadixNode:
-        leaf = self._new_node(parent, tokens, blocks, now)
-        self.pool.share(blocks)
-        self._stored(leaf, POOL)
-        self.num_cached_blocks += len(blocks)
+        leaf = self._new_node(parent, tokens, now)
+        self.full.store(leaf, blocks)
         self._refresh(leaf)
         self._refresh(parent)
-        if self.write_through and self._make_tier_room(len(blocks), leaf.sort_key):
-            self._save(leaf)
+        self.tier_slots.written_through(leaf)
         return leaf
-
-    def _add_tier_leaf(self, parent: RadixNode, entry: TierEntry) -> RadixNode:
-        node = self._new_node(parent, list(entry.tokens), [], next(self._clock))
-        node.slots = [entry.slot]
-        if self.window_tier is not None:
-            node.window_slots = [entry.window_slot]
-        self._stored(node, TIER)
-        self.num_tier_blocks += 1
-        self._refresh(node)
-        self._refresh(parent)
-        return node
 
     def _adopt(self, node: RadixNode, blocks: list[int]) -> None:
         """A tier-only node gets pool blocks computed by a request (the same tokens)."""
-        self.pool.share(blocks)
-        node.blocks = list(blocks)
-        self._stored(node, POOL)
-        self.num_cached_blocks += len(blocks)
+        self.full.store(node, blocks)
         self._refresh(node)
         self._refresh(node.parent)
 
@@ -601,121 +494,18 @@ class RadixCache:
         """Take an unlocked pool leaf out of the pool: keep it in the tier if it has a copy
         there or the tier makes room for it, else drop it with its subtree."""
         n = len(leaf.blocks)
-        if not leaf.slots and not self._make_tier_room(n, leaf.sort_key):
+        if not leaf.slots and not self.tier_slots.make_room(n, leaf.sort_key):
             return self._drop(leaf, "dropped")
         if not leaf.slots:
-            self._save(leaf)
-        freed = self.pool.free(reversed(leaf.blocks))
-        self._removed(leaf, POOL)
-        self.num_cached_blocks -= n
+            self.tier_slots.save(leaf)
+        freed = self.full.release(leaf)
         self.evicted_blocks += n
         self.evictions["demoted"] += n
-        leaf.blocks = []
+        for c in self.components:
+            c.evicted(leaf)
         self._refresh(leaf)
         self._refresh(leaf.parent)
         return freed
-
-    def _save(self, node: RadixNode) -> None:
-        node.slots = self.tier.allocate(len(node.blocks))
-        self._stored(node, TIER)
-        self.num_tier_blocks += len(node.slots)
-        if self.window_tier is None:
-            self.copies.extend(KVCopy(True, b, s) for b, s in zip(node.blocks, node.slots))
-        else:  # the pages of the window before the node's end (where a later match stops) go too, while a
-            # window slot is free or can be taken from an entry worth less (else the tier copy is a tombstone)
-            window, wt = self.pool.window, self.window_tier
-            end = sum(len(n.tokens) for n in self._path(node))
-            first = window.first_needed(end) - (end - len(node.tokens)) // self.block_size
-            save = [i >= first and window.has_page(b) for i, b in enumerate(node.blocks)]
-            self._make_window_room(sum(save), node)
-            node.window_slots = [wt.allocate(1)[0] if keep and wt.num_free else -1 for keep in save]
-            page_of = window.page_of
-            self.copies.extend(KVCopy(True, b, s, page_of[b] if w >= 0 else -1, w)
-                               for b, s, w in zip(node.blocks, node.slots, node.window_slots))
-        self._record(node)
-        self._refresh(node)
-
-    def save_windows(self, node: RadixNode) -> None:
-        """Hybrid KV: blocks on `node`'s path whose tier copy has no window but whose pool block
-        has a page now (a tombstone healed where a later prompt branches, a window kept at an
-        end) save it in a window slot (while one is free or can be taken from an entry worth
-        less): a tier written through saved each node once, with only its end's window, and a
-        persisted tier is all a restart has. The block is copied again with it (same tokens)."""
-        if self.window_tier is None:
-            return
-        window, wt = self.pool.window, self.window_tier
-        for n in self._path(node):
-            if not n.slots or not n.blocks:
-                continue
-            windows = self._window_slots(n)
-            missing = [i for i, (b, w) in enumerate(zip(n.blocks, windows)) if w < 0 and window.has_page(b)]
-            if not missing:
-                continue
-            self._make_window_room(len(missing), n)
-            windows = list(self._window_slots(n))  # (room never takes n's own)
-            for i in missing[:wt.num_free]:
-                b, windows[i] = n.blocks[i], wt.allocate(1)[0]
-                self.copies.append(KVCopy(True, b, n.slots[i], window.page_of[b], windows[i]))
-            n.window_slots = windows
-            self._record(n)
-            self._refresh(n)
-
-    def _record(self, node: RadixNode) -> None:
-        """Report what the node's tier slots hold (persistence): its entries, set anew."""
-        if not self.record_entries:
-            return
-        parents = [node.parent.digests[-1]] + node.digests[:-1]
-        windows = self._window_slots(node)
-        bs = self.block_size
-        for i, slot in enumerate(node.slots):
-            entry = TierEntry(slot, node.salt, parents[i], node.digests[i], tuple(node.tokens[i * bs:(i + 1) * bs]),
-                              windows[i])
-            self.tier_events.append(("set", entry))
-
-    def _make_window_room(self, n: int, node: RadixNode) -> None:
-        """Hybrid KV: free window slots until n are free (or none is left to take), taking the
-        saved windows of tier entries worth less than `node` (eviction order). Those entries
-        keep their full layers, as tombstones for the window layers. Without this, a tier
-        written through (persistence) would fill its window slots with old windows and save
-        every later block as a tombstone."""
-        wt, holders = self.window_tier, self._window_holders
-        i = 0  # holders in eviction order, past `node` itself (a victim leaves the set)
-        while wt.num_free < n and i < len(holders) and holders[i].sort_key <= node.sort_key:
-            victim = holders[i]
-            if victim is node:
-                i += 1
-                continue
-            wt.free([w for w in victim.window_slots if w >= 0])
-            victim.window_slots = []
-            self._record(victim)
-            self._refresh(victim)
-
-    def _make_tier_room(self, n: int, worth: tuple[int, int, int]) -> bool:
-        """Free tier slots until n are free, taking tier entries that are worth less than
-        `worth` (eviction order); False (nothing more taken) if that is not possible."""
-        if self.tier is None or n > self.tier.num_slots:
-            return False
-        while self.tier.num_free < n:
-            if not self._tier_evictable or self._tier_evictable[0].sort_key > worth:
-                return False
-            victim = self._tier_evictable[0]
-            if victim.in_pool:
-                self._free_slots(victim)  # a clean copy: nothing is lost
-            else:
-                self._drop(victim, "tier_dropped")
-        return True
-
-    def _free_slots(self, node: RadixNode) -> None:
-        self.tier.free(node.slots)
-        if node.window_slots:
-            self.window_tier.free([w for w in node.window_slots if w >= 0])
-            node.window_slots = []
-        self._removed(node, TIER)
-        if self.record_entries:
-            self.tier_events.extend(("free", s) for s in node.slots)
-        self.num_tier_blocks -= len(node.slots)
-        node.slots = []
-        self._refresh(node)
 
     def _drop(self, node: RadixNode, reason: str) -> int:
         """Remove an unlocked node and its whole subtree from both tiers; returns the pool
@@ -723,18 +513,16 @@ class RadixCache:
         freed = 0
         for child in list(node.children.values()):
             freed += self._drop(child, reason)
-        if node.slots:
-            if not node.blocks:
-                self.evictions[reason] += len(node.slots)
-            self._free_slots(node)
+        lost = self.tier_slots.drop(node)
+        if lost:
+            self.evictions[reason] += lost
         if node.blocks:
             n = len(node.blocks)
-            freed += self.pool.free(reversed(node.blocks))
-            self._removed(node, POOL)
-            self.num_cached_blocks -= n
+            freed += self.full.release(node)
             self.evicted_blocks += n
             self.evictions[reason] += n
-            node.blocks = []
+            for c in self.components:
+                c.evicted(node)
         parent = node.parent
         del parent.children[tuple(node.tokens[:self.block_size])]
         node.alive = False
@@ -742,15 +530,6 @@ class RadixCache:
         self._refresh(node)
         self._refresh(parent)
         return freed
-
-    def _stored(self, node: RadixNode, medium: str) -> None:
-        if self.events is not None:
-            parent = None if node.parent.is_root else node.parent.digests[-1]
-            self.events.stored(node.digests, parent, node.tokens, medium, node.salt)
-
-    def _removed(self, node: RadixNode, medium: str) -> None:
-        if self.events is not None:
-            self.events.removed(node.digests, medium)
 
     def _touch(self, node: RadixNode, now: int) -> None:
         node.last_access = now
@@ -760,17 +539,14 @@ class RadixCache:
     def _pool_evictable(self, node: RadixNode) -> bool:
         return node.in_pool and node.lock_ref == 0 and not any(c.blocks for c in node.children.values())
 
-    def _tier_candidate(self, node: RadixNode) -> bool:
-        return bool(node.slots) and (node.in_pool or (not node.children and node.lock_ref == 0))
-
     def _refresh(self, node: RadixNode) -> None:
-        """Recompute node's eviction key, its place in both eviction sets and its share of
-        num_evictable_blocks. Called after anything about the node changes."""
+        """Recompute node's eviction key, its place in the eviction sets (the tree's and the
+        tier's) and its share of num_evictable_blocks. Called after anything about the node
+        changes."""
         if node.is_root:
             return
         self._evictable.discard(node)
-        self._tier_evictable.discard(node)
-        self._window_holders.discard(node)
+        self.tier_slots.discard(node)
         ev = len(node.blocks) if node.alive and node.lock_ref == 0 else 0
         self.num_evictable_blocks += ev - node.ev_count
         node.ev_count = ev
@@ -779,23 +555,16 @@ class RadixCache:
         node.sort_key = (node.rank, node.last_access, node.node_id)
         if self._pool_evictable(node):
             self._evictable.add(node)
-        if self._tier_candidate(node):
-            self._tier_evictable.add(node)
-            if _holds_window(node):
-                self._window_holders.add(node)
+        self.tier_slots.add(node)
 
     def _check_node(self, node: RadixNode, parent_lock: float) -> None:
         size = self._size(node)
         if len(node.tokens) != size * self.block_size or size == 0:
             raise AssertionError(f"{node}: {len(node.tokens)} tokens is not a positive number of blocks")
-        if len(node.window_slots) not in (0, len(node.slots)):
-            raise AssertionError(f"{node}: {len(node.window_slots)} window slots for {len(node.slots)} tier blocks")
-        if len(node.blocks) not in (0, size) or len(node.slots) not in (0, size):
-            raise AssertionError(f"{node}: {size} blocks but {len(node.blocks)} in pool, {len(node.slots)} in tier")
+        self.full.check_node(node, size)
+        self.tier_slots.check_node(node, size)
         if not node.blocks and not node.slots:
             raise AssertionError(f"{node} lives nowhere")
-        if node.blocks and not node.parent.is_root and not node.parent.blocks:
-            raise AssertionError(f"{node} is in the pool but its parent is not")
         if node.lock_ref > parent_lock:
             raise AssertionError(f"{node} locked more than its parent")
         if self._digests and len(node.digests) != size:
@@ -808,8 +577,3 @@ def _within(salt: str | None, namespace: str | None) -> bool:
     if namespace is None:
         return True
     return salt is not None and (salt == namespace or salt.startswith(namespace + "/"))
-
-
-def _holds_window(node: RadixNode) -> bool:
-    """Whether any of the node's tier blocks keeps its window in a window slot (mostly the last)."""
-    return any(w >= 0 for w in reversed(node.window_slots))

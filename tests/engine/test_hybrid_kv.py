@@ -568,13 +568,13 @@ def test_a_save_finds_the_windows_to_take_without_walking_the_tier():
     window = WindowPages(256, 256, window=6, block_size=4)
     pool = BlockPool(256, window)
     cache = RadixCache(pool, 4, KVTier(256), write_through=True, window_tier=KVTier(2))
-    cache._tier_evictable = NoWalk(key=lambda n: n.sort_key)
+    cache.tier_slots.evictable = NoWalk(key=lambda n: n.sort_key)
     nodes = []
     for i in range(51):
         blocks = pool.allocate(4)
         nodes.append(cache.insert([1000 + i] + list(range(15)), blocks))
         pool.free(reversed(blocks))
-    cache._tier_evictable.saving = False
+    cache.tier_slots.evictable.saving = False
     assert [n.window_slots for n in nodes[:50]] == [[]] * 50
     assert sorted(nodes[50].window_slots[2:]) == [0, 1] and cache.window_tier.num_free == 0
     cache.check_integrity()
