@@ -52,5 +52,6 @@ The library (bench/lib/), what the runners share:
     peers          llama.cpp's server (--llama-server / LLAMA_SERVER), the GGUF file of a model
     client         the one SSE client, a streamed completion as the client saw it, Poisson arrivals
     report         tables, ratio lines, bar charts
+    agent_traces   agent traces for speculation: tool loops with JSON arguments, a coding agent, ReAct, chat
     dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants: what single benches run on
 """

@@ -1,11 +1,19 @@
-"""Prompt-lookup speculative decoding on an agent workload whose outputs copy their context.
+"""Speculative decoding on agent workloads: no speculation, prompt lookup and suffix drafting
+(the request's own tokens and the radix tree's stored sequences) on the same requests.
 
+    .venv/bin/python -m bench.bench_speculative --workload agents   # agent traces, batch 1 and 16, all three
     .venv/bin/python -m bench.bench_speculative                # 10 edit tasks, batch 1 and 8, off and on
     .venv/bin/python -m bench.bench_speculative --repeats 3    # the speedup's spread over three runs
     .venv/bin/python -m bench.bench_speculative --quick        # 5 tasks, batch 1 only
     .venv/bin/python -m bench.bench_speculative --workload records   # one-line records, buggy functions
 
 Workloads (chat template, greedy):
+- agents: the agent traces of bench/lib/agent_traces.py, each in turn (tool loops with JSON
+  arguments, a coding agent writing an edited copy of a file it read, a ReAct loop, plain chat
+  as the control), every request in the order agents send it; each engine keeps its own cache,
+  so suffix drafting reads what earlier requests of the same trace said. Prints, per trace and
+  batch, decode tokens/s of each method, the mean accepted length (tokens a verification
+  appends), the ratios against no speculation and prompt lookup, and the issue's targets.
 - edits (default): an agent's file edits, the file shown as a tool would show it (fenced,
   formatted the way the model writes it) and the whole file asked back with one change: a
   JSON record with a field changed, a function renamed or fixed, a YAML value changed, a
@@ -28,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from bench.lib.agent_traces import TRACES, trace
 from bench.lib.cli import Figures, apply_quick, bench_parser
 from radixserve import Engine, SamplingParams
 
@@ -135,6 +144,8 @@ def run(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingPa
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.workload == "agents":
+        return agents(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     common = dict(max_num_seqs=16, num_threads=args.num_threads)
     spec = dict(speculative="prompt-lookup", speculative_max_batch=max(args.batches))
@@ -186,6 +197,76 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def agents(args) -> int:
+    """Every agent trace on no speculation, prompt lookup and suffix drafting, batch by batch."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    common = dict(max_num_seqs=16, num_threads=args.num_threads, speculative_max_batch=max(args.batches))
+    if args.k is not None:
+        common["num_speculative_tokens"] = args.k
+    engines = {"off": Engine(args.model, max_num_seqs=16, num_threads=args.num_threads),
+               "prompt-lookup": Engine(args.model, speculative="prompt-lookup", **common),
+               "suffix": Engine(args.model, speculative="suffix", **common)}
+    for engine in engines.values():  # untimed warm-up
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    k = engines["suffix"].config.num_speculative_tokens
+    print(f"speculative decoding on agent traces: off / prompt-lookup / suffix (up to k={k}, draft length "
+          f"adaptive), greedy, max_tokens {args.max_tokens}, model {engines['off'].model_name}, batches {args.batches}")
+    figures, summary = Figures(), {}
+    for name in args.traces:
+        workload = trace(name)
+        print(f"\n### {workload.describe()}")
+        prompts = [engines["off"].apply_chat_template(m) for m in workload.requests]
+        for batch in args.batches:
+            before = {n: e.stats() for n, e in engines.items()}
+            tallies = run(engines, prompts, params, batch)
+            for engine in engines.values():
+                engine.check_integrity()
+            off = tallies["off"]
+            print(f"== {name}, batch {batch}: {sum(len(o.token_ids) for o in off.outputs)} output tokens")
+            for method, tally in tallies.items():
+                after = engines[method].stats()
+                delta = {key: after[key] - before[method][key] for key in
+                         ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_tree_drafts", "steps")}
+                length = (delta["spec_accepted_tokens"] + delta["spec_drafts"]) / max(1, delta["spec_drafts"])
+                equal = sum(a.token_ids == b.token_ids for a, b in zip(off.outputs, tally.outputs))
+                summary[(name, batch, method)] = (tally.rate, length)
+                figures.add(f"{name}, batch {batch}", method, tally.rate, steps=delta["steps"], accepted_length=length,
+                            drafts=delta["spec_drafts"], tree_drafts=delta["spec_tree_drafts"], equal=equal)
+                print(f"   {method:14s} {tally.rate:7.1f} decode tok/s ({tally.rate / off.rate:.2f}x off), "
+                      f"{delta['steps']} steps, {delta['spec_drafts']} drafts ({delta['spec_tree_drafts']} from the "
+                      f"tree), accepted length {length:.2f}, "
+                      f"acceptance {delta['spec_accepted_tokens']}/{delta['spec_draft_tokens']}; "
+                      f"greedy equal to off {equal}/{len(prompts)}")
+            pl, sx = summary[(name, batch, "prompt-lookup")][0], summary[(name, batch, "suffix")][0]
+            print(f"   suffix: {sx / off.rate:.2f}x off, {sx / pl:.2f}x prompt lookup")
+    _targets(summary, args)
+    figures.finish(args, "decode tokens/s: off, prompt lookup, suffix drafting", "decode tokens / s")
+    return 0
+
+
+def _targets(summary: dict, args) -> None:
+    """The issue's targets, from this run's figures."""
+    print("\n== targets (issue 61)")
+    agent = [t for t in args.traces if t != "chat"]
+    if 1 in args.batches and agent:
+        lengths = [summary[(t, 1, "suffix")][1] for t in agent]
+        vs_pl = [summary[(t, 1, "suffix")][0] / summary[(t, 1, "prompt-lookup")][0] for t in agent]
+        vs_off = [summary[(t, 1, "suffix")][0] / summary[(t, 1, "off")][0] for t in agent]
+        for label, values, target in (("mean accepted length", lengths, 3.0), ("decode tok/s vs prompt lookup", vs_pl, 1.5),
+                                      ("decode tok/s vs no speculation", vs_off, 2.5)):
+            mean = sum(values) / len(values)
+            print(f"   batch 1, agent traces, {label}: " + ", ".join(f"{t} {v:.2f}" for t, v in zip(agent, values))
+                  + f"; mean {mean:.2f} (target >= {target}: {'met' if mean >= target else 'not met'})")
+    if 1 in args.batches and "chat" in args.traces:
+        ratio = summary[("chat", 1, "suffix")][0] / summary[("chat", 1, "off")][0]
+        print(f"   batch 1, plain chat, suffix vs no speculation: {ratio:.2f}x (target >= 1.0: "
+              f"{'met' if ratio >= 1.0 else 'not met'})")
+    for batch in (b for b in args.batches if b > 1):
+        ratios = [summary[(t, batch, "suffix")][0] / summary[(t, batch, "off")][0] for t in args.traces]
+        print(f"   batch {batch}, suffix vs no speculation: " + ", ".join(f"{t} {r:.2f}" for t, r in zip(args.traces, ratios))
+              + f"; lowest {min(ratios):.2f} (target >= 0.98: {'met' if min(ratios) >= 0.98 else 'not met'})")
+
+
 WORKLOADS = {"edits": edit_tasks, "records": tasks}
 WORKLOAD_NOTES = {"edits": "files shown fenced and asked back with one change",
                   "records": "one-line JSON record / buggy function asked back changed"}
@@ -194,10 +275,12 @@ WORKLOAD_NOTES = {"edits": "files shown fenced and asked back with one change",
 def _parse_args(argv):
     p = bench_parser(__doc__, quick="5 tasks, batch 1 only")
     p.add_argument("--model", default=None)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="edits")
+    p.add_argument("--workload", choices=sorted(WORKLOADS) + ["agents"], default="edits")
+    p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES),
+                   help="with --workload agents: which agent traces")
     p.add_argument("--tasks", type=int, default=10)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 (agents: 1 16)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: 128 (agents: 96)")
     p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -205,6 +288,10 @@ def _parse_args(argv):
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)
     apply_quick(p, args, tasks=5, batches=[1])
+    if args.batches is None:
+        args.batches = [1, 16] if args.workload == "agents" else [1, 8]
+    if args.max_tokens is None:
+        args.max_tokens = 96 if args.workload == "agents" else 128
     return args
 
 
