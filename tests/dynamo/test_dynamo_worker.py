@@ -126,5 +126,7 @@ def test_what_the_engine_cannot_honour_is_an_error_naming_it(dynamo):
         _ask(dynamo, SYSTEMS[1] + "hello", best_of=2)
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         _ask(dynamo, SYSTEMS[1] + "hello", use_beam_search=True)
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_key"):  # the frontend's own 400
+        _ask(dynamo, SYSTEMS[1] + "hello", prompt_cache_key="agent-7")
     reply, _ = _ask(dynamo, SYSTEMS[1] + "hello")  # the workers serve on
     assert reply.usage.completion_tokens == 4

@@ -1,9 +1,13 @@
 """cache_control on /v1/messages as a retention hint: each mark pins the prefix it ends
-(the conversation rendered up to the marked block) in the request's cache namespace for
-the mark's TTL (5m or 1h), once the request has computed it (at its finish, on the engine
-thread, while its blocks are in the tree). Pins order eviction; they reserve nothing
-(core/sessions.py). An agent marks the same prefixes on every turn: a prefix pinned again
-within a sixteenth of its TTL keeps the pin it has (RecentPins), so pins do not pile up."""
+(the conversation rendered up to the marked block) in the request's cache namespace (its
+API key's: no other key reads or refreshes it) for the mark's TTL (5m or 1h, capped by
+--hint-max-ttl-s as prompt_cache_retention's and agent hints' holds are), once the request
+has computed it (at its finish, on the engine thread, while its blocks are in the tree).
+Pins order eviction; they reserve nothing (core/sessions.py): under pressure a pinned prefix
+leaves the pool after every unpinned entry, demoted to the second tier where there is one
+(and leaves the tier last too), rather than dropped. An agent marks the same prefixes on
+every turn: a prefix pinned again within a sixteenth of its TTL keeps the pin it has
+(RecentPins, a bounded ledger), so pins do not pile up."""
 
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ def pin_hook(pins: list[Pin], cache_salt: str | None, recent: RecentPins) -> Fin
 
     def pin(engine: Any, output: RequestOutput) -> None:
         prompt = output.prompt_token_ids
-        for ttl_s, ids in pins:
+        for ttl_s, ids in capped(pins, engine):
             size = _common_prefix(ids, prompt)
             if size == 0 or not recent.due((cache_salt, size, hash(tuple(prompt[:size]))), ttl_s):
                 continue
@@ -77,6 +81,13 @@ def pin_hook(pins: list[Pin], cache_salt: str | None, recent: RecentPins) -> Fin
                 log.warning("cache_control: the marked prefix could not be pinned", exc_info=True)
 
     return pin
+
+
+def capped(pins: list[Pin], engine: Any) -> list[Pin]:
+    """The pins with each TTL capped by the engine's hint_max_ttl_s (its bound on every hold)."""
+    config = getattr(engine, "config", None)
+    bound = getattr(config, "hint_max_ttl_s", None)
+    return pins if bound is None else [(min(ttl_s, float(bound)), ids) for ttl_s, ids in pins]
 
 
 def chained(*hooks: FinishHook | None) -> FinishHook | None:
