@@ -18,30 +18,30 @@ arrival, moved earlier by latency_sensitivity).
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
-from radixserve.core.no_prefix_cache import NoPrefixCache
-from radixserve.core.radix_cache import RadixCache, RadixNode
+from radixserve.core.radix_node import RadixNode
 from radixserve.core.request import Request
 
 
 class SchedulePolicy:
-    def __init__(self, name: str, cache: RadixCache | NoPrefixCache, starvation_steps: int, fcfs_threshold: int):
+    def __init__(self, name: str, kv: Any, starvation_steps: int, fcfs_threshold: int):
         self.name = name
-        self.cache = cache  # read only: peek_prefix
+        self.kv = kv  # the KV manager (core/kv_manager.py), read only: caching, peek_prefix
         self.starvation_steps = starvation_steps
         self.fcfs_threshold = fcfs_threshold
 
     def order(self, waiting: list[Request]) -> list[Request]:
         starving = [r for r in waiting if r.waited_steps >= self.starvation_steps]
         rest = [r for r in waiting if r.waited_steps < self.starvation_steps] if starving else waiting
-        if not self.cache.caching or self.name == "fcfs" or len(waiting) > self.fcfs_threshold or len(rest) < 2:
+        if not self.kv.caching or self.name == "fcfs" or len(waiting) > self.fcfs_threshold or len(rest) < 2:
             return starving + _by_hints(rest, arrival=True)
         if self.name == "lpm":
             return starving + _by_hints(self._longest_prefix_first(rest), arrival=False)
         return starving + _by_hints(self._dfs_weight(rest), arrival=False)
 
     def _longest_prefix_first(self, requests: list[Request]) -> list[Request]:
-        cached = {id(r): self.cache.peek_prefix(r.token_ids, r.cache_salt)[0] for r in requests}
+        cached = {id(r): self.kv.peek_prefix(r.token_ids, r.cache_salt)[0] for r in requests}
         return sorted(requests, key=lambda r: -cached[id(r)])  # stable: fcfs among equals
 
     def _dfs_weight(self, requests: list[Request]) -> list[Request]:
@@ -51,7 +51,7 @@ class SchedulePolicy:
         roots: list[RadixNode] = []
         unmatched: list[Request] = []
         for r in requests:
-            _, node = self.cache.peek_prefix(r.token_ids, r.cache_salt)
+            _, node = self.kv.peek_prefix(r.token_ids, r.cache_salt)
             if node is None or node.is_root:
                 unmatched.append(r)
                 continue

@@ -61,7 +61,7 @@ class Scheduler:
         self.kv = KVManager(pool, cache, config.block_size, sessions, prefetch,
                             max_chunk_tokens=min(config.chunked_prefill_size, config.max_num_batched_tokens))
         self.policy = SchedulePolicy(
-            config.schedule_policy, self.kv.cache, config.starvation_steps, config.policy_fcfs_threshold
+            config.schedule_policy, self.kv, config.starvation_steps, config.policy_fcfs_threshold
         )
         self.waiting: list[Request] = []
         self.running: list[Request] = []

@@ -654,12 +654,12 @@ class Engine:
             from radixserve.core.kv_events import KVEventLog
             from radixserve.engine.kv_events import KVEventPublisher, WindowGroupEvents, media_names
 
-            window = pool.window
+            window = self.memory_plan.window if self.hybrid else None  # hybrid KV: the window group's
             self.kv_events = KVEventPublisher(
                 cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, block_size=cfg.block_size,
                 media=media_names(bool(cfg.kv_offload_dir or cfg.kv_persist_dir)),
                 hash_scheme=cfg.kv_events_hash, wire_format=cfg.kv_events_format,
-                window=None if window is None else window.window,
+                window=window,
             )
             if window is not None and cfg.kv_events_format == "map":  # the window group (1) by difference
                 self._window_events = WindowGroupEvents(cfg.block_size)
