@@ -11,9 +11,10 @@ it keeps and evicts and its own integrity check:
                                   next, recurrent-layer state snapshots
 
 A registered component sees each request's life through the KVManager (hooks below, all
-no-ops here) and each node's through the tree (split, evicted). A new kind of cached state
+no-ops here) and each node's through the tree (split, evicted). It keeps what it holds per
+node in its own map by node id (or a node field it alone writes). A new kind of cached state
 is one subclass in its own file plus its line in components_for(); the memory planner
-(core/memory_plan.py) gives it its share of the KV bytes.
+(engine/memory_plan.py) gives it its share of the KV bytes.
 """
 
 from __future__ import annotations

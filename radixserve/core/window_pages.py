@@ -15,7 +15,7 @@ A block gets a page when it is allocated and gives it back when it is freed. In 
 its page is dropped ("trimmed", leaving a tombstone) once nobody can read it again: no
 running request has the block in its window (`users`), and the radix tree does not need
 it before a kept end of the cached tree (the last W tokens before it plus `slack` blocks,
-where a later match may stop: kv_manager.py says which ends are kept). A cached prefix is
+where a later match may stop: core/sliding_window.py says which ends are kept). A cached prefix is
 usable only up to a point whose preceding W tokens all still have pages (`valid_prefix`).
 
 Invariants (check_integrity): a page is attached to exactly one live block; free + attached
