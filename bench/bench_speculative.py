@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
 def agents(args) -> int:
     """Every agent trace on no speculation, prompt lookup and suffix drafting, batch by batch."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    common = dict(max_num_seqs=16, num_threads=args.num_threads, speculative_max_batch=max(args.batches))
+    common = dict(max_num_seqs=16, num_threads=args.num_threads)  # speculative_max_batch: the engine's
+    if args.max_batch is not None:
+        common["speculative_max_batch"] = args.max_batch
     if args.k is not None:
         common["num_speculative_tokens"] = args.k
     engines = {"off": Engine(args.model, max_num_seqs=16, num_threads=args.num_threads),
@@ -282,6 +284,8 @@ def _parse_args(argv):
     p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 (agents: 1 16)")
     p.add_argument("--max-tokens", type=int, default=None, help="default: 128 (agents: 96)")
     p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="with --workload agents: speculative_max_batch (default: the engine's)")
     p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each batch size (the speedup's spread)")
