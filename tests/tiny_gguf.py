@@ -54,6 +54,12 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
 
 def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
     names = _GEMMA3 if arch == "gemma3" else _LAYER
+    for layer in range(config.num_hidden_layers):  # per-expert tensors stacked [E, out, in], as llama.cpp stores them
+        for proj, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            parts = [tensors.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+                     for e in range(getattr(config, "num_experts", 0) or 0)]
+            if parts and all(p is not None for p in parts):
+                yield f"blk.{layer}.{stem}.weight", torch.stack(parts)
     for name, t in tensors.items():
         if name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
             continue
@@ -71,8 +77,8 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
             yield f"blk.{layer}.ffn_up_exps.weight", up.contiguous()
         elif rest == "mlp.experts.down_proj":
             yield f"blk.{layer}.ffn_down_exps.weight", t
-        elif ".experts." in rest:  # per-expert checkpoints: mlp.experts.E.gate_proj.weight
-            raise ValueError("write_gguf takes fused expert tensors")
+        elif ".experts." in rest:  # per expert (mlp.experts.E.gate_proj.weight): stacked below
+            continue
         else:
             yield f"blk.{layer}.{names[rest.rpartition('.')[0]]}.{suffix}", t
 

@@ -43,6 +43,11 @@ class CausalLM(nn.Module):
         return {}
 
     @classmethod
+    def gguf_config_fields(cls, metadata: dict) -> dict:
+        """Config fields a GGUF header holds that transformers' reading of it leaves out."""
+        return {}
+
+    @classmethod
     def text_config(cls, config):
         """The config of the text model to run (an image-text model's text tower), or config."""
         return config

@@ -86,9 +86,12 @@ def ensure_converted_gguf(source, cache_dir: str | None = None, float_weights: b
     if _is_converted(target) or (not float_weights and (target / "config.json").is_file()):
         return target
     from radixserve.model.gguf_file import open_gguf
+    from radixserve.model.registry import model_class
 
-    open_gguf(source)  # a corrupt file is refused before anything is converted or cached
-    return convert_gguf(path, target) if float_weights else convert_gguf_metadata(path, target)
+    gguf = open_gguf(source)  # a corrupt file is refused before anything is converted or cached
+    extra = model_class(gguf.family).gguf_config_fields(gguf.header.metadata)
+    return convert_gguf(path, target, config_fields=extra) if float_weights else \
+        convert_gguf_metadata(path, target, config_fields=extra)
 
 
 def _architectures(model_type: str) -> list[str]:
@@ -100,14 +103,15 @@ def _architectures(model_type: str) -> list[str]:
     return [name] if name else []
 
 
-def convert_gguf_metadata(gguf: Path, target: Path) -> Path:
-    """Write `target` with the GGUF's config, tokenizer and generation config only."""
+def convert_gguf_metadata(gguf: Path, target: Path, config_fields: dict | None = None) -> Path:
+    """Write `target` with the GGUF's config (`config_fields` over what transformers reads of
+    it), tokenizer and generation config only."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **(config_fields or {}))
         values = config.to_dict()
         for key in ("quantization_config", "_name_or_path"):
             values.pop(key, None)
@@ -123,19 +127,21 @@ def convert_gguf_metadata(gguf: Path, target: Path) -> Path:
     return target
 
 
-def convert_gguf(gguf: Path, target: Path, source_key: str | None = None) -> Path:
+def convert_gguf(gguf: Path, target: Path, source_key: str | None = None, config_fields: dict | None = None) -> Path:
     """Dequantize `gguf` with transformers and write a safetensors directory at `target`
     (atomically: a concurrent converter's finished directory wins; a stale one is replaced).
     `source_key` (the file's content_key) is recorded in the directory's SOURCE_FILE."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **(config_fields or {}))
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                     dtype=torch.float32)
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config.pop("_name_or_path", None)

@@ -88,6 +88,9 @@ class NativeDecoder:
         """The decoder for these layers (windows: each layer's sliding window, 0 or None for
         full attention), or None where the C path does not apply (another device or dtype,
         sizes the matmul kernel refuses, kernels disabled or not buildable)."""
+        if not all(isinstance(getattr(getattr(layer, "mlp", None), "gate_up_proj", None), nn.Linear)
+                   for layer in layers):
+            return None  # a layer without Llama's dense MLP (a mixture of experts): layer by layer
         params = list(layers.parameters())
         q_size = spec.num_heads * spec.head_dim
         if not (

@@ -36,6 +36,8 @@ FAMILIES = (
     ModelFamily("gemma3", ("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                 ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM",
                 chat_template="gemma3"),
+    ModelFamily("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("silu", "swish"),
+                "radixserve.model.qwen3_moe", "Qwen3MoeForCausalLM"),
     # recurrent hybrids: their recurrent layers' state per request lives in the runner's state pool
     ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), (), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM"),
     ModelFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), (),

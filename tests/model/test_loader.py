@@ -66,7 +66,7 @@ def test_a_gguf_file_is_converted_once_per_path_size_and_mtime(tmp_path, monkeyp
 
     converted = []
 
-    def convert(gguf, target):  # stands in for transformers' 30 s dequantization
+    def convert(gguf, target, **options):  # stands in for transformers' 30 s dequantization
         converted.append(target)
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
