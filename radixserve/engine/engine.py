@@ -455,8 +455,15 @@ class Engine:
             transfer=self.kv_transfer.snapshot(),
             hints=self.hint_stats.snapshot(self.kv.sessions),
             **self._window_stats(usage),
+            **self._recurrent_stats(),
             **self.timings,
         )
+
+    def _recurrent_stats(self) -> dict[str, int]:
+        states = self.runner.states
+        if states is None:
+            return {}
+        return dict(recurrent_state_bytes=states.nbytes, recurrent_request_bytes=states.slot_bytes)
 
     def _window_stats(self, usage: KVUsage) -> dict[str, int]:
         if not usage.window:

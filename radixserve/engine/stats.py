@@ -108,6 +108,9 @@ class EngineStats:
     window_pages_attached: int = 0  # pages holding a block's window-layer KV
     window_pages_trimmed: int = 0  # cumulative: pages dropped from blocks no window reads any more
     window_page_bytes: int = 0  # one page's bytes over the window layers (kv_bytes_per_token: the full layers')
+    # models with recurrent layers (execution/recurrent_state.py); 0 without
+    recurrent_state_bytes: int = 0  # the states' tensors: a slot per request the pool has room for, snapshots
+    recurrent_request_bytes: int = 0  # one request's states, all recurrent layers
 
     @property
     def blocks_used(self) -> int:
@@ -119,7 +122,7 @@ class EngineStats:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("schedule_s", "model_s", "postprocess_s", "cpu", "cache", "tier", "transfer", "hints") or (
-                    f.name.startswith("window_page")):
+                    f.name.startswith(("window_page", "recurrent_"))):
                 continue
             out[f.name] = getattr(self, f.name)
         if self.cache is not None:
@@ -141,6 +144,9 @@ class EngineStats:
         if self.window_pages_total:  # a hybrid KV engine
             out.update(window_pages_total=self.window_pages_total, window_pages_attached=self.window_pages_attached,
                        window_pages_trimmed=self.window_pages_trimmed, window_page_bytes=self.window_page_bytes)
+        if self.recurrent_request_bytes:  # a model with recurrent layers
+            out.update(recurrent_state_bytes=self.recurrent_state_bytes,
+                       recurrent_request_bytes=self.recurrent_request_bytes)
         if self.cpu is not None:
             out.update(cpu_usable_cores=self.cpu.usable_cores, cpu_threads=self.cpu.threads,
                        cpu_others_cores=self.cpu.others_cores, cpu_team_reductions=self.cpu.reductions)

@@ -61,6 +61,9 @@ def test_greedy_equals_transformers_chunked_and_batched(tiny_model_dir, kind):
         assert out.token_ids == hf_greedy(directory, prompt, 12)
     assert mixed > 0
     assert engine.runner.states.slot_bytes == STATE_BYTES[kind]
+    stats = engine.stats()  # room for 8 requests' states (5 ran at once), no snapshot yet
+    assert stats["recurrent_request_bytes"] == STATE_BYTES[kind]
+    assert stats["recurrent_state_bytes"] == 8 * STATE_BYTES[kind]
 
 
 def test_prompt_chunks_longer_than_a_scan_block_equal_transformers(tiny_model_dir):
