@@ -23,6 +23,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_dynamo_swarm    an agent swarm through NVIDIA Dynamo's frontend onto 2 workers: kv vs round-robin reuse
     bench_kv_quant        int8 KV pages: accuracy, capacity and decode step time against float32
     bench_weights         quantized weights: accuracy, speed, memory (llama.cpp beside)
+    bench_moe             a mixture-of-experts model's decode at batch 1 and 8 against llama.cpp on one random-weight GGUF
     bench_hybrid_kv       hybrid KV for sliding-window models: bytes per cached token; a swarm against llama.cpp
     hybrid_swarm_sim      bench_hybrid_kv's swarm on a tiny Gemma 3 and a virtual clock: reuse for a KV budget
     bench_output_path     the server's output path per token, every API, no model
@@ -53,5 +54,5 @@ The library (bench/lib/), what the runners share:
     client         the one SSE client, a streamed completion as the client saw it, Poisson arrivals
     report         tables, ratio lines, bar charts
     agent_traces   agent traces for speculation: tool loops with JSON arguments, a coding agent, ReAct, chat
-    dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants: what single benches run on
+    dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants, moe_gguf: what single benches run on
 """
