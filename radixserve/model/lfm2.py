@@ -19,7 +19,7 @@ from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.causal_lm import CausalLM, _map_weight_name
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from radixserve.model.llama import MLP, Attention
-from radixserve.model.recurrent_step import RecurrentStep
+from radixserve.model.recurrent_step import RecurrentLayers, RecurrentStep
 from radixserve.model.short_conv import ShortConv
 from radixserve.model.spec import ModelSpec
 
@@ -57,7 +57,7 @@ class Lfm2DecoderLayer(nn.Module):
         return x + self.mlp(self.ffn_norm(x))
 
 
-class Lfm2ForCausalLM(CausalLM):
+class Lfm2ForCausalLM(RecurrentLayers, CausalLM):
     recurrent_layer_types = ("conv",)  # layer_types' recurrent kind (its others: full_attention)
 
     @classmethod
@@ -73,17 +73,6 @@ class Lfm2ForCausalLM(CausalLM):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec, max_positions)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.recurrent_step: RecurrentStep | None = None  # set by the runner before every forward
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
-                   plan: AttentionPlan) -> torch.Tensor:
-        step = self.recurrent_step
-        if step is None:
-            raise RuntimeError("an LFM2 step needs its requests' conv states (the runner's RecurrentStatePool)")
-        rope = self.rotary.lookup(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, backend, pool, plan, step)
-        return x
 
     # ---- weights: LFM2's names onto the Llama-style modules (fused q/k/v and gate/up) ----
 

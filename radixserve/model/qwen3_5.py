@@ -25,7 +25,7 @@ from radixserve.model.causal_lm import CausalLM
 from radixserve.model.gated_deltanet import GatedDeltaNet
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from radixserve.model.llama import MLP
-from radixserve.model.recurrent_step import RecurrentStep
+from radixserve.model.recurrent_step import RecurrentLayers, RecurrentStep
 from radixserve.model.spec import ModelSpec
 
 def rotary_dim(config) -> int:
@@ -88,7 +88,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(RecurrentLayers, CausalLM):
     @classmethod
     def text_config(cls, config):
         """Qwen3_5ForConditionalGeneration's text tower (its vision tower is not run)."""
@@ -108,17 +108,6 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(replace(spec, head_dim=rotary_dim(spec.hf_config)), max_positions)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.recurrent_step: RecurrentStep | None = None  # set by the runner before every forward
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
-                   plan: AttentionPlan) -> torch.Tensor:
-        step = self.recurrent_step
-        if step is None:
-            raise RuntimeError("a Qwen3.5 step needs its requests' states (the runner's RecurrentStatePool)")
-        rope = self.rotary.lookup(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, backend, pool, plan, step)
-        return x
 
     # ---- weights -------------------------------------------------------------------------
 

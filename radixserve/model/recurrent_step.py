@@ -41,3 +41,21 @@ class RecurrentStep:
 
     def layer_states(self, layer_index: int) -> tuple[torch.Tensor, ...]:
         return self.states[layer_index]
+
+
+class RecurrentLayers:
+    """The run_layers of a family whose layers take the step's recurrent states besides the KV
+    (LFM2, Qwen3.5): mixed into its CausalLM; the runner sets recurrent_step before each forward."""
+
+    recurrent_step: RecurrentStep | None = None
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend, pool, plan) -> torch.Tensor:
+        step = self.recurrent_step
+        if step is None:
+            raise RuntimeError(f"a {type(self).__name__} step needs its requests' recurrent states "
+                               "(the runner's RecurrentStatePool)")
+        rope = self.rotary.lookup(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, backend, pool, plan, step)
+        return x
+
