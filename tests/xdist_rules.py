@@ -47,6 +47,7 @@ _worker_lock = WorkerLock(os.environ["PYTEST_XDIST_TESTRUNUID"]) if "PYTEST_XDIS
 SHARED_WORKER = {
     "tests/cluster/test_cluster_ray.py": "local Ray",
     "tests/cluster/test_cluster_pd_ray.py": "local Ray",
+    "tests/cluster/test_cluster_kv_events_ray.py": "local Ray",
 }
 
 

@@ -2,9 +2,8 @@
 replicas of the default model publishing their events; a prompt computed on one replica is
 routed back to it by what that replica reports holding (reason kv_prefix), and after a flush
 nothing is held anywhere (reason new); an Anthropic conversation with tools is named too and
-its next turn routed on events. Disaggregated (1 prefill + 1 decode), the ingress follows both
-roles' streams: the prefill choice and the decode choice are made on them. Slow: two engines
-under Ray, twice."""
+its next turn routed on events. (Disaggregated, the ingress's choices on both roles' streams are
+checked on test_cluster_pd_ray.py's cluster.) Slow: two engines under Ray."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)
 
 APP = "radixserve-kv"
 MODEL = "SmolLM2-135M-Instruct"
-PREFILL_DECISIONS = "radixserve_cluster_prefill_routing_decisions_total"
 
 
 def _reasons(url: str, family: str = "radixserve_cluster_routing_decisions_total") -> dict[str, float]:
@@ -77,32 +75,5 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
         follow = httpx.post(url + "/v1/messages", json={**body, "messages": turns}, timeout=120)
         assert follow.status_code == 200 and follow.headers[REPLICA_HEADER] == asked.headers[REPLICA_HEADER]
         assert _reasons(url).get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1  # named: routed on events
-    finally:
-        serve.shutdown()
-
-
-def test_a_disaggregated_ingress_picks_both_roles_on_their_events(local_ray):
-    from radixserve.cluster.app import deploy
-    from radixserve.cluster.options import ClusterOptions, PDOptions
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    engine = {"num_threads": 1, "kv_events_endpoint": "tcp://127.0.0.1:5557"}
-    system = "You are a careful assistant for a cluster of replicas. " * 8
-    try:
-        options = ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name=APP + "-pd",
-                                 pd=PDOptions(local_prefill_tokens=0, transfer_timeout_s=120.0))
-        deploy(engine, ServerOptions(), options, "127.0.0.1", port)
-        deadline = time.monotonic() + 90
-        turn = 0
-        while not (_reasons(url).get("kv_prefix") and _reasons(url, PREFILL_DECISIONS).get("kv_prefix")):
-            assert time.monotonic() < deadline, "the ingress never picked both roles on KV events"
-            body = {"model": MODEL, "max_tokens": 2, "messages": [  # the decode side steps (and publishes)
-                {"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}]}
-            answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=180)
-            assert answer.status_code == 200, answer.text
-            turn += 1
-            time.sleep(1)
-        assert turn >= 2  # the first prompt was cached nowhere
     finally:
         serve.shutdown()

@@ -1,9 +1,10 @@
 """Disaggregated radixserve.cluster on a local Ray: 1 prefill + 1 decode replica of the default
-model, one engine thread each. Greedy output equals one server's; a repeated prefix sends only
+model, one engine thread each, publishing KV events. Greedy output equals one server's; a repeated prefix sends only
 the blocks the decode replica lacks (exact counts from each replica's stats); /health names the
 roles; a prefill replica killed while computing a prompt costs that prompt a retry (or a
 recompute on the decode replica), never its answer; a killed decode replica fails its stream
-with replica_failed; integrity holds on both replicas, each replaced.
+with replica_failed; integrity holds on both replicas, each replaced. The ingress follows both
+roles' KV event streams: the prefill choice and the decode choice are made on them.
 
 Needs the `cluster` extra; to run alone: .venv/bin/pytest tests/cluster/test_cluster_pd_ray.py
 """
@@ -26,8 +27,10 @@ from subprocess_server import free_port  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(600)]
 
 ENGINE = {"num_threads": 1, "num_kv_blocks": 600}
+REPLICA_ENGINE = {**ENGINE, "kv_events_endpoint": "tcp://127.0.0.1:5557"}  # each replica binds its own ports
 APP = "radixserve-pd"
 MODEL = "SmolLM2-135M-Instruct"
+PREFILL_DECISIONS = "radixserve_cluster_prefill_routing_decisions_total"
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -54,7 +57,7 @@ def cluster(single, local_ray) -> str:
     try:
         options = ClusterOptions(prefill_replicas=1, decode_replicas=1, app_name=APP,
                                  pd=PDOptions(local_prefill_tokens=0, transfer_timeout_s=60.0))
-        deploy(ENGINE, ServerOptions(enable_debug_endpoints=True), options, "127.0.0.1", port)
+        deploy(REPLICA_ENGINE, ServerOptions(enable_debug_endpoints=True), options, "127.0.0.1", port)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -122,6 +125,37 @@ def test_roles_greedy_equality_and_exact_blocks(cluster, single):
     picks = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                 if line.startswith("radixserve_cluster_prefill_routing_decisions_total{"))
     assert picks >= 3, [line for line in metrics.splitlines() if "prefill_routing" in line]
+    check_integrity(cluster)
+
+
+def _reasons(url: str, family: str = "radixserve_cluster_routing_decisions_total") -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        if line.startswith(family + "{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_ingress_picks_both_roles_on_their_events(cluster):
+    system = "You are a careful assistant for a cluster of replicas. " * 8  # text no other test sends
+    before = (_reasons(cluster).get("kv_prefix", 0), _reasons(cluster, PREFILL_DECISIONS).get("kv_prefix", 0))
+
+    def both_on_events() -> bool:
+        return (_reasons(cluster).get("kv_prefix", 0) > before[0]
+                and _reasons(cluster, PREFILL_DECISIONS).get("kv_prefix", 0) > before[1])
+
+    deadline = time.monotonic() + 90
+    turn = 0
+    while not both_on_events():
+        assert time.monotonic() < deadline, "the ingress never picked both roles on KV events"
+        body = {"model": MODEL, "max_tokens": 2, "messages": [  # the decode side steps (and publishes)
+            {"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}?"}]}
+        answer = httpx.post(cluster + "/v1/chat/completions", json=body, timeout=180)
+        assert answer.status_code == 200, answer.text
+        turn += 1
+        time.sleep(1)
+    assert turn >= 2  # the first prompt was cached nowhere
     check_integrity(cluster)
 
 
