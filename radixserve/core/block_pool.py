@@ -19,15 +19,19 @@ class BlockPool:
     With `window` (a hybrid KV model's window-layer pages), every allocated block takes a
     window page and a freed one gives its page back; a block can be allocated only while
     both a block and a page are free.
+
+    `snapshots`: a model with recurrent layers keeps this many snapshots of their states
+    beside the blocks (core/recurrent_snapshots.py decides which; 0: none).
     """
 
-    def __init__(self, num_blocks: int, window: WindowPages | None = None):
+    def __init__(self, num_blocks: int, window: WindowPages | None = None, snapshots: int = 0):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self.window = window
+        self.snapshots = snapshots
 
     @property
     def num_free(self) -> int:

@@ -7,8 +7,8 @@ it keeps and evicts and its own integrity check:
     RadixCache ── FullBlocks      full-attention blocks in the pool  (core/full_blocks.py)
                └─ TierSlots       their second-tier copies           (core/tier_slots.py)
     KVManager ─── CacheComponent  the kinds a model adds, registered in core/kv_manager.py's
-                                  components_for(): sliding-window pages (core/sliding_window.py);
-                                  next, recurrent-layer state snapshots
+                                  components_for(): sliding-window pages (core/sliding_window.py),
+                                  recurrent-layer state snapshots (core/recurrent_snapshots.py)
 
 A registered component sees each request's life through the KVManager (hooks below, all
 no-ops here) and each node's through the tree (split, evicted). It keeps what it holds per
@@ -53,6 +53,14 @@ class CacheComponent:
         """Whether what the request's first chunk needs of this state is free (making room if
         it can). `alone`: no other request runs."""
         return True
+
+    def chunk_limit(self, request: "Request", num_tokens: int) -> int:
+        """How many of the `num_tokens` the scheduler would compute for the request next it
+        may (a component whose state is taken between steps stops a chunk where it takes it)."""
+        return num_tokens
+
+    def before_step(self) -> None:
+        """A step is being scheduled: the running requests stand where their computed tokens end."""
 
     def make_room(self, num_blocks: int) -> bool:
         """Make room for `num_blocks` new pool blocks' state; whether there is."""

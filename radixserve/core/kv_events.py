@@ -6,7 +6,8 @@ A block is named by its chained hash (core/hashing.py) and lives in a medium: "p
 KV pool the model reads) or "tier" (the second tier), and in a cache group: FULL (the full
 layers' blocks, all the tree holds) or WINDOW (the window layers' pages of a hybrid model,
 core/window_pages.py: a cached block keeps one only near a node's end, so they come and go
-as windows slide). The first block of a tenant's namespace carries the namespace's salt. A node that moves from the pool to
+as windows slide), or RECURRENT (a model's recurrent-layer state snapshots,
+core/recurrent_snapshots.py: a node keeping one names it by its last block). The first block of a tenant's namespace carries the namespace's salt. A node that moves from the pool to
 the tier is a BlockStored in the tier then a BlockRemoved from the pool; a subscriber that
 applies every event in order holds exactly the blocks the cache holds, medium by medium.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POOL, TIER = "pool", "tier"
-FULL, WINDOW = 0, 1  # cache groups (group_idx on the wire)
+FULL, WINDOW, RECURRENT = 0, 1, 2  # cache groups (group_idx on the wire)
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,14 @@ class KVEventLog:
         self._events: list[KVEvent] = []
 
     def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str,
-               salt: str | None = None) -> None:
+               salt: str | None = None, group: int = FULL) -> None:
         if hashes:
-            self._events.append(BlockStored(list(hashes), parent, list(tokens), medium,
+            self._events.append(BlockStored(list(hashes), parent, list(tokens), medium, group,
                                             salt=salt if parent is None else None))
 
-    def removed(self, hashes: list[int], medium: str) -> None:
+    def removed(self, hashes: list[int], medium: str, group: int = FULL) -> None:
         if hashes:
-            self._events.append(BlockRemoved(list(hashes), medium))
+            self._events.append(BlockRemoved(list(hashes), medium, group))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())
@@ -80,10 +81,10 @@ class NoEventLog(KVEventLog):
     """The log of a cache nobody follows: records nothing (no publisher configured)."""
 
     def stored(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str,
-               salt: str | None = None) -> None:
+               salt: str | None = None, group: int = FULL) -> None:
         pass
 
-    def removed(self, hashes: list[int], medium: str) -> None:
+    def removed(self, hashes: list[int], medium: str, group: int = FULL) -> None:
         pass
 
     def node_stored(self, node, medium: str) -> None:

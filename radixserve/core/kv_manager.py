@@ -4,7 +4,8 @@ The scheduler, the engine, KV transfer (engine/kv_transfer.py) and KV import
 (engine/kv_import.py) reach the pool, the tree and the tier only through it. Behind it: the
 block pool (reference-counted pool blocks), the prefix cache (RadixCache, or NoPrefixCache
 when caching is off: same interface, holds nothing), the cache components a model adds (one
-per kind of cached state beside the full blocks: sliding-window pages today), the sessions
+per kind of cached state beside the full blocks: sliding-window pages, recurrent-state
+snapshots), the sessions
 (eviction hints) and, where the tier is file-backed, its prefetcher (requests whose restore
 would read the disk wait, with status PREFETCHING, until their pages are in). The scheduler
 asks in terms of a request: match and lock its cached prefix, grow its block table, release
@@ -14,7 +15,7 @@ it (its computed blocks go into the cache, its session advances), restore its ti
     engine    ──>           ├─> RadixCache        match, lock, insert, restore, evict
     transfer  ──>           │     ├─ FullBlocks   the pool's blocks     (core/full_blocks.py)
     import    ──>           │     └─ TierSlots    the second tier's     (core/tier_slots.py)
-                            ├─> components        SlidingWindow, ...    (components_for below)
+                            ├─> components        SlidingWindow, RecurrentSnapshots (components_for)
                             ├─> SessionTable      expire, advance
                             └─> TierPrefetch      hold, ready, unhold (kv_tier/, by protocol)
 """
@@ -29,17 +30,21 @@ from radixserve.core.cache_component import CacheComponent
 from radixserve.core.kv_events import KVEvent
 from radixserve.core.no_prefix_cache import NoPrefixCache
 from radixserve.core.radix_cache import MatchResult, RadixCache, RadixNode
+from radixserve.core.recurrent_snapshots import RecurrentSnapshots, SnapshotOp
 from radixserve.core.request import Request
 from radixserve.core.sessions import SessionTable
 from radixserve.core.sliding_window import SlidingWindow
 from radixserve.kv_tier.index import KVCopy, TierEntry
 
 
-def components_for(pool: BlockPool, block_size: int, max_chunk_tokens: int = 0) -> list[CacheComponent]:
+def components_for(pool: BlockPool, block_size: int, max_chunk_tokens: int = 0,
+                   caching: bool = True) -> list[CacheComponent]:
     """The cache components a pool needs beside its full blocks: one line per kind of state."""
     components: list[CacheComponent] = []
     if pool.window is not None:
         components.append(SlidingWindow(pool, block_size, max_chunk_tokens))
+    if pool.snapshots and caching:
+        components.append(RecurrentSnapshots(pool.snapshots, block_size, max_chunk_tokens))
     return components
 
 
@@ -85,6 +90,7 @@ class KVUsage:
     restored_blocks: int
     evictions: dict[str, int] = field(default_factory=dict)
     window: dict[str, int] = field(default_factory=dict)  # hybrid KV: window_pages_{total,attached,trimmed}
+    recurrent: dict[str, int] = field(default_factory=dict)  # recurrent layers: recurrent_snapshot* counters
 
 
 class KVManager:
@@ -99,7 +105,8 @@ class KVManager:
         self.block_size = block_size
         self.sessions = sessions
         self.prefetch = prefetch if cache is not None and prefetch is not None else NoPrefetch()
-        self.components = components if components is not None else components_for(pool, block_size, max_chunk_tokens)
+        self.components = (components if components is not None
+                           else components_for(pool, block_size, max_chunk_tokens, self.cache.caching))
         for c in self.components:
             c.attach(self.cache)
         self.cache.components = self.components
@@ -118,6 +125,20 @@ class KVManager:
     def begin_step(self) -> None:
         if self.sessions is not None:
             self.sessions.expire()
+        for c in self.components:
+            c.before_step()
+
+    def chunk_limit(self, request: Request, num_tokens: int) -> int:
+        """How many of `num_tokens` the request's next chunk may compute (a recurrent model's
+        prompt chunk stops where its state is to be saved)."""
+        for c in self.components:
+            num_tokens = c.chunk_limit(request, num_tokens)
+        return num_tokens
+
+    def take_snapshot_ops(self) -> list[SnapshotOp]:
+        """The recurrent-state snapshot operations queued since the last call, for the runner
+        to apply in order before the step's forward pass."""
+        return [op for c in self.components if isinstance(c, RecurrentSnapshots) for op in c.take_ops()]
 
     def take_copies(self) -> list[KVCopy]:
         """The tier copies decided since the last call, to run in order before anything
@@ -395,9 +416,14 @@ class KVManager:
         pages = {} if window is None else dict(window_pages_total=window.num_pages,
                                                window_pages_attached=window.num_attached,
                                                window_pages_trimmed=window.trimmed)
+        snapshots = next((c for c in self.components if isinstance(c, RecurrentSnapshots)), None)
+        recurrent = {} if snapshots is None else dict(
+            recurrent_snapshots_total=snapshots.capacity, recurrent_snapshots_kept=snapshots.num_kept,
+            recurrent_snapshot_saves=snapshots.saved, recurrent_snapshot_restores=snapshots.restored,
+            recurrent_snapshots_evicted=snapshots.evicted_snapshots)
         return KVUsage(self.pool.num_blocks, self.pool.num_free_blocks, cache.num_cached_blocks,
                        cache.num_evictable_blocks, cache.evicted_blocks, cache.num_nodes, cache.num_tier_blocks,
-                       cache.tier_hits, cache.restored_blocks, dict(cache.evictions), pages)
+                       cache.tier_hits, cache.restored_blocks, dict(cache.evictions), pages, recurrent)
 
     def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
         """Raise AssertionError unless every block reference and node lock is accounted for:

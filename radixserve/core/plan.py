@@ -1,5 +1,6 @@
 """StepPlan: what the scheduler hands the runner for one forward pass: the scheduled chunks
-(a request, the span of its tokens to compute, any draft) and the requests preempted; no tensors."""
+(a request, the span of its tokens to compute, any draft), the requests preempted and the recurrent-state
+snapshot operations to apply first; no tensors."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # a recurrent model's state snapshots to save, restore and drop before the forward pass,
+    # in order (core/recurrent_snapshots.py's SnapshotOp; the runner's RecurrentStatePool applies them)
+    snapshot_ops: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -262,6 +262,15 @@ class RadixCache:
         """Mark the end of the first `num_blocks` blocks of `node`'s path as an anchor (hybrid
         KV: a prompt's or a reply's end, whose window the cache keeps), splitting the node
         there if it ends further on; returns that node (None for 0 blocks)."""
+        n = self.node_at(node, num_blocks)
+        if n is not None:
+            n.anchor = True
+            n.end_access = max(n.end_access, node.end_access)
+        return n
+
+    def node_at(self, node: RadixNode, num_blocks: int) -> RadixNode | None:
+        """The node of `node`'s path that ends after its first `num_blocks` blocks, splitting
+        the node there if it ends further on (None for 0 blocks or past the path's end)."""
         path = self._path(node)
         end = sum(self._size(n) for n in path)
         if not 0 < num_blocks <= end:
@@ -269,11 +278,7 @@ class RadixCache:
         for n in path:  # deepest first
             start = end - self._size(n)
             if start < num_blocks:
-                if num_blocks < end:
-                    n = self._split(n, num_blocks - start)
-                n.anchor = True
-                n.end_access = max(n.end_access, node.end_access)
-                return n
+                return self._split(n, num_blocks - start) if num_blocks < end else n
             end = start
         return None
 

@@ -53,8 +53,7 @@ class Request:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.restored_tokens = 0  # of those, restored from the second KV tier
         self.session_id: str | None = None  # the agent conversation this request continues
-        # Most leading tokens a prefix hit may serve; None: no limit. 0 for a model with recurrent
-        # layers while the cache keeps no state snapshots (their state at a prefix's end is not kept).
+        # Most leading tokens a prefix hit may serve; None: no limit.
         self.reuse_limit: int | None = None
         self.hints: AgentHints = NO_HINTS
         self.cache_node: Any = None

@@ -180,7 +180,7 @@ class Scheduler:
             request = queue[i]
             n = min(request.num_tokens - request.num_computed_tokens, self.config.chunked_prefill_size, budget)
             if request.in_prefill:
-                n = min(n, prefill)
+                n = self.kv.chunk_limit(request, min(n, prefill))
                 if n == 0:  # the prefill budget is spent: it waits for the next step
                     i += 1
                     continue
@@ -236,6 +236,7 @@ class Scheduler:
             self.kv.sessions.holds.refresh(match.node)  # a hit on a held prefix starts its TTL again
         self.kv.adopt_match(request, match)
         request.num_computed_tokens = cached
+        n = self.kv.chunk_limit(request, n)  # a recurrent model's chunk stops where its state is saved
         if not self.kv.grow(request, cached + n):
             raise RuntimeError("admission control admitted a request the pool cannot hold")
         if not request.admitted_once:

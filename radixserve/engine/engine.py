@@ -39,6 +39,7 @@ from radixserve.engine.memory_plan import plan_memory
 from radixserve.core.kv_manager import KVUsage
 from radixserve.core.agent_hints import AgentHints
 from radixserve.core.request import Request
+from radixserve.execution.recurrent_state import model_state_bytes
 from radixserve.execution.runner import ModelRunner
 from radixserve.execution.runner_config import RunnerConfig
 from radixserve.execution.step_trace import StepTrace
@@ -124,11 +125,13 @@ class Engine:
         # the KV pool's element: the model's dtype (auto), or quantized pages (int8, fp8_e4m3)
         self.kv_cache_dtype = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else str(self.dtype).removeprefix("torch.")
         self.hybrid = self._hybrid_kv()
-        self.memory_plan = plan_memory(cfg, self.loaded.spec, self.dtype, self.device, self.hybrid)
+        # a model with recurrent layers keeps snapshots of their states where prefixes end (core/recurrent_snapshots.py)
+        snapshot_bytes = model_state_bytes(self.loaded.model, self.dtype) if cfg.enable_prefix_cache else 0
+        self.memory_plan = plan_memory(cfg, self.loaded.spec, self.dtype, self.device, self.hybrid, snapshot_bytes)
         num_blocks = self.memory_plan.num_blocks
         window = WindowPages(self.memory_plan.num_window_pages, num_blocks, self.memory_plan.window,
                              cfg.block_size) if self.hybrid else None
-        pool = BlockPool(num_blocks, window)
+        pool = BlockPool(num_blocks, window, self.memory_plan.num_snapshots)
         self.tiering = self._build_tiering() if cfg.enable_prefix_cache else Tiering()
         cache = self._build_cache(pool) if cfg.enable_prefix_cache else None
         sessions = SessionTable(cache, cfg.session_ttl_s, max_hold_s=cfg.hint_max_ttl_s) if cache is not None else None
@@ -142,6 +145,8 @@ class Engine:
                                                  device=self.device, dtype=self.dtype)
         self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
                                   stop_token_ids=self.eos_token_ids, window=window)
+        if self.runner.states is not None:
+            self.runner.states.max_snapshots = self.memory_plan.num_snapshots
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         if cfg.jump_forward:  # constrained requests draft the text their grammar forces
             self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)
@@ -226,8 +231,6 @@ class Engine:
         prepared.admitted = True
         p = prepared
         request = Request(request_id, p.token_ids, p.params, p.max_total_tokens, p.cache_salt, prompt=p.prompt)
-        if self.loaded.spec.recurrent:  # no state of a cached prefix is kept: nothing to hit
-            request.reuse_limit = 0
         request.grammar = p.grammar
         request.session_id = p.session_id
         if p.hints is not None:
@@ -268,6 +271,7 @@ class Engine:
         if not plan.chunks:
             self.timings["schedule_s"] += t1 - t0
             return []
+        plan.snapshot_ops = self.kv.take_snapshot_ops()  # recurrent states: applied before the forward pass
         decode_tokens = sum(c.num_tokens for c in plan.chunks if c.decodes)  # before commit moves them on
         with self.cpu_share.step_team():  # as many threads as the cores other processes leave
             result = self.runner.run(plan)
@@ -455,15 +459,16 @@ class Engine:
             transfer=self.kv_transfer.snapshot(),
             hints=self.hint_stats.snapshot(self.kv.sessions),
             **self._window_stats(usage),
-            **self._recurrent_stats(),
+            **self._recurrent_stats(usage),
             **self.timings,
         )
 
-    def _recurrent_stats(self) -> dict[str, int]:
+    def _recurrent_stats(self, usage: KVUsage) -> dict[str, int]:
         states = self.runner.states
         if states is None:
             return {}
-        return dict(recurrent_state_bytes=states.nbytes, recurrent_request_bytes=states.slot_bytes)
+        return dict(recurrent_state_bytes=states.nbytes, recurrent_request_bytes=states.slot_bytes,
+                    **usage.recurrent)
 
     def _window_stats(self, usage: KVUsage) -> dict[str, int]:
         if not usage.window:

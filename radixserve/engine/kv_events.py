@@ -19,7 +19,8 @@ still buffered from `start` on, then [b"", -1 (8 bytes, signed), b""].
 
 Cache groups (group_idx, one per kind of cached state): 0 the full-attention blocks
 ("full_attention"), 1 a hybrid model's window pages ("sliding_window", with its window in
-kv_cache_spec_sliding_window); recurrent states will take the next. extra_keys: per block,
+kv_cache_spec_sliding_window), 2 a recurrent model's state snapshots ("mamba": a node's
+last block, where the cache keeps the state at its end, core/recurrent_snapshots.py). extra_keys: per block,
 null, except a tenant namespace's first block: [salt] (its cache salt, as vLLM puts
 cache_salt there). Hashes (`hash_scheme`): "chained": the cache's own chained xxh3-128
 (core/hashing.py) as 16 big-endian bytes; "chained64": its low 64 bits as an integer (what
@@ -47,12 +48,12 @@ import zmq
 
 from radixserve.config import KV_EVENT_FORMATS as WIRE_FORMATS
 from radixserve.config import KV_EVENT_HASHES as HASH_SCHEMES
-from radixserve.core.kv_events import FULL, POOL, TIER, WINDOW, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from radixserve.core.kv_events import FULL, POOL, RECURRENT, TIER, WINDOW, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-GROUP_KINDS = {FULL: "full_attention", WINDOW: "sliding_window"}
+GROUP_KINDS = {FULL: "full_attention", WINDOW: "sliding_window", RECURRENT: "mamba"}
 
 # The published field lists, in order; the array form carries each event's first LEGACY fields.
 STORED_FIELDS: list[tuple[str, Any]] = [

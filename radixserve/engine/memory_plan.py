@@ -2,8 +2,8 @@
 
 A model's cached state comes in kinds (core/cache_component.py), each with its own unit:
 a full-attention block (block_size tokens of every full layer), a window page (the same
-tokens of every sliding-window layer, hybrid KV), and next a recurrent-state snapshot
-slot. The planner takes the budget (kv_cache_memory, else a share of what the device has
+tokens of every sliding-window layer, hybrid KV), and a recurrent-state snapshot (one
+request's states over every recurrent layer, core/recurrent_snapshots.py). The planner takes the budget (kv_cache_memory, else a share of what the device has
 free) and splits it among the kinds the model needs:
 
     full only        blocks = budget // block_bytes
@@ -11,14 +11,17 @@ free) and splits it among the kinds the model needs:
                      but never fewer pages than one request's window plus its largest chunk
                      (those first, blocks in what is left)
 
+    recurrent        snapshots = RECURRENT_SHARE * budget // snapshot_bytes first, the rest as above
+
 With num_kv_blocks the block count is given and nothing is split (window pages still
-follow the ratio, at least the least).
+follow the ratio, at least the least; snapshots: one per SNAPSHOT_BLOCKS blocks, at least
+MIN_SNAPSHOTS).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +31,8 @@ from radixserve.model.spec import ModelSpec
 
 CPU_KV_BYTES_CAP = 2 << 30
 GPU_MEMORY_SHARE = 0.85
+RECURRENT_SHARE = 0.25  # of the budget, for recurrent-state snapshots (a model with recurrent layers)
+SNAPSHOT_BLOCKS, MIN_SNAPSHOTS = 8, 16
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Share:
 @dataclass(frozen=True)
 class MemoryPlan:
     budget: int | None  # the bytes split (None: num_kv_blocks gave the count)
-    shares: dict[str, Share] = field(default_factory=dict)  # "full", "window" (hybrid KV)
+    shares: dict[str, Share] = field(default_factory=dict)  # "full", "window" (hybrid KV), "recurrent"
     window: int = 0  # hybrid KV: the longest layer window, in tokens
 
     @property
@@ -55,6 +60,10 @@ class MemoryPlan:
     @property
     def num_window_pages(self) -> int:
         return self.shares["window"].count if "window" in self.shares else 0
+
+    @property
+    def num_snapshots(self) -> int:
+        return self.shares["recurrent"].count if "recurrent" in self.shares else 0
 
     @property
     def window_ratio(self) -> float:
@@ -92,11 +101,25 @@ def split_budget(budget: int | None, layer_block_bytes: int, num_layers: int, wi
 
 
 def plan_memory(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                hybrid: bool) -> MemoryPlan:
+                hybrid: bool, snapshot_bytes: int = 0) -> MemoryPlan:
     """The engine's plan: its model's kinds of KV state in num_kv_blocks, or in
-    kv_cache_memory (else a share of the device's free memory)."""
-    layer = KVPool.bytes_per_block(1, cfg.block_size, spec.num_kv_heads, spec.head_dim, dtype, cfg.kv_cache_dtype)
+    kv_cache_memory (else a share of the device's free memory). `snapshot_bytes`: one
+    recurrent-state snapshot (a model with recurrent layers and the prefix cache on), whose
+    share comes off the budget first."""
     budget = None if cfg.num_kv_blocks else kv_budget(cfg.kv_cache_memory, device)
+    if not snapshot_bytes:
+        return _plan_kv(cfg, spec, dtype, budget, hybrid)
+    if budget is None:
+        count = max(MIN_SNAPSHOTS, cfg.num_kv_blocks // SNAPSHOT_BLOCKS)
+        plan = _plan_kv(cfg, spec, dtype, None, hybrid)
+    else:
+        count = int(budget * RECURRENT_SHARE) // snapshot_bytes
+        plan = replace(_plan_kv(cfg, spec, dtype, budget - count * snapshot_bytes, hybrid), budget=budget)
+    return replace(plan, shares={**plan.shares, "recurrent": Share(count, snapshot_bytes)})
+
+
+def _plan_kv(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, budget: int | None, hybrid: bool) -> MemoryPlan:
+    layer = KVPool.bytes_per_block(1, cfg.block_size, spec.num_kv_heads, spec.head_dim, dtype, cfg.kv_cache_dtype)
     if not hybrid:
         return split_budget(budget, layer, spec.num_layers, num_blocks=cfg.num_kv_blocks)
     window = max(spec.layer_windows)

@@ -111,6 +111,11 @@ class EngineStats:
     # models with recurrent layers (execution/recurrent_state.py); 0 without
     recurrent_state_bytes: int = 0  # the states' tensors: a slot per request the pool has room for, snapshots
     recurrent_request_bytes: int = 0  # one request's states, all recurrent layers
+    recurrent_snapshots_total: int = 0  # room for the cache's snapshots of them (core/recurrent_snapshots.py)
+    recurrent_snapshots_kept: int = 0  # snapshots tree nodes keep now
+    recurrent_snapshot_saves: int = 0  # cumulative: states saved
+    recurrent_snapshot_restores: int = 0  # cumulative: requests started from a kept state (prefix hits)
+    recurrent_snapshots_evicted: int = 0  # cumulative: kept snapshots that gave their room to a new one
 
     @property
     def blocks_used(self) -> int:
@@ -145,8 +150,8 @@ class EngineStats:
             out.update(window_pages_total=self.window_pages_total, window_pages_attached=self.window_pages_attached,
                        window_pages_trimmed=self.window_pages_trimmed, window_page_bytes=self.window_page_bytes)
         if self.recurrent_request_bytes:  # a model with recurrent layers
-            out.update(recurrent_state_bytes=self.recurrent_state_bytes,
-                       recurrent_request_bytes=self.recurrent_request_bytes)
+            out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                        if f.name.startswith("recurrent_")})
         if self.cpu is not None:
             out.update(cpu_usable_cores=self.cpu.usable_cores, cpu_threads=self.cpu.threads,
                        cpu_others_cores=self.cpu.others_cores, cpu_team_reductions=self.cpu.reductions)

@@ -14,7 +14,9 @@ draft is verified; `settle` then keeps the state after the accepted tokens only.
 
 Snapshots are states kept by id apart from any request (`save_snapshot`, `restore_snapshot`):
 the tensor half of a prefix cache for these layers, whose other half (which positions to keep,
-which to evict, where a match is cut) belongs to the cache.
+which to evict, where a match is cut) belongs to the cache (core/recurrent_snapshots.py). Its
+operations come with the step's plan and are applied, in order, before the step (`apply`), while
+the slots of requests that left are still held (begin_step frees them after).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.core.plan import ScheduledChunk
+from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, SnapshotOp
 from radixserve.core.request import Request, RequestStatus
 from radixserve.model.recurrent_step import RecurrentStep, Segment, StateShape
 
@@ -52,6 +55,7 @@ class RecurrentStatePool:
         self.snapshots: dict[int, tuple[torch.Tensor, ...]] = {}  # per layer, [snapshot_capacity, ...]
         self.snapshot_capacity = 0
         self.snapshot_positions: dict[int, int] = {}  # saved snapshot -> the token position it stands at
+        self.max_snapshots: int | None = None  # the cache's snapshot ids are below this (room never grows past it)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
@@ -63,8 +67,7 @@ class RecurrentStatePool:
     @property
     def slot_bytes(self) -> int:
         """One request's state, all layers."""
-        return sum(_itemsize(dtype or self.dtype) * _numel(shape)
-                   for shapes in self.shapes.values() for shape, dtype in shapes)
+        return state_bytes(self.shapes, self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +118,25 @@ class RecurrentStatePool:
 
     # ---- snapshots: states kept apart from any request, by id (the cache's to decide) ----
 
+    def apply(self, ops: list[SnapshotOp]) -> None:
+        """The cache's snapshot operations, in the order it queued them (before begin_step)."""
+        for op in ops:
+            if op.kind == SAVE:
+                holder = self.holders.get(op.request.request_id)
+                if holder is None or holder.request is not op.request or holder.position != op.position:
+                    at = "no state" if holder is None else f"a state at token {holder.position}"
+                    raise RuntimeError(f"snapshot {op.snapshot} of request {op.request.request_id!r} at token "
+                                       f"{op.position}: its recurrent layers hold {at}")
+                self.save_snapshot(op.request.request_id, op.snapshot)
+            elif op.kind == RESTORE:
+                if self.restore_snapshot(op.request, op.snapshot) != op.position:
+                    raise RuntimeError(f"snapshot {op.snapshot} stands at token {self.snapshot_positions[op.snapshot]}, "
+                                       f"request {op.request.request_id!r} resumes at {op.position}")
+            elif op.kind == DROP:
+                self.drop_snapshot(op.snapshot)
+            else:
+                raise ValueError(f"unknown snapshot operation {op.kind!r}")
+
     def save_snapshot(self, request_id: str, snapshot: int) -> int:
         """Copy a request's states, as they stand, into snapshot `snapshot` (made room for);
         returns the token position they stand at. Call between steps: before the step that
@@ -150,6 +172,8 @@ class RecurrentStatePool:
         if self.snapshot_capacity >= count:
             return
         capacity = max(count, 2 * self.snapshot_capacity, _INITIAL_SLOTS)
+        if self.max_snapshots is not None:
+            capacity = max(count, min(capacity, self.max_snapshots))
         grown = {}
         for layer, shapes in self.shapes.items():
             tensors = tuple(torch.zeros(capacity, *shape, dtype=dtype or self.dtype, device=self.device)
@@ -204,6 +228,16 @@ class RecurrentStatePool:
         self.states = grown
         self.free.extend(reversed(range(self.capacity, capacity)))
         self.capacity = capacity
+
+
+def state_bytes(shapes: dict[int, tuple[StateShape, ...]], dtype: torch.dtype) -> int:
+    """One request's states over these layers' shapes (a state's own dtype, else `dtype`)."""
+    return sum(_itemsize(d or dtype) * _numel(shape) for layer in shapes.values() for shape, d in layer)
+
+
+def model_state_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """One request's recurrent states in `model` (0: it has no recurrent layers)."""
+    return state_bytes({m.layer_index: m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")}, dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -109,7 +109,7 @@ class ModelRunner:
             extra = [row for _, row, _, _ in prompt_rows]
             logits_indices = torch.cat([logits_indices, self._tensor(extra, torch.int64)])
         attention = self.backend.prepare(batch.meta)  # once per step, read by every layer
-        self._begin_recurrent(chunks, batch)
+        self._begin_recurrent(chunks, batch, plan.snapshot_ops)
         if batch.window_meta is not None:
             attention = GroupPlans(attention, self.backend.prepare(batch.window_meta))
         logits = self.model(batch.input_ids, batch.positions, self.backend, self.pool, attention, logits_indices,
@@ -129,10 +129,12 @@ class ModelRunner:
             result.prompt_logprobs = _score_prompt_tokens(logits[verified:], prompt_rows)
         return result
 
-    def _begin_recurrent(self, chunks: list[ScheduledChunk], batch: PackedBatch) -> None:
+    def _begin_recurrent(self, chunks: list[ScheduledChunk], batch: PackedBatch, ops: list) -> None:
         """A model with recurrent layers reads its requests' states through the step's
-        RecurrentStep (execution/recurrent_state.py)."""
+        RecurrentStep (execution/recurrent_state.py), after the cache's snapshot operations
+        (saves of where requests stood, restores of where admitted ones resume)."""
         if self.states is not None:
+            self.states.apply(ops)
             self.model.recurrent_step = self.states.begin_step(chunks, batch.chunk_starts)
 
     def _settle_recurrent(self, verified: list[tuple[ScheduledChunk, list[int]]]) -> None:

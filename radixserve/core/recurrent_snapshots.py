@@ -1,0 +1,292 @@
+"""RecurrentSnapshots: the cache component for a model's recurrent-layer states (plain Python).
+
+A recurrent layer (a short convolution, Gated DeltaNet) keeps one state per request instead
+of K/V per token; a prefix of cached blocks serves such a model only together with the state
+its recurrent layers held at that prefix's end. This component decides which tree nodes keep
+a snapshot of those states (the state at the node's end, a block boundary) and hands the
+runner the operations on them as ids (`SnapshotOp`): the tensors live in the runner's
+RecurrentStatePool (execution/recurrent_state.py), which applies the queued operations, in
+order, at the start of the next step that runs.
+
+Where snapshots are taken (where agents resume), for each running request:
+  - the end of its prompt's last whole block before the last token (a retry, n > 1, the
+    next question on the same prompt resume there);
+  - every `interval` tokens of a long prompt (chunk boundaries: a later prompt that leaves
+    this one part way recomputes at most one interval);
+  - the end of the tree's match when the match was cut (a branch point: the tree holds the
+    blocks, another request diverged there, the next one to come resumes there);
+  - while it decodes, every block boundary into one rolling snapshot of its own; when it
+    leaves, the last one is kept at its reply's end (the next turn resumes there).
+The scheduler stops a prompt chunk at the next of these positions (`chunk_limit`), so the
+state stands exactly there between two steps.
+
+A match is cut to the deepest node on its path that keeps a snapshot (`usable_blocks`); the
+request then starts from that snapshot (a RESTORE op) instead of from zeros.
+
+Budget: `capacity` snapshots (the memory plan's "recurrent" share). A new one that finds no
+free room takes the place of the least valuable snapshot of an unlocked node: the tokens a
+match ending there would recompute without it (back to the snapshot above it on its path)
+discounted by the log of how long ago it was used; none free and none to take: not taken.
+A node that leaves the pool drops its snapshot.
+
+Integrity: every snapshot id is free, kept by exactly one live pool node, or held by one
+running request (not yet in the tree); held ones belong to running requests only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from radixserve.core.cache_component import CacheComponent
+from radixserve.core.kv_events import POOL, RECURRENT
+from radixserve.core.radix_cache import MatchResult, RadixNode
+from radixserve.core.request import Request
+
+SAVE, RESTORE, DROP = "save", "restore", "drop"
+
+
+@dataclass(frozen=True)
+class SnapshotOp:
+    """SAVE: copy `request`'s states (standing at token `position`) into snapshot `snapshot`;
+    RESTORE: start `request`'s states from it (its next chunk starts at `position`); DROP:
+    forget it."""
+
+    kind: str
+    snapshot: int
+    request: Request | None = None
+    position: int = 0
+
+
+@dataclass
+class _Held:
+    """One running request's snapshot plan: positions still to save, saved ones not yet in
+    the tree, and its rolling reply snapshot (position, id)."""
+
+    request: Request
+    wanted: list[int]
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    rolling: tuple[int, int] | None = None
+
+
+class RecurrentSnapshots(CacheComponent):
+    name = "recurrent"
+
+    def __init__(self, capacity: int, block_size: int, interval: int):
+        self.capacity = capacity
+        self.block_size = block_size
+        self.interval = max(block_size, interval // block_size * block_size)
+        self._free = list(reversed(range(capacity)))
+        self._of_node: dict[int, int] = {}  # node id -> its snapshot (the state at its end)
+        self._node: dict[int, RadixNode] = {}  # snapshot -> its node
+        self._used: dict[int, int] = {}  # snapshot -> recency tick of its last save or restore
+        self._held: dict[int, _Held] = {}  # id(request) -> its plan
+        self._ops: list[SnapshotOp] = []
+        self.saved = self.restored = self.evicted_snapshots = self.refused = 0
+
+    # ---- what the runner reads -----------------------------------------------------
+
+    def take_ops(self) -> list[SnapshotOp]:
+        """The operations queued since the last call, to apply in order before the step."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    @property
+    def num_kept(self) -> int:
+        """Snapshots the tree keeps."""
+        return len(self._node)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    # ---- the tree's side -------------------------------------------------------------
+
+    def evicted(self, node: RadixNode) -> None:
+        snapshot = self._of_node.get(node.node_id)
+        if snapshot is not None:
+            self._unbind(snapshot)
+            self._drop(snapshot)
+
+    # ---- a request's life ------------------------------------------------------------
+
+    def usable_blocks(self, match: MatchResult) -> int:
+        """Up to the deepest node of the match's path that keeps a snapshot (0: none)."""
+        node, end = match.node, len(match.blocks) + match.num_tier_blocks
+        while not node.is_root:
+            if node.node_id in self._of_node:
+                return end
+            end -= len(node.tokens) // self.block_size
+            node = node.parent
+        return 0
+
+    def adopted(self, request: Request, blocks: list[int]) -> None:
+        start = len(blocks) * self.block_size
+        if start:
+            snapshot = self._of_node.get(request.cache_node.node_id)
+            if snapshot is None:
+                raise RuntimeError(f"{request} adopted {start} cached tokens whose recurrent state is not kept")
+            self._ops.append(SnapshotOp(RESTORE, snapshot, request, start))
+            self._used[snapshot] = self.cache.now()
+            self.restored += 1
+        self._held[id(request)] = _Held(request, self._wanted(request, start))
+
+    def chunk_limit(self, request: Request, num_tokens: int) -> int:
+        """A prompt chunk stops at the next position where the request's state is saved."""
+        held = self._held.get(id(request))
+        computed = request.num_computed_tokens
+        nxt = next((p for p in held.wanted if p > computed), None) if held is not None else None
+        return num_tokens if nxt is None else min(num_tokens, nxt - computed)
+
+    def before_step(self) -> None:
+        """Between two steps (the states stand where the requests' computed tokens end):
+        save those due, and put the saved ones the tree now holds the blocks of into it."""
+        for held in self._held.values():
+            self._save_due(held)
+            if held.request.cache_node is not None:
+                self._attach(held, held.request.cache_node)
+
+    def released(self, request: Request, node: RadixNode | None) -> None:
+        held = self._held.pop(id(request), None)
+        if held is None:
+            return
+        self._save_due(held)
+        if held.rolling is not None:
+            held.pending.append(held.rolling)
+            held.rolling = None
+        if node is not None and not node.is_root:
+            self._attach(held, node)
+        for _, snapshot in held.pending:  # past what the tree holds: nobody can resume there
+            self._drop(snapshot)
+
+    def check_integrity(self, refs: list[int], running: list) -> None:
+        held = [s for h in self._held.values() for s in [*(s for _, s in h.pending),
+                                                         *([h.rolling[1]] if h.rolling else [])]]
+        ids = self._free + list(self._node) + held
+        if sorted(ids) != list(range(self.capacity)):
+            raise AssertionError(f"recurrent snapshots: free {self._free}, kept {sorted(self._node)}, "
+                                 f"held {held}: not each of {self.capacity} once")
+        for snapshot, node in self._node.items():
+            if not node.alive or not node.blocks or self._of_node.get(node.node_id) != snapshot:
+                raise AssertionError(f"recurrent snapshot {snapshot} kept by {node}: not a live pool node of it")
+        if len(self._of_node) != len(self._node):
+            raise AssertionError("recurrent snapshots: a node names a snapshot it does not keep")
+        live = {id(r) for r in running}
+        for key, h in self._held.items():
+            if key not in live:
+                raise AssertionError(f"recurrent snapshots held by {h.request}, which is not running")
+            if any(p % self.block_size or p > h.request.num_computed_tokens for p, _ in h.pending):
+                raise AssertionError(f"{h.request}: a held snapshot past its computed tokens or off a block end")
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _wanted(self, request: Request, start: int) -> list[int]:
+        """The positions past `start` where the request's prompt state is saved: chunk
+        boundaries every interval, the tree's match end (a branch point) and the end of the
+        last whole block before its last token."""
+        bs = self.block_size
+        last = (request.num_tokens - 1) // bs * bs
+        tokens = request.token_ids[: request.reusable_prefix_len()]
+        branch = self.cache.peek_prefix(tokens, request.cache_salt)[0] // bs * bs
+        wanted = set(range((start // self.interval + 1) * self.interval, last, self.interval))
+        wanted.update((last, branch))
+        return sorted(p for p in wanted if p > start)
+
+    def _save_due(self, held: _Held) -> None:
+        request = held.request
+        position = request.num_computed_tokens
+        if position in held.wanted:
+            held.wanted.remove(position)
+            snapshot = self._room()
+            if snapshot is not None:
+                self._save(request, snapshot, position)
+                held.pending.append((position, snapshot))
+        elif (not request.in_prefill and position % self.block_size == 0 and position > 0
+              and (held.rolling is None or held.rolling[0] < position)):
+            snapshot = held.rolling[1] if held.rolling is not None else self._room()
+            if snapshot is not None:
+                self._save(request, snapshot, position)
+                held.rolling = (position, snapshot)
+
+    def _save(self, request: Request, snapshot: int, position: int) -> None:
+        self._ops.append(SnapshotOp(SAVE, snapshot, request, position))
+        self._used[snapshot] = self.cache.now()
+        self.saved += 1
+
+    def _attach(self, held: _Held, node: RadixNode) -> None:
+        """Saved snapshots at or before the end of `node`'s path go into the tree, each at the
+        node ending at its position (split there if need be); one already kept there wins."""
+        if not held.pending:
+            return
+        end = _path_tokens(node)
+        keep = []
+        for position, snapshot in held.pending:
+            if position > end:
+                keep.append((position, snapshot))
+                continue
+            at = self.cache.node_at(node, position // self.block_size)
+            if at is None or at.node_id in self._of_node or not at.blocks:
+                self._drop(snapshot)
+                continue
+            self._of_node[at.node_id] = snapshot
+            self._node[snapshot] = at
+            self._event(at, stored=True)
+        held.pending = keep
+
+    def _room(self) -> int | None:
+        """A free snapshot id, taking the least valuable kept one's place if none is free."""
+        if self._free:
+            return self._free.pop()
+        now = self.cache.now()
+        best, victim = None, None
+        for snapshot, node in self._node.items():
+            if node.lock_ref:
+                continue
+            value = self._saved_tokens(node) / math.log2(now - self._used.get(snapshot, 0) + 2)
+            if best is None or (node.rank, value) < best:
+                best, victim = (node.rank, value), snapshot
+        if victim is None:
+            self.refused += 1
+            return None
+        self._unbind(victim)
+        self._ops.append(SnapshotOp(DROP, victim))
+        self.evicted_snapshots += 1
+        return victim
+
+    def _saved_tokens(self, node: RadixNode) -> int:
+        """Tokens from the snapshot above `node` on its path (or the root) to its end."""
+        tokens, above = len(node.tokens), node.parent
+        while not above.is_root and above.node_id not in self._of_node:
+            tokens += len(above.tokens)
+            above = above.parent
+        return tokens
+
+    def _unbind(self, snapshot: int) -> None:
+        node = self._node.pop(snapshot)
+        del self._of_node[node.node_id]
+        self._event(node, stored=False)
+
+    def _drop(self, snapshot: int) -> None:
+        self._ops.append(SnapshotOp(DROP, snapshot))
+        self._used.pop(snapshot, None)
+        self._free.append(snapshot)
+
+    def _event(self, node: RadixNode, stored: bool) -> None:
+        """The snapshot's node named by its last block (RECURRENT group, in the pool)."""
+        if not node.digests:
+            return
+        log = self.cache.event_log
+        if stored:
+            parent = node.digests[-2] if len(node.digests) > 1 else (
+                None if node.parent.is_root else node.parent.digests[-1])
+            log.stored(node.digests[-1:], parent, node.tokens[-self.block_size:], POOL, node.salt, RECURRENT)
+        else:
+            log.removed(node.digests[-1:], POOL, RECURRENT)
+
+
+def _path_tokens(node: RadixNode) -> int:
+    tokens = 0
+    while not node.is_root:
+        tokens += len(node.tokens)
+        node = node.parent
+    return tokens

@@ -1,0 +1,219 @@
+"""RecurrentSnapshots (core/recurrent_snapshots.py): which tree nodes keep a recurrent-state
+snapshot, where a match is cut, the budget, tenants, and no leaks, on the scheduler with no
+model. The runner's side is played by `TokenStates`: a request's "state" is the tuple of
+tokens it consumed, so a restored snapshot must be exactly the prefix the request resumes
+after, and every chunk must start where its request's state stands."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from radixserve.config import EngineConfig
+from radixserve.core.block_pool import BlockPool
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, RecurrentSnapshots
+from radixserve.core.request import Request, RequestStatus
+from radixserve.core.scheduler import Scheduler
+from radixserve.sampling_params import SamplingParams
+
+BS = 4
+_ids = itertools.count()
+
+
+class TokenStates:
+    """The runner's RecurrentStatePool in plain Python: a state is the tokens consumed."""
+
+    def __init__(self):
+        self.states: dict[str, tuple[int, ...]] = {}
+        self.snapshots: dict[int, tuple[int, ...]] = {}
+
+    def apply(self, ops):
+        for op in ops:
+            if op.kind == SAVE:
+                state = self.states[op.request.request_id]
+                assert len(state) == op.position, (op, len(state))
+                self.snapshots[op.snapshot] = state
+            elif op.kind == RESTORE:
+                self.states[op.request.request_id] = self.snapshots[op.snapshot]
+                assert len(self.snapshots[op.snapshot]) == op.position
+            else:
+                assert op.kind == DROP
+                self.snapshots.pop(op.snapshot, None)
+
+    def run(self, chunk):
+        request = chunk.request
+        state = () if chunk.start == 0 else self.states[request.request_id]
+        assert state == tuple(request.token_ids[: chunk.start]), f"{request} resumes from another prefix"
+        self.states[request.request_id] = tuple(request.token_ids[: chunk.start + chunk.num_tokens])
+
+
+def make(num_blocks=64, snapshots=8, chunk=8, salt_free=True):
+    config = EngineConfig(block_size=BS, chunked_prefill_size=chunk, max_num_batched_tokens=32)
+    pool = BlockPool(num_blocks, snapshots=snapshots)
+    s = Scheduler(config, pool, RadixCache(pool, BS))
+    return s, s.kv.components[0], TokenStates()
+
+
+def add(s, tokens, max_tokens=4, salt=None):
+    r = Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens), len(tokens) + max_tokens, salt)
+    s.add(r)
+    return r
+
+
+def step(s, states, token=7):
+    plan = s.schedule()
+    ops = s.kv.take_snapshot_ops()
+    states.apply(ops)
+    for c in plan.chunks:
+        states.run(c)
+    s.commit(plan)
+    for c in plan.chunks:
+        if c.samples:
+            c.request.token_ids.append(token + c.request.num_tokens)
+            if c.request.num_tokens >= c.request.max_total_tokens:
+                s.finish(c.request, "length")
+    s.check_integrity()
+    return plan, ops
+
+
+def run(s, states, *requests):
+    """Steps until the requests finish; the last entry's ops are those queued at their finish
+    (applied before whatever step comes next)."""
+    log = []
+    while any(r.status is not RequestStatus.FINISHED for r in requests):
+        log.append(step(s, states))
+    ops = s.kv.take_snapshot_ops()
+    states.apply(ops)
+    log.append((None, ops))
+    return log
+
+
+def kept(snaps):
+    """The token positions where the tree keeps a snapshot, sorted."""
+    out = []
+    for node in snaps._node.values():
+        end, n = 0, node
+        while not n.is_root:
+            end += len(n.tokens)
+            n = n.parent
+        out.append(end)
+    return sorted(out)
+
+
+def test_a_prompt_keeps_its_chunk_boundaries_its_end_and_its_replys_end():
+    s, snaps, states = make()
+    assert isinstance(snaps, RecurrentSnapshots)
+    a = add(s, range(100, 121), max_tokens=8)  # 21 tokens: last whole block before the last token ends at 20
+    log = run(s, states, a)
+    starts = [[(c.start, c.num_tokens) for c in plan.chunks] for plan, _ in log[:-1]]
+    assert starts[:3] == [[(0, 8)], [(8, 8)], [(16, 4)]]  # chunks stop at 8 (interval) and 16, then 20
+    assert starts[3] == [(20, 1)]  # the prompt's last token samples
+    saves = [(op.position, op.snapshot) for _, ops in log for op in ops if op.kind == SAVE]
+    assert saves[:3] == [(8, 0), (16, 1), (20, 2)]
+    assert [p for p, snap in saves[3:]] == [24, 28]  # one rolling snapshot while it decodes (28 = 21 + 8 - 1)
+    assert len({snap for _, snap in saves[3:]}) == 1
+    assert kept(snaps) == [8, 16, 20, 28]
+    s.kv.check_integrity([], [])
+
+
+def test_a_match_is_cut_to_the_deepest_kept_state_and_starts_from_it():
+    s, snaps, states = make()
+    prompt = list(range(100, 121))
+    first = add(s, prompt, max_tokens=8)
+    run(s, states, first)
+    again = add(s, prompt)  # a retry: its match (20 tokens) ends where the prompt's state is kept
+    log = run(s, states, again)
+    assert again.cached_tokens == 20
+    assert [(op.kind, op.position) for op in log[0][1]] == [(RESTORE, 20)]
+    turn = add(s, first.token_ids + [1, 2, 3, 4, 5])  # the next turn: prompt + reply + new
+    log = run(s, states, turn)
+    assert turn.cached_tokens == 28  # the reply's end
+    branch = add(s, prompt[:14] + [9] * 10)  # leaves the prompt inside its 4th block: the tree matches 12
+    log = run(s, states, branch)
+    assert branch.cached_tokens == 8  # cut back to the chunk boundary's state
+    # stops at the branch point (12), the chunk boundary (16), the last whole block's end (20)
+    assert [(c.start, c.num_tokens) for plan, _ in log[:-1] for c in plan.chunks][:4] == [(8, 4), (12, 4), (16, 4),
+                                                                                          (20, 4)]
+    assert 12 in kept(snaps)
+    third = add(s, prompt[:14] + [8] * 10)
+    run(s, states, third)
+    assert third.cached_tokens == 12  # the branch point's state: the next one resumes there
+    assert snaps.restored == 4
+    s.kv.check_integrity([], [])
+
+
+def test_tenants_never_resume_from_each_others_states():
+    s, snaps, states = make()
+    prompt = list(range(100, 121))
+    run(s, states, add(s, prompt, salt="tenant-a"))
+    b = add(s, prompt, salt="tenant-b")
+    run(s, states, b)
+    assert b.cached_tokens == 0
+    a = add(s, prompt, salt="tenant-a")
+    run(s, states, a)
+    assert a.cached_tokens == 20
+    assert all(node.salt in ("tenant-a", "tenant-b") for node in snaps._node.values())
+
+
+def test_a_full_budget_gives_the_least_valuable_unlocked_states_room_and_never_a_locked_one():
+    s, snaps, states = make(snapshots=3, chunk=32)
+    run(s, states, add(s, range(100, 113), max_tokens=1))  # keeps 12
+    run(s, states, add(s, range(200, 233), max_tokens=1))  # keeps 32: 32 tokens saved, the more valuable
+    run(s, states, add(s, range(300, 309), max_tokens=1))  # keeps 8
+    assert kept(snaps) == [8, 12, 32]
+    run(s, states, add(s, range(400, 417), max_tokens=1))  # 16: the 8-token one (least saved, oldest tie) goes
+    assert kept(snaps) == [12, 16, 32] and snaps.evicted_snapshots == 1
+    resumed = add(s, list(range(200, 232)) + [1] * 9, max_tokens=20)  # runs from the 32 state, locking it
+    run(s, states, resumed)
+    assert resumed.cached_tokens == 32
+    assert kept(snaps) == [32, 40, 60]  # its prompt's end and its reply's took the unlocked ones' room
+    assert snaps.evicted_snapshots == 3
+    s.kv.check_integrity([], [])
+
+
+def test_a_state_is_not_taken_when_every_kept_one_is_in_use():
+    s, snaps, states = make(snapshots=1, chunk=32)
+    run(s, states, add(s, range(100, 113), max_tokens=1))
+    assert kept(snaps) == [12]
+    resumed = add(s, list(range(100, 112)) + [1] * 9, max_tokens=6)
+    run(s, states, resumed)
+    assert resumed.cached_tokens == 12 and snaps.refused >= 1
+    assert kept(snaps) == [12]
+    s.kv.check_integrity([], [])
+
+
+def test_preemption_keeps_the_states_reached_and_the_request_resumes_from_them():
+    s, snaps, states = make(num_blocks=12, snapshots=8, chunk=8)
+    a = add(s, range(100, 121), max_tokens=12)
+    b = add(s, range(200, 221), max_tokens=12)
+    run(s, states, a, b)
+    assert s.stats.preemptions > 0
+    assert s.stats.cached_prompt_tokens == 0 and snaps.restored > 0  # a preempted one resumed from a kept state
+    s.kv.check_integrity([], [])
+
+
+def test_eviction_and_flush_leave_no_snapshot_held():
+    s, snaps, states = make()
+    for base in (100, 200, 300):
+        run(s, states, add(s, range(base, base + 21), max_tokens=4))
+    assert kept(snaps) == [8, 8, 16, 16, 16, 20, 24, 24] and snaps.evicted_snapshots == 4  # 12 taken, room for 8
+    assert snaps.num_kept == snaps.num_used == 8
+    assert s.kv.cache.evict(4) == 4  # the least recently used path's last 4 blocks leave the pool
+    assert kept(snaps) == [8, 8, 16, 16, 20, 24, 24]  # ... and the state kept at 16 with them
+    s.kv.check_integrity([], [])
+    s.flush_cache()
+    assert snaps.num_used == snaps.num_kept == 0
+    s.kv.check_integrity([], [])
+    ops = s.kv.take_snapshot_ops()
+    states.apply(ops)
+    assert states.snapshots == {}
+
+
+def test_the_integrity_check_catches_a_leaked_or_doubly_kept_snapshot():
+    s, snaps, states = make()
+    run(s, states, add(s, range(100, 121)))
+    snaps._free.pop()  # an id that is neither free nor kept nor held
+    with pytest.raises(AssertionError, match="not each of"):
+        s.kv.check_integrity([], [])

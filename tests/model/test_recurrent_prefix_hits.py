@@ -1,0 +1,99 @@
+"""Prefix hits on models with recurrent layers (LFM2, Qwen3.5): the cache keeps their states
+at prompt ends, reply ends, chunk boundaries and branch points (core/recurrent_snapshots.py),
+the runner restores them (execution/recurrent_state.py), and a second request that resumes
+from one decodes greedy-equal to transformers token for token, with exact hit counts, through
+chunked prefill and preemption; tenants never share states; a flush leaves nothing held."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import Engine, SamplingParams
+from tiny_models import hf_greedy
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+KINDS = ["lfm2", "qwen3_5"]
+
+
+def tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(97) for _ in range(n)]
+
+
+def engine_for(directory, **options):
+    # chunks of 9: snapshots every 8 tokens of a prompt (the chunk boundaries in whole blocks)
+    defaults = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=9, max_num_batched_tokens=32)
+    return Engine(str(directory), **{**defaults, **options})
+
+
+def run(engine, prompts, max_tokens, salt=None):
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), cache_salt=salt) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_resume_from_kept_states_greedy_equal_to_transformers(tiny_model_dir, kind):
+    directory = tiny_model_dir(kind)
+    engine = engine_for(directory)
+    prompt = tokens(41, seed=3)
+    (first,) = run(engine, [prompt], 12)
+    assert first.cached_tokens == 0 and first.token_ids == hf_greedy(directory, prompt, 12)
+    second = [
+        prompt,  # a retry: the prompt's last whole block before its last token ends at 40
+        prompt + first.token_ids[:5],  # part way into the reply: back to the prompt's 40
+        prompt + first.token_ids + tokens(5, seed=4),  # the next turn: the reply's end, 41 + 12 - 1 -> 52
+        prompt[:22] + tokens(10, seed=5),  # leaves the prompt in its 6th block: back to the chunk boundary 16
+    ]
+    outs = run(engine, second, 8)
+    assert [o.cached_tokens for o in outs] == [40, 40, 52, 16]
+    for p, o in zip(second, outs):
+        assert o.token_ids == hf_greedy(directory, p, 8)
+    branch = prompt[:22] + tokens(10, seed=6)
+    (third,) = run(engine, [branch], 8)
+    assert third.cached_tokens == 20  # the branch point the 4th request's recomputation kept
+    assert third.token_ids == hf_greedy(directory, branch, 8)
+    stats = engine.stats()
+    assert stats["recurrent_snapshot_restores"] == 5 and stats["cached_prompt_tokens"] == 40 + 40 + 52 + 16 + 20
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preempted_requests_sharing_a_prefix_resume_from_kept_states(tiny_model_dir, kind):
+    directory = tiny_model_dir(kind)
+    engine = engine_for(directory, num_kv_blocks=24)
+    base = tokens(20, seed=7)
+    prompts = [base + tokens(10, seed=10 + i) for i in range(4)]
+    outs = run(engine, prompts, 16)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["recurrent_snapshot_restores"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(directory, p, 16)
+
+
+def test_tenants_never_resume_from_each_others_states_and_a_flush_leaves_none(tiny_model_dir):
+    directory = tiny_model_dir("qwen3_5")
+    engine = engine_for(directory)
+    prompt = tokens(41, seed=3)
+    (a,) = run(engine, [prompt], 6, salt="tenant-a")
+    (b,) = run(engine, [prompt], 6, salt="tenant-b")
+    (again,) = run(engine, [prompt], 6, salt="tenant-a")
+    assert [a.cached_tokens, b.cached_tokens, again.cached_tokens] == [0, 0, 40]
+    assert a.token_ids == b.token_ids == again.token_ids == hf_greedy(directory, prompt, 6)
+    assert engine.stats()["recurrent_snapshots_kept"] > 0
+    engine.flush_cache()
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats["recurrent_snapshots_kept"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+    snapshots = engine.kv.components[0]
+    assert snapshots.num_used == 0
+    (after,) = run(engine, [prompt], 6, salt="tenant-a")  # the drops run before this one's step
+    assert after.cached_tokens == 0 and after.token_ids == a.token_ids
+    assert set(engine.runner.states.snapshot_positions) == set(snapshots._node) | {
+        op.snapshot for op in snapshots._ops if op.kind == "save"}
