@@ -1,7 +1,8 @@
 """RecurrentStatePool (execution/recurrent_state.py) with ShortConv (model/short_conv.py): a
 sequence split into chunks, singles and segments gives the one-pass output and state; a
 drafted segment settles to the state after its accepted rows; slots are taken and freed by
-request; a chunk that starts where no state is kept is refused."""
+request; a chunk that starts where no state is kept is refused; the cache's snapshot operations
+apply in order, and one that disagrees with where a state stands is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from radixserve.core.plan import ScheduledChunk
+from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, SnapshotOp
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.recurrent_state import RecurrentStatePool
 from radixserve.model.short_conv import ShortConv
@@ -128,3 +130,22 @@ def test_a_snapshot_restored_into_another_request_continues_as_the_saved_one_wou
     pool.drop_snapshot(5)
     with pytest.raises(ValueError, match="no recurrent-state snapshot 5"):
         pool.restore_snapshot(request("c"), 5)
+
+
+def test_the_caches_operations_apply_in_order_and_a_save_off_its_position_is_refused():
+    conv = conv_layer(3)
+    pool = RecurrentStatePool({3: conv.state_shapes()}, torch.float32, torch.device("cpu"))
+    pool.max_snapshots = 2  # the plan's share: the room never grows past it
+    a, b = request("a"), request("b")
+    x = torch.randn(12, C)
+    run(pool, conv, [ScheduledChunk(a, 0, 8)], [x[:8]])
+    # a's state at 8 saved into 1, b restored from it, then 1 dropped: the restore read it first
+    pool.apply([SnapshotOp(SAVE, 1, a, 8), SnapshotOp(RESTORE, 1, b, 8), SnapshotOp(DROP, 1)])
+    assert pool.snapshot_capacity == 2 and pool.snapshot_positions == {}
+    _, out = run(pool, conv, [ScheduledChunk(b, 8, 4)], [x[8:12]])
+    torch.testing.assert_close(out, reference(conv, x)[8:], rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="at token 4: its recurrent layers hold a state at token 8"):
+        pool.apply([SnapshotOp(SAVE, 0, a, 4)])
+    pool.apply([SnapshotOp(SAVE, 0, a, 8)])
+    with pytest.raises(RuntimeError, match="stands at token 8, request 'c' resumes at 12"):
+        pool.apply([SnapshotOp(RESTORE, 0, request("c"), 12)])
