@@ -16,8 +16,10 @@ batch, a low acceptance, rows that cost as much as steps) the request pauses dra
 Constrained requests jump forward instead (on unless `jump_forward` is off, whatever
 `speculative` says): where the grammar forces the next text, `forced(request, k)` (the
 engine's grammar factory) gives its tokens as the draft, verified under the grammar's masks
-in one step; they keep no adaptive length or pause (forced text is accepted whole unless the
-model tokenizes the boundary otherwise, and then verification appends the model's token).
+in one step. Forced text is usually accepted whole; where the model spells it otherwise (the
+boundary, or markers its tokenizer splits differently), verification appends the model's own
+token, and the request's next forced drafts shrink to one past what was accepted and double
+back as they are accepted whole (no pause: forced text is drafted again at each step).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class _DraftState:
     next_pause: int = PAUSE_STEPS
     length: int = FIRST_LENGTH  # draft length for the next step; follows what was accepted
     forced: bool = False  # the draft being verified is the grammar's forced text
+    forced_length: int = 0  # most forced-text tokens to draft next (set at the first forced draft)
     accepts: float = 0.0  # draft tokens accepted
     trials: float = 0.0  # draft tokens judged: the accepted ones and each draft's first rejected one
 
@@ -132,9 +135,9 @@ class PromptLookupDrafter:
     def _propose_forced(self, request: Request, max_tokens: int) -> list[int]:
         if self.forced is None or not _verifiable(request):
             return []
-        draft = self.forced(request, min(max_tokens, MAX_FORCED_TOKENS))
-        if draft:
-            self._states.setdefault(request.request_id, _DraftState()).forced = True
+        state = self._states.setdefault(request.request_id, _DraftState())
+        draft = self.forced(request, min(max_tokens, state.forced_length or MAX_FORCED_TOKENS))
+        state.forced = bool(draft)
         return draft
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
@@ -144,6 +147,7 @@ class PromptLookupDrafter:
             self.stats.forced_drafts += 1
             self.stats.forced_tokens += proposed
             self.stats.forced_accepted += accepted
+            state.forced_length = _forced_length(state.forced_length or MAX_FORCED_TOKENS, proposed, accepted)
             return
         self.stats.drafts += 1
         self.stats.draft_tokens += proposed
@@ -191,3 +195,15 @@ def lookup(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[in
                 return tokens[e + 1:e + 1 + k]
             e -= 1
     return []
+
+
+def _forced_length(length: int, proposed: int, accepted: int) -> int:
+    """The next forced draft's cap after one of `proposed` tokens had `accepted` agree: as
+    drafts follow what was accepted, but kept while forced text is accepted whole (it is
+    usually whole; a short one says nothing about the next). Where the model spells the
+    forced text otherwise token after token (markers its tokenizer splits differently),
+    verification rows would cost a step each for one token: the cap falls to one past what
+    was accepted, and doubles back as whole drafts are accepted."""
+    if accepted == proposed:
+        return min(MAX_FORCED_TOKENS, max(length, 2 * proposed))
+    return accepted + 1
