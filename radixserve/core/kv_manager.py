@@ -135,6 +135,10 @@ class KVManager:
             num_tokens = c.chunk_limit(request, num_tokens)
         return num_tokens
 
+    def snapshot_positions(self) -> dict[int, int]:
+        """Recurrent-state snapshots the runner holds and where each stands (integrity checks)."""
+        return {s: p for c in self.components if isinstance(c, RecurrentSnapshots) for s, p in c.positions().items()}
+
     def take_snapshot_ops(self) -> list[SnapshotOp]:
         """The recurrent-state snapshot operations queued since the last call, for the runner
         to apply in order before the step's forward pass."""

@@ -100,6 +100,19 @@ class RecurrentSnapshots(CacheComponent):
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
+    def positions(self) -> dict[int, int]:
+        """Where each saved snapshot's state stands (kept: its node's end; held: where it was
+        saved), leaving out those a queued operation still changes: what the runner's rows
+        must say once the queue is applied."""
+        out = {snapshot: _path_tokens(node) for snapshot, node in self._node.items()}
+        for held in self._held.values():
+            out.update((snapshot, position) for position, snapshot in held.pending)
+            if held.rolling is not None:
+                out[held.rolling[1]] = held.rolling[0]
+        for op in self._ops:
+            out.pop(op.snapshot, None)
+        return out
+
     # ---- the tree's side -------------------------------------------------------------
 
     def evicted(self, node: RadixNode) -> None:

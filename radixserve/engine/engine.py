@@ -524,8 +524,11 @@ class Engine:
 
     @_one_thread
     def check_integrity(self) -> None:
-        """Raise AssertionError if block accounting is off anywhere."""
+        """Raise AssertionError if block accounting is off anywhere (and a recurrent model's
+        state snapshots disagree with what the cache says they hold)."""
         self.scheduler.check_integrity()
+        if self.runner.states is not None:
+            self.runner.states.check_snapshots(self.kv.snapshot_positions())
 
     @_one_thread
     def flush_cache(self, namespace: str | None = None) -> int:

@@ -165,6 +165,12 @@ class RecurrentStatePool:
         holder.position = self.snapshot_positions[snapshot]
         return holder.position
 
+    def check_snapshots(self, expected: dict[int, int]) -> None:
+        """Raise AssertionError unless each of these snapshots is saved and stands at its position."""
+        wrong = {s: self.snapshot_positions.get(s) for s, p in expected.items() if self.snapshot_positions.get(s) != p}
+        if wrong:
+            raise AssertionError(f"recurrent-state snapshots stand at {wrong}, the cache says {expected}")
+
     def drop_snapshot(self, snapshot: int) -> None:
         self.snapshot_positions.pop(snapshot, None)
 

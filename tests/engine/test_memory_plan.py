@@ -52,3 +52,16 @@ def test_given_blocks_are_not_split_and_too_small_a_budget_is_refused():
         split_budget(16383, 4096, 4)
     with pytest.raises(ValueError, match="less than one request's window"):
         split_budget(8 * 12288, 4096, 4, 3, 32, 9, 0.25)
+
+
+def test_a_recurrent_model_gives_its_state_snapshots_a_quarter_of_the_budget_first():
+    # one snapshot 5,000 bytes: 250,000 // 5,000 = 50 snapshots (250,000 bytes), blocks in the 750,000 left
+    cfg = EngineConfig(block_size=16, kv_cache_memory=1_000_000)
+    plan = plan_memory(cfg, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=5_000)
+    assert plan.shares == {"full": Share(45, 16384), "recurrent": Share(50, 5_000)}  # 45 * 16384 = 737,280
+    assert plan.num_snapshots == 50 and plan.budget == 1_000_000
+    given = EngineConfig(block_size=16, num_kv_blocks=256)  # blocks given: one snapshot per 8 (at least 16)
+    plan = plan_memory(given, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=5_000)
+    assert plan.shares == {"full": Share(256, 16384), "recurrent": Share(32, 5_000)}
+    small = EngineConfig(block_size=16, num_kv_blocks=40)
+    assert plan_memory(small, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=5_000).num_snapshots == 16

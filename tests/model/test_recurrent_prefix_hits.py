@@ -87,6 +87,12 @@ def test_tenants_never_resume_from_each_others_states_and_a_flush_leaves_none(ti
     assert [a.cached_tokens, b.cached_tokens, again.cached_tokens] == [0, 0, 40]
     assert a.token_ids == b.token_ids == again.token_ids == hf_greedy(directory, prompt, 6)
     assert engine.stats()["recurrent_snapshots_kept"] > 0
+    rows = engine.runner.states.snapshot_positions
+    kept = next(iter(engine.kv.snapshot_positions()))
+    rows[kept] += 4  # the runner's row no longer stands where the cache says
+    with pytest.raises(AssertionError, match="recurrent-state snapshots stand at"):
+        engine.check_integrity()
+    rows[kept] -= 4
     engine.flush_cache()
     engine.check_integrity()
     stats = engine.stats()
