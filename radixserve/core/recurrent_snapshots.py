@@ -15,7 +15,8 @@ Where snapshots are taken (where agents resume), for each running request:
     this one part way recomputes at most one interval);
   - the end of the tree's match when the match was cut (a branch point: the tree holds the
     blocks, another request diverged there, the next one to come resumes there);
-  - while it decodes, every block boundary into one rolling snapshot of its own; when it
+  - while it decodes, every block boundary into one rolling snapshot of its own (a boundary a
+    verified draft ran past too: the runner keeps that state for the next step); when it
     leaves, the last one is kept at its reply's end (the next turn resumes there).
 The scheduler stops a prompt chunk at the next of these positions (`chunk_limit`), so the
 state stands exactly there between two steps.
@@ -65,6 +66,8 @@ class _Held:
 
     request: Request
     wanted: list[int]
+    seen: int  # where its computed tokens ended at the last look (before_step, adoption)
+    decoding: bool = False  # it was past its prompt then: the step after was a decode (maybe drafted)
     pending: list[tuple[int, int]] = field(default_factory=list)
     rolling: tuple[int, int] | None = None
 
@@ -142,7 +145,7 @@ class RecurrentSnapshots(CacheComponent):
             self._ops.append(SnapshotOp(RESTORE, snapshot, request, start))
             self._used[snapshot] = self.cache.now()
             self.restored += 1
-        self._held[id(request)] = _Held(request, self._wanted(request, start))
+        self._held[id(request)] = _Held(request, self._wanted(request, start), start)
 
     def chunk_limit(self, request: Request, num_tokens: int) -> int:
         """A prompt chunk stops at the next position where the request's state is saved."""
@@ -214,12 +217,22 @@ class RecurrentSnapshots(CacheComponent):
             if snapshot is not None:
                 self._save(request, snapshot, position)
                 held.pending.append((position, snapshot))
-        elif (not request.in_prefill and position % self.block_size == 0 and position > 0
-              and (held.rolling is None or held.rolling[0] < position)):
-            snapshot = held.rolling[1] if held.rolling is not None else self._room()
-            if snapshot is not None:
-                self._save(request, snapshot, position)
-                held.rolling = (position, snapshot)
+        else:
+            self._save_rolling(held, position)
+        held.seen, held.decoding = position, not request.in_prefill
+
+    def _save_rolling(self, held: _Held, position: int) -> None:
+        """While it decodes: the state at the last block boundary, where it stands or where its
+        last step's accepted draft ran past (the runner keeps that one: RecurrentStatePool.settle)."""
+        boundary = position // self.block_size * self.block_size
+        if held.request.in_prefill or boundary <= 0 or (held.rolling is not None and held.rolling[0] >= boundary):
+            return
+        if boundary < position and not (held.decoding and boundary > held.seen):
+            return  # passed by a prompt chunk, or steps ago: no state of it is left
+        snapshot = held.rolling[1] if held.rolling is not None else self._room()
+        if snapshot is not None:
+            self._save(held.request, snapshot, boundary)
+            held.rolling = (boundary, snapshot)
 
     def _save(self, request: Request, snapshot: int, position: int) -> None:
         self._ops.append(SnapshotOp(SAVE, snapshot, request, position))

@@ -145,8 +145,9 @@ class Engine:
                                                  device=self.device, dtype=self.dtype)
         self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
                                   stop_token_ids=self.eos_token_ids, window=window)
-        if self.runner.states is not None:
+        if self.runner.states is not None and self.memory_plan.num_snapshots:  # the cache keeps their snapshots
             self.runner.states.max_snapshots = self.memory_plan.num_snapshots
+            self.runner.states.block_size = cfg.block_size
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         if cfg.jump_forward:  # constrained requests draft the text their grammar forces
             self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)

@@ -10,7 +10,9 @@ of a prefix this pool never saw (a prefix-cache hit that the cache has no snapsh
 refused loudly, never computed wrong. The scheduling side sees none of this.
 
 A drafted chunk (a decode and its draft tokens) keeps its states after every row until the
-draft is verified; `settle` then keeps the state after the accepted tokens only.
+draft is verified; `settle` then keeps the state after the accepted tokens only, and the state
+at the last block boundary the accepted tokens ran past (`block_size`), which a snapshot may
+take before the next step (a reply's end is kept at a block boundary).
 
 Snapshots are states kept by id apart from any request (`save_snapshot`, `restore_snapshot`):
 the tensor half of a prefix cache for these layers, whose other half (which positions to keep,
@@ -38,6 +40,9 @@ class _Holder:
     request: Request
     slot: int
     position: int  # tokens the slot's state has consumed
+    # a verified draft that ran past a block boundary before its end: the state at that boundary
+    # (position, per layer its tensors), for a snapshot there (kept until the next begin_step)
+    boundary: tuple[int, dict[int, tuple[torch.Tensor, ...]]] | None = None
 
 
 class RecurrentStatePool:
@@ -56,6 +61,7 @@ class RecurrentStatePool:
         self.snapshot_capacity = 0
         self.snapshot_positions: dict[int, int] = {}  # saved snapshot -> the token position it stands at
         self.max_snapshots: int | None = None  # the cache's snapshot ids are below this (room never grows past it)
+        self.block_size = 0  # settle keeps the state at a block boundary a draft ran past (0: none)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
@@ -83,6 +89,8 @@ class RecurrentStatePool:
         Slots of requests no longer running are freed first."""
         for request_id in [r for r, h in self.holders.items() if h.request.status is not RequestStatus.RUNNING]:
             self.release(request_id)
+        for holder in self.holders.values():
+            holder.boundary = None  # the snapshot operations before this step had their chance
         single_rows: list[int] = []
         single_slots: list[int] = []
         segments: list[Segment] = []
@@ -110,10 +118,18 @@ class RecurrentStatePool:
         for chunk, tokens in verified:
             holder = self.holders[chunk.request.request_id]
             kept = len(tokens)
+            end = chunk.start + kept
+            boundary = end // self.block_size * self.block_size if self.block_size else 0
+            rows = boundary - chunk.start if chunk.start < boundary < end else None
+            passed = {}
             for layer, tensors in self.states.items():
-                for state, history in zip(tensors, step.history.pop((layer, holder.slot))):
-                    state[holder.slot] = history[kept]
-            holder.position = chunk.start + kept
+                history = step.history.pop((layer, holder.slot))
+                for state, states in zip(tensors, history):
+                    state[holder.slot] = states[kept]
+                if rows is not None:
+                    passed[layer] = tuple(states[rows].clone() for states in history)
+            holder.position = end
+            holder.boundary = (boundary, passed) if rows is not None else None
         step.history.clear()
 
     # ---- snapshots: states kept apart from any request, by id (the cache's to decide) ----
@@ -123,11 +139,16 @@ class RecurrentStatePool:
         for op in ops:
             if op.kind == SAVE:
                 holder = self.holders.get(op.request.request_id)
-                if holder is None or holder.request is not op.request or holder.position != op.position:
+                passed = holder.boundary if holder is not None else None
+                if holder is None or holder.request is not op.request or (
+                        holder.position != op.position and (passed is None or passed[0] != op.position)):
                     at = "no state" if holder is None else f"a state at token {holder.position}"
                     raise RuntimeError(f"snapshot {op.snapshot} of request {op.request.request_id!r} at token "
                                        f"{op.position}: its recurrent layers hold {at}")
-                self.save_snapshot(op.request.request_id, op.snapshot)
+                if holder.position == op.position:
+                    self.save_snapshot(op.request.request_id, op.snapshot)
+                else:  # the block boundary its last draft ran past
+                    self._save(passed[1], op.snapshot, op.position)
             elif op.kind == RESTORE:
                 if self.restore_snapshot(op.request, op.snapshot) != op.position:
                     raise RuntimeError(f"snapshot {op.snapshot} stands at token {self.snapshot_positions[op.snapshot]}, "
@@ -143,12 +164,16 @@ class RecurrentStatePool:
         moves the request on, or after the one that finished it (its slot is kept until the
         next begin_step)."""
         holder = self.holders[request_id]
-        self._snapshot_room(snapshot + 1)
-        for layer, tensors in self.states.items():
-            for kept, state in zip(self.snapshots[layer], tensors):
-                kept[snapshot] = state[holder.slot]
-        self.snapshot_positions[snapshot] = holder.position
+        self._save({layer: tuple(t[holder.slot] for t in tensors) for layer, tensors in self.states.items()},
+                   snapshot, holder.position)
         return holder.position
+
+    def _save(self, states: dict[int, tuple[torch.Tensor, ...]], snapshot: int, position: int) -> None:
+        self._snapshot_room(snapshot + 1)
+        for layer, tensors in states.items():
+            for kept, state in zip(self.snapshots[layer], tensors):
+                kept[snapshot] = state
+        self.snapshot_positions[snapshot] = position
 
     def restore_snapshot(self, request: Request, snapshot: int) -> int:
         """Start a request's states from snapshot `snapshot` (its next chunk then starts at the

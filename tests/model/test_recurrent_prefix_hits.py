@@ -103,3 +103,24 @@ def test_tenants_never_resume_from_each_others_states_and_a_flush_leaves_none(ti
     assert after.cached_tokens == 0 and after.token_ids == a.token_ids
     assert set(engine.runner.states.snapshot_positions) == set(snapshots._node) | {
         op.snapshot for op in snapshots._ops if op.kind == "save"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reply_whose_drafts_ran_past_block_boundaries_is_kept_at_its_end(tiny_model_dir, kind):
+    """Prompt lookup drafts a reply that repeats the prompt: accepted drafts run past block
+    boundaries, and the state at the last one is kept all the same (RecurrentStatePool.settle)."""
+    directory = tiny_model_dir(kind)
+    engine = engine_for(directory, chunked_prefill_size=16, max_num_batched_tokens=64, speculative="prompt-lookup")
+    rng = random.Random(1)  # test_recurrent_models.py's drafted prompts
+    prompts = []
+    for seed in ([rng.randrange(97) for _ in range(n)] for n in (5, 8)):
+        reply = hf_greedy(directory, seed, 16)
+        prompts += [seed + reply + seed, (seed + reply) * 2 + seed]
+    outs = run(engine, prompts, 16)
+    stats = engine.stats()
+    assert stats["spec_accepted_tokens"] > 0
+    turns = [p + o.token_ids + tokens(3, seed=9 + i) for i, (p, o) in enumerate(zip(prompts, outs))]
+    nexts = run(engine, turns, 6)
+    assert [o.cached_tokens for o in nexts] == [(len(p) + 16 - 1) // 4 * 4 for p in prompts]  # each reply's end
+    for p, o in zip(prompts + turns, outs + nexts):
+        assert o.token_ids == hf_greedy(directory, p, len(o.token_ids))
