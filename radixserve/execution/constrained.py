@@ -120,9 +120,8 @@ class GrammarFactory:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-                )
+                hf = getattr(self.tokenizer, "as_transformers", lambda: self.tokenizer)()  # xgrammar reads transformers' class
+                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
                 # One compiling thread: a compile never takes more than one core from the engine.
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=1, cache_limit_bytes=self.limits.cache_limit_bytes

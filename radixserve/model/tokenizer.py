@@ -6,8 +6,10 @@ special tokens; tokenizer_config.json adds the chat template and the special tok
 AutoTokenizer would pick a family's class by name instead, which costs resident memory the
 file itself does not need: GemmaTokenizer rebuilds its 262k vocabulary and merges in Python
 (~250 MiB more), and resolving any class by name imports transformers' model configs
-(torch.distributed and sympy with them). A directory without tokenizer.json (only a
-sentencepiece model) goes through AutoTokenizer.
+(torch.distributed and sympy with them). Importing even the generic class costs ~18 MiB, so
+what it builds is kept beside the files and served without transformers after the first
+load (model/resolved_tokenizer.py). A directory without tokenizer.json (only a sentencepiece
+model) goes through AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from radixserve.model.builtin_template import with_builtin_template
 from radixserve.model.registry import ModelFamily
+from radixserve.model.resolved_tokenizer import load_resolved
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -33,9 +36,7 @@ def load_tokenizer(path: str | Path, family: ModelFamily | None = None) -> Any |
 
 def _load(path: Path) -> Any:
     if (path / "tokenizer.json").is_file():
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(path)
+        return load_resolved(path)  # transformers' generic class, resolved once (model/resolved_tokenizer.py)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
