@@ -42,6 +42,9 @@ class CacheComponent:
     def evicted(self, node: "RadixNode") -> None:
         """`node`'s pool blocks left the pool (moved to the tier or dropped)."""
 
+    def dropped(self, node: "RadixNode") -> None:
+        """`node` left the tree (dropped, flushed, or pushed out of the tier)."""
+
     # ---- the KV manager's side: a request's life --------------------------------------
 
     def usable_blocks(self, match: "MatchResult") -> int:

@@ -528,6 +528,8 @@ class RadixCache:
             self.evictions[reason] += n
             for c in self.components:
                 c.evicted(node)
+        for c in self.components:
+            c.dropped(node)
         parent = node.parent
         del parent.children[tuple(node.tokens[:self.block_size])]
         node.alive = False

@@ -28,9 +28,10 @@ Budget: `capacity` snapshots (the memory plan's "recurrent" share). A new one th
 free room takes the place of the least valuable snapshot of an unlocked node: the tokens a
 match ending there would recompute without it (back to the snapshot above it on its path)
 discounted by the log of how long ago it was used; none free and none to take: not taken.
-A node that leaves the pool drops its snapshot.
+A node that leaves the tree drops its snapshot; one whose blocks move to the second tier keeps
+it (a match through the tier restores the blocks and resumes from it).
 
-Integrity: every snapshot id is free, kept by exactly one live pool node, or held by one
+Integrity: every snapshot id is free, kept by exactly one live node, or held by one
 running request (not yet in the tree); held ones belong to running requests only.
 """
 
@@ -118,7 +119,9 @@ class RecurrentSnapshots(CacheComponent):
 
     # ---- the tree's side -------------------------------------------------------------
 
-    def evicted(self, node: RadixNode) -> None:
+    def dropped(self, node: RadixNode) -> None:
+        """A node that leaves the tree drops its snapshot (one whose blocks only moved to the
+        second tier keeps it: a match through the tier restores the blocks and resumes there)."""
         snapshot = self._of_node.get(node.node_id)
         if snapshot is not None:
             self._unbind(snapshot)
@@ -183,8 +186,8 @@ class RecurrentSnapshots(CacheComponent):
             raise AssertionError(f"recurrent snapshots: free {self._free}, kept {sorted(self._node)}, "
                                  f"held {held}: not each of {self.capacity} once")
         for snapshot, node in self._node.items():
-            if not node.alive or not node.blocks or self._of_node.get(node.node_id) != snapshot:
-                raise AssertionError(f"recurrent snapshot {snapshot} kept by {node}: not a live pool node of it")
+            if not node.alive or not (node.blocks or node.slots) or self._of_node.get(node.node_id) != snapshot:
+                raise AssertionError(f"recurrent snapshot {snapshot} kept by {node}: not a live node of it")
         if len(self._of_node) != len(self._node):
             raise AssertionError("recurrent snapshots: a node names a snapshot it does not keep")
         live = {id(r) for r in running}

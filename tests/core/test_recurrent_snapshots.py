@@ -16,6 +16,7 @@ from radixserve.core.radix_cache import RadixCache
 from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, RecurrentSnapshots
 from radixserve.core.request import Request, RequestStatus
 from radixserve.core.scheduler import Scheduler
+from radixserve.kv_tier.index import KVTier
 from radixserve.sampling_params import SamplingParams
 
 BS = 4
@@ -49,10 +50,10 @@ class TokenStates:
         self.states[request.request_id] = tuple(request.token_ids[: chunk.start + chunk.num_tokens])
 
 
-def make(num_blocks=64, snapshots=8, chunk=8, salt_free=True):
+def make(num_blocks=64, snapshots=8, chunk=8, tier=None):
     config = EngineConfig(block_size=BS, chunked_prefill_size=chunk, max_num_batched_tokens=32)
     pool = BlockPool(num_blocks, snapshots=snapshots)
-    s = Scheduler(config, pool, RadixCache(pool, BS))
+    s = Scheduler(config, pool, RadixCache(pool, BS, tier))
     return s, s.kv.components[0], TokenStates()
 
 
@@ -209,6 +210,23 @@ def test_eviction_and_flush_leave_no_snapshot_held():
     ops = s.kv.take_snapshot_ops()
     states.apply(ops)
     assert states.snapshots == {}
+
+
+def test_a_node_moved_to_the_second_tier_keeps_its_state_and_a_match_resumes_there_after_restoring():
+    s, snaps, states = make(tier=KVTier(64))
+    prompt = list(range(100, 121))
+    run(s, states, add(s, prompt, max_tokens=4))
+    assert kept(snaps) == [8, 16, 20, 24]
+    assert s.kv.cache.evict(6) == 6  # every block of the path moves to the tier
+    s.kv.take_copies()
+    assert s.kv.cache.num_cached_blocks == 0 and kept(snaps) == [8, 16, 20, 24]
+    s.kv.check_integrity([], [])
+    again = add(s, prompt)
+    run(s, states, again)
+    assert again.cached_tokens == 20 and again.restored_tokens == 20  # blocks from the tier, the state kept
+    s.flush_cache()
+    assert snaps.num_used == 0
+    s.kv.check_integrity([], [])
 
 
 def test_the_integrity_check_catches_a_leaked_or_doubly_kept_snapshot():
