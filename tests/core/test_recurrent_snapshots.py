@@ -229,6 +229,28 @@ def test_a_node_moved_to_the_second_tier_keeps_its_state_and_a_match_resumes_the
     s.kv.check_integrity([], [])
 
 
+def test_aborts_mid_prompt_and_mid_reply_leave_their_saved_states_in_the_tree_and_hold_none():
+    s, snaps, states = make()
+    a = add(s, range(100, 121), max_tokens=12)
+    b = add(s, range(200, 221), max_tokens=12)
+    step(s, states)  # a: 0..8, b waits (the budget: 32 tokens, chunks of 8 stop at 8)
+    step(s, states)
+    s.finish(a, "abort")  # mid-prompt: what it saved (8) stays, nothing is held
+    s.check_integrity()
+    while b.num_output_tokens < 6:
+        step(s, states)
+    s.finish(b, "abort")  # mid-reply: its reply so far is kept at its last boundary (21 + 6 - 1 -> 24)
+    s.check_integrity()
+    assert not snaps._held and 24 in kept(snaps) and 8 in kept(snaps)
+    states.apply(s.kv.take_snapshot_ops())
+    resumed = add(s, list(range(200, 221)) + [7 + n for n in range(21, 27)] + [1, 2])
+    run(s, states, resumed)
+    assert resumed.cached_tokens == 24
+    s.flush_cache()
+    assert snaps.num_used == 0
+    s.kv.check_integrity([], [])
+
+
 def test_the_integrity_check_catches_a_leaked_or_doubly_kept_snapshot():
     s, snaps, states = make()
     run(s, states, add(s, range(100, 121)))
