@@ -46,6 +46,7 @@ class ResolvedTokenizer:
     def __init__(self, path: Path, state: dict[str, Any]):
         self.name_or_path = str(path)
         self.backend_tokenizer = Tokenizer.from_str(state["backend"])
+        self.backend_tokenizer.encode_special_tokens = state.get("split_special_tokens", False)  # not in its JSON
         self.chat_template = state["chat_template"]
         self.special_tokens_map: dict[str, str] = state["special_tokens_map"]
         self.all_special_tokens: list[str] = state["all_special_tokens"]
@@ -214,6 +215,7 @@ def resolved_state(tokenizer: Any) -> dict[str, Any]:
         "all_special_tokens": list(tokenizer.all_special_tokens),
         "all_special_ids": list(tokenizer.all_special_ids),
         "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
+        "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False)),
         "added_tokens": {str(i): {"content": t.content, "special": bool(t.special)}
                          for i, t in tokenizer.added_tokens_decoder.items()},
     }

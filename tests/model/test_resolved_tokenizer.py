@@ -111,6 +111,18 @@ def test_the_file_follows_its_sources_and_the_rest_goes_to_transformers(tmp_path
     assert ours.padding_side == theirs.padding_side  # an attribute it does not keep: transformers' own
 
 
+def test_special_tokens_split_as_the_config_says(tmp_path):
+    directory = _copy(None, tmp_path)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    load_resolved(directory)
+    ours, theirs = load_resolved(directory), transformers_tokenizer(directory)
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert isinstance(ours, ResolvedTokenizer) and ours.encode(text) == theirs.encode(text)
+    (tmp_path / "plain").mkdir()
+    assert len(ours.encode(text)) > len(transformers_tokenizer(_copy(None, tmp_path / "plain")).encode(text))
+
+
 def test_a_served_tokenizer_imports_no_transformers(tmp_path):
     """The resident-memory point of it: loading and using a resolved tokenizer never imports
     transformers (~18 MiB in a serving process)."""
