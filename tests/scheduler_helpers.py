@@ -42,3 +42,13 @@ def step(s, token=7):
 
 def chunks(plan):
     return [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks]
+
+
+def drafts_one_by_one(drafter, asks, budget):
+    """A scripted drafter's step (propose_step): each request's own propose() in turn, within
+    the step's budget, whatever the batch (no cost model)."""
+    drafts = []
+    for request, room in asks:
+        drafts.append(drafter.propose(request, min(room, budget)))
+        budget -= len(drafts[-1])
+    return drafts

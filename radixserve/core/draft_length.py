@@ -58,17 +58,49 @@ class StepCosts:
 
 def best_length(p: float, decodes: int, most: int, costs: StepCosts) -> int:
     """The draft length in [0, most] with the highest expected throughput for a request whose
-    draft tokens are accepted with probability p, beside decodes - 1 other decoding requests;
-    `most` where nothing was measured yet."""
-    base = costs.estimate(decodes)
+    draft tokens are accepted with probability p, beside decodes - 1 other decoding requests
+    that draft nothing; `most` where nothing was measured yet."""
+    return draft_lengths([p], [most], decodes, costs)[0]
+
+
+def draft_lengths(ps: list[float], caps: list[int], decodes: int, costs: StepCosts,
+                  fixed_rows: int = 0, budget: int | None = None) -> list[int]:
+    """Draft lengths for one step's drafting requests together (acceptance ps[i], at most
+    caps[i] tokens each), beside `decodes` decoding requests in all and `fixed_rows` rows
+    drafted anyway (forced text, counted as accepted): the split with the highest expected
+    tokens per second, all zero where none beats drafting nothing by MARGIN.
+
+    Every row of the step is paid by the whole batch, so the lengths are chosen together:
+    the j-th draft token of request i adds ps[i] ** j tokens on average; the best n tokens
+    of the step are the n largest of those (a request's j-th token is never chosen before
+    its (j-1)-th), and n runs over every total up to `budget`. The caps where nothing was
+    measured yet (a first step is tried, then judged)."""
+    base = costs.estimate(decodes + fixed_rows)
     if base is None:
-        return most
-    best_k, best = 0, MARGIN * decodes / base
-    expected, term = 1.0, 1.0
-    for k in range(1, most + 1):
-        term *= p
-        expected += term
-        rate = (decodes - 1 + expected) / costs.estimate(decodes + k)
+        return _within(list(caps), budget)
+    gains = sorted(((p ** j, i) for i, (p, cap) in enumerate(zip(ps, caps)) for j in range(1, cap + 1)),
+                   key=lambda g: -g[0])
+    if budget is not None:
+        gains = gains[:max(0, budget)]
+    tokens = float(decodes + fixed_rows)
+    best_n, best = 0, MARGIN * tokens / base
+    for n, (gain, _) in enumerate(gains, 1):
+        tokens += gain
+        rate = tokens / costs.estimate(decodes + fixed_rows + n)
         if rate > best:
-            best_k, best = k, rate
-    return best_k
+            best_n, best = n, rate
+    lengths = [0] * len(ps)
+    for _, i in gains[:best_n]:
+        lengths[i] += 1
+    return lengths
+
+
+def _within(lengths: list[int], budget: int | None) -> list[int]:
+    """The lengths cut, in order, to a total of at most budget."""
+    if budget is None:
+        return lengths
+    out = []
+    for length in lengths:
+        out.append(min(length, max(0, budget)))
+        budget -= out[-1]
+    return out

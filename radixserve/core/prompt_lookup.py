@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.core.draft_length import StepCosts, best_length
+from radixserve.core.draft_length import StepCosts, best_length, draft_lengths
 from radixserve.core.request import Request
 
 MIN_ACCEPTED = 0.5  # accepted tokens per verification below which drafting does not pay
@@ -104,29 +104,67 @@ class PromptLookupDrafter:
         return bool(wanted and request.grammar is None and _verifiable(request))
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to min(num_tokens, max_tokens) draft tokens for the request, or []; for a
-        constrained request, up to MAX_FORCED_TOKENS of its forced text."""
-        if max_tokens <= 0:
-            return []
-        if request.grammar is not None:
-            return self._propose_forced(request, max_tokens)
+        """Up to min(num_tokens, max_tokens) draft tokens for the request, or [], as if the last
+        decode step's requests decoded beside it without drafts; for a constrained request, up
+        to MAX_FORCED_TOKENS of its forced text."""
+        return self.propose_step([(request, max_tokens)], self.decodes, max_tokens)[0]
+
+    def propose_step(self, asks: list[tuple[Request, int]], decodes: int, budget: int) -> list[list[int]]:
+        """Drafts for one step's decoding requests together (each with room for at most its
+        max_tokens; `decodes` requests decode in all; at most `budget` draft tokens): forced
+        text for constrained requests, then lengths for the others split by what a row costs
+        at this batch and what each request accepts (core/draft_length.py). Requests that no
+        length would serve are not looked up at all; one whose acceptance would not pay even
+        decoding alone pauses."""
+        drafts: list[list[int]] = [[] for _ in asks]
+        wanting: list[tuple[int, _DraftState, int]] = []  # (ask index, state, cap)
+        for i, (request, max_tokens) in enumerate(asks):
+            room = min(max_tokens, budget)
+            if room <= 0:
+                continue
+            if request.grammar is not None:
+                drafts[i] = self._propose_forced(request, room)
+                budget -= len(drafts[i])
+                continue
+            state = self._drafting_state(request)
+            if state is not None:
+                wanting.append((i, state, min(state.length, self.num_tokens, room)))
+        if not wanting:
+            return drafts
+        forced = sum(len(d) for d in drafts)
+        caps = [cap for _, _, cap in wanting]
+        if self.adaptive:
+            ps = [self._acceptance(state) for _, state, _ in wanting]
+            caps = draft_lengths(ps, caps, decodes, self.costs, forced, budget)
+            for (_, state, cap), p, allowed in zip(wanting, ps, caps):
+                if allowed == 0 and best_length(p, 1, cap, self.costs) == 0:
+                    self._pause(state)  # not even alone: stop drafting for a while
+        found = [self._lookup(asks[i][0], cap) if cap > 0 else [] for (i, _, _), cap in zip(wanting, caps)]
+        lengths = [len(d) for d in found]
+        if self.adaptive and lengths != caps:  # some found less: split the rows again
+            lengths = draft_lengths(ps, lengths, decodes, self.costs, forced, budget)
+        for (i, _, _), draft, length in zip(wanting, found, lengths):
+            drafts[i] = draft[:min(length, budget)]
+            budget -= len(drafts[i])
+        return drafts
+
+    def _drafting_state(self, request: Request) -> _DraftState | None:
+        """The request's drafting state if it may draft this step (eligible, not paused)."""
         if not self.eligible(request):
-            return []
+            return None
         state = self._states.setdefault(request.request_id, _DraftState())
         state.forced = False
         if state.paused > 0:
             state.paused -= 1
             if state.paused == 0:  # judge it afresh: what it accepted before weighs half
                 state.accepts, state.trials = state.accepts / 2, state.trials / 2
-            return []
-        k = min(state.length, self.num_tokens, max_tokens)
-        if self.adaptive:
-            p = (state.accepts + PRIOR_ACCEPTS) / (state.trials + PRIOR_TRIALS)
-            k = best_length(p, self.decodes, k, self.costs)
-        if k == 0:  # no draft pays at this acceptance and batch: stop drafting for a while
-            self._pause(state)
-            return []
-        return self._lookup(request, k)
+            return None
+        return state
+
+    @staticmethod
+    def _acceptance(state: _DraftState) -> float:
+        """The request's per-token acceptance so far, from a prior of PRIOR_ACCEPTS / PRIOR_TRIALS."""
+        return (state.accepts + PRIOR_ACCEPTS) / (state.trials + PRIOR_TRIALS)
 
     def _lookup(self, request: Request, k: int) -> list[int]:
         """Up to k draft tokens for the request (the drafting rule; subclasses draw elsewhere)."""

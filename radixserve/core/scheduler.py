@@ -174,7 +174,7 @@ class Scheduler:
         # Decodes go first so that prefill chunks never crowd them out of the budget;
         # the last request in this order is the first to be preempted.
         queue = [r for r in self.running if not r.in_prefill] + [r for r in self.running if r.in_prefill]
-        decodes = sum(1 for r in queue if not r.in_prefill)
+        decoding: list[ScheduledChunk] = []
         i = 0
         while i < len(queue) and budget > 0:
             request = queue[i]
@@ -185,11 +185,12 @@ class Scheduler:
                     i += 1
                     continue
             if self.kv.grow(request, request.num_computed_tokens + n):
-                draft = [] if request.in_prefill else self._draft(request, budget - n, decodes)
-                plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n + len(draft), draft))
-                budget -= n + len(draft)
+                plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
                 if request.in_prefill:
                     prefill -= n
+                else:
+                    decoding.append(plan.chunks[-1])
                 i += 1
                 continue
             victim = queue.pop()
@@ -198,7 +199,7 @@ class Scheduler:
             plan.preempted.append(victim)
             if victim is request:
                 break
-        return budget, prefill
+        return self._add_drafts(decoding, budget), prefill
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         admitted: list[Request] = []
@@ -250,18 +251,27 @@ class Scheduler:
         self.running.append(request)
         return ScheduledChunk(request, cached, n)
 
-    def _draft(self, request: Request, room: int, decodes: int) -> list[int]:
-        """Speculative tokens for a decoding request, with blocks for them taken from free
-        blocks only (never by evicting), leaving one free block per running request."""
-        if self.drafter is None or decodes > self.config.speculative_max_batch:
-            return []
-        limit = min(room, request.max_total_tokens - request.num_tokens - 1)
-        draft = self.drafter.propose(request, limit)
-        if not draft:
-            return []
-        if not self.kv.grow_from_free(request, request.num_tokens + len(draft), keep_free=len(self.running)):
-            return []
-        return draft
+    def _add_drafts(self, decoding: list[ScheduledChunk], budget: int) -> int:
+        """Speculative tokens for the decoding chunks, chosen together (the drafter weighs
+        what a row costs at this batch), after every request's own growth: new blocks for
+        them come from free blocks only (never by evicting), leaving one free block per
+        running request; without them a draft is cut to its request's last block. The
+        budget left."""
+        if self.drafter is None or not decoding or len(decoding) > self.config.speculative_max_batch:
+            return budget
+        asks = [(c.request, c.request.max_total_tokens - c.request.num_tokens - 1) for c in decoding]
+        drafts = self.drafter.propose_step(asks, len(decoding), budget)
+        for chunk, draft in zip(decoding, drafts):
+            request = chunk.request
+            spare = len(request.block_table) * self.block_size - request.num_tokens  # slots its blocks have left
+            if len(draft) > spare and not self.kv.grow_from_free(request, request.num_tokens + len(draft),
+                                                                 keep_free=len(self.running)):
+                draft = draft[:spare]
+            if draft:
+                chunk.draft = draft
+                chunk.num_tokens += len(draft)
+                budget -= len(draft)
+        return budget
 
     def _expected_output(self, request: Request) -> int:
         """Tokens the request is expected to generate from now (its osl hint; else 1)."""

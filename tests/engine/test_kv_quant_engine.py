@@ -15,6 +15,7 @@ from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.kernels.key_basis import hadamard_matrix
 from radixserve.server.metrics import ServerMetrics
+from scheduler_helpers import drafts_one_by_one
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -73,6 +74,9 @@ class OracleDrafter(PromptLookupDrafter):
     def __init__(self, references: dict[tuple, list[int]]):
         super().__init__(8, 1, 3, default_on=True)
         self.references = references
+
+    def propose_step(self, asks, decodes, budget):
+        return drafts_one_by_one(self, asks, budget)
 
     def propose(self, request, max_tokens):
         if max_tokens <= 0 or not self.eligible(request):

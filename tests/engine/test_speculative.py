@@ -15,7 +15,7 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.core.prompt_lookup import FIRST_LENGTH, MIN_TRIES, PAUSE_STEPS, PromptLookupDrafter, lookup
 from radixserve.core.request import Request
-from scheduler_helpers import add, chunks, make_scheduler
+from scheduler_helpers import add, chunks, drafts_one_by_one, make_scheduler
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -105,6 +105,9 @@ class ScriptedDrafter(PromptLookupDrafter):
     def __init__(self, script, max_batch_ok=True):
         super().__init__(8, 1, 3, default_on=True)
         self.script = script
+
+    def propose_step(self, asks, decodes, budget):
+        return drafts_one_by_one(self, asks, budget)
 
     def propose(self, request, max_tokens):
         if max_tokens <= 0 or not self.eligible(request):

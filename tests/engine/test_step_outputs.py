@@ -15,6 +15,7 @@ from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.request import Request, RequestStatus
 from radixserve.engine.output import OutputProcessor, stop_regex_holdback
 from radixserve.outputs import GrowingText, RequestOutput, TokenLogprob
+from scheduler_helpers import drafts_one_by_one
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Token i decodes to WORDS[i % len(WORDS)]: stop strings and patterns turn up in the text.
@@ -218,6 +219,9 @@ class _Oracle(PromptLookupDrafter):
     def __init__(self, references: dict[tuple, list[int]]):
         super().__init__(8, 1, 3, default_on=True)
         self.references = references
+
+    def propose_step(self, asks, decodes, budget):
+        return drafts_one_by_one(self, asks, budget)
 
     def propose(self, request, max_tokens):
         if max_tokens <= 0 or not self.eligible(request):

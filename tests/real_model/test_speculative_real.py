@@ -42,7 +42,11 @@ def expected(real_engine, prompts):
 
 def test_greedy_equal_with_speculation_per_request(real_engine, prompts, expected):
     before = real_engine.stats()
-    outs = real_engine.generate(prompts, _params(True))
+    real_engine.drafter.adaptive = False  # drafts by acceptance alone: at batch 7 the measured row costs may turn them off
+    try:
+        outs = real_engine.generate(prompts, _params(True))
+    finally:
+        real_engine.drafter.adaptive = True
     assert [o.token_ids for o in outs] == expected
     after = real_engine.stats()
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
