@@ -12,6 +12,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.core.block_pool import BlockPool
+from radixserve.core.kv_events import POOL, RECURRENT, BlockRemoved, BlockStored, KVEventLog
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, RecurrentSnapshots
 from radixserve.core.request import Request, RequestStatus
@@ -50,10 +51,10 @@ class TokenStates:
         self.states[request.request_id] = tuple(request.token_ids[: chunk.start + chunk.num_tokens])
 
 
-def make(num_blocks=64, snapshots=8, chunk=8, tier=None):
+def make(num_blocks=64, snapshots=8, chunk=8, tier=None, events=None):
     config = EngineConfig(block_size=BS, chunked_prefill_size=chunk, max_num_batched_tokens=32)
     pool = BlockPool(num_blocks, snapshots=snapshots)
-    s = Scheduler(config, pool, RadixCache(pool, BS, tier))
+    s = Scheduler(config, pool, RadixCache(pool, BS, tier, events=events))
     return s, s.kv.components[0], TokenStates()
 
 
@@ -249,6 +250,24 @@ def test_aborts_mid_prompt_and_mid_reply_leave_their_saved_states_in_the_tree_an
     s.flush_cache()
     assert snaps.num_used == 0
     s.kv.check_integrity([], [])
+
+
+def test_kept_states_are_kv_events_of_their_own_group_named_by_their_nodes_last_block():
+    from radixserve.engine.kv_events import WireFormat
+
+    s, snaps, states = make(events=KVEventLog())
+    run(s, states, add(s, range(100, 121), max_tokens=4))
+    events = s.kv.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored) and e.group == RECURRENT]
+    assert [e.token_ids for e in stored] == [list(range(104, 108)), list(range(112, 116)), list(range(116, 120)),
+                                             [120, 28, 29, 30]]  # the last block before 8, 16, 20, 24
+    full = {h for e in events if isinstance(e, BlockStored) and e.group != RECURRENT for h in e.block_hashes}
+    assert all(e.medium == POOL and len(e.block_hashes) == 1 and e.block_hashes[0] in full for e in stored)
+    s.flush_cache()
+    removed = [e for e in s.kv.take_events() if isinstance(e, BlockRemoved) and e.group == RECURRENT]
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(e.block_hashes[0] for e in stored)
+    wire = WireFormat("map").stored([1], None, [1, 2, 3, 4], BS, "GPU", RECURRENT, None, None)
+    assert (wire.group_idx, wire.kv_cache_spec_kind) == (RECURRENT, "mamba")
 
 
 def test_the_integrity_check_catches_a_leaked_or_doubly_kept_snapshot():
