@@ -99,6 +99,10 @@ SIGNATURES: dict[str, Signature] = {
     "quant_dequantize_f32": Signature(
         "quant_linear.c", (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR), _INT,
     ),
+    "moe_experts_f32": Signature(
+        "moe_experts.c",
+        (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64), _INT,
+    ),
     "decoder_layers_f32": Signature(
         "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR), _INT,
     ),

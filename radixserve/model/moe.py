@@ -8,7 +8,10 @@ order, as transformers sums them.
 
 Experts are held float ([E, 2I, H] gate/up and [E, H, I] down, from a transformers checkpoint)
 or quantized as the GGUF stores them: one QuantWeight per expert and projection (gate/up fused),
-multiplied by the quantized kernels (kernels/quant_linear.py through layers.quantized_linear).
+multiplied by the quantized kernels. At decode sizes quantized experts take one C call a layer
+(kernels/moe_experts.py: routing, grouping, every selected expert's three products and the sum);
+prompt-sized steps on AVX2 and float experts go an expert at a time (`forward_per_expert`, through
+layers.quantized_linear), which is also the C call's reference.
 
 Checkpoints name experts three ways, all taken (`expert_weights`): per expert
 (mlp.experts.E.gate_proj.weight: transformers' save format), fused (mlp.experts.gate_up_proj
@@ -24,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels.native_ops import silu_mul
+from radixserve.kernels.moe_experts import QuantExperts
+from radixserve.kernels.native_ops import max_rows, silu_mul
 from radixserve.kernels.quant_linear import QuantWeight, concat_rows, lanes_preferred
 from radixserve.model.layers import Linear, linear, quantized_linear
 
@@ -44,10 +48,21 @@ class SparseMoE(nn.Module):
         self.register_buffer("down", torch.empty(num_experts, hidden, intermediate), persistent=False)
         self.quant_gate_up: list[QuantWeight] | None = None
         self.quant_down: list[QuantWeight] | None = None
+        self.native: QuantExperts | None = None  # the quantized experts' one C call, where it takes them
         self.loaded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        logits = self.gate(x)
+        if self.native is not None and (x.shape[0] <= max(max_rows(), 1) or self.quant_gate_up[0].lanes):
+            out = self.native(x, logits, self.top_k, self.normalize)  # the rows quantized_linear would round
+            if out is not None:
+                return out
+        return self.forward_per_expert(x, logits)
+
+    def forward_per_expert(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Routing in torch and an expert at a time: prompt-sized steps on AVX2 (an expert with
+        many rows dequantizes its weight for the BLAS), float experts, and the C call's reference."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -95,6 +110,7 @@ class SparseMoE(nn.Module):
             fused = [concat_rows([g, u]) for g, u in zip(gates, ups)]
             self.quant_gate_up = [w.to_lanes() if lanes else w for w in fused]
             self.quant_down = [w.to_lanes() if lanes else w for w in downs]
+            self.native = QuantExperts.build(self.quant_gate_up, self.quant_down)
             _check(self.quant_gate_up[0].shape, (2 * self.intermediate, self.gate.in_features), "gate/up")
             _check(self.quant_down[0].shape, (self.gate.in_features, self.intermediate), "down")
             return

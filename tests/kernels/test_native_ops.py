@@ -198,6 +198,14 @@ def test_silu_mul_matches_torch(rows, n):
 
 
 @needs_layer_ops
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan():
+    """exp(-g) overflows past g = -88 (it came out NaN under -ffast-math)."""
+    gate = torch.linspace(-400, 40, 128).reshape(1, -1)
+    gate_up = torch.cat([gate, torch.full_like(gate, 3.0)], dim=1)
+    torch.testing.assert_close(silu_mul(gate_up), torch.nn.functional.silu(gate) * 3.0, atol=1e-5, rtol=1e-5)
+
+
+@needs_layer_ops
 @pytest.mark.parametrize("rows, n", [(1, 2048), (3, 5), (200, 96)])
 def test_gelu_tanh_mul_matches_float64(rows, n):
     gen = torch.Generator().manual_seed(rows + n)
@@ -241,8 +249,8 @@ def test_silu_mul_declines_to_torch():
 def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.kernels.native_build import build_all
 
-    assert build_all() == ["decoder_layers.c", "layer_ops.c", "paged_attention.c", "prefill_attention.c",
-                           "quant_linear.c", "skinny_linear.c"]
+    assert build_all() == ["decoder_layers.c", "layer_ops.c", "moe_experts.c", "paged_attention.c",
+                           "prefill_attention.c", "quant_linear.c", "skinny_linear.c"]
 
 
 @needs_kernel
