@@ -71,7 +71,8 @@ void silu_mul_f32(const float *gate_up, int64_t ld, float *out, int64_t rows, in
     for (int64_t r = 0; r < rows; ++r) {
         const float *g = gate_up + r * ld, *u = g + n;
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        /* exp's argument capped: past 88 it is inf, and under -ffast-math g / inf came out NaN */
+        for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
     }
 }
 
