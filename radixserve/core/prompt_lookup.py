@@ -54,6 +54,7 @@ class _DraftState:
     length: int = FIRST_LENGTH  # draft length for the next step; follows what was accepted
     forced: bool = False  # the draft being verified is the grammar's forced text
     forced_length: int = 0  # most forced-text tokens to draft next (set at the first forced draft)
+    from_tree: bool = False  # the last lookup's draft drew on the radix tree's sequences (suffix drafting)
     accepts: float = 0.0  # draft tokens accepted
     trials: float = 0.0  # draft tokens judged: the accepted ones and each draft's first rejected one
 
@@ -143,9 +144,10 @@ class PromptLookupDrafter:
         lengths = [len(d) for d in found]
         if self.adaptive and lengths != caps:  # some found less: split the rows again
             lengths = draft_lengths(ps, lengths, decodes, self.costs, forced, budget)
-        for (i, _, _), draft, length in zip(wanting, found, lengths):
+        for (i, state, _), draft, length in zip(wanting, found, lengths):
             drafts[i] = draft[:min(length, budget)]
             budget -= len(drafts[i])
+            self.stats.tree_drafts += bool(drafts[i]) and state.from_tree
         return drafts
 
     def _drafting_state(self, request: Request) -> _DraftState | None:
@@ -153,7 +155,7 @@ class PromptLookupDrafter:
         if not self.eligible(request):
             return None
         state = self._states.setdefault(request.request_id, _DraftState())
-        state.forced = False
+        state.forced = state.from_tree = False
         if state.paused > 0:
             state.paused -= 1
             if state.paused == 0:  # judge it afresh: what it accepted before weighs half

@@ -7,8 +7,8 @@ tokens from two corpora, merged into a trie and scored by frequency.
   earlier prompts and replies, so a tool loop's repeated JSON, a file read back and written
   again, a retried turn, or a ReAct scaffold draft from what was said before.
 
-Every place a key occurs gives the tokens that followed it there, weighted by how many
-tokens matched backwards. The draft follows the heaviest child of the trie from its root
+Every place a key occurs gives the tokens that followed it there, weighted by the square of
+how many tokens matched backwards. The draft follows the heaviest child of the trie from its root
 while the path's estimated probability (the product of each step's share of its parent's
 weight) stays at or above MIN_PATH_SHARE; a request with no place falls back to prompt
 lookup. Length, pauses and eligibility are PromptLookupDrafter's (core/prompt_lookup.py).
@@ -20,7 +20,7 @@ from typing import Any
 
 from radixserve.core.prompt_lookup import PromptLookupDrafter, lookup
 from radixserve.core.request import Request
-from radixserve.core.tree_drafts import KEY, MAX_MATCH, TreeIndex
+from radixserve.core.tree_drafts import KEY, MAX_MATCH, TreeIndex, evidence
 
 MIN_PATH_SHARE = 0.3  # drafting stops where the path's estimated probability falls below this
 OWN_PLACES = 16  # most recent places in the request's own tokens read per lookup
@@ -39,7 +39,7 @@ class SuffixIndex:
         self.indexed = len(tokens)
 
     def continuations(self, tokens: list[int], depth: int) -> list[tuple[list[int], float]]:
-        """(tokens after an earlier occurrence of the last KEY tokens, tokens matched backwards)."""
+        """(tokens after an earlier occurrence of the last KEY tokens, evidence() of the tokens matched backwards)."""
         self.extend(tokens)
         last = len(tokens) - 1
         out = []
@@ -49,7 +49,7 @@ class SuffixIndex:
             match = 0
             while match < MAX_MATCH and e - match >= 0 and tokens[e - match] == tokens[last - match]:
                 match += 1
-            out.append((tokens[e + 1:e + 1 + depth], float(match)))
+            out.append((tokens[e + 1:e + 1 + depth], evidence(match)))
             if len(out) >= OWN_PLACES:
                 break
         return out
@@ -105,8 +105,7 @@ class SuffixDrafter(PromptLookupDrafter):
         draft = best_path(candidates, k)
         if not draft:
             return lookup(request.token_ids, k, self.ngram_min, self.ngram_max)
-        if len(candidates) > own:
-            self.stats.tree_drafts += 1
+        self._states[request.request_id].from_tree = len(candidates) > own  # counted if drafted
         return draft
 
     def forget(self, request_id: str) -> None:

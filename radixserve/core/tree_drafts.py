@@ -25,6 +25,14 @@ MAX_PATHS = 8  # continuations one place may branch into (most recently used chi
 MAX_MATCH = 32  # tokens compared backwards to weigh a place
 
 
+def evidence(match: int) -> float:
+    """A place's weight from the tokens it matched backwards: their square, so a place that
+    agrees on a longer context (more specific evidence, as a higher-order n-gram) outvotes
+    several that agree only on the key (replayed on the agent traces: accepted length +1-3% on
+    each against the plain count)."""
+    return float(match * match)
+
+
 def _root_of(cache: Any, salt: str | None) -> Any:
     """The root node of the salt's tree, or None (the cache's only internal read here)."""
     return cache._roots.get(salt)
@@ -48,7 +56,7 @@ class TreeIndex:
 
     def continuations(self, salt: str | None, context: list[int], depth: int) -> list[tuple[list[int], float]]:
         """(tokens that followed, weight) for each stored place whose tokens end like
-        `context`: the weight is how many tokens matched backwards; a place whose sequence
+        `context`: the weight is evidence() of how many tokens matched backwards; a place whose sequence
         branches gives each branch (up to MAX_PATHS), split evenly. Up to `depth` tokens each."""
         if depth <= 0 or len(context) < KEY:
             return []
@@ -68,7 +76,7 @@ class TreeIndex:
             paths = _paths_after(node, end + 1, depth)
             for path in paths:
                 if path:
-                    out.append((path, match / len(paths)))
+                    out.append((path, evidence(match) / len(paths)))
             read += 1
             if read >= MAX_PLACES:
                 break

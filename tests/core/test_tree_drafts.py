@@ -30,47 +30,56 @@ def test_continuations_come_from_the_salts_own_tree_only():
     _, cache = cache_with([(prompt + reply, "key:a"), ([1, 2, 3, 4, 5, 6, 30, 31, 32, 33, 34, 35], "key:b")])
     index = TreeIndex(cache)
     context = [99, 5, 6, 20, 21]
-    assert index.continuations("key:a", context, 4) == [([7, 8, 9, 10], 4.0)]  # matched 5 6 20 21 backwards
+    assert index.continuations("key:a", context, 4) == [([7, 8, 9, 10], 16.0)]  # matched 5 6 20 21 backwards: 4 squared
     assert index.continuations("key:b", context, 4) == []  # b never saw 20 21
     assert index.continuations(None, context, 4) == []  # nor does the unsalted namespace
     assert index.continuations("key:a/sub", context, 4) == []  # a sub-salt is a namespace of its own
     # b's own continuation of 5 6 is its own reply; a's tree answers with a's
-    assert index.continuations("key:b", [4, 5, 6], 3) == [([30, 31, 32], 3.0)]
-    assert index.continuations("key:a", [4, 5, 6], 3) == [([20, 21, 7], 3.0)]
+    assert index.continuations("key:b", [4, 5, 6], 3) == [([30, 31, 32], 9.0)]
+    assert index.continuations("key:a", [4, 5, 6], 3) == [([20, 21, 7], 9.0)]
 
 
 def test_branches_split_the_weight_and_new_nodes_are_indexed_after_a_split():
     _, cache = cache_with([([1, 2, 3, 4, 5, 6, 7, 8], None)])
     index = TreeIndex(cache)
-    assert index.continuations(None, [2, 3, 4], 4) == [([5, 6, 7, 8], 3.0)]
+    assert index.continuations(None, [2, 3, 4], 4) == [([5, 6, 7, 8], 9.0)]
     pool = cache.pool
     blocks = pool.allocate(2)
     cache.insert([1, 2, 3, 4, 40, 41, 42, 43], blocks)  # splits the first node after one block
     pool.free(reversed(blocks))
     got = sorted(index.continuations(None, [2, 3, 4], 4))
-    assert got == [([5, 6, 7, 8], 1.5), ([40, 41, 42, 43], 1.5)]
+    assert got == [([5, 6, 7, 8], 4.5), ([40, 41, 42, 43], 4.5)]
     # the lower half of the split node still answers for its own keys, at its new offsets
-    assert index.continuations(None, [5, 6, 7], 1) == [([8], 3.0)]
+    assert index.continuations(None, [5, 6, 7], 1) == [([8], 9.0)]
     cache.check_integrity()
 
 
 def test_evicted_sequences_stop_feeding_drafts():
     _, cache = cache_with([([1, 2, 3, 4, 5, 6, 7, 8], None)])
     index = TreeIndex(cache)
-    assert index.continuations(None, [1, 2, 3], 2) == [([4, 5], 3.0)]
+    assert index.continuations(None, [1, 2, 3], 2) == [([4, 5], 9.0)]
     cache.evict(2)
     assert cache.num_cached_blocks == 0
     assert index.continuations(None, [1, 2, 3], 2) == []
 
 
-def test_suffix_index_weighs_earlier_occurrences_by_their_match():
+def test_suffix_index_weighs_earlier_occurrences_by_the_square_of_their_match():
     index = SuffixIndex()
     tokens = [9, 1, 2, 3, 50, 8, 1, 2, 3, 60, 8, 1, 2, 3]
     # latest first: [8 1 2 3] matched 4 back before 60, and 4 back before 50 (9 != 8 stops the first at 3)
-    assert index.continuations(tokens, 2) == [([60, 8], 4.0), ([50, 8], 3.0)]
+    assert index.continuations(tokens, 2) == [([60, 8], 16.0), ([50, 8], 9.0)]  # squared
     tokens += [60]
-    assert index.continuations(tokens, 2) == [([8, 1], 5.0)]  # extended incrementally
+    assert index.continuations(tokens, 2) == [([8, 1], 25.0)]  # extended incrementally
     assert index.indexed == len(tokens)
+
+
+def test_one_long_match_outvotes_two_that_match_only_the_key():
+    index = SuffixIndex()
+    # 7 8 9 1 2 3 was followed by 40 once; 1 2 3 alone (matched 3) by 50 twice: 6 * 6 > 2 * 3 * 3
+    tokens = [7, 8, 9, 1, 2, 3, 40, 0, 1, 2, 3, 50, 0, 5, 1, 2, 3, 50, 0, 7, 8, 9, 1, 2, 3]
+    candidates = index.continuations(tokens, 1)
+    assert sorted(candidates) == [([40], 36.0), ([50], 9.0), ([50], 9.0)]
+    assert best_path(candidates, 1) == [40]  # by the plain count (6 against 3 + 3) the tie would go to the latest, 50
 
 
 def test_best_path_follows_the_heaviest_branch_while_it_is_likely():
