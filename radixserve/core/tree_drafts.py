@@ -28,8 +28,8 @@ MAX_MATCH = 32  # tokens compared backwards to weigh a place
 def evidence(match: int) -> float:
     """A place's weight from the tokens it matched backwards: their square, so a place that
     agrees on a longer context (more specific evidence, as a higher-order n-gram) outvotes
-    several that agree only on the key (replayed on the agent traces: accepted length +1-3% on
-    each against the plain count)."""
+    several that agree only on the key (replayed against six recorded traces: 0-5% more tokens
+    per decode step than the plain count, none fewer)."""
     return float(match * match)
 
 
