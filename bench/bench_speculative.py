@@ -2,6 +2,7 @@
 (the request's own tokens and the radix tree's stored sequences) on the same requests.
 
     .venv/bin/python -m bench.bench_speculative --workload agents   # agent traces, batch 1 and 16, all three
+    .venv/bin/python -m bench.bench_speculative --workload agents --batches 16 --repeats 3   # batch 16, less noise
     .venv/bin/python -m bench.bench_speculative                # 10 edit tasks, batch 1 and 8, off and on
     .venv/bin/python -m bench.bench_speculative --repeats 3    # the speedup's spread over three runs
     .venv/bin/python -m bench.bench_speculative --quick        # 5 tasks, batch 1 only
@@ -11,7 +12,10 @@ Workloads (chat template, greedy):
 - agents: the agent traces of bench/lib/agent_traces.py, each in turn (tool loops with JSON
   arguments, a coding agent writing an edited copy of a file it read, a ReAct loop, plain chat
   as the control), every request in the order agents send it; each engine keeps its own cache,
-  so suffix drafting reads what earlier requests of the same trace said. Prints, per trace and
+  so suffix drafting reads what earlier requests of the same trace said (every engine's cache is
+  flushed before each trace, batch and run: a batch never drafts another run's replies of the
+  same prompts; --repeats N runs each N times, which engine goes first alternating, and sums
+  them, to shrink the machine's noise). Prints, per trace and
   batch, decode tokens/s of each method, the mean accepted length (tokens a verification
   appends), the ratios against no speculation and prompt lookup, and the issue's targets.
 - edits (default): an agent's file edits, the file shown as a tool would show it (fenced,
@@ -124,12 +128,14 @@ class Tally:
         return self.decode_tokens / max(1e-9, self.decode_time)
 
 
-def run(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams, batch: int) -> dict[str, Tally]:
-    """Every group of `batch` prompts on each engine in turn (which goes first alternates), so
-    that the machine's drift falls on both alike."""
-    tallies = {name: Tally() for name in engines}
+def run(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams, batch: int,
+        tallies: dict[str, Tally] | None = None, flip: bool = False) -> dict[str, Tally]:
+    """Every group of `batch` prompts on each engine in turn (which goes first alternates, and
+    `flip` starts the other way), so that the machine's drift falls on all alike; adds to
+    `tallies` when given."""
+    tallies = tallies if tallies is not None else {name: Tally() for name in engines}
     for g, i in enumerate(range(0, len(prompts), batch)):
-        order = list(engines) if g % 2 == 0 else list(reversed(engines))
+        order = list(engines) if (g + flip) % 2 == 0 else list(reversed(engines))
         for name in order:
             t0 = time.perf_counter()
             outs = engines[name].generate(prompts[i:i + batch], params)
@@ -220,11 +226,16 @@ def agents(args) -> int:
         prompts = [engines["off"].apply_chat_template(m) for m in workload.requests]
         for batch in args.batches:
             before = {n: e.stats() for n, e in engines.items()}
-            tallies = run(engines, prompts, params, batch)
-            for engine in engines.values():
-                engine.check_integrity()
+            tallies = None
+            for repeat in range(args.repeats):
+                for engine in engines.values():  # each run drafts from its own trace's earlier requests only
+                    engine.flush_cache()
+                tallies = run(engines, prompts, params, batch, tallies, flip=repeat % 2 == 1)
+                for engine in engines.values():
+                    engine.check_integrity()
             off = tallies["off"]
-            print(f"== {name}, batch {batch}: {sum(len(o.token_ids) for o in off.outputs)} output tokens")
+            print(f"== {name}, batch {batch}: {sum(len(o.token_ids) for o in off.outputs)} output tokens"
+                  + (f" ({args.repeats} runs, each from an empty cache)" if args.repeats > 1 else ""))
             for method, tally in tallies.items():
                 after = engines[method].stats()
                 delta = {key: after[key] - before[method][key] for key in
@@ -238,7 +249,7 @@ def agents(args) -> int:
                       f"{delta['steps']} steps, {delta['spec_drafts']} drafts ({delta['spec_tree_drafts']} from the "
                       f"tree), accepted length {length:.2f}, "
                       f"acceptance {delta['spec_accepted_tokens']}/{delta['spec_draft_tokens']}; "
-                      f"greedy equal to off {equal}/{len(prompts)}")
+                      f"greedy equal to off {equal}/{len(off.outputs)}")
             pl, sx = summary[(name, batch, "prompt-lookup")][0], summary[(name, batch, "suffix")][0]
             print(f"   suffix: {sx / off.rate:.2f}x off, {sx / pl:.2f}x prompt lookup")
     _targets(summary, args)
