@@ -12,6 +12,27 @@ from xdist_rules import pytest_runtest_protocol, pytest_xdist_make_scheduler  # 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_ssl_context_for_every_client():
+    """httpx's module-level calls (httpx.post, get, stream) and every new openai or anthropic
+    client build a transport, which parses the CA bundle into a fresh SSL context (~30 ms, a
+    tenth of the server tests' CPU time): with default settings they share one here. No test
+    connects over TLS; the context is the one httpx would build."""
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+    shared = build()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return shared
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+    yield
+    transports.create_ssl_context = build
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A directory factory: tiny_model_dir('llama') -> path of a saved tiny random model."""
