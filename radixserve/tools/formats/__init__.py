@@ -1,6 +1,7 @@
 """The tool-call formats, one module each, registered here (a new format is one module and
-one line below). `format_named` answers --tool-call-parser; `detect_format` is `auto`: the
-format the chat template in force speaks of (the first row whose markers it contains)."""
+one line below). `format_named` answers --tool-call-parser; `detect_format` is `auto`: under
+a family's built-in template the format its registry entry names, else the format the chat
+template in force speaks of (the first row whose markers it contains)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from radixserve.tools.call_format import ToolCallFormat
 from radixserve.tools.formats.deepseek_v3 import DEEPSEEK_V3
 from radixserve.tools.formats.harmony import HARMONY
 from radixserve.tools.formats.hermes import HERMES
+from radixserve.tools.formats.lfm2 import LFM2
 from radixserve.tools.formats.llama3_json import LLAMA3_JSON
 from radixserve.tools.formats.mistral import mistral_for
 from radixserve.tools.formats.pythonic import PYTHONIC
@@ -25,6 +27,7 @@ FORMATS: dict[str, Factory] = {
     "qwen3_coder": lambda template: QWEN3_CODER,
     "deepseek_v3": lambda template: DEEPSEEK_V3,
     "harmony": lambda template: HARMONY,
+    "lfm2": lambda template: LFM2,
 }
 ALIASES = {"qwen": "hermes", "llama3": "llama3_json", "llama4_pythonic": "pythonic", "openai": "harmony",
            "gpt_oss": "harmony"}
@@ -35,6 +38,7 @@ DETECTION: list[tuple[str, tuple[str, ...]]] = [
     ("harmony", ("<|channel|>",)),
     ("deepseek_v3", ("tool▁calls▁begin",)),
     ("mistral", ("[TOOL_CALLS]",)),
+    ("lfm2", ("<|tool_call_start|>",)),
     ("qwen3_coder", ("<function=",)),
     ("hermes", ("<tool_call>",)),
     ("pythonic", ("<|python_start|>", "[func_name1(", "<|header_start|>")),
@@ -58,6 +62,9 @@ def detect_format(template: str | None) -> ToolCallFormat:
 
 
 def detected_name(template: str | None) -> str:
+    named = _builtin_default(template)
+    if named is not None:
+        return named
     text = template or ""
     for name, markers in DETECTION:
         if any(marker in text for marker in markers):
@@ -65,3 +72,13 @@ def detected_name(template: str | None) -> str:
     if "<|eom_id|>" in text and "parameters" in text:  # Llama 3.1 templates that spell no python tag
         return "llama3_json"
     return DEFAULT
+
+
+def _builtin_default(template: str | None) -> str | None:
+    """The format the family of a built-in template (model/chat_templates/) names for `auto`
+    (None: not a built-in, or its family names none)."""
+    if not template or "radixserve's built-in" not in template[:200]:
+        return None
+    from radixserve.model.builtin_template import builtin_defaults  # a built-in's model is loaded already
+
+    return builtin_defaults(template)[0]
