@@ -5,8 +5,11 @@ template), as llama.cpp falls back to its own. `--chat-template` still overrides
 The template is chosen by the family (its registry entry's `chat_template`), and within the Llama family (Llama, Mistral, Qwen2,
 Qwen3 checkpoints) first by the turn markers the tokenizer has as tokens of their own, then
 by the model type. The templates are Jinja files beside this module (chat_templates/,
-shipped as package data). They know no tools: tool calls go through the fallback rendering
-(tools/rendering.py) in the hermes format, which `auto` picks for them.
+shipped as package data). The Llama family's and Gemma 3's know no tools: tool calls go
+through the fallback rendering (tools/rendering.py) in the hermes format, which `auto` picks
+for them. Qwen3-MoE's, Qwen 3.5's, LFM2's and harmony's render tools, calls and reasoning as
+the family's published template does, and under them `auto` picks the tool-call format and
+reasoning parser the family's registry entry names (`builtin_defaults`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from radixserve.model.registry import ModelFamily, family_for_config
+from radixserve.model.registry import FAMILIES, ModelFamily, family_for_config
 
 TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
-BUILTIN_NAMES = ("gemma3", "chatml", "llama3", "mistral", "llama2")
+BUILTIN_NAMES = ("gemma3", "chatml", "llama3", "mistral", "llama2", "qwen3", "qwen3_5", "lfm2", "harmony")
+BUILTIN_MARK = "radixserve's built-in"  # in the first line of each
 
 # a token of the tokenizer's own -> the turn format it marks (first match wins)
 TURN_MARKERS = (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma3"),
@@ -44,6 +48,14 @@ def builtin_name(template: str | None) -> str | None:
         if template is not None and template == builtin_template(name):
             return name
     return None
+
+
+def builtin_defaults(template: str | None) -> tuple[str | None, str | None]:
+    """(tool-call format, reasoning parser) that the family of built-in `template` names;
+    (None, None) for any other template, or a family that names none (then `auto` reads the text)."""
+    name = builtin_name(template)
+    family = next((f for f in FAMILIES if name is not None and f.chat_template == name), None)
+    return (family.tool_call_format, family.reasoning_parser) if family is not None else (None, None)
 
 
 def choose_builtin(config: dict[str, Any], tokenizer: Any, family: ModelFamily | None = None) -> str | None:

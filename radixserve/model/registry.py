@@ -24,6 +24,13 @@ class ModelFamily:
     module: str  # where its CausalLM subclass lives (imported only when a model is built)
     class_name: str
     chat_template: str | None = None  # its built-in template (model/chat_templates/); None: by the tokenizer
+    # what `auto` picks under that built-in template (any other template: what its text speaks of)
+    tool_call_format: str | None = None  # tools/formats/
+    reasoning_parser: str | None = None  # reasoning/registry.py
+
+
+# gpt-oss's harmony: the template, calls and reasoning channels a gpt_oss entry takes (**HARMONY)
+HARMONY = dict(chat_template="harmony", tool_call_format="harmony", reasoning_parser="gpt_oss")
 
 
 FAMILIES = (
@@ -37,11 +44,14 @@ FAMILIES = (
                 ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM",
                 chat_template="gemma3"),
     ModelFamily("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("silu", "swish"),
-                "radixserve.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+                "radixserve.model.qwen3_moe", "Qwen3MoeForCausalLM",
+                chat_template="qwen3", tool_call_format="hermes", reasoning_parser="qwen3"),
     # recurrent hybrids: their recurrent layers' state per request lives in the runner's state pool
-    ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), (), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM"),
+    ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), (), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM",
+                chat_template="lfm2", tool_call_format="lfm2", reasoning_parser="qwen3"),
     ModelFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), (),
-                ("silu",), "radixserve.model.qwen3_5", "Qwen3_5ForCausalLM"),
+                ("silu",), "radixserve.model.qwen3_5", "Qwen3_5ForCausalLM",
+                chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
 )
 
 

@@ -25,12 +25,19 @@ def parser_named(name: str) -> ReasoningParser | None:
 
 
 def detect_parser(tokenizer: Any, chat_template: str | None = None) -> ReasoningParser | None:
-    """`auto`, from the template in force (`chat_template`, else the tokenizer's own): harmony
-    channels: gpt_oss; a template that speaks of `</think>`: deepseek_r1 when its generation
-    prompt opens the block, qwen3 otherwise; no reasoning markers: None (all is content)."""
+    """`auto`, from the template in force (`chat_template`, else the tokenizer's own): a
+    family's built-in template: the parser its registry entry names; harmony channels:
+    gpt_oss; a template that speaks of `</think>`: deepseek_r1 when its generation prompt
+    opens the block, qwen3 otherwise; no reasoning markers: None (all is content)."""
     template = chat_template or (getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
     if not isinstance(template, str):
         return None
+    if "radixserve's built-in" in template[:200]:  # a family's built-in template: the parser its entry names
+        from radixserve.model.builtin_template import builtin_defaults  # its model is loaded already
+
+        named = builtin_defaults(template)[1]
+        if named is not None:
+            return parser_named(named)
     if CHANNEL in template and "analysis" in template:
         return GptOss()
     if THINK_END not in template:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.model import builtin_template as builtin_module
+from radixserve.model import registry
 from radixserve.model.builtin_template import BUILTIN_NAMES, builtin_name, builtin_template, choose_builtin
 from radixserve.model.tokenizer import load_tokenizer
 from radixserve.reasoning.registry import detect_parser
@@ -37,6 +39,7 @@ EXPECTED = {
 MARKERS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"], "chatml": ["<|im_start|>", "<|im_end|>"],
            "llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "mistral": ["[INST]", "[/INST]"]}
 VOCAB = 160  # the tiny models' vocabulary: a character-level tokenizer's and its special tokens
+PLAIN = ("gemma3", "chatml", "llama3", "mistral", "llama2")  # the templates that know no tools
 
 
 def write_tokenizer(directory: Path, markers: list[str], chat_template: str | None = None) -> Path:
@@ -78,6 +81,10 @@ def config_dir(tmp_path: Path, model_type: str, markers: list[str], chat_templat
     ("llama", MARKERS["gemma3"], "gemma3"),
     ("llama", MARKERS["mistral"], "mistral"),
     ("llama", [], "llama2"),
+    ("qwen3_moe", [], "qwen3"),
+    ("qwen3_5_text", MARKERS["chatml"], "qwen3_5"),
+    ("qwen3_5", [], "qwen3_5"),
+    ("lfm2", MARKERS["chatml"], "lfm2"),
 ])
 def test_a_tokenizer_without_a_template_gets_its_familys(tmp_path, model_type, markers, expected):
     tokenizer = load_tokenizer(config_dir(tmp_path, model_type, markers))
@@ -97,7 +104,7 @@ def test_a_template_of_its_own_is_kept_and_an_unknown_family_gets_none(tmp_path)
     assert template_in_force(bare, None).startswith("none (chat is refused")
 
 
-@pytest.mark.parametrize("name", BUILTIN_NAMES)
+@pytest.mark.parametrize("name", PLAIN)
 def test_each_builtin_renders_its_turn_format_and_leaves_tools_to_the_fallback(tmp_path, name):
     text = builtin_template(name)
     check_chat_template(text, name)
@@ -135,3 +142,100 @@ def test_engine_chat_answers_through_the_builtin_template_tools_included(tmp_pat
     (call,) = called.tool_calls
     assert call.name == "add" and set(json.loads(call.arguments)) == {"a", "b"}
     engine.check_integrity()
+
+
+
+# ---- the families whose templates know tools and reasoning ----------------------------------
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+# an agent's tool loop: a call with its reasoning, its result, the next generation prompt
+LOOP = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2."},
+        {"role": "assistant", "content": None, "reasoning_content": "Use add.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "4"}]
+ADD_JSON = '{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": ' \
+           '{"a": {"type": "integer"}}, "required": ["a"]}}}'
+LOOP_RENDERED = {
+    "qwen3": "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to help with the user "
+             "query. Their signatures, within <tools></tools> XML tags:\n<tools>\n" + ADD_JSON + "\n</tools>\n\n"
+             "For each call, answer with a JSON object of the function name and its arguments within "
+             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+             "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nAdd 2.<|im_end|>\n"
+             "<|im_start|>assistant\n<think>\nUse add.\n</think>\n\n<tool_call>\n{\"name\": \"add\", \"arguments\": "
+             "{\"a\": 2}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+             "<|im_start|>assistant\n",
+    "qwen3_5": "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou have access to these functions, within "
+               "<tools></tools> XML tags:\n\n<tools>\n" + ADD_JSON + "\n</tools>\n\nTo call a function, answer in "
+               "exactly this form, one <parameter> element per argument and nothing after the last call:\n\n"
+               "<tool_call>\n<function=example_function>\n<parameter=example_parameter>\nexample value\n</parameter>\n"
+               "</function>\n</tool_call><|im_end|>\n<|im_start|>user\nAdd 2.<|im_end|>\n<|im_start|>assistant\n"
+               "<think>\nUse add.\n</think>\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"
+               "</function>\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+               "<|im_start|>assistant\n<think>\n",
+    "lfm2": "<s><|im_start|>system\nBe brief.\nList of tools: <|tool_list_start|>[{\"name\": \"add\", \"parameters\": "
+            "{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}}, \"required\": [\"a\"]}}]"
+            "<|tool_list_end|><|im_end|>\n<|im_start|>user\nAdd 2.<|im_end|>\n<|im_start|>assistant\n"
+            "<think>Use add.</think><|tool_call_start|>[add(a=2)]<|tool_call_end|><|im_end|>\n<|im_start|>tool\n"
+            "<|tool_response_start|>4<|tool_response_end|><|im_end|>\n<|im_start|>assistant\n",
+    "harmony": "<|start|>system<|message|>You are a helpful assistant.\n\nReasoning: medium\n\n# Valid channels: "
+               "analysis, commentary, final. Channel must be included for every message.\nCalls to these tools must "
+               "go to the commentary channel: 'functions'.<|end|><|start|>developer<|message|># Instructions\n\n"
+               "Be brief.\n\n# Tools\n\n## functions\n\nnamespace functions {\n\ntype add = (_: {\na: number,\n}) "
+               "=> any;\n\n} // namespace functions<|end|><|start|>user<|message|>Add 2.<|end|><|start|>assistant"
+               "<|channel|>analysis<|message|>Use add.<|end|><|start|>assistant<|channel|>commentary "
+               "to=functions.add <|constrain|>json<|message|>{\"a\": 2}<|call|><|start|>functions.add to=assistant"
+               "<|channel|>commentary<|message|>4<|end|><|start|>assistant",
+}
+THINKING_OFF = {"qwen3": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                "qwen3_5": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                "lfm2": "<|im_start|>assistant\n", "harmony": "<|start|>assistant"}
+# the built-in template -> what `auto` picks under it: (tool-call format, reasoning parser)
+PICKS = {"qwen3": ("hermes", "qwen3"), "qwen3_5": ("qwen3_coder", "qwen3"), "lfm2": ("lfm2", "qwen3"),
+         "harmony": ("harmony", "gpt_oss")}
+
+
+@pytest.mark.parametrize("name", list(LOOP_RENDERED))
+def test_a_tool_loop_renders_as_the_family_writes_it(tmp_path, name):
+    text = builtin_template(name)
+    check_chat_template(text, name)
+    assert template_supports_tools(text)  # tools, calls and results go to the template as they are
+    tokenizer = load_tokenizer(config_dir(tmp_path, "qwen3_moe", []))
+    rendered = tokenizer.apply_chat_template(LOOP, tools=[ADD], tokenize=False, add_generation_prompt=True,
+                                             chat_template=text)
+    assert rendered == LOOP_RENDERED[name]
+    # the loop's first prompt, then what the model wrote after it: the call's turn re-renders as generated
+    first = tokenizer.apply_chat_template(LOOP[:2], tools=[ADD], tokenize=False, add_generation_prompt=True,
+                                          chat_template=text)
+    assert rendered.startswith(first)
+    off = tokenizer.apply_chat_template(LOOP[:2], tokenize=False, add_generation_prompt=True, chat_template=text,
+                                        enable_thinking=False)
+    assert off.endswith("Add 2." + ("<|end|>" if name == "harmony" else "<|im_end|>\n") + THINKING_OFF[name])
+    fmt, parser = PICKS[name]
+    assert detected_name(text) == fmt and detect_parser(None, text).name == parser
+
+
+def test_each_family_names_what_auto_picks_under_its_template():
+    named = {f.name: (f.chat_template, f.tool_call_format, f.reasoning_parser)
+             for f in registry.FAMILIES if f.chat_template in PICKS}
+    assert named == {"qwen3_moe": ("qwen3", *PICKS["qwen3"]), "qwen3_5": ("qwen3_5", *PICKS["qwen3_5"]),
+                     "lfm2": ("lfm2", *PICKS["lfm2"])}
+    # an edited copy is no built-in: `auto` reads its text (the same format here)
+    edited = builtin_template("qwen3_5") + "{# edited #}"
+    assert builtin_module.builtin_defaults(edited) == (None, None) and detected_name(edited) == "qwen3_coder"
+    assert builtin_module.builtin_defaults(builtin_template("chatml")) == (None, None)
+    assert builtin_module.builtin_defaults("{{ messages }}") == (None, None)
+
+
+def test_a_gpt_oss_entry_with_the_harmony_defaults_gets_them(tmp_path, monkeypatch):
+    """The registry seam a gpt-oss family fills: `**HARMONY` gives it the built-in harmony
+    template, the harmony calls and the gpt_oss reasoning parser."""
+    gpt_oss = registry.ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("gpt-oss",), ("silu",),
+                                   "radixserve.model.gpt_oss", "GptOssForCausalLM", **registry.HARMONY)
+    families = (*registry.FAMILIES, gpt_oss)
+    monkeypatch.setattr(registry, "FAMILIES", families)
+    monkeypatch.setattr(builtin_module, "FAMILIES", families)
+    tokenizer = load_tokenizer(config_dir(tmp_path, "gpt_oss", ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]))
+    assert builtin_name(tokenizer.chat_template) == "harmony"
+    assert builtin_module.builtin_defaults(tokenizer.chat_template) == ("harmony", "gpt_oss")
+    assert detected_name(tokenizer.chat_template) == "harmony" and detect_parser(tokenizer).name == "gpt_oss"
