@@ -62,7 +62,16 @@ class OutputProcessor:
         reason, stop reason), (None, None) while the request goes on. Raises RuntimeError
         for a token its grammar refuses."""
         detok = self._detokenizers.get(request.request_id)
-        return self.add_text(request, token, detok.add(token) if detok is not None else "")
+        if detok is None or self._ends_on_eos(request, token):  # the stop token's text is not the answer's
+            return self.add_text(request, token, "")
+        return self.add_text(request, token, detok.add(token))
+
+    def _ends_on_eos(self, request: Request, token: int) -> bool:
+        """An end-of-sequence token that stops the request: its text (kept where special tokens
+        are, as with tools whose markers are special) is left out unless include_stop_str_in_output."""
+        params = request.params
+        return (token in self.eos_token_ids and not params.ignore_eos and not params.include_stop_str_in_output
+                and request.num_output_tokens >= params.min_tokens)
 
     def add_text(self, request: Request, token: int, piece: str) -> tuple[str | None, str | int | None]:
         """add_token for a token whose text piece is known (decoded)."""

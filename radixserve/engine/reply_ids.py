@@ -135,21 +135,34 @@ def reply_spans(text: str, marks: TurnMarks) -> list[tuple[int, int]]:
 
 def turn_marks(tokenizer: Any, template: str | None = None) -> TurnMarks | None:
     """Read the marks off the template (None: the tokenizer's own): render a probe conversation
-    with and without the generation prompt and with a reply, and find the reply between them."""
+    with and without the generation prompt and with a reply, and find the reply between them.
+    A thinking template whose reply renders after a reasoning block the generation prompt does
+    not hold (Qwen 3's, Qwen 3.5's) is read with thinking off: its turns without reasoning."""
     if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
         return None
-    bare = _render(tokenizer, template, _PROBE_USER, False)
-    prompt = _render(tokenizer, template, _PROBE_USER, True)
-    answered = _render(tokenizer, template, _PROBE_USER + [{"role": "assistant", "content": _PROBE_REPLY}], False)
+    for switch in ({}, {"enable_thinking": False}):
+        marks = _marks(tokenizer, template, switch)
+        if marks is not None:
+            return marks
+    return None
+
+
+def _marks(tokenizer: Any, template: str | None, switch: dict[str, Any]) -> TurnMarks | None:
+    bare = _render(tokenizer, template, _PROBE_USER, False, switch)
+    prompt = _render(tokenizer, template, _PROBE_USER, True, switch)
+    answered = _render(tokenizer, template, _PROBE_USER + [{"role": "assistant", "content": _PROBE_REPLY}], False,
+                       switch)
     if not prompt.startswith(bare) or len(prompt) == len(bare) or not answered.startswith(prompt + _PROBE_REPLY):
         return None
     closing = _leading_added_token(tokenizer, answered[len(prompt) + len(_PROBE_REPLY):])
     return TurnMarks(prompt[len(bare):], closing) if closing else None
 
 
-def _render(tokenizer: Any, template: str | None, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def _render(tokenizer: Any, template: str | None, messages: list[dict[str, str]], generation_prompt: bool,
+            switch: dict[str, Any]) -> str:
     own = {"chat_template": template} if template is not None else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **own)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **own,
+                                         **switch)
 
 
 def _leading_added_token(tokenizer: Any, text: str) -> str | None:
