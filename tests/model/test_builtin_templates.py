@@ -239,3 +239,28 @@ def test_a_gpt_oss_entry_with_the_harmony_defaults_gets_them(tmp_path, monkeypat
     assert builtin_name(tokenizer.chat_template) == "harmony"
     assert builtin_module.builtin_defaults(tokenizer.chat_template) == ("harmony", "gpt_oss")
     assert detected_name(tokenizer.chat_template) == "harmony" and detect_parser(tokenizer).name == "gpt_oss"
+
+
+@pytest.mark.parametrize("name, reply, reasoning, content", [
+    ("qwen3_5", "Use add.\n</think>\n\nIt is 4.", "Use add.\n", "It is 4."),  # the prompt opened the block
+    ("qwen3", "<think>\nUse add.\n</think>\n\nIt is 4.", "\nUse add.\n", "It is 4."),
+    ("lfm2", "<think>Use add.</think>It is 4.", "Use add.", "It is 4."),
+])
+def test_each_familys_parser_reads_a_reply_to_its_prompt(tmp_path, name, reply, reasoning, content):
+    """The parser `auto` picks, on the template's own generation prompt: thinking on splits the
+    reply into reasoning and content; thinking off closes the Qwen templates' block in the prompt
+    (the server then reads no reasoning); LFM2's leaves the block to the model either way."""
+    tokenizer = load_tokenizer(config_dir(tmp_path, "qwen3_moe", []))
+    parser = detect_parser(None, builtin_template(name))
+    for thinking in (True, False):
+        prompt = tokenizer.apply_chat_template(LOOP[:2], tokenize=False, add_generation_prompt=True,
+                                               chat_template=builtin_template(name), enable_thinking=thinking)
+        opened = parser.opens_in_prompt(prompt)
+        assert opened == (name == "qwen3_5" and thinking)
+        if not thinking and name != "lfm2":
+            assert prompt.endswith("<think>\n\n</think>\n\n") and parser.follows_enable_thinking
+            continue
+        splitter = parser.splitter(opened)
+        pieces = [p for ch in reply for p in splitter.feed(ch)] + splitter.finish()  # streamed a character at a time
+        got = ("".join(p.text for p in pieces if p.reasoning), "".join(p.text for p in pieces if not p.reasoning))
+        assert got == (reasoning, content)
