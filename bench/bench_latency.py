@@ -48,6 +48,7 @@ from bench.lib.client import Record, arrivals, complete
 from bench.lib.servers import served
 from bench.lib.cli import apply_quick, bench_parser, write_json
 from bench.lib.harness import percentile
+from bench.lib.peers import add_llama_server
 
 TARGETS = {"gap_p95_ms": 120.0, "ttft_p95_s": 1.5}
 
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--trace", help="a directory for the servers' step traces: adds the gap tail's anatomy")
-    p.add_argument("--llama-server", help="a llama.cpp `llama-server` binary: run it side by side too")
+    add_llama_server(p, help="llama.cpp's llama-server binary (default: $LLAMA_SERVER): run it side by side too")
     p.add_argument("--llama-model", help="the GGUF file the llama.cpp server loads")
     p.add_argument("--llama-args", default="-np 8 -c 8192 -t 2", help="its flags (slots, context, threads)")
     return p
