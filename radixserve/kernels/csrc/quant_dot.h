@@ -188,6 +188,11 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
  * pair sums cannot saturate there; each lane i of the int32 sums covers elements 4i..4i+3. Up to
  * AVX2_TILE rows share each chunk's codes, loaded and split once. */
 #define AVX2_TILE 4
+/* The codes of the features TILE_PREFETCH x 4 ahead are asked into L2 as a feature streams
+ * (0: none). */
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 2
+#endif
 
 static inline __m256i pair_sums(__m256i u, __m256i x, __m256i weight16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), weight16);
@@ -283,6 +288,8 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
         __m256 acc[AVX2_TILE];
         for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b += 2) {
+            if (TILE_PREFETCH && r0 == 0 && (b & 3) == 0)
+                _mm_prefetch((const char *)codes + 16 * b + TILE_PREFETCH * 4 * row_bytes(w), _MM_HINT_T1);
             __m256i u[2];
             chunk_codes(codes, b, u);
             for (int h = 0; h < 2; ++h) {
@@ -307,10 +314,6 @@ static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out
  * independent chains (0.81x the per-feature time on Zen 3's default-model layers; 8-bit codes
  * gained nothing). Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
 #define FEATURE_TILE 4
-/* The tile that many tiles ahead is asked into L2 as this one streams (0: none). */
-#ifndef TILE_PREFETCH
-#define TILE_PREFETCH 2
-#endif
 
 static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
     const int64_t blocks = a->K / 32;
