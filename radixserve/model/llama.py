@@ -68,12 +68,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int):
+    def __init__(self, spec: ModelSpec, layer_index: int, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_index)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec) if mlp is None else mlp
 
     def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
         x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool, plan)
@@ -92,10 +92,14 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, spec: ModelSpec, max_positions: int):
         super().__init__(spec)
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.make_mlp(spec, i)) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec, max_positions)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def make_mlp(self, spec: ModelSpec, layer_index: int) -> nn.Module:
+        """Layer `layer_index`'s MLP: Llama's dense one (a family of experts makes its own)."""
+        return MLP(spec)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Qwen3MoeForCausalLM: Qwen3-MoE (Qwen3-30B-A3B and its kin): Qwen3's attention (q/k norms,
 no biases) with a sparse mixture of experts in place of the MLP (model/moe.py) in every layer
 but the `mlp_only_layers` (and those off `decoder_sparse_step`), which keep Llama's dense MLP.
+It is the Llama model (constructor, layers, layer loop) with `make_mlp` as the difference, and
+the loading of the checkpoint's expert tensors.
 """
 
 from __future__ import annotations
@@ -8,12 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.attention.backend import AttentionBackend, AttentionPlan
-from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.causal_lm import CausalLM
-from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
-from radixserve.model.llama import MLP, Attention
+from radixserve.model.llama import MLP, LlamaForCausalLM
 from radixserve.model.moe import SparseMoE, expert_weights
 from radixserve.model.spec import ModelSpec
 
@@ -28,23 +27,7 @@ def _sparse(config, layer: int) -> bool:
             and (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_index: int):
-        super().__init__()
-        config = spec.hf_config
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_index)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = SparseMoE(spec.hidden_size, config.moe_intermediate_size, num_experts(config),
-                             config.num_experts_per_tok, bool(config.norm_topk_prob)) \
-            if _sparse(config, layer_index) else MLP(spec)
-
-    def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, pool, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Qwen3MoeForCausalLM(CausalLM):
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
     gguf_layer_names = {**CausalLM.gguf_layer_names, "ffn_gate_inp": "mlp.gate",
                         "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
                         "ffn_down_exps": "mlp.experts.down_proj"}
@@ -53,26 +36,19 @@ class Qwen3MoeForCausalLM(CausalLM):
     def spec_fields(cls, config) -> dict:
         return {"qk_norm": True}
 
+    def make_mlp(self, spec: ModelSpec, layer_index: int) -> nn.Module:
+        """The experts in place of the dense MLP, but in `mlp_only_layers` (and off `decoder_sparse_step`)."""
+        config = spec.hf_config
+        if not _sparse(config, layer_index):
+            return MLP(spec)
+        return SparseMoE(spec.hidden_size, config.moe_intermediate_size, num_experts(config),
+                         config.num_experts_per_tok, bool(config.norm_topk_prob))
+
     @classmethod
     def gguf_config_fields(cls, metadata: dict) -> dict:
         """llama.cpp's expert_feed_forward_length, which transformers' GGUF config reading leaves out."""
         size = metadata.get("qwen3moe.expert_feed_forward_length")
         return {} if size is None else {"moe_intermediate_size": int(size)}
-
-    def __init__(self, spec: ModelSpec, max_positions: int):
-        super().__init__(spec)
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec, max_positions)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
-
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
-                   plan: AttentionPlan) -> torch.Tensor:
-        rope = self.rotary.lookup(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, backend, pool, plan)
-        return x
 
     def _moe(self, layer: int) -> SparseMoE:
         mlp = self.layers[layer].mlp if 0 <= layer < len(self.layers) else None
