@@ -20,6 +20,11 @@ from __future__ import annotations
 EMA = 0.2  # weight of the newest step time of a row count
 OPTIMISTIC_ROW = 0.15  # past the largest row count seen, each row is guessed at this share of one row's step
 MARGIN = 1.03  # a draft must promise this much more throughput than none (noise in the step times)
+# A row count above the one just measured, not measured itself for this many decode steps, is
+# forgotten (estimated afresh from its neighbours, so tried again): a count measured once while
+# other jobs slowed the machine would otherwise look dear for good, since only the counts that
+# drafts use are ever measured again. Smaller counts (the batch without drafts) are kept.
+STALE_STEPS = 256
 
 
 class StepCosts:
@@ -27,10 +32,16 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.ms: dict[int, float] = {}
+        self.last_seen: dict[int, int] = {}  # rows -> the step count when last measured
+        self.steps = 0
 
     def observe(self, rows: int, ms: float) -> None:
+        self.steps += 1
         old = self.ms.get(rows)
         self.ms[rows] = ms if old is None else (1 - EMA) * old + EMA * ms
+        self.last_seen[rows] = self.steps
+        for stale in [r for r, step in self.last_seen.items() if r > rows and self.steps - step > STALE_STEPS]:
+            del self.ms[stale], self.last_seen[stale]
 
     def estimate(self, rows: int) -> float | None:
         """The step time of `rows` rows, or None before any decode step was measured."""

@@ -4,7 +4,7 @@ and the drafter pausing where no length pays."""
 from __future__ import annotations
 
 from radixserve import SamplingParams
-from radixserve.core.draft_length import StepCosts, best_length, draft_lengths
+from radixserve.core.draft_length import STALE_STEPS, StepCosts, best_length, draft_lengths
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.request import Request
 from scheduler_helpers import add, make_scheduler
@@ -40,6 +40,20 @@ def test_estimates_between_and_past_measured_rows():
     assert costs({4: 20.0}).estimate(2) == 10.0
     c.observe(4, 26.0)
     assert c.estimate(4) == 0.8 * 16.0 + 0.2 * 26.0
+
+
+def test_a_row_count_not_measured_for_a_while_is_estimated_afresh():
+    c = costs({1: 10.0, 4: 40.0})  # 4 rows measured once while the machine was busy: no draft pays
+    assert best_length(0.9, 1, 3, c) == 0
+    for _ in range(STALE_STEPS):
+        c.observe(1, 10.0)
+    assert c.estimate(4) == 40.0  # not yet
+    c.observe(1, 10.0)
+    assert 4 not in c.ms and c.estimate(4) == 10.0 + 3 * 0.15 * 10.0  # forgotten: guessed again, so tried
+    assert best_length(0.9, 1, 3, c) == 3
+    for _ in range(STALE_STEPS + 1):
+        c.observe(4, 16.0)
+    assert c.estimate(1) == 10.0  # the count below the ones drafts use is kept: no draft's cost stays known
 
 
 def test_the_drafter_pauses_where_no_length_pays_and_drafts_the_best_length_where_one_does():
