@@ -182,3 +182,35 @@ def test_reasoning_then_a_call_and_the_next_turn_hits(served):
     first = len(ids_of(out, "prompt_token_ids"))
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= first - first % BLOCK - BLOCK, (cached, first)
+
+
+def test_the_anthropic_client_thinks_then_uses_a_tool_and_the_next_turn_hits(served):
+    """The same through the official anthropic client: a thinking block of the budget's tokens,
+    then a forced tool_use whose input validates, streamed alike; the next turn (the thinking
+    block, the tool_use and its result sent back) reads the first prompt from the cache."""
+    import anthropic
+
+    family, _, client = served
+    messages = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0,
+                                   timeout=300).messages
+    tools = [{"name": name, "input_schema": schema} for name, schema in SCHEMAS.items()]
+    ask = dict(model=MODEL, max_tokens=300, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+               thinking={"type": "enabled", "budget_tokens": 4}, extra_body={"temperature": 0})
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    out = messages.create(messages=question, **ask)
+    thinking, use = out.content[0], out.content[-1]
+    assert out.stop_reason == "tool_use" and thinking.type == "thinking" and thinking.thinking
+    assert use.type == "tool_use"
+    jsonschema.validate(use.input, SCHEMAS[use.name])
+    with messages.stream(messages=question, **ask) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "input", None)) for b in streamed.content] == \
+           [(b.type, getattr(b, "thinking", None), getattr(b, "input", None)) for b in out.content]
+
+    first = out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.cache_creation_input_tokens
+    follow = messages.create(messages=question + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": thinking.thinking, "signature": ""},
+                                          {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]},
+    ], **{**ask, "max_tokens": 5, "tool_choice": {"type": "auto"}})
+    assert follow.usage.cache_read_input_tokens >= first - first % BLOCK - BLOCK, (family, follow.usage, first)
