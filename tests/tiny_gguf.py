@@ -19,8 +19,14 @@ _LAYER = {
 }
 _GEMMA3 = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
            "post_feedforward_layernorm": "post_ffw_norm"}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2"}
+_LFM2 = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+         "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+         "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+         "conv.in_proj": "shortconv.in_proj", "conv.conv": "shortconv.conv", "conv.out_proj": "shortconv.out_proj"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+        "model.embedding_norm": "token_embd_norm"}
+_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2", "lfm2": "lfm2"}
 
 
 def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
@@ -53,7 +59,7 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
 
 
 def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
-    names = _GEMMA3 if arch == "gemma3" else _LAYER
+    names = {"gemma3": _GEMMA3, "lfm2": _LFM2}.get(arch, _LAYER)
     for layer in range(config.num_hidden_layers):  # per-expert tensors stacked [E, out, in], as llama.cpp stores them
         for proj, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             parts = [tensors.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
@@ -66,6 +72,8 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
         stem, _, suffix = name.rpartition(".")
         if arch == "gemma3" and name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp stores Gemma's (1 + w)
+        if name.endswith(".conv.conv.weight"):
+            t = t.squeeze(1)  # LFM2's depthwise conv as llama.cpp stores it, [C, L]
         if stem in _TOP:
             yield f"{_TOP[stem]}.{suffix}", t
             continue
@@ -89,12 +97,21 @@ def _metadata(writer, arch: str, config) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if arch == "lfm2":  # as llama.cpp's converter: the MLP's real width, kv heads 0 on conv layers
+        from radixserve.model.lfm2 import _mlp_width
+
+        writer.add_feed_forward_length(_mlp_width(config))
+        writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
+                                  for t in config.layer_types])
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+        writer.add_vocab_size(config.vocab_size)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if "rope_theta" in rope else rope.get("full_attention", {}).get("rope_theta")
     writer.add_rope_freq_base(float(theta or 10000.0))

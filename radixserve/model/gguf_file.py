@@ -24,7 +24,8 @@ from radixserve.model.registry import ModelFamily, family_for_gguf, model_class
 
 _MAX_DIM = 1 << 24  # no real weight has a side this long; a corrupt header often does
 
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "token_embd_norm": "model.embedding_norm"}  # LFM2's final norm (transformers' embedding_norm)
 
 
 class GGUFFile:
@@ -211,7 +212,7 @@ def hf_name(gguf_name: str, arch: str = "llama", layer_names: dict[str, str] | N
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
+    parts = stem.split(".", 2)  # blk.N.<stem>, the stem itself dotted in some (LFM2's shortconv.conv)
     names = GGUF_LAYER_NAMES if layer_names is None else layer_names
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"

@@ -59,6 +59,15 @@ class Lfm2DecoderLayer(nn.Module):
 
 class Lfm2ForCausalLM(RecurrentLayers, CausalLM):
     recurrent_layer_types = ("conv",)  # layer_types' recurrent kind (its others: full_attention)
+    # llama.cpp's lfm2 block tensors -> transformers' LFM2 names (renamed onto the modules at load)
+    gguf_layer_names = {
+        "attn_norm": "operator_norm", "ffn_norm": "ffn_norm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
+        "attn_k_norm": "self_attn.k_layernorm", "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3",
+        "ffn_down": "feed_forward.w2", "shortconv.in_proj": "conv.in_proj", "shortconv.conv": "conv.conv",
+        "shortconv.out_proj": "conv.out_proj",
+    }
 
     @classmethod
     def spec_fields(cls, config) -> dict:
@@ -77,7 +86,11 @@ class Lfm2ForCausalLM(RecurrentLayers, CausalLM):
     # ---- weights: LFM2's names onto the Llama-style modules (fused q/k/v and gate/up) ----
 
     def from_hf_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {_rename(name): t for name, t in tensors.items()}
+        return {_rename(name): _conv_weight(name, t) for name, t in tensors.items()}
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """A GGUF's tensors come named as transformers names LFM2's (gguf_layer_names): renamed too."""
+        super().load_weights(self.from_hf_checkpoint(tensors) if source == "gguf" else tensors, source)
 
     def load_quantized(self, weights: dict[str, QuantWeight]) -> None:
         super().load_quantized({_rename(name): w for name, w in weights.items()})
@@ -94,6 +107,11 @@ _RENAMES = (
     (".feed_forward.w3.", ".mlp.up_proj."),
     (".feed_forward.w2.", ".mlp.down_proj."),
 )
+
+
+def _conv_weight(name: str, t: torch.Tensor) -> torch.Tensor:
+    """llama.cpp stores the depthwise conv's weight squeezed, [C, L]: back to nn.Conv1d's [C, 1, L]."""
+    return t.unsqueeze(1) if name.endswith(".conv.conv.weight") and t.dim() == 2 else t
 
 
 def _rename(name: str) -> str:

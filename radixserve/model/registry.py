@@ -47,7 +47,7 @@ FAMILIES = (
                 "radixserve.model.qwen3_moe", "Qwen3MoeForCausalLM",
                 chat_template="qwen3", tool_call_format="hermes", reasoning_parser="qwen3"),
     # recurrent hybrids: their recurrent layers' state per request lives in the runner's state pool
-    ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), (), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM",
+    ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), ("lfm2",), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM",
                 chat_template="lfm2", tool_call_format="lfm2", reasoning_parser="qwen3"),
     ModelFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), (),
                 ("silu",), "radixserve.model.qwen3_5", "Qwen3_5ForCausalLM",
