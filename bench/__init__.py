@@ -14,6 +14,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_latency         TTFT, inter-token gap and e2e under load across server configurations (llama.cpp beside)
     bench_step_budget     the same arrivals straight into Engine.step under each --max-step-ms
     bench_speculative     prompt-lookup speculation: decode tokens/s, acceptance, equal outputs
+    bench_draft_replay    drafting replayed on recorded greedy outputs, no model: tokens a step, accepted length
     bench_jump_forward    jump-forward under a grammar: steps per tool call / JSON answer, equal outputs
     bench_agents          an agent swarm over a small pool: LRU, the second tier, sessions
     bench_agent_hints     agent hints (priority, ttl_s, speculative_prefill) against none
@@ -55,6 +56,7 @@ The library (bench/lib/), what the runners share:
     client         the one SSE client, a streamed completion as the client saw it, Poisson arrivals
     report         tables, ratio lines, bar charts
     agent_traces   agent traces for speculation: tool loops with JSON arguments, a coding agent, ReAct, chat
+    draft_replay   a drafter run over recorded outputs without the model (bench_draft_replay)
     recurrent_agents  agent loops as messages on a tiny random-weight Qwen3.5 or LFM2 (bench_recurrent_agents)
     dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants, moe_gguf: what single benches run on
 """
