@@ -9,7 +9,7 @@ goes through kernels/csrc/quant_linear.c's quant_linear_f32 in the model's order
 "layers" is all the layers' projections (fused q/k/v and gate/up kept apart as stored), "head"
 the tied lm head (Gemma 3: 262,144 x 640 Q8_0, ~189 MB a step). The weights together exceed
 the last-level cache, so each product reads its weight from memory, as a decode step does.
-With --against, a second build of the kernel (another quant_linear.c, with reduce.h beside
+With --against, a second build of the kernel (another quant_linear.c, with its headers beside
 it; one from before the lanes layout gets the weights one feature a row, and one from before
 float16 scales does not run) runs in the same
 process, the two in turns, and the ratio is reported: the machine's pace
