@@ -21,6 +21,7 @@ System benches: an engine, a server or a cluster end to end, on a workload
     bench_agent_turns     agent loops with tools over HTTP: reply ids reused against re-tokenized
     bench_agent_conditions  chat agents and few-shot beside CPU-bound processes; Gemma 3's reuse (llama.cpp beside)
     bench_recurrent_agents  agent loops on tiny recurrent models (Qwen3.5, LFM2): tokens beyond the new ones, cache off
+    bench_recurrent_llamacpp  agent loops on an LFM2-350M-shaped random-weight GGUF against llama.cpp on the same file
     bench_kv_events       step time with and without publishing KV events
     bench_dynamo_swarm    an agent swarm through NVIDIA Dynamo's frontend onto 2 workers: kv vs round-robin reuse
     bench_kv_quant        int8 KV pages: accuracy, capacity and decode step time against float32
@@ -58,5 +59,6 @@ The library (bench/lib/), what the runners share:
     agent_traces   agent traces for speculation: tool loops with JSON arguments, a coding agent, ReAct, chat
     draft_replay   a drafter run over recorded outputs without the model (bench_draft_replay)
     recurrent_agents  agent loops as messages on a tiny random-weight Qwen3.5 or LFM2 (bench_recurrent_agents)
-    dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants, moe_gguf: what single benches run on
+    dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants, moe_gguf,
+                   lfm2_gguf: what single benches run on
 """
