@@ -17,21 +17,13 @@ serve = pytest.importorskip("ray.serve")
 
 from bench.lib.chat_sessions import REPLICA_HEADER  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
+from routing_metrics import routing_reasons  # noqa: E402
 from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
 APP = "radixserve-kv"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _reasons(url: str, family: str = "radixserve_cluster_routing_decisions_total") -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
-        if line.startswith(family + "{"):
-            reason = line.split('reason="')[1].split('"')[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
@@ -50,7 +42,7 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
         assert first.status_code == 200, first.text
         home = first.headers[REPLICA_HEADER]
         deadline = time.monotonic() + 60
-        while _reasons(url).get("kv_prefix", 0) == 0:  # until the ingress tracks both replicas' streams
+        while routing_reasons(url).get("kv_prefix", 0) == 0:  # until the ingress tracks both replicas' streams
             assert time.monotonic() < deadline, "the ingress never routed on KV events"
             again = httpx.post(url + "/generate", json={"input_ids": prompt + [9, 9],
                                                         "sampling_params": {"max_tokens": 1}}, timeout=120)
@@ -58,9 +50,9 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
             time.sleep(1)
         assert httpx.post(url + "/flush_cache", timeout=60).status_code == 200
         time.sleep(1)  # the flush's events reach the ingress
-        before = _reasons(url)
+        before = routing_reasons(url)
         httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 1}}, timeout=120)
-        after = _reasons(url)
+        after = routing_reasons(url)
         assert after.get("new", 0) == before.get("new", 0) + 1 and after.get("kv_prefix") == before.get("kv_prefix")
 
         tools = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": {
@@ -70,10 +62,10 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
         asked = httpx.post(url + "/v1/messages", json={**body, "messages": turns}, timeout=120)
         assert asked.status_code == 200, asked.text
         time.sleep(1)  # its blocks' events reach the ingress
-        before = _reasons(url)
+        before = routing_reasons(url)
         turns += [{"role": "assistant", "content": "Let me look."}, {"role": "user", "content": "And in Rome?"}]
         follow = httpx.post(url + "/v1/messages", json={**body, "messages": turns}, timeout=120)
         assert follow.status_code == 200 and follow.headers[REPLICA_HEADER] == asked.headers[REPLICA_HEADER]
-        assert _reasons(url).get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1  # named: routed on events
+        assert routing_reasons(url).get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1  # named: routed on events
     finally:
         serve.shutdown()

@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray", reason="the cluster tests need Ray Serve")
 serve = pytest.importorskip("ray.serve")
 
 from radixserve.server.options import ServerOptions  # noqa: E402
+from routing_metrics import PREFILL_DECISIONS, routing_reasons  # noqa: E402
 from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(600)]
@@ -30,7 +31,6 @@ ENGINE = {"num_threads": 1, "num_kv_blocks": 600}
 REPLICA_ENGINE = {**ENGINE, "kv_events_endpoint": "tcp://127.0.0.1:5557"}  # each replica binds its own ports
 APP = "radixserve-pd"
 MODEL = "SmolLM2-135M-Instruct"
-PREFILL_DECISIONS = "radixserve_cluster_prefill_routing_decisions_total"
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -128,22 +128,18 @@ def test_roles_greedy_equality_and_exact_blocks(cluster, single):
     check_integrity(cluster)
 
 
-def _reasons(url: str, family: str = "radixserve_cluster_routing_decisions_total") -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
-        if line.startswith(family + "{"):
-            reason = line.split('reason="')[1].split('"')[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_the_ingress_picks_both_roles_on_their_events(cluster):
     system = "You are a careful assistant for a cluster of replicas. " * 8  # text no other test sends
-    before = (_reasons(cluster).get("kv_prefix", 0), _reasons(cluster, PREFILL_DECISIONS).get("kv_prefix", 0))
+
+    def on_events() -> tuple[float, float]:  # decode and prefill choices made on KV events so far
+        return (routing_reasons(cluster).get("kv_prefix", 0),
+                routing_reasons(cluster, PREFILL_DECISIONS).get("kv_prefix", 0))
+
+    before = on_events()
 
     def both_on_events() -> bool:
-        return (_reasons(cluster).get("kv_prefix", 0) > before[0]
-                and _reasons(cluster, PREFILL_DECISIONS).get("kv_prefix", 0) > before[1])
+        now = on_events()
+        return now[0] > before[0] and now[1] > before[1]
 
     deadline = time.monotonic() + 90
     turn = 0
