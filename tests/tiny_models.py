@@ -149,3 +149,19 @@ def hf_logprobs(directory: Path, prompt: list[int], output: list[int]) -> torch.
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def run_checked(engine, prompts: list[list[int]], max_tokens: int, cache_salt: str | None = None) -> list:
+    """Greedy continuations (EOS ignored) generated step by step, the engine's integrity checked
+    after every step; the finished outputs in the prompts' order."""
+    from radixserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params, cache_salt=cache_salt) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    return [done[i] for i in ids]

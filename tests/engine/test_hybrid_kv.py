@@ -12,7 +12,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.core.window_pages import NO_PAGE, WindowPages
-from tiny_models import hf_greedy
+from tiny_models import hf_greedy, run_checked
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BS, WINDOW = 4, 6  # the tiny models' window spans two blocks, neither aligned
@@ -26,18 +26,6 @@ def prompts_of(lengths, seed=0, vocab=97):
 def engine_for(directory, **options):
     defaults = dict(block_size=BS, num_kv_blocks=256, chunked_prefill_size=64, max_num_batched_tokens=64)
     return Engine(str(directory), **{**defaults, **options})
-
-
-def run_checked(engine, prompts, max_tokens):
-    """Generate step by step, checking every invariant (window pages included) after each step."""
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i] for i in ids]
 
 
 # ---- WindowPages alone -------------------------------------------------------------------------

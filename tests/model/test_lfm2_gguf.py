@@ -10,27 +10,15 @@ import random
 import pytest
 import torch
 
-from radixserve import Engine, SamplingParams
+from radixserve import Engine
 from tiny_gguf import write_gguf
-from tiny_models import hf_greedy
+from tiny_models import hf_greedy, run_checked
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def tokens(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(97) for _ in range(n)]
-
-
-def run(engine, prompts, max_tokens):
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i] for i in ids]
 
 
 def gguf_greedy(path, prompt, n):
@@ -47,10 +35,10 @@ def gguf_greedy(path, prompt, n):
 def turns(engine, reference):
     """A prompt, then the next turn (prompt + reply + new tokens) resumed from the kept state."""
     prompt = tokens(21, seed=1)
-    (first,) = run(engine, [prompt], 8)
+    (first,) = run_checked(engine, [prompt], 8)
     assert first.cached_tokens == 0 and first.token_ids == reference(prompt, 8)
     follow = prompt + first.token_ids + tokens(6, seed=2)
-    (second,) = run(engine, [follow], 8)
+    (second,) = run_checked(engine, [follow], 8)
     assert second.cached_tokens == 21 + 8 - 1  # the reply's end, where its state was kept
     assert second.token_ids == reference(follow, 8)
     assert engine.stats()["recurrent_snapshot_restores"] == 1

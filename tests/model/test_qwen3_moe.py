@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve import Engine, SamplingParams
+from radixserve import Engine
+from tiny_models import run_checked
 from tiny_gguf import write_gguf
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 CHUNK = 16
 
 
@@ -79,30 +79,19 @@ def prompts_of(lengths, seed=0):
     return [[rng.randrange(97) for _ in range(n)] for n in lengths]
 
 
-def run_checked(engine, prompts, max_tokens):
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i].token_ids for i in ids]
-
-
 def engine_for(model: str, **options) -> Engine:
     defaults = dict(block_size=4, num_kv_blocks=256, chunked_prefill_size=CHUNK, max_num_batched_tokens=CHUNK)
     return Engine(model, **{**defaults, **options})
 
 
 def _greedy_through_the_engine(engine: Engine, reference, prompts):
-    outs = run_checked(engine, prompts, 8)
+    outs = [out.token_ids for out in run_checked(engine, prompts, 8)]
     for prompt, out in zip(prompts, outs):
         assert out == hf_greedy(reference, prompt, 8)
     # a follow-up turn: the first prompt and its reply come back from the cache
     follow = prompts[0] + outs[0] + prompts_of([5], seed=9)[0]
     cached_before = engine.stats()["cached_prompt_tokens"]
-    assert run_checked(engine, [follow], 6)[0] == hf_greedy(reference, follow, 6)
+    assert run_checked(engine, [follow], 6)[0].token_ids == hf_greedy(reference, follow, 6)
     assert engine.stats()["cached_prompt_tokens"] - cached_before >= len(prompts[0]) // 4 * 4
 
 
@@ -130,7 +119,7 @@ def test_greedy_equals_transformers_from_a_directory(tiny_moe):
 def test_preemption_keeps_outputs_equal(tiny_moe):
     engine = engine_for(str(tiny_moe), num_kv_blocks=20, max_num_batched_tokens=24)
     prompts = prompts_of([30, 22, 9, 27, 14, 19], seed=5)
-    outs = run_checked(engine, prompts, 10)
+    outs = [out.token_ids for out in run_checked(engine, prompts, 10)]
     reference = _hf_model(tiny_moe)
     for prompt, out in zip(prompts, outs):
         assert out == hf_greedy(reference, prompt, 10)

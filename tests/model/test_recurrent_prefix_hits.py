@@ -10,10 +10,9 @@ import random
 
 import pytest
 
-from radixserve import Engine, SamplingParams
-from tiny_models import hf_greedy
+from radixserve import Engine
+from tiny_models import hf_greedy, run_checked
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
 KINDS = ["lfm2", "qwen3_5"]
 
 
@@ -28,23 +27,12 @@ def engine_for(directory, **options):
     return Engine(str(directory), **{**defaults, **options})
 
 
-def run(engine, prompts, max_tokens, salt=None):
-    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY), cache_salt=salt) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
-    return [done[i] for i in ids]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_requests_resume_from_kept_states_greedy_equal_to_transformers(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     engine = engine_for(directory)
     prompt = tokens(41, seed=3)
-    (first,) = run(engine, [prompt], 12)
+    (first,) = run_checked(engine, [prompt], 12)
     assert first.cached_tokens == 0 and first.token_ids == hf_greedy(directory, prompt, 12)
     second = [
         prompt,  # a retry: the prompt's last whole block before its last token ends at 40
@@ -52,12 +40,12 @@ def test_requests_resume_from_kept_states_greedy_equal_to_transformers(tiny_mode
         prompt + first.token_ids + tokens(5, seed=4),  # the next turn: the reply's end, 41 + 12 - 1 -> 52
         prompt[:22] + tokens(10, seed=5),  # leaves the prompt in its 6th block: back to the chunk boundary 16
     ]
-    outs = run(engine, second, 8)
+    outs = run_checked(engine, second, 8)
     assert [o.cached_tokens for o in outs] == [40, 40, 52, 16]
     for p, o in zip(second, outs):
         assert o.token_ids == hf_greedy(directory, p, 8)
     branch = prompt[:22] + tokens(10, seed=6)
-    (third,) = run(engine, [branch], 8)
+    (third,) = run_checked(engine, [branch], 8)
     assert third.cached_tokens == 20  # the branch point the 4th request's recomputation kept
     assert third.token_ids == hf_greedy(directory, branch, 8)
     stats = engine.stats()
@@ -70,7 +58,7 @@ def test_preempted_requests_sharing_a_prefix_resume_from_kept_states(tiny_model_
     engine = engine_for(directory, num_kv_blocks=24)
     base = tokens(20, seed=7)
     prompts = [base + tokens(10, seed=10 + i) for i in range(4)]
-    outs = run(engine, prompts, 16)
+    outs = run_checked(engine, prompts, 16)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["recurrent_snapshot_restores"] > 0
     for p, o in zip(prompts, outs):
@@ -81,9 +69,9 @@ def test_tenants_never_resume_from_each_others_states_and_a_flush_leaves_none(ti
     directory = tiny_model_dir("qwen3_5")
     engine = engine_for(directory)
     prompt = tokens(41, seed=3)
-    (a,) = run(engine, [prompt], 6, salt="tenant-a")
-    (b,) = run(engine, [prompt], 6, salt="tenant-b")
-    (again,) = run(engine, [prompt], 6, salt="tenant-a")
+    (a,) = run_checked(engine, [prompt], 6, cache_salt="tenant-a")
+    (b,) = run_checked(engine, [prompt], 6, cache_salt="tenant-b")
+    (again,) = run_checked(engine, [prompt], 6, cache_salt="tenant-a")
     assert [a.cached_tokens, b.cached_tokens, again.cached_tokens] == [0, 0, 40]
     assert a.token_ids == b.token_ids == again.token_ids == hf_greedy(directory, prompt, 6)
     assert engine.stats()["recurrent_snapshots_kept"] > 0
@@ -99,7 +87,7 @@ def test_tenants_never_resume_from_each_others_states_and_a_flush_leaves_none(ti
     assert stats["recurrent_snapshots_kept"] == 0 and stats["blocks_free"] == stats["blocks_total"]
     snapshots = engine.kv.components[0]
     assert snapshots.num_used == 0
-    (after,) = run(engine, [prompt], 6, salt="tenant-a")  # the drops run before this one's step
+    (after,) = run_checked(engine, [prompt], 6, cache_salt="tenant-a")  # the drops run before this one's step
     assert after.cached_tokens == 0 and after.token_ids == a.token_ids
     assert set(engine.runner.states.snapshot_positions) == set(snapshots._node) | {
         op.snapshot for op in snapshots._ops if op.kind == "save"}
@@ -116,11 +104,11 @@ def test_a_reply_whose_drafts_ran_past_block_boundaries_is_kept_at_its_end(tiny_
     for seed in ([rng.randrange(97) for _ in range(n)] for n in (5, 8)):
         reply = hf_greedy(directory, seed, 16)
         prompts += [seed + reply + seed, (seed + reply) * 2 + seed]
-    outs = run(engine, prompts, 16)
+    outs = run_checked(engine, prompts, 16)
     stats = engine.stats()
     assert stats["spec_accepted_tokens"] > 0
     turns = [p + o.token_ids + tokens(3, seed=9 + i) for i, (p, o) in enumerate(zip(prompts, outs))]
-    nexts = run(engine, turns, 6)
+    nexts = run_checked(engine, turns, 6)
     assert [o.cached_tokens for o in nexts] == [(len(p) + 16 - 1) // 4 * 4 for p in prompts]  # each reply's end
     for p, o in zip(prompts + turns, outs + nexts):
         assert o.token_ids == hf_greedy(directory, p, len(o.token_ids))
