@@ -135,6 +135,11 @@ class KVManager:
             num_tokens = c.chunk_limit(request, num_tokens)
         return num_tokens
 
+    @property
+    def snapshots(self) -> RecurrentSnapshots | None:
+        """The recurrent-state snapshots component (None: the model has no recurrent layers)."""
+        return next((c for c in self.components if isinstance(c, RecurrentSnapshots)), None)
+
     def snapshot_positions(self) -> dict[int, int]:
         """Recurrent-state snapshots the runner holds and where each stands (integrity checks)."""
         return {s: p for c in self.components if isinstance(c, RecurrentSnapshots) for s, p in c.positions().items()}

@@ -18,8 +18,10 @@ Where snapshots are taken (where agents resume), for each running request:
   - while it decodes, every block boundary into one rolling snapshot of its own (a boundary a
     verified draft ran past too: the runner keeps that state for the next step); when it
     leaves, the last one is kept at its reply's end (the next turn resumes there).
-The scheduler stops a prompt chunk at the next of these positions (`chunk_limit`), so the
-state stands exactly there between two steps.
+A prompt chunk passes the first of these positions ahead of it and stops at the second
+(`chunk_limit`): the runner's layers keep the state at the one passed inside the chunk (a KEEP
+op), and the state stands at the other between two steps (layers that cannot keep a state
+inside a chunk, `inner_saves` off: the chunk stops at the first).
 
 A match is cut to the deepest node on its path that keeps a snapshot (`usable_blocks`); the
 request then starts from that snapshot (a RESTORE op) instead of from zeros.
@@ -45,14 +47,15 @@ from radixserve.core.kv_events import POOL, RECURRENT
 from radixserve.core.radix_cache import MatchResult, RadixNode
 from radixserve.core.request import Request
 
-SAVE, RESTORE, DROP = "save", "restore", "drop"
+SAVE, RESTORE, DROP, KEEP = "save", "restore", "drop", "keep"
 
 
 @dataclass(frozen=True)
 class SnapshotOp:
     """SAVE: copy `request`'s states (standing at token `position`) into snapshot `snapshot`;
     RESTORE: start `request`'s states from it (its next chunk starts at `position`); DROP:
-    forget it."""
+    forget it; KEEP (no snapshot id): `request`'s next chunk passes `position`, keep the state
+    there too (a SAVE at `position` after that step takes it)."""
 
     kind: str
     snapshot: int
@@ -71,6 +74,7 @@ class _Held:
     decoding: bool = False  # it was past its prompt then: the step after was a decode (maybe drafted)
     pending: list[tuple[int, int]] = field(default_factory=list)
     rolling: tuple[int, int] | None = None
+    keep: int | None = None  # a position its next chunk passes, whose state the runner keeps (KEEP)
 
 
 class RecurrentSnapshots(CacheComponent):
@@ -87,6 +91,9 @@ class RecurrentSnapshots(CacheComponent):
         self._held: dict[int, _Held] = {}  # id(request) -> its plan
         self._ops: list[SnapshotOp] = []
         self.saved = self.restored = self.evicted_snapshots = self.refused = 0
+        # the runner keeps a state inside a prompt chunk (its layers honour Segment.keep_after):
+        # a chunk then passes one saved position instead of stopping there (no extra step)
+        self.inner_saves = False
 
     # ---- what the runner reads -----------------------------------------------------
 
@@ -151,11 +158,21 @@ class RecurrentSnapshots(CacheComponent):
         self._held[id(request)] = _Held(request, self._wanted(request, start), start)
 
     def chunk_limit(self, request: Request, num_tokens: int) -> int:
-        """A prompt chunk stops at the next position where the request's state is saved."""
+        """A prompt chunk stops at the next position where the request's state is saved; with
+        inner saves it passes the first such position (the runner keeps the state there: KEEP)
+        and stops at the second."""
         held = self._held.get(id(request))
+        if held is None:
+            return num_tokens
         computed = request.num_computed_tokens
-        nxt = next((p for p in held.wanted if p > computed), None) if held is not None else None
-        return num_tokens if nxt is None else min(num_tokens, nxt - computed)
+        inside = [p for p in held.wanted if computed < p < computed + num_tokens]
+        if not inside:
+            return num_tokens
+        if not self.inner_saves:
+            return inside[0] - computed
+        held.keep = inside[0]
+        self._ops.append(SnapshotOp(KEEP, -1, request, inside[0]))
+        return inside[1] - computed if len(inside) > 1 else num_tokens
 
     def before_step(self) -> None:
         """Between two steps (the states stand where the requests' computed tokens end):
@@ -214,6 +231,13 @@ class RecurrentSnapshots(CacheComponent):
     def _save_due(self, held: _Held) -> None:
         request = held.request
         position = request.num_computed_tokens
+        keep, held.keep = held.keep, None
+        if keep is not None and held.seen < keep < position and keep in held.wanted:
+            held.wanted.remove(keep)  # passed inside the last chunk, its state kept by the runner
+            snapshot = self._room()
+            if snapshot is not None:
+                self._save(request, snapshot, keep)
+                held.pending.append((keep, snapshot))
         if position in held.wanted:
             held.wanted.remove(position)
             snapshot = self._room()

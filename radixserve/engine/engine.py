@@ -148,6 +148,8 @@ class Engine:
         if self.runner.states is not None and self.memory_plan.num_snapshots:  # the cache keeps their snapshots
             self.runner.states.max_snapshots = self.memory_plan.num_snapshots
             self.runner.states.block_size = cfg.block_size
+            if self.kv.snapshots is not None:  # its layers keep states inside a chunk: no step stops for one
+                self.kv.snapshots.inner_saves = self.runner.states.inner_saves
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         if cfg.jump_forward:  # constrained requests draft the text their grammar forces
             self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.core.plan import ScheduledChunk
-from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, SnapshotOp
+from radixserve.core.recurrent_snapshots import DROP, KEEP, RESTORE, SAVE, SnapshotOp
 from radixserve.core.request import Request, RequestStatus
 from radixserve.model.recurrent_step import RecurrentStep, Segment, StateShape
 
@@ -40,14 +40,16 @@ class _Holder:
     request: Request
     slot: int
     position: int  # tokens the slot's state has consumed
-    # a verified draft that ran past a block boundary before its end: the state at that boundary
-    # (position, per layer its tensors), for a snapshot there (kept until the next begin_step)
+    # a verified draft that ran past a block boundary before its end, or a prompt chunk told to
+    # keep a position it passed (KEEP): the state there (position, per layer its tensors), for a
+    # snapshot there (kept until the next begin_step)
     boundary: tuple[int, dict[int, tuple[torch.Tensor, ...]]] | None = None
+    keep_at: int = 0  # the position its running chunk keeps the state at (0: none)
 
 
 class RecurrentStatePool:
     def __init__(self, shapes: dict[int, tuple[StateShape, ...]], dtype: torch.dtype, device: torch.device,
-                 initial_slots: int = _INITIAL_SLOTS):
+                 initial_slots: int = _INITIAL_SLOTS, inner_saves: bool = False):
         self.shapes = shapes  # per recurrent layer, one request's state tensors: (shape, dtype or None)
         self.dtype = dtype
         self.device = device
@@ -62,13 +64,17 @@ class RecurrentStatePool:
         self.snapshot_positions: dict[int, int] = {}  # saved snapshot -> the token position it stands at
         self.max_snapshots: int | None = None  # the cache's snapshot ids are below this (room never grows past it)
         self.block_size = 0  # settle keeps the state at a block boundary a draft ran past (0: none)
+        self.inner_saves = inner_saves  # every recurrent layer keeps a state inside a segment (keep_after)
+        self._keep: dict[str, int] = {}  # request id -> a position its coming chunk keeps (KEEP ops)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
         """The pool of a model's recurrent layers (the modules with `state_shapes`: ShortConv,
         GatedDeltaNet), or None for a model that has none."""
-        shapes = {m.layer_index: m.state_shapes() for m in model.modules() if hasattr(m, "state_shapes")}
-        return cls(shapes, dtype, device) if shapes else None
+        layers = [m for m in model.modules() if hasattr(m, "state_shapes")]
+        shapes = {m.layer_index: m.state_shapes() for m in layers}
+        inner = all(getattr(m, "keeps_inner_states", False) for m in layers)
+        return cls(shapes, dtype, device, inner_saves=inner) if shapes else None
 
     @property
     def slot_bytes(self) -> int:
@@ -91,6 +97,8 @@ class RecurrentStatePool:
             self.release(request_id)
         for holder in self.holders.values():
             holder.boundary = None  # the snapshot operations before this step had their chance
+            holder.keep_at = 0
+        keep, self._keep = self._keep, {}
         single_rows: list[int] = []
         single_slots: list[int] = []
         segments: list[Segment] = []
@@ -100,7 +108,11 @@ class RecurrentStatePool:
                 single_rows.append(first_row)
                 single_slots.append(slot)
             else:
-                segments.append(Segment(first_row, chunk.num_tokens, slot, keep_history=bool(chunk.draft)))
+                at = keep.get(chunk.request.request_id, 0)
+                inside = not chunk.draft and chunk.start < at < chunk.start + chunk.num_tokens
+                segments.append(Segment(first_row, chunk.num_tokens, slot, keep_history=bool(chunk.draft),
+                                        keep_after=at - chunk.start if inside else 0))
+                self.holders[chunk.request.request_id].keep_at = at if inside else 0
             self.holders[chunk.request.request_id].position = chunk.start + chunk.num_tokens
         self._step = RecurrentStep(
             self.states,
@@ -136,8 +148,13 @@ class RecurrentStatePool:
 
     def apply(self, ops: list[SnapshotOp]) -> None:
         """The cache's snapshot operations, in the order it queued them (before begin_step)."""
+        self._take_kept()
         for op in ops:
-            if op.kind == SAVE:
+            if op.kind == KEEP:
+                if not self.inner_saves:
+                    raise RuntimeError("a state inside a chunk was asked of layers that cannot keep one")
+                self._keep[op.request.request_id] = op.position
+            elif op.kind == SAVE:
                 holder = self.holders.get(op.request.request_id)
                 passed = holder.boundary if holder is not None else None
                 if holder is None or holder.request is not op.request or (
@@ -157,6 +174,18 @@ class RecurrentStatePool:
                 self.drop_snapshot(op.snapshot)
             else:
                 raise ValueError(f"unknown snapshot operation {op.kind!r}")
+
+    def _take_kept(self) -> None:
+        """The states the last step's layers kept inside prompt chunks (Segment.keep_after),
+        each as its holder's boundary state, for the SAVE that follows."""
+        step = self._step
+        if step is None or not step.kept:
+            return
+        for holder in self.holders.values():
+            if holder.keep_at and (next(iter(self.states)), holder.slot) in step.kept:
+                holder.boundary = (holder.keep_at, {layer: step.kept[(layer, holder.slot)] for layer in self.states})
+                holder.keep_at = 0
+        step.kept.clear()
 
     def save_snapshot(self, request_id: str, snapshot: int) -> int:
         """Copy a request's states, as they stand, into snapshot `snapshot` (made room for);

@@ -54,17 +54,20 @@ class GatedDeltaNet(nn.Module):
         return (((self.conv_dim, width - 1), None),
                 ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32))
 
+    keeps_inner_states = True  # honours Segment.keep_after
+
     def forward(self, x: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         t = x.shape[0]
         conv_state, ssm_state = step.layer_states(self.layer_index)
-        mixed, conv_history = causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight, None, step)
+        conv_kept: dict[int, torch.Tensor] = {}
+        mixed, conv_history = causal_conv(self.in_proj_qkv(x), conv_state, self.conv1d.weight, None, step, conv_kept)
         q, k, v = F.silu(mixed).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (self._heads(h.reshape(t, self.num_k_heads, self.head_k_dim)) for h in (q, k))
         q = q * self.head_k_dim**-0.5
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = self._recur(q, k, v, g, beta, ssm_state, conv_history, step)
+        out = self._recur(q, k, v, g, beta, ssm_state, conv_history, step, conv_kept)
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(t, self.value_dim))
 
@@ -75,7 +78,7 @@ class GatedDeltaNet(nn.Module):
         return h.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
 
     def _recur(self, q, k, v, g, beta, ssm_state: torch.Tensor, conv_history: dict[int, torch.Tensor],
-               step: RecurrentStep) -> torch.Tensor:
+               step: RecurrentStep, conv_kept: dict[int, torch.Tensor]) -> torch.Tensor:
         out = torch.empty_like(v)  # [T, H, Dv] float32
         if step.single_rows.numel():
             rows, slots = step.single_rows, step.single_slots
@@ -92,6 +95,12 @@ class GatedDeltaNet(nn.Module):
                                              beta[r:r + 1])[0]
                     states.append(state.clone())
                 step.history[(self.layer_index, seg.slot)] = (conv_history[seg.slot], torch.stack(states))
+            elif seg.keep_after:  # in two runs, the state between them kept
+                first = seg.first_row + seg.keep_after
+                for part in (slice(seg.first_row, first), slice(first, rows.stop)):
+                    out[part] = chunked_delta_rule(state, q[part], k[part], v[part], g[part], beta[part])
+                    if part.start == seg.first_row:
+                        step.kept[(self.layer_index, seg.slot)] = (conv_kept[seg.slot], state.clone())
             else:
                 out[rows] = chunked_delta_rule(state, q[rows], k[rows], v[rows], g[rows], beta[rows])
         return out

@@ -25,6 +25,7 @@ class Segment:
     num_rows: int
     slot: int  # its request's state slot
     keep_history: bool = False  # drafted: keep the state after every row, to roll back to
+    keep_after: int = 0  # > 0: also keep the state after this many rows (a snapshot inside a prompt chunk)
 
 
 @dataclass
@@ -38,6 +39,9 @@ class RecurrentStep:
     # [num_rows + 1, ...], index k the state after its first k rows (written by the layer, read
     # by RecurrentStatePool.settle to keep the accepted rows only)
     history: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # (layer, slot) -> a segment's states after its first keep_after rows (per state tensor, a
+    # copy; written by layers whose class sets keeps_inner_states, read by RecurrentStatePool)
+    kept: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def layer_states(self, layer_index: int) -> tuple[torch.Tensor, ...]:
         return self.states[layer_index]

@@ -43,23 +43,30 @@ class ShortConv(nn.Module):
         """One request's state: the last width - 1 inputs of every channel (the model's dtype)."""
         return (((self.hidden_size, self.width - 1), None),)
 
+    keeps_inner_states = True  # honours Segment.keep_after
+
     def forward(self, x: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         b, c, h = self.in_proj(x).split(self.hidden_size, dim=-1)
         return self.out_proj(c * self.convolve(b * h, step))
 
     def convolve(self, inputs: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         (state,) = step.layer_states(self.layer_index)
-        y, history = causal_conv(inputs, state, self.conv.weight, self.conv.bias, step)
+        kept: dict[int, torch.Tensor] = {}
+        y, history = causal_conv(inputs, state, self.conv.weight, self.conv.bias, step, kept)
         for slot, states in history.items():
             step.history[(self.layer_index, slot)] = (states,)
+        for slot, conv in kept.items():
+            step.kept[(self.layer_index, slot)] = (conv,)
         return y
 
 
 def causal_conv(inputs: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                step: RecurrentStep) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                step: RecurrentStep, kept: dict[int, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """y [T, C] of inputs [T, C] by a depthwise causal conv (weight [C, 1, width]), each request's
     state [slots, C, width - 1] advanced past its rows in place. Also, per drafted segment's
-    slot, its states after each of its rows: [n + 1, C, width - 1]."""
+    slot, its states after each of its rows: [n + 1, C, width - 1]; and into `kept`, per
+    segment with keep_after, a copy of its state after that many rows."""
     channels, keep = inputs.shape[1], weight.shape[-1] - 1
     out = torch.empty_like(inputs)
     history: dict[int, torch.Tensor] = {}
@@ -75,4 +82,6 @@ def causal_conv(inputs: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
         state[seg.slot] = seq[:, -keep:]
         if seg.keep_history:  # the state after k rows: seq[:, k : k + width - 1]
             history[seg.slot] = seq.unfold(1, keep, 1).transpose(0, 1).clone()
+        if seg.keep_after and kept is not None:
+            kept[seg.slot] = seq[:, seg.keep_after:seg.keep_after + keep].clone()
     return out, history
