@@ -62,6 +62,18 @@ def tiny_config(kind: str, **overrides):
         values.update(num_hidden_layers=4, head_dim=16, tie_word_embeddings=False, linear_num_key_heads=2,
                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_conv_kernel_dim=4)  # layers: linear x 3, full (full_attention_interval 4)
+    elif kind in ("granite_hybrid", "granite_hybrid_rope"):  # Mamba2 layers beside one attention layer, experts
+        from transformers import GraniteMoeHybridConfig
+
+        cls = GraniteMoeHybridConfig
+        values.update(num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], intermediate_size=32,
+                      shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8,
+                      mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                      embedding_multiplier=4.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                      logits_scaling=2.0, position_embedding_type=None, tie_word_embeddings=False)
+        if kind == "granite_hybrid_rope":  # RoPE, tied, no experts (a dense shared MLP only), one group
+            values.update(position_embedding_type="rope", tie_word_embeddings=True, num_local_experts=0,
+                          mamba_n_groups=1, mamba_proj_bias=True)
     else:
         raise ValueError(kind)
     values.update(overrides)
@@ -109,6 +121,11 @@ def build_tiny_model(kind: str, directory: Path, seed: int = 0, **overrides) -> 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0, 0.3)
+    if kind.startswith("granite_hybrid"):  # Mamba2's A_log, D, dt_bias and gated norm start constant: vary them
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("A_log", "dt_bias", "mamba.D", "mamba.norm.weight", "in_proj.bias", "out_proj.bias")):
+                    param.normal_(0, 0.5)
     if kind == "gemma3":  # norms multiply by (1 + weight): make weight nonzero so the offset is tested
         with torch.no_grad():
             for name, param in model.named_parameters():

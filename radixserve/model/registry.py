@@ -52,6 +52,8 @@ FAMILIES = (
     ModelFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), (),
                 ("silu",), "radixserve.model.qwen3_5", "Qwen3_5ForCausalLM",
                 chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
+    ModelFamily("granitemoehybrid", ("granitemoehybrid",), ("GraniteMoeHybridForCausalLM",), (), ("silu",),
+                "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM"),
 )
 
 

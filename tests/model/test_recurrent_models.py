@@ -1,5 +1,6 @@
 """Models with recurrent layers served by the engine: LFM2 (model/lfm2.py: short convolutions
-beside full attention) and Qwen3.5 (model/qwen3_5.py: Gated DeltaNet beside gated attention).
+beside full attention), Qwen3.5 (model/qwen3_5.py: Gated DeltaNet beside gated attention) and
+Granite 4.0-H (model/granite_hybrid.py: Mamba2 beside attention, with experts).
 Greedy output equal to transformers token for token on tiny random-weight configs, through
 chunked prefill, steps mixing prefill chunks and decodes, preemption (recompute), drafts
 verified and rolled back. Prefix hits (their states kept by the cache): test_recurrent_prefix_hits.py."""
@@ -43,13 +44,15 @@ def run_checked(engine, prompts, max_tokens):
     return [done[i] for i in ids], mixed
 
 
-KINDS = ["lfm2", "qwen3_5"]
+KINDS = ["lfm2", "qwen3_5", "granite_hybrid"]
 # per request: LFM2's three conv layers keep 2 inputs of 64 channels; Qwen3.5's three DeltaNet
-# layers keep 3 inputs of 64 channels (q, k, v) and S of 4 heads x 8 x 8, all float32
-STATE_BYTES = {"lfm2": 3 * 64 * 2 * 4, "lfm2_bias": 3 * 64 * 2 * 4, "qwen3_5": 3 * (64 * 3 + 4 * 8 * 8) * 4}
+# layers keep 3 inputs of 64 channels (q, k, v) and S of 4 heads x 8 x 8; Granite's three Mamba2
+# layers keep 3 inputs of 192 channels (x 128, B and C 2 groups x 16) and S of 8 heads x 16 x 16
+STATE_BYTES = {"lfm2": 3 * 64 * 2 * 4, "lfm2_bias": 3 * 64 * 2 * 4, "qwen3_5": 3 * (64 * 3 + 4 * 8 * 8) * 4,
+               "granite_hybrid": 3 * (192 * 3 + 8 * 16 * 16) * 4, "granite_hybrid_rope": 3 * (160 * 3 + 8 * 16 * 16) * 4}
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "lfm2_bias", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["lfm2", "lfm2_bias", "qwen3_5", "granite_hybrid", "granite_hybrid_rope"])
 def test_greedy_equals_transformers_chunked_and_batched(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     engine = engine_for(directory)
@@ -67,10 +70,11 @@ def test_greedy_equals_transformers_chunked_and_batched(tiny_model_dir, kind):
     assert stats["recurrent_state_bytes"] == (8 + 32) * STATE_BYTES[kind]
 
 
-def test_prompt_chunks_longer_than_a_scan_block_equal_transformers(tiny_model_dir):
-    """Qwen3.5's chunked delta rule over 100-token chunks: blocks of 64 and 36 carried in one
-    chunk, and the state carried from chunk to chunk."""
-    directory = tiny_model_dir("qwen3_5")
+@pytest.mark.parametrize("kind", ["qwen3_5", "granite_hybrid"])
+def test_prompt_chunks_longer_than_a_scan_block_equal_transformers(tiny_model_dir, kind):
+    """Qwen3.5's chunked delta rule and Mamba2's chunked scan over 100-token chunks: blocks of
+    64 and 36 carried in one chunk, and the state carried from chunk to chunk."""
+    directory = tiny_model_dir(kind)
     engine = engine_for(directory, chunked_prefill_size=100, max_num_batched_tokens=128)
     prompts = prompts_of([150, 70], seed=4)
     outs, _ = run_checked(engine, prompts, 8)
@@ -117,10 +121,10 @@ def test_a_config_with_other_layer_types_is_refused(tiny_model_dir, tmp_path):
         Engine(str(tmp_path))
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h", "qwen3_next", "mamba2", "granitemoehybrid"])
+@pytest.mark.parametrize("model_type", ["nemotron_h", "qwen3_next", "mamba2", "falcon_h1"])
 def test_other_recurrent_families_are_refused_fast_naming_what_runs(tmp_path, model_type):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"unsupported model type .*lfm2.*qwen3_5"):
+    with pytest.raises(ValueError, match=r"unsupported model type .*lfm2.*qwen3_5.*granitemoehybrid"):
         Engine(str(tmp_path))
     assert time.perf_counter() - start < 1.0

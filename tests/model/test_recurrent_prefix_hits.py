@@ -1,4 +1,4 @@
-"""Prefix hits on models with recurrent layers (LFM2, Qwen3.5): the cache keeps their states
+"""Prefix hits on models with recurrent layers (LFM2, Qwen3.5, Granite 4.0-H): the cache keeps their states
 at prompt ends, reply ends, chunk boundaries and branch points (core/recurrent_snapshots.py),
 the runner restores them (execution/recurrent_state.py), and a second request that resumes
 from one decodes greedy-equal to transformers token for token, with exact hit counts, through
@@ -13,7 +13,7 @@ import pytest
 from radixserve import Engine
 from tiny_models import hf_greedy, run_checked
 
-KINDS = ["lfm2", "qwen3_5"]
+KINDS = ["lfm2", "qwen3_5", "granite_hybrid"]
 
 
 def tokens(n, seed):
