@@ -1,11 +1,11 @@
 """Agent loops on a model with recurrent layers: does every turn compute only what is new?
 
-    python -m bench.bench_recurrent_agents [--quick] [--kinds qwen3_5,lfm2] [--agents 8 --turns 6]
+    python -m bench.bench_recurrent_agents [--quick] [--kinds qwen3_5,lfm2,granite_hybrid] [--agents 8 --turns 6]
                                            [--json recurrent_agents.json] [--plot recurrent_agents.png]
 
-A tiny random-weight Qwen3.5 (Gated DeltaNet beside gated attention; LFM2 with --kinds) with the
-default model's tokenizer and chat template, in process. 8 agents x 6 turns share a tool prompt of
-2k tokens; each turn re-renders every agent's whole conversation as messages (earlier replies'
+A tiny random-weight Qwen3.5 (Gated DeltaNet beside gated attention; LFM2 or Granite 4.0-H's Mamba2
+with --kinds) with the default model's tokenizer and chat template, in process. 8 agents x 6 turns
+share a tool prompt of 2k tokens; each turn re-renders every agent's whole conversation as messages (earlier replies'
 ids spliced back, as --reply-token-reuse does) and all agents answer at once, greedily
 (bench/lib/recurrent_agents.py). Run with the prefix cache on (its recurrent-state snapshots:
 core/recurrent_snapshots.py) and off.
@@ -34,7 +34,7 @@ TARGET_BEYOND = 0.02
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, quick=f"{QUICK.describe()} (about half a minute)")
-    parser.add_argument("--kinds", default="qwen3_5", help="tiny models to run: qwen3_5, lfm2 (comma-separated)")
+    parser.add_argument("--kinds", default="qwen3_5", help="tiny models to run: qwen3_5, lfm2, granite_hybrid (comma-separated)")
     parser.add_argument("--agents", type=int, default=FULL.agents)
     parser.add_argument("--turns", type=int, default=FULL.turns)
     parser.add_argument("--tool-prompt", type=int, default=FULL.tool_prompt, help="shared tool prompt, tokens")

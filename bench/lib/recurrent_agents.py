@@ -1,5 +1,5 @@
-"""Agent loops on a tiny random-weight model with recurrent layers (Qwen3.5's Gated DeltaNet, or
-LFM2's short convolutions), as messages: the workload of bench_recurrent_agents (issue 60).
+"""Agent loops on a tiny random-weight model with recurrent layers (Qwen3.5's Gated DeltaNet,
+LFM2's short convolutions, or Granite 4.0-H's Mamba2), as messages: the workload of bench_recurrent_agents (issue 60).
 
 Agents share one long tool prompt (a system message listing tools), each has its own task;
 every turn the agent's whole conversation is rendered again through the chat template (the
@@ -44,7 +44,7 @@ QUICK = AgentLoops(agents=4, turns=3, tool_prompt=512, task=24, tool_result=32, 
 
 
 def build_tiny_model(kind: str, directory: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A tiny random-weight `kind` ("qwen3_5" or "lfm2") with the vocabulary, tokenizer and chat
+    """A tiny random-weight `kind` ("qwen3_5", "lfm2" or "granite_hybrid") with the vocabulary, tokenizer and chat
     template of `tokenizer_dir` (the default model's), saved to `directory`."""
     import json
 
@@ -66,8 +66,16 @@ def build_tiny_model(kind: str, directory: Path, tokenizer_dir: Path, seed: int 
 
         config = Lfm2Config(**common, num_hidden_layers=4, layer_types=["conv", "conv", "full_attention", "conv"],
                             conv_L_cache=3, norm_eps=1e-6)
+    elif kind == "granite_hybrid":  # Mamba2 layers beside one attention layer (no RoPE), 4 experts
+        from transformers import GraniteMoeHybridConfig
+
+        config = GraniteMoeHybridConfig(**{**common, "intermediate_size": 64}, num_hidden_layers=4,
+                                        layer_types=["mamba", "mamba", "attention", "mamba"],
+                                        shared_intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                        mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                                        mamba_expand=2, rms_norm_eps=1e-6)
     else:
-        raise ValueError(f"no tiny {kind!r}: qwen3_5 or lfm2")
+        raise ValueError(f"no tiny {kind!r}: qwen3_5, lfm2 or granite_hybrid")
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     for name in TOKENIZER_FILES:

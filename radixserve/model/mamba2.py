@@ -50,22 +50,25 @@ class Mamba2Mixer(nn.Module):
         return (((self.conv_dim, width - 1), None),
                 ((self.num_heads, self.head_dim, self.state_size), torch.float32))
 
+    keeps_inner_states = True  # honours Segment.keep_after
+
     def forward(self, x: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
         t, heads, groups = x.shape[0], self.num_heads, self.num_groups
         conv_state, ssm_state = step.layer_states(self.layer_index)
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, heads], dim=-1)
-        xbc, conv_history = causal_conv(xbc, conv_state, self.conv1d.weight, self.conv1d.bias, step)
+        conv_kept: dict[int, torch.Tensor] = {}
+        xbc, conv_history = causal_conv(xbc, conv_state, self.conv1d.weight, self.conv1d.bias, step, conv_kept)
         xs, b, c = F.silu(xbc).float().split([self.inner, groups * self.state_size, groups * self.state_size], dim=-1)
         xs = xs.reshape(t, heads, self.head_dim)
         b, c = (m.reshape(t, groups, self.state_size).repeat_interleave(heads // groups, dim=1) for m in (b, c))
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
         a = -self.A_log.float().exp()
-        y = self._recur(xs, dt, a, b, c, ssm_state, conv_history, step)
+        y = self._recur(xs, dt, a, b, c, ssm_state, conv_history, conv_kept, step)
         y = y + self.D.float()[:, None] * xs
         return self.out_proj(self.norm(y.reshape(t, self.inner), gate).to(x.dtype))
 
     def _recur(self, xs, dt, a, b, c, ssm_state: torch.Tensor, conv_history: dict[int, torch.Tensor],
-               step: RecurrentStep) -> torch.Tensor:
+               conv_kept: dict[int, torch.Tensor], step: RecurrentStep) -> torch.Tensor:
         out = torch.empty_like(xs)  # [T, H, P] float32
         if step.single_rows.numel():
             rows, slots = step.single_rows, step.single_slots
@@ -82,6 +85,12 @@ class Mamba2Mixer(nn.Module):
                     out[r] = ssm_step(state[None], xs[one], dt[one], a, b[one], c[one])[0]
                     states.append(state.clone())
                 step.history[(self.layer_index, seg.slot)] = (conv_history[seg.slot], torch.stack(states))
+            elif seg.keep_after:  # in two runs, the state between them kept
+                first = seg.first_row + seg.keep_after
+                for part in (slice(seg.first_row, first), slice(first, rows.stop)):
+                    out[part] = chunked_scan(state, xs[part], dt[part], a, b[part], c[part])
+                    if part.start == seg.first_row:
+                        step.kept[(self.layer_index, seg.slot)] = (conv_kept[seg.slot], state.clone())
             else:
                 out[rows] = chunked_scan(state, xs[rows], dt[rows], a, b[rows], c[rows])
         return out

@@ -1,4 +1,4 @@
-"""bench_recurrent_agents' workload on a tiny random-weight Qwen3.5 with the default model's
+"""bench_recurrent_agents' workload on a tiny random-weight Qwen3.5 (and Granite 4.0-H) with the default model's
 tokenizer and chat template: from the second turn on, every re-rendered conversation hits all
 that an earlier request computed (its ideal), and the cache-off engine gives the same tokens."""
 
@@ -11,8 +11,9 @@ from radixserve import Engine
 
 
 @pytest.mark.real_model
-def test_later_turns_hit_their_ideal_and_the_tokens_equal_cache_off(real_model_dir, tmp_path):
-    directory = build_tiny_model("qwen3_5", tmp_path / "qwen3_5", real_model_dir)
+@pytest.mark.parametrize("kind", ["qwen3_5", "granite_hybrid"])
+def test_later_turns_hit_their_ideal_and_the_tokens_equal_cache_off(real_model_dir, tmp_path, kind):
+    directory = build_tiny_model(kind, tmp_path / kind, real_model_dir)
     workload = AgentLoops(agents=2, turns=3, tool_prompt=96, task=8, tool_result=8, answer=8)
     records = {}
     for cache in (True, False):

@@ -18,7 +18,7 @@ def tokens(n, seed):
     return [rng.randrange(97) for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite_hybrid"])
 def test_the_state_inside_the_last_chunk_is_kept_without_a_step_more(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     engine = Engine(str(directory), block_size=4, num_kv_blocks=128, chunked_prefill_size=24,
