@@ -111,7 +111,9 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         plan: AttentionPlan,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k/v at plan.slot_mapping, return attention output [T, num_heads, head_dim].
         `plan` is what this backend's prepare returned for the step; `window` this layer's
-        sliding window (0: full causal attention)."""
+        sliding window (0: full causal attention); `sinks` this layer's attention sinks (gpt-oss:
+        float32 [num_heads], each head's softmax denominator also counts exp(sink); None: none)."""

@@ -14,6 +14,8 @@ stay float32. The kernels take float32 pools and int8 pages
 pool of another dtype the backend runs the torch backend's paths throughout (and says so once).
 A sliding-window layer passes its window to both kernels, which start at each row's first
 window block (decode cost O(window)); SDPA's chunks get window masks, made once per window a step.
+A layer's attention sinks (gpt-oss) go to every path: both kernels fold them in after a row's
+last key.
 """
 
 from __future__ import annotations
@@ -117,9 +119,9 @@ class CpuAttentionBackend(AttentionBackend):
         chunks = TiledChunks(meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:])
         return CpuPlan(*decodes, [], chunks, meta=meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0, sinks=None) -> torch.Tensor:
         if self._torch is not None:
-            return self._torch.forward(q, k, v, k_cache, v_cache, plan, window)
+            return self._torch.forward(q, k, v, k_cache, v_cache, plan, window, sinks)
         q, k, v = _dense_heads(q), _dense_heads(k), _dense_heads(v)
         pages = self.pages
         if self._kernels.store(k, v, k_cache, v_cache, plan.slot_mapping, pages):
@@ -132,14 +134,15 @@ class CpuAttentionBackend(AttentionBackend):
         if d:
             out[:d] = self._kernels.decode(
                 q[:d].contiguous(), k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                pages, window,
+                pages, window, sinks,
             )
         if plan.tiled is not None:
             chunks = plan.tiled
             self._kernels.prefill(q, k_cache, v_cache, chunks.block_tables, chunks.query_start, chunks.seq_lens,
-                                  self.scale, out, pages, self.bf16_prefill, window)
+                                  self.scale, out, pages, self.bf16_prefill, window, sinks)
         for chunk in _sdpa_chunks(plan, window):
-            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, pages)
+            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, pages,
+                                                             sinks)
         return out
 
 

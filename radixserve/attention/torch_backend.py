@@ -16,6 +16,10 @@ step's plan for the others. A window no shorter than any of the step's contexts 
 With quantized pages (int8 or fp8_e4m3) the store quantizes, gathered pages are dequantized
 before SDPA, and a chunk with no cached prefix attends to its fresh K/V as the pages hold
 them (dequantized).
+
+A layer with attention sinks (gpt-oss: `sinks`, one logit per query head, which joins each
+softmax's denominator with no value row) takes the same gathers and masks, and its products and
+softmax run as plain ops (`attend`: SDPA has no sink term); without sinks nothing changes.
 """
 
 from __future__ import annotations
@@ -76,18 +80,19 @@ class TorchAttentionBackend(AttentionBackend):
         index, length, mask = _plan_decodes(meta) if meta.num_decodes else (None, 0, None)
         return TorchPlan(meta.num_decodes, meta.slot_mapping, index, length, mask, plan_prefills(meta), meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan, window: int = 0):
+    def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan, window: int = 0, sinks=None):
         k, v = store_kv(k, v, k_cache, v_cache, plan.slot_mapping, self.pages)
         plan = plan.for_window(window)
         out = torch.empty_like(q)
         d = plan.num_decodes
         if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, plan)
+            out[:d] = self._decode(q[:d], k_cache, v_cache, plan, sinks)
         for chunk in plan.prefills:
-            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, self.pages)
+            out[chunk.start : chunk.end] = prefill_attention(q, k, v, k_cache, v_cache, chunk, self.scale, self.pages,
+                                                             sinks)
         return out
 
-    def _decode(self, q, k_cache, v_cache, plan: TorchPlan) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, plan: TorchPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         d, kv_heads, head_dim = q.shape[0], self.num_kv_heads, self.head_dim
         k_buf, v_buf = self._gather_buffers(plan.decode_index.numel(), k_cache)
         torch.index_select(k_cache, 0, plan.decode_index, out=k_buf)
@@ -97,7 +102,10 @@ class TorchAttentionBackend(AttentionBackend):
         keys = k_buf.view(d, plan.decode_len, kv_heads, head_dim).transpose(1, 2)
         values = v_buf.view(d, plan.decode_len, kv_heads, head_dim).transpose(1, 2)
         queries = q.view(d, kv_heads, self._group, head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask, scale=self.scale)
+        if sinks is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask, scale=self.scale)
+        else:
+            out = attend(queries, keys, values, plan.decode_mask, self.scale, sinks.view(kv_heads, self._group, 1))
         return out.reshape(d, self.num_heads, head_dim)
 
     def _gather_buffers(self, rows: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,11 +158,13 @@ def plan_prefills(meta: AttentionMetadata, window: int = 0) -> list[PrefillChunk
 
 
 def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float,
-                      pages: QuantizedPages | None = None) -> torch.Tensor:
-    """One prefill chunk's attention [q_len, num_heads, head_dim], by one SDPA call; k, v
-    are the step's K/V as store_kv returned them."""
+                      pages: QuantizedPages | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One prefill chunk's attention [q_len, num_heads, head_dim], by one SDPA call (with
+    `sinks`, by `attend`); k, v are the step's K/V as store_kv returned them."""
     queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
+    if sinks is not None:
+        return _prefill_with_sinks(queries, k, v, k_cache, v_cache, chunk, scale, pages, sinks)
     if chunk.block_index is None:
         keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
@@ -168,6 +178,33 @@ def prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: flo
         values = _gather(v_cache, chunk, pages, q.dtype).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def _prefill_with_sinks(queries, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: float,
+                        pages: QuantizedPages | None, sinks: torch.Tensor) -> torch.Tensor:
+    if chunk.block_index is None:
+        keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        n = chunk.end - chunk.start
+        mask = chunk.mask if chunk.mask is not None else torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+    else:
+        keys, values = _gather(k_cache, chunk, pages, queries.dtype), _gather(v_cache, chunk, pages, queries.dtype)
+        mask = chunk.mask
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    values = values.repeat_interleave(group, 1).transpose(0, 1).unsqueeze(0)
+    return attend(queries, keys, values, mask, scale, sinks.view(-1, 1, 1))[0].transpose(0, 1)
+
+
+def attend(queries, keys, values, mask: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T * scale, masked; with each head's sink logit in the denominator) v, as
+    transformers' gpt-oss runs it: the sink is one more column of logits, dropped after the
+    softmax. queries [..., q, d], keys and values [..., L, d] (heads matched), mask True where
+    attention is allowed (broadcast to [..., q, L]), sinks broadcast to [..., 1]."""
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def _plan_decodes(meta: AttentionMetadata, window: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:

@@ -3,7 +3,8 @@
 Each layer: store_kv writes the step's K/V into the pool, the decode kernel serves the
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
 chunks, reading cached prefixes in place through their block tables; a sliding-window
-layer's window goes to both, which start at each query's first window key. With quantized pages
+layer's window goes to both, which start at each query's first window key, and its attention
+sinks (gpt-oss) to both. With quantized pages
 (int8 or fp8_e4m3) the kernels take each layer's pages as two strided views, the codes and
 the scales (kernels/quantized_pages.py): the store quantizes, attention dequantizes as it loads.
 
@@ -72,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_extend_len=max(extend_lens, default=0),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window: int = 0):
+    def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window: int = 0, sinks=None):
         kernels = self._kernels or self._load(q.device)
         scales = {}
         if self.pages is not None:
@@ -84,13 +85,13 @@ class TritonAttentionBackend(AttentionBackend):
         if d:
             kernels.decode_attention(
                 q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                max_seq_len=plan.max_decode_len, out=out[:d], window=window, **scales,
+                max_seq_len=plan.max_decode_len, out=out[:d], window=window, sinks=sinks, **scales,
             )
         if plan.max_extend_len:
             # Extend rows are addressed through query_start_loc, so q and out go in whole.
             kernels.extend_attention(
                 q, k_cache, v_cache, plan.extend_block_tables, plan.extend_query_start, plan.extend_seq_lens,
-                self.scale, max_query_len=plan.max_extend_len, out=out, window=window, **scales,
+                self.scale, max_query_len=plan.max_extend_len, out=out, window=window, sinks=sinks, **scales,
             )
         return out
 

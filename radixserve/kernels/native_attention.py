@@ -8,7 +8,9 @@ in place through the block table, and reads a prefix that neighbouring requests 
 once for all of them. With int8 pages (kernels/quantized_pages.py) the store quantizes and
 decode dequantizes each block once per group of query heads, prefill each row as it packs a
 tile. With a sliding window both start at the first block a window reaches and never read
-the table before it. Built, loaded and typed by native_build.py.
+the table before it. With attention sinks (gpt-oss: a logit per query head that joins each
+softmax's denominator, no value with it) both fold the sink in after a row's last key.
+Built, loaded and typed by native_build.py.
 """
 
 from __future__ import annotations
@@ -50,32 +52,35 @@ class NativePagedAttention:
         scale: float,
         pages: QuantizedPages | None = None,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d], or
         with `pages` int8 pages [blocks, page_bytes]. Requests that share leading blocks
         should be neighbours (they are read once). window > 0: each row sees its last
-        `window` keys, and its table only from the block of the first on."""
+        `window` keys, and its table only from the block of the first on. sinks: float32 [H]
+        attention-sink logits, or None."""
         if pages is not None:
-            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages, window)
+            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages, window, sinks)
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
         status = self._decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], block_tables.data_ptr(),
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0],
             q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, max(window, 0),
+            _sinks_ptr(sinks, q.shape[1]),
         )
         _raise_for(status)
         return out
 
     def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: QuantizedPages,
-                      window: int) -> torch.Tensor:
+                      window: int, sinks: torch.Tensor | None) -> torch.Tensor:
         _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages)
         out = torch.empty_like(q)
         status = self._decode_i8(
             q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[0], pages.page_bytes,
             pages.code_bytes, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], pages.num_kv_heads, pages.head_dim,
-            pages.block_size, scale, max(window, 0),
+            pages.block_size, scale, max(window, 0), _sinks_ptr(sinks, q.shape[1]),
         )
         _raise_for(status)
         return out
@@ -93,6 +98,7 @@ class NativePagedAttention:
         pages: QuantizedPages | None = None,
         bf16: bool = False,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Causal attention of C prompt chunks, written into their rows of out (q's shape,
         [T, H, d] float32, contiguous; q's token rows may be strided, as views of the fused qkv
@@ -101,7 +107,8 @@ class NativePagedAttention:
         in the caches (or int8 `pages`) through block_tables[c]. Other rows of out are left as they are.
         bf16: q.k and P.V take their inputs rounded to bfloat16 (float32 sums and softmax);
         only where has_bf16_prefill(head_dim). window > 0: each row sees its last `window`
-        keys, and a chunk's table is read from the block of its first row's first key on."""
+        keys, and a chunk's table is read from the block of its first row's first key on.
+        sinks: float32 [H] attention-sink logits, or None."""
         if pages is None:
             _check(q, k_cache, v_cache, block_tables, seq_lens, per_query=False, strided_q=True)
         else:
@@ -118,11 +125,12 @@ class NativePagedAttention:
         if pages is None:
             status = self._prefill(*rows, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], *tables,
                                    k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, int(bf16),
-                                   max(window, 0))
+                                   max(window, 0), _sinks_ptr(sinks, q.shape[1]))
         else:
             status = self._prefill_i8(*rows, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
                                       pages.page_bytes, pages.code_bytes, *tables, pages.num_kv_heads, pages.head_dim,
-                                      pages.block_size, scale, int(bf16), max(window, 0))
+                                      pages.block_size, scale, int(bf16), max(window, 0),
+                                      _sinks_ptr(sinks, q.shape[1]))
         if status == -3:
             raise ValueError(f"bf16 prompt attention needs a CPU with AVX512_BF16 and a head_dim that is a "
                              f"multiple of 32 (head_dim {q.shape[2]})")
@@ -182,6 +190,17 @@ def load_native_attention() -> NativePagedAttention | None:
         return None
     return NativePagedAttention(*kernels, load_kernel("paged_prefill_attention_f32"),
                                 load_kernel("paged_prefill_attention_i8"), load_kernel("paged_prefill_bf16_available"))
+
+
+def _sinks_ptr(sinks: torch.Tensor | None, num_heads: int) -> int | None:
+    """The address the kernels read a layer's sink logits at (None: no sinks)."""
+    if sinks is None:
+        return None
+    if not (sinks.dtype == torch.float32 and sinks.device.type == "cpu" and sinks.is_contiguous()
+            and sinks.shape == (num_heads,)):
+        raise ValueError(f"sinks must be a contiguous CPU float32 [{num_heads}] tensor, got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    return sinks.data_ptr()
 
 
 def _raise_for(status: int) -> None:

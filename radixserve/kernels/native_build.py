@@ -59,24 +59,24 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {
     "paged_decode_attention_f32": Signature(
         "paged_attention.c",
-        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64), _INT,
+        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR), _INT,
     ),
     "paged_prefill_attention_i8": Signature(
         "prefill_attention.c",
         (_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64,
-         _I64, _F32, _I64, _I64), _INT,
+         _I64, _F32, _I64, _I64, _PTR), _INT,
     ),
     "paged_prefill_attention_f32": Signature(
         "prefill_attention.c",
         (_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _F32,
-         _I64, _I64), _INT,
+         _I64, _I64, _PTR), _INT,
     ),
     "paged_prefill_bf16_available": Signature("prefill_attention.c", (_I64,), _INT),
     "paged_store_f32": Signature("paged_attention.c", (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64), _INT),
     "paged_decode_attention_i8": Signature(
         "paged_attention.c",
-        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64),
-        _INT,
+        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64,
+         _PTR), _INT,
     ),
     "paged_store_i8": Signature(
         "paged_attention.c", (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64), _INT,

@@ -445,7 +445,7 @@ def test_native_prefill_builds_for_each_vector_width(tmp_path, flags):
         out = torch.full_like(q, 7.0)
         assert fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
                   tables.stride(0), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], q.shape[0],
-                  out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5, 0, 0) == 0
+                  out.data_ptr(), heads, kv_heads, head_dim, 5, head_dim**-0.5, 0, 0, None) == 0
         want = chunks_reference(q, k_cache, v_cache, tables, starts, lens, head_dim**-0.5, torch.full_like(q, 7.0))
         torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
 

@@ -27,6 +27,10 @@
  * the table entries before that block are neither read nor checked (a hybrid KV layout frees
  * those pages), and the cost is O(W), not O(len).
  *
+ * Attention sinks (gpt-oss; `sinks` non-NULL, one logit per query head): each head's softmax
+ * denominator takes one more term, exp(sink), that no value row goes with. It is folded in
+ * once per row after the last key, from the row's final (m, l), so the key loops are unchanged.
+ *
  * Layouts (float32, contiguous):
  *   q, out           [num_rows, num_heads, head_dim]
  *   k, v (new rows)  [tokens, num_kv_heads, head_dim]
@@ -70,6 +74,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int64_t window; /* sliding window, 0: the whole context */
+    const float *sinks; /* [num_heads] natural-log logits, or NULL: no sinks */
 } Shape;
 
 static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
@@ -617,6 +622,14 @@ static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table,
     }
 }
 
+/* What a row's unnormalised output multiplies by when its softmax also counts a sink: its
+ * keys' running max m and sum l (log2 units) joined with exp(sink), under a common max so
+ * neither term overflows. */
+static float with_sink(float m, float l, float sink) {
+    const float s = sink * LOG2E, top = s > m ? s : m, keep = exp2f(m - top);
+    return keep / (l * keep + exp2f(s - top));
+}
+
 static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
                          const int32_t *seq_lens, int64_t first, int64_t last, float *out, const Rows *rows,
                          Tile *tile) {
@@ -635,8 +648,11 @@ static void attend_group(const Shape *sh, const float *q, const int32_t *tables,
         attend_rest(sh, &own, tables + (first + r) * stride, seq_lens + first + r, joint, tile);
     }
     float *o = out + first * sh->num_heads * d;
-    for (int64_t i = 0; i < count * sh->num_heads; ++i)
-        for (int64_t x = 0; x < d; ++x) o[i * d + x] = rows->acc[i * p + x] / rows->l[i];
+    for (int64_t i = 0; i < count * sh->num_heads; ++i) {
+        const float inv = sh->sinks ? with_sink(rows->m[i], rows->l[i], sh->sinks[i % sh->num_heads])
+                                    : 1.0f / rows->l[i];
+        for (int64_t x = 0; x < d; ++x) o[i * d + x] = rows->acc[i * p + x] * inv;
+    }
 }
 
 static int max_threads(void) {
@@ -713,9 +729,10 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                const int32_t *seq_lens, float *out, int64_t num_requests,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, int64_t window) {
+                               int64_t block_size, float scale, int64_t window, const float *sinks) {
     Shape sh = float_shape(k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale);
     sh.window = window;
+    sh.sinks = sinks;
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 
@@ -724,9 +741,9 @@ int paged_decode_attention_i8(const float *q, const void *k_pages, const void *v
                               int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                               int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
                               int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              int64_t block_size, float scale, int64_t window) {
+                              int64_t block_size, float scale, int64_t window, const float *sinks) {
     const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
-                      num_heads, num_kv_heads, head_dim, block_size, scale, window};
+                      num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks};
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 

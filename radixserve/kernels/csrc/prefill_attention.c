@@ -225,25 +225,27 @@ int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
                                 const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                 const int32_t *query_start, const int32_t *seq_lens, int64_t num_chunks,
                                 int64_t num_rows, float *out, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots, int64_t window) {
+                                int64_t head_dim, int64_t block_size, float scale, int64_t bf16_dots, int64_t window,
+                                const float *sinks) {
     const TileShape sh = {k_cache, v_cache, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, 0, 0, window, q_stride};
+                          scale * 1.4426950408889634f, 0, 0, window, q_stride, sinks};
     return prefill_pages(&sh, 0, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }
 
 /* The same over int8 pages of page_bytes, scales from code_bytes on. bf16_dots (both): the
  * two products in bfloat16 (see tiled_attention.h); -3 where paged_prefill_bf16_available is 0.
- * window (both): sliding-window attention over each row's last `window` keys; 0: causal. */
+ * window (both): sliding-window attention over each row's last `window` keys; 0: causal.
+ * sinks (both): [num_heads] attention-sink logits (tiled_attention.h), or NULL. */
 int paged_prefill_attention_i8(const float *q, int64_t q_stride, const void *k_pages, const void *v_pages,
                                int64_t num_blocks,
                                int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                                int64_t table_stride, int64_t table_width, const int32_t *query_start,
                                const int32_t *seq_lens, int64_t num_chunks, int64_t num_rows, float *out,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int64_t bf16_dots, int64_t window) {
+                               float scale, int64_t bf16_dots, int64_t window, const float *sinks) {
     const TileShape sh = {k_pages, v_pages, num_heads, num_kv_heads, head_dim, padded_dim(head_dim), block_size,
-                          scale * 1.4426950408889634f, page_bytes, code_bytes, window, q_stride};
+                          scale * 1.4426950408889634f, page_bytes, code_bytes, window, q_stride, sinks};
     return prefill_pages(&sh, 1, bf16_dots != 0, q, num_blocks, block_tables, table_stride, table_width, query_start, seq_lens,
                          num_chunks, num_rows, out);
 }

@@ -34,6 +34,9 @@
  * it is read), masks each row's keys before its window, and skips row groups the tile is
  * wholly before; a row that sees none of a tile (its window not reached yet) takes no weight
  * from it, so its m stays MASKED until its first key.
+ *
+ * Attention sinks (`sinks` non-NULL: one logit per query head, gpt-oss): a row's softmax
+ * denominator also counts exp(sink), joined with the row's final (m, l) after its last tile.
  */
 #ifndef RADIXSERVE_TILED_ATTENTION_COMMON
 #define RADIXSERVE_TILED_ATTENTION_COMMON
@@ -57,7 +60,16 @@ typedef struct {
     int64_t page_bytes, code_bytes; /* int8 pages (paged_attention.c): a block's bytes, where its scales start */
     int64_t window;                 /* sliding window, 0: the whole causal context */
     int64_t q_stride;               /* floats between q's token rows (>= num_heads * head_dim) */
+    const float *sinks;             /* [num_heads] natural-log logits, or NULL: no sinks */
 } TileShape;
+
+/* A row's normaliser: 1 / l, or with a sink (natural-log logit) the sink's exp(sink) joined
+ * to the keys' (m, l) (log2 units) under a common max, so neither term overflows. */
+static inline float tile_normaliser(float m, float l, const float *sink) {
+    if (!sink) return 1.0f / l;
+    const float s = *sink * 1.4426950408889634f, top = s > m ? s : m, keep = exp2f(m - top);
+    return keep / (l * keep + exp2f(s - top));
+}
 
 /* The state of one work item: its query rows and their running softmax. */
 typedef struct {
@@ -424,7 +436,8 @@ static void PASTE(tile_item, KV_SUFFIX)(const TileShape *sh, const float *q, flo
     }
     for (int64_t i = 0; i < real; ++i) {
         float *dst = out + ((q_row + r0 + i / group) * sh->num_heads + head * group + i % group) * d;
-        const float inv = 1.0f / v_hsum(v_load(rows->l + i * VW));
+        const float *sink = sh->sinks ? sh->sinks + head * group + i % group : NULL;
+        const float inv = tile_normaliser(rows->m[i], v_hsum(v_load(rows->l + i * VW)), sink);
         for (int64_t x = 0; x < d; ++x) dst[x] = rows->o[i * dp + x] * inv;
     }
 }

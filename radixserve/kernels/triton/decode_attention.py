@@ -12,6 +12,9 @@ writes its normalised partial output and log-sum-exp, and a second kernel merges
 
 With a sliding window W the keys are the last W of the context: the walk (and the splits)
 cover [seq_len - W, seq_len) only, and no block-table entry before it is read.
+
+With attention sinks (gpt-oss: a logit per query head in each softmax's denominator, no
+value with it) the sink joins a row's (m, l) after its last key, or the splits' merge.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ _PROGRAMS_PER_SM = 8
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
     scale_log2e, num_splits, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -54,6 +57,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -101,7 +105,13 @@ def _decode_kernel(
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32, False)
 
     # An empty split has l_i == 0 and acc == 0: write a zero output with weight exp2(-inf) = 0.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SINKS and not SPLIT:  # (split: the merge takes the sink)
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - top)
+        out = acc * (keep / (l_i * keep + tl.exp2(sink - top)))[:, None]
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         part = part_out_ptr + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :]
         tl.store(part, out, mask=head_mask[:, None])
@@ -115,9 +125,9 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, num_splits,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -125,10 +135,17 @@ def _merge_splits_kernel(
     d = tl.arange(0, HEAD_DIM)
     s_mask = s < num_splits
     lse = tl.load(part_lse_ptr + req * stride_plb + head * stride_plh + s, mask=s_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # the first split is never empty, so the max is finite
+    top = tl.max(lse, 0)  # the first split is never empty, so the max is finite
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top)
+    total = tl.sum(weight, 0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     part = part_out_ptr + req * stride_pob + head * stride_poh + s[:, None] * stride_pos + d[None, :]
     partial = tl.load(part, mask=s_mask[:, None], other=0.0)
-    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    out = tl.sum(partial * weight[:, None], 0) / total
     tl.store(out_ptr + req * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -190,9 +207,11 @@ def decode_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context (window > 0: its
-    last `window` keys only, the table read from the block of the first of them on).
+    last `window` keys only, the table read from the block of the first of them on; sinks:
+    [num_heads] attention-sink logits, each joining its head's softmax denominator).
 
     q: [B, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], each >= 1 (the
@@ -205,6 +224,7 @@ def decode_attention(
     """
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scales, v_scales)
+    check_sinks(sinks, q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if batch == 0:
@@ -223,7 +243,7 @@ def decode_attention(
     k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_sp, v_sp, block_tables, seq_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, q if sinks is None else sinks,
         scale * _LOG2E, num_splits, max(window, 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -235,14 +255,14 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
-        WINDOWED=window > 0, num_warps=4, num_stages=2,
+        WINDOWED=window > 0, SINKS=sinks is not None, num_warps=4, num_stages=2,
     )
     if split:
         _merge_splits_kernel[(batch, num_heads)](
-            part_out, part_lse, out, num_splits,
+            part_out, part_lse, out, q if sinks is None else sinks, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), SINKS=sinks is not None,
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
@@ -262,6 +282,7 @@ def decode_attention_reference(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """decode_attention in plain torch (fp32 math), one request at a time."""
     out = torch.empty_like(q) if out is None else out
@@ -272,8 +293,24 @@ def decode_attention_reference(
         keys = gather_context(k_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
         values = gather_context(v_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys.float()) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.float()).to(out.dtype)
+        out[i] = torch.einsum("hn,nhd->hd", softmax_with_sinks(scores, sinks), values.float()).to(out.dtype)
     return out
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [H, ..., n]; with sinks [H], each head's sink
+    logit joins the denominator (one more column, dropped after the softmax)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    column = sinks.float().view(-1, *([1] * (scores.dim() - 1))).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_contiguous()
+                              or sinks.device != q.device or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a contiguous float [{q.shape[1]}] tensor on {q.device}, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
 
 
 def dequantized(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ block-table entry before it is read).
 
 One program serves BLOCK_M query tokens of one request for one query head, walking the
 context BLOCK_N tokens at a time up to its last row's position, with an online softmax
-in fp32.
+in fp32. A query head's attention sink (gpt-oss) joins each row's (m, l) after its last key.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from radixserve.kernels.triton import (
     dot_precision,
     scale_args,
 )
-from radixserve.kernels.triton.decode_attention import dequantized, gather_context
+from radixserve.kernels.triton.decode_attention import check_sinks, dequantized, gather_context, softmax_with_sinks
 from radixserve.kernels.triton.paged_tile import load_paged_rows, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -37,7 +37,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_ptr,
-    seq_lens_ptr,
+    seq_lens_ptr, sinks_ptr,
     scale_log2e, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -46,6 +46,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
@@ -97,9 +98,15 @@ def _extend_kernel(
         ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, DOT_IN_FP32, WINDOWED)
 
-    if WINDOWED:
-        l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len may see no key of the window
-    out = acc / l_i[:, None]
+    if SINKS:  # a row that saw no key (m -inf) gets 0: keep = exp2(-inf) = 0
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - top)
+        out = acc * (keep / (l_i * keep + tl.exp2(sink - top)))[:, None]
+    else:
+        if WINDOWED:
+            l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len may see no key of the window
+        out = acc / l_i[:, None]
     dst = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -150,9 +157,10 @@ def extend_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context (window > 0:
-    each over its last `window` keys only).
+    each over its last `window` keys only; sinks: [num_heads] attention-sink logits).
 
     Request i's queries are rows query_start_loc[i]:query_start_loc[i+1] of q
     ([T, num_heads, head_dim]); they are the last q_len of its seq_lens[i] context
@@ -164,6 +172,7 @@ def extend_attention(
     """
     out = torch.zeros_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_scales, v_scales)
+    check_sinks(sinks, q)
     batch = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -176,7 +185,7 @@ def extend_attention(
     k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _extend_kernel[grid](
         q, k_cache, v_cache, k_sp, v_sp, out, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, max(window, 0),
+        q if sinks is None else sinks, scale * _LOG2E, max(window, 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -185,7 +194,7 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
-        WINDOWED=window > 0, num_warps=num_warps, num_stages=2,
+        WINDOWED=window > 0, SINKS=sinks is not None, num_warps=num_warps, num_stages=2,
     )
     return out
 
@@ -204,6 +213,7 @@ def extend_attention_reference(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """extend_attention in plain torch (fp32 math), one request at a time."""
     out = torch.zeros_like(q) if out is None else out
@@ -221,6 +231,6 @@ def extend_attention_reference(
         j = torch.arange(first, seq_len, device=q.device)[None, :]
         visible = (j <= positions[:, None]) & ((j > positions[:, None] - window) if window > 0 else True)
         scores = torch.einsum("thd,nhd->htn", q[start:end].float(), keys.float()) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        probs = softmax_with_sinks(scores.masked_fill(~visible, float("-inf")), sinks)
         out[start:end] = torch.einsum("htn,nhd->thd", probs, values.float()).to(out.dtype)
     return out
