@@ -48,6 +48,12 @@ class CausalLM(nn.Module):
         return {}
 
     @classmethod
+    def gguf_config(cls, header) -> dict | None:
+        """config.json's fields from a GGUF header (gguf_file.GGUFHeader) where transformers
+        cannot read the file's architecture; None: transformers reads it."""
+        return None
+
+    @classmethod
     def text_config(cls, config):
         """The config of the text model to run (an image-text model's text tower), or config."""
         return config

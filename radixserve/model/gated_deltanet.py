@@ -5,8 +5,12 @@ state S [key dim, value dim] that every token decays and corrects by the delta r
 
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
 
-with q, k L2-normalized (q also scaled by key_dim ** -0.5), g_t = -exp(A_log) softplus(a_t +
-dt_bias) and beta_t = sigmoid(b_t). The output is RMS-normed per head, gated by SiLU(z) and
+with q, k L2-normalized (q also scaled by key_dim ** -0.5), g_t = A softplus(a_t + dt_bias)
+(A = -exp(A_log), held as A, as llama.cpp's GGUF stores it) and beta_t = sigmoid(b_t).
+With more value heads than key heads, the value heads are held in llama.cpp's tiled order
+(value head i reads key head i % num_k_heads; transformers groups them by key head: a
+transformers checkpoint's value-head rows and columns are reordered once at load, qwen3_5.py).
+The output is RMS-normed per head, gated by SiLU(z) and
 projected. A request's state: the conv's last inputs and S per head (float32, as transformers
 keeps it). Decodes advance S one step, batched (`delta_rule_step`); a prompt chunk runs the
 chunked form (`chunked_delta_rule`), 64 tokens a block: within a block the corrections solve
@@ -44,7 +48,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False)
         self.conv1d = DepthwiseConv(self.conv_dim, conv_width, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.A = nn.Parameter(torch.empty(num_v_heads))  # -exp(A_log)
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
 
@@ -66,16 +70,17 @@ class GatedDeltaNet(nn.Module):
         q = q * self.head_k_dim**-0.5
         v = v.reshape(t, self.num_v_heads, self.head_v_dim).float()
         beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g = self.A.float() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         out = self._recur(q, k, v, g, beta, ssm_state, conv_history, step, conv_kept)
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out.to(x.dtype), z).reshape(t, self.value_dim))
 
     def _heads(self, h: torch.Tensor) -> torch.Tensor:
-        """Key heads, L2-normalized in float32, repeated for the value heads they serve."""
+        """Key heads, L2-normalized in float32, tiled over the value heads (value head i: key head
+        i % num_k_heads)."""
         h = h.float()
         h = h * torch.rsqrt((h * h).sum(-1, keepdim=True) + 1e-6)
-        return h.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
+        return h.repeat(1, self.num_v_heads // self.num_k_heads, 1)
 
     def _recur(self, q, k, v, g, beta, ssm_state: torch.Tensor, conv_history: dict[int, torch.Tensor],
                step: RecurrentStep, conv_kept: dict[int, torch.Tensor]) -> torch.Tensor:

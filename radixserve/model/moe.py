@@ -6,6 +6,10 @@ expert by one stable sort: each selected expert multiplies its own rows once, so
 reads only the selected experts' weights. A row's expert outputs are summed in ascending expert
 order, as transformers sums them.
 
+A family may add a shared expert (Qwen3.5-MoE, Qwen2-MoE): a dense MLP every row goes through,
+scaled by sigmoid of its own one-output gate, added to the routed sum (`shared_expert`,
+`shared_expert_gate`, named as transformers names them under the MoE block).
+
 Experts are held float ([E, 2I, H] gate/up and [E, H, I] down, from a transformers checkpoint)
 or quantized as the GGUF stores them: one QuantWeight per expert and projection (gate/up fused),
 multiplied by the quantized kernels. At decode sizes quantized experts take one C call a layer
@@ -38,11 +42,15 @@ _EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(ga
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool,
+                 shared_expert: nn.Module | None = None):
         super().__init__()
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
         self.intermediate = intermediate
         self.gate = Linear(hidden, num_experts, bias=False)  # the router
+        # the dense expert every row takes, gated per row by sigmoid(shared_expert_gate(x)); None: none
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_expert is not None else None
         # float experts (buffers: loaded here, not by CausalLM's parameter loading); None where quantized
         self.register_buffer("gate_up", torch.empty(num_experts, 2 * intermediate, hidden), persistent=False)
         self.register_buffer("down", torch.empty(num_experts, hidden, intermediate), persistent=False)
@@ -52,7 +60,13 @@ class SparseMoE(nn.Module):
         self.loaded = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        out = self.routed(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The selected experts' weighted sum per row."""
         if self.native is not None and (x.shape[0] <= max(max_rows(), 1) or self.quant_gate_up[0].lanes):
             out = self.native(x, logits, self.top_k, self.normalize)  # the rows quantized_linear would round
             if out is not None:
@@ -127,6 +141,59 @@ class SparseMoE(nn.Module):
         quant = sum(w.nbytes for ws in (self.quant_gate_up or [], self.quant_down or []) for w in ws)
         floats = sum(t.numel() * t.element_size() for t in (self.gate_up, self.down) if t is not None)
         return quant + floats
+
+
+class ExpertLoading:
+    """A CausalLM mixin for families with SparseMoE layers (`layers[i].mlp`): the checkpoint's
+    experts are taken out of the tensors before CausalLM's loading sees them and loaded into their
+    layer, float or quantized (one QuantWeight per expert and projection); every expert layer is
+    checked loaded. Put it before the family's CausalLM class."""
+
+    def _moe(self, layer: int) -> SparseMoE:
+        mlp = self.layers[layer].mlp if 0 <= layer < len(self.layers) else None
+        if not isinstance(mlp, SparseMoE):
+            raise ValueError(f"the checkpoint has experts for layer {layer}, which has none in this model")
+        return mlp
+
+    def drop_float_weights(self, names: set[str]) -> None:
+        experts = {n for n in names if ".mlp.experts." in n}
+        layers = {int(n.split(".")[1]) for n in experts}
+        for layer in layers:
+            parts = {n.rsplit(".", 2)[-2] for n in experts if n.split(".")[1] == str(layer)}
+            if parts >= {"gate_up_proj", "down_proj"}:  # all three projections quantized
+                self._moe(layer).drop_float_experts()
+        super().drop_float_weights(names - experts)
+
+    def load_quantized(self, weights: dict[str, QuantWeight]) -> None:
+        """Quantized weights, the experts among them; loads last (after the float ones), so every
+        expert layer is checked loaded here."""
+        self._load_experts(weights)
+        super().load_quantized({n: w for n, w in weights.items() if ".mlp.experts." not in n})
+        unloaded = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)
+                    and not layer.mlp.loaded]
+        if unloaded:
+            raise ValueError(f"checkpoint lacks experts of layers {unloaded}")
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_hf_state_dict(self._load_experts(tensors))
+
+    def _load_experts(self, tensors: dict) -> dict:
+        """Load the experts of `tensors` (with those already taken aside); the rest returned."""
+        found, rest = expert_weights(tensors)
+        pending = getattr(self, "_pending_experts", {})
+        for layer, parts in found.items():
+            parts = {**pending.pop(layer, {}), **parts}
+            if set(parts) != {"gate", "up", "down"}:
+                pending[layer] = parts  # float and quantized parts come in two calls (a mixed file)
+                continue
+            self._moe(layer).load_experts(parts["gate"], parts["up"], parts["down"])
+            self._moe(layer).loaded = True
+        self._pending_experts = pending
+        return rest
+
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + sum(layer.mlp.weight_bytes() for layer in self.layers
+                                            if isinstance(layer.mlp, SparseMoE))
 
 
 def expert_weights(tensors: dict[str, Weight]) -> tuple[dict[int, dict[str, Weight]], dict[str, Weight]]:

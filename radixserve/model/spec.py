@@ -71,7 +71,7 @@ class ModelSpec:
             model_type=model_type,
             vocab_size=config.vocab_size,
             hidden_size=hidden,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=getattr(config, "intermediate_size", 0),  # an MoE may have none (its spec_fields)
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
