@@ -76,10 +76,7 @@ class SparseMoE(nn.Module):
     def forward_per_expert(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Routing in torch and an expert at a time: prompt-sized steps on AVX2 (an expert with
         many rows dequantizes its weight for the BLAS), float experts, and the C call's reference."""
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(logits)
         weights = weights.to(x.dtype).reshape(-1)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -95,6 +92,16 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, y * weights[picked, None])
                 start += n
         return out
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top_k experts and their weights [T, k]: a softmax over all the router's
+        logits, then the top k (renormalised to sum to 1 where `normalize`). A family that
+        routes otherwise (gpt-oss: top k, then a softmax over those) overrides it."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU MLP on its rows."""
