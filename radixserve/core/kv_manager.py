@@ -155,7 +155,9 @@ class KVManager:
         return self.cache.take_copies()
 
     def take_tier_events(self) -> list[tuple[str, object]]:
-        return self.cache.take_tier_events()
+        """What the tier's slots hold now (blocks, then recurrent states), for its persister."""
+        snapshots = self.snapshots
+        return self.cache.take_tier_events() + (snapshots.take_tier_events() if snapshots is not None else [])
 
     def take_events(self, *followers: Any) -> list[KVEvent]:
         """The cache's block events since the last call, then each follower's (an object with
@@ -168,6 +170,11 @@ class KVManager:
     def load_tier(self, entries: list[TierEntry]) -> list[TierEntry]:
         """Adopt a persisted tier's entries (before any request runs); returns those adopted."""
         return self.cache.load_tier_entries(entries)
+
+    def load_tier_states(self, states: list[tuple]) -> list[tuple]:
+        """Adopt a persisted tier's recurrent states at the nodes load_tier rebuilt."""
+        snapshots = self.snapshots
+        return snapshots.load_tier(states) if snapshots is not None else []
 
     # ---- a new request: prefetch its tier pages -------------------------------------
 
@@ -418,6 +425,24 @@ class KVManager:
         """Store computed blocks in the tree (it takes its own references)."""
         return self.cache.insert(token_ids, blocks, salt)
 
+    def exported_state(self, node: RadixNode) -> tuple[int, int] | None:
+        """(snapshot, position) of the deepest recurrent state kept on `node`'s path, for a
+        KV handoff (None: none kept, or the model has no recurrent layers)."""
+        snapshots = self.snapshots
+        return snapshots.deepest(node) if snapshots is not None and not node.is_root else None
+
+    def import_state(self, token_ids: list[int], salt: str | None, position: int, data: Any) -> bool:
+        """Keep a recurrent state another engine sent (bytes `data`) at the node of the tree
+        that ends at `position` of `token_ids` (whose blocks the tree holds); whether kept."""
+        snapshots = self.snapshots
+        if snapshots is None or position <= 0 or position % self.block_size:
+            return False
+        cached, node = self.cache.peek_prefix(token_ids[:position], salt)
+        if cached < position:
+            return False
+        at = self.cache.node_at(node, position // self.block_size)
+        return at is not None and snapshots.load(at, data)
+
     # ---- accounting -------------------------------------------------------------
 
     def usage(self) -> KVUsage:
@@ -429,7 +454,8 @@ class KVManager:
         recurrent = {} if snapshots is None else dict(
             recurrent_snapshots_total=snapshots.capacity, recurrent_snapshots_kept=snapshots.num_kept,
             recurrent_snapshot_saves=snapshots.saved, recurrent_snapshot_restores=snapshots.restored,
-            recurrent_snapshots_evicted=snapshots.evicted_snapshots)
+            recurrent_snapshots_evicted=snapshots.evicted_snapshots, recurrent_snapshots_in_tier=snapshots.num_in_tier,
+            recurrent_snapshot_tier_restores=snapshots.tier_restores)
         return KVUsage(self.pool.num_blocks, self.pool.num_free_blocks, cache.num_cached_blocks,
                        cache.num_evictable_blocks, cache.evicted_blocks, cache.num_nodes, cache.num_tier_blocks,
                        cache.tier_hits, cache.restored_blocks, dict(cache.evictions), pages, recurrent)

@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.core.cache_component import CacheComponent
-from radixserve.core.kv_events import POOL, RECURRENT
+from radixserve.core.kv_events import POOL, RECURRENT, TIER
 from radixserve.core.radix_cache import MatchResult, RadixNode
 from radixserve.core.request import Request
 
-SAVE, RESTORE, DROP, KEEP = "save", "restore", "drop", "keep"
+SAVE, RESTORE, DROP, KEEP, LOAD = "save", "restore", "drop", "keep", "load"
+TO_TIER, TIER_RESTORE = "to_tier", "tier_restore"
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,17 @@ class SnapshotOp:
     """SAVE: copy `request`'s states (standing at token `position`) into snapshot `snapshot`;
     RESTORE: start `request`'s states from it (its next chunk starts at `position`); DROP:
     forget it; KEEP (no snapshot id): `request`'s next chunk passes `position`, keep the state
-    there too (a SAVE at `position` after that step takes it)."""
+    there too (a SAVE at `position` after that step takes it); LOAD: fill snapshot `snapshot`
+    from bytes another engine sent (a KV handoff); TO_TIER: copy snapshot `snapshot` into the
+    second tier's state slot `slot` (its node's blocks left the pool, or the tier writes
+    through); TIER_RESTORE: start `request`'s states from tier slot `slot` (standing at `position`)."""
 
     kind: str
     snapshot: int
     request: Request | None = None
     position: int = 0
+    data: Any = None  # LOAD: the state's bytes (RecurrentStatePool.snapshot_data), standing at `position`
+    slot: int = -1  # TO_TIER, TIER_RESTORE: the second tier's state slot
 
 
 @dataclass
@@ -94,6 +101,15 @@ class RecurrentSnapshots(CacheComponent):
         # the runner keeps a state inside a prompt chunk (its layers honour Segment.keep_after):
         # a chunk then passes one saved position instead of stopping there (no extra step)
         self.inner_saves = False
+        # the second tier's state slots (use_tier): a node whose blocks left the pool keeps its
+        # snapshot there, and its memory row is freed
+        self.tier = None  # a KVTier of state slots, or None
+        self.write_through = False  # a persisted tier: every kept snapshot gets a tier copy too
+        self._tier_of: dict[int, int] = {}  # node id -> its tier state slot
+        self._tier_node: dict[int, RadixNode] = {}  # tier state slot -> its node
+        # for a persisted tier: ("state", (slot, salt, digest of its node's last block, position)) / ("state_free", slot)
+        self.tier_events: list[tuple[str, object]] = []
+        self.tier_restores = 0
 
     # ---- what the runner reads -----------------------------------------------------
 
@@ -104,8 +120,22 @@ class RecurrentSnapshots(CacheComponent):
 
     @property
     def num_kept(self) -> int:
-        """Snapshots the tree keeps."""
+        """Snapshots the tree keeps in memory."""
         return len(self._node)
+
+    @property
+    def num_in_tier(self) -> int:
+        """Snapshots the tree keeps in the second tier."""
+        return len(self._tier_node)
+
+    def use_tier(self, tier: Any, write_through: bool = False) -> None:
+        """Keep snapshots of nodes whose blocks left the pool in these tier state slots (a
+        KVTier); `write_through` (a persisted tier): every snapshot kept gets a copy there."""
+        self.tier, self.write_through = tier, write_through
+
+    def take_tier_events(self) -> list[tuple[str, object]]:
+        events, self.tier_events = self.tier_events, []
+        return events
 
     @property
     def num_used(self) -> int:
@@ -127,20 +157,82 @@ class RecurrentSnapshots(CacheComponent):
     # ---- the tree's side -------------------------------------------------------------
 
     def dropped(self, node: RadixNode) -> None:
-        """A node that leaves the tree drops its snapshot (one whose blocks only moved to the
-        second tier keeps it: a match through the tier restores the blocks and resumes there)."""
+        """A node that leaves the tree drops its snapshot, in memory and in the tier."""
         snapshot = self._of_node.get(node.node_id)
         if snapshot is not None:
             self._unbind(snapshot)
             self._drop(snapshot)
+        if node.node_id in self._tier_of:
+            self._free_tier(self._tier_of[node.node_id])
+
+    def evicted(self, node: RadixNode) -> None:
+        """Its blocks left the pool: one that moved to the tier (node.slots) takes its snapshot
+        along into a tier state slot (when one is free or can be taken from one worth less) and
+        frees its memory row; a match through the tier resumes from it there."""
+        snapshot = self._of_node.get(node.node_id)
+        if snapshot is None or not node.slots or self.tier is None:
+            return
+        if node.node_id not in self._tier_of and not self._to_tier(node, snapshot):
+            return  # no tier slot: the memory row stays
+        self._unbind(snapshot)
+        self._drop(snapshot)
+
+    def load_tier(self, entries: list[tuple[int, str | None, int, int]]) -> list[tuple[int, str | None, int, int]]:
+        """Adopt a persisted tier's states (slot, salt, digest of its node's last block,
+        position), each at the tier-only node the tree rebuilt for that block (before any
+        request); returns those adopted."""
+        if self.tier is None:
+            return []
+        by_digest = {}
+        for root in self.cache._roots.values():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node.digests:
+                    by_digest[(node.salt, node.digests[-1])] = node
+        adopted, used = [], set()
+        for slot, salt, digest, position in entries:
+            node = by_digest.get((salt, digest))
+            if (node is None or slot in used or not 0 <= slot < self.tier.num_slots or node.node_id in self._tier_of
+                    or _path_tokens(node) != position):
+                continue
+            used.add(slot)
+            self._bind_tier(node, slot)
+            adopted.append((slot, salt, digest, position))
+        self.tier.take(used)
+        return adopted
+
+    def deepest(self, node: RadixNode) -> tuple[int, int] | None:
+        """(snapshot, position) of the deepest snapshot kept on `node`'s path (None: none)."""
+        while not node.is_root:
+            snapshot = self._of_node.get(node.node_id)
+            if snapshot is not None:
+                return snapshot, _path_tokens(node)
+            node = node.parent
+        return None
+
+    def load(self, node: RadixNode, data: Any) -> bool:
+        """Keep a state another engine computed (a KV handoff's, its bytes `data`) at `node`'s
+        end, unless one is kept there already or no room is left; whether it was kept."""
+        if node.node_id in self._of_node or not node.blocks:
+            return False
+        snapshot = self._room()
+        if snapshot is None:
+            return False
+        self._ops.append(SnapshotOp(LOAD, snapshot, position=_path_tokens(node), data=data))
+        self._used[snapshot] = self.cache.now()
+        self._bind(node, snapshot)
+        return True
 
     # ---- a request's life ------------------------------------------------------------
 
     def usable_blocks(self, match: MatchResult) -> int:
-        """Up to the deepest node of the match's path that keeps a snapshot (0: none)."""
+        """Up to the deepest node of the match's path that keeps a snapshot, in memory or in
+        the tier (0: none)."""
         node, end = match.node, len(match.blocks) + match.num_tier_blocks
         while not node.is_root:
-            if node.node_id in self._of_node:
+            if node.node_id in self._of_node or node.node_id in self._tier_of:
                 return end
             end -= len(node.tokens) // self.block_size
             node = node.parent
@@ -149,11 +241,16 @@ class RecurrentSnapshots(CacheComponent):
     def adopted(self, request: Request, blocks: list[int]) -> None:
         start = len(blocks) * self.block_size
         if start:
-            snapshot = self._of_node.get(request.cache_node.node_id)
-            if snapshot is None:
+            node = request.cache_node
+            snapshot = self._of_node.get(node.node_id)
+            if snapshot is not None:
+                self._ops.append(SnapshotOp(RESTORE, snapshot, request, start))
+                self._used[snapshot] = self.cache.now()
+            elif node.node_id in self._tier_of:
+                self._ops.append(SnapshotOp(TIER_RESTORE, -1, request, start, slot=self._tier_of[node.node_id]))
+                self.tier_restores += 1
+            else:
                 raise RuntimeError(f"{request} adopted {start} cached tokens whose recurrent state is not kept")
-            self._ops.append(SnapshotOp(RESTORE, snapshot, request, start))
-            self._used[snapshot] = self.cache.now()
             self.restored += 1
         self._held[id(request)] = _Held(request, self._wanted(request, start), start)
 
@@ -207,6 +304,15 @@ class RecurrentSnapshots(CacheComponent):
                 raise AssertionError(f"recurrent snapshot {snapshot} kept by {node}: not a live node of it")
         if len(self._of_node) != len(self._node):
             raise AssertionError("recurrent snapshots: a node names a snapshot it does not keep")
+        if self.tier is not None:
+            self.tier.check_integrity(list(self._tier_node))
+            for slot, node in self._tier_node.items():
+                if not node.alive or not (node.blocks or node.slots) or self._tier_of.get(node.node_id) != slot:
+                    raise AssertionError(f"tier recurrent snapshot {slot} kept by {node}: not a live node of it")
+            if len(self._tier_of) != len(self._tier_node):
+                raise AssertionError("recurrent snapshots: a node names a tier slot it does not keep")
+        elif self._tier_of:
+            raise AssertionError("recurrent snapshots in a tier without one")
         live = {id(r) for r in running}
         for key, h in self._held.items():
             if key not in live:
@@ -281,9 +387,7 @@ class RecurrentSnapshots(CacheComponent):
             if at is None or at.node_id in self._of_node or not at.blocks:
                 self._drop(snapshot)
                 continue
-            self._of_node[at.node_id] = snapshot
-            self._node[snapshot] = at
-            self._event(at, stored=True)
+            self._bind(at, snapshot)
         held.pending = keep
 
     def _room(self) -> int | None:
@@ -309,10 +413,61 @@ class RecurrentSnapshots(CacheComponent):
     def _saved_tokens(self, node: RadixNode) -> int:
         """Tokens from the snapshot above `node` on its path (or the root) to its end."""
         tokens, above = len(node.tokens), node.parent
-        while not above.is_root and above.node_id not in self._of_node:
+        while not above.is_root and above.node_id not in self._of_node and above.node_id not in self._tier_of:
             tokens += len(above.tokens)
             above = above.parent
         return tokens
+
+    def _bind(self, node: RadixNode, snapshot: int) -> None:
+        self._of_node[node.node_id] = snapshot
+        self._node[snapshot] = node
+        self._event(node, stored=True)
+        if self.write_through and node.slots and node.node_id not in self._tier_of:
+            self._to_tier(node, snapshot)
+
+    def _to_tier(self, node: RadixNode, snapshot: int) -> bool:
+        """Copy the node's snapshot into a tier state slot (taking the least valuable tier
+        snapshot's place if none is free); whether it found one."""
+        slot = self._tier_room(node)
+        if slot is None:
+            return False
+        self._ops.append(SnapshotOp(TO_TIER, snapshot, position=_path_tokens(node), slot=slot))
+        self._bind_tier(node, slot)
+        if node.digests:  # what a persisted tier's index says of the slot
+            self.tier_events.append(("state", (slot, node.salt, node.digests[-1], _path_tokens(node))))
+        return True
+
+    def _bind_tier(self, node: RadixNode, slot: int) -> None:
+        self._tier_of[node.node_id] = slot
+        self._tier_node[slot] = node
+        self._event(node, stored=True, medium=TIER)
+
+    def _free_tier(self, slot: int) -> None:
+        node = self._tier_node.pop(slot)
+        del self._tier_of[node.node_id]
+        self.tier.free([slot])
+        self.tier_events.append(("state_free", slot))
+        self._event(node, stored=False, medium=TIER)
+
+    def _tier_room(self, node: RadixNode) -> int | None:
+        """A free tier state slot, else the place of the least valuable tier snapshot of an
+        unlocked node worth less than `node`'s (None: none)."""
+        if self.tier.num_free:
+            return self.tier.allocate(1)[0]
+        now = self.cache.now()
+        worth = (node.rank, self._saved_tokens(node) / math.log2(2))
+        best, victim = None, None
+        for slot, other in self._tier_node.items():
+            if other.lock_ref or other is node:
+                continue
+            value = (other.rank, self._saved_tokens(other) / math.log2(now - other.last_access + 2))
+            if value < worth and (best is None or value < best):
+                best, victim = value, slot
+        if victim is None:
+            return None
+        self._free_tier(victim)
+        self.evicted_snapshots += 1
+        return self.tier.allocate(1)[0]
 
     def _unbind(self, snapshot: int) -> None:
         node = self._node.pop(snapshot)
@@ -324,17 +479,18 @@ class RecurrentSnapshots(CacheComponent):
         self._used.pop(snapshot, None)
         self._free.append(snapshot)
 
-    def _event(self, node: RadixNode, stored: bool) -> None:
-        """The snapshot's node named by its last block (RECURRENT group, in the pool)."""
+    def _event(self, node: RadixNode, stored: bool, medium: str = POOL) -> None:
+        """The snapshot's node named by its last block (RECURRENT group, in its medium: the
+        pool's memory rows, or the tier's state slots)."""
         if not node.digests:
             return
         log = self.cache.event_log
         if stored:
             parent = node.digests[-2] if len(node.digests) > 1 else (
                 None if node.parent.is_root else node.parent.digests[-1])
-            log.stored(node.digests[-1:], parent, node.tokens[-self.block_size:], POOL, node.salt, RECURRENT)
+            log.stored(node.digests[-1:], parent, node.tokens[-self.block_size:], medium, node.salt, RECURRENT)
         else:
-            log.removed(node.digests[-1:], POOL, RECURRENT)
+            log.removed(node.digests[-1:], medium, RECURRENT)
 
 
 def _path_tokens(node: RadixNode) -> int:

@@ -138,7 +138,9 @@ class Engine:
         self.drafter = _drafter(cfg, cache)
         self.scheduler = Scheduler(cfg, pool, cache, self.drafter, sessions, prefetch=self.tiering)
         self.kv = self.scheduler.kv  # the one door to the pool, the tree and the tier
-        self.tiering.load(self.kv.load_tier)
+        if self.kv.snapshots is not None and self.tiering.state_slots is not None:  # snapshots tier with their blocks
+            self.kv.snapshots.use_tier(self.tiering.state_slots, write_through=self.tiering.persisted)
+        self.tiering.load(self.kv.load_tier, self.kv.load_tier_states)
         if self.kv_events is not None:  # a restarted engine announces the tier it adopted
             self.kv_events.publish(self.kv.take_events())
         runner_config = RunnerConfig.from_engine(cfg, num_blocks=num_blocks, backend=self.attention_backend,
@@ -150,6 +152,7 @@ class Engine:
             self.runner.states.block_size = cfg.block_size
             if self.kv.snapshots is not None:  # its layers keep states inside a chunk: no step stops for one
                 self.kv.snapshots.inner_saves = self.runner.states.inner_saves
+            self.runner.states.tier_store = self.tiering.store  # the tier's state slots (None: no tier)
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         if cfg.jump_forward:  # constrained requests draft the text their grammar forces
             self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)
@@ -634,10 +637,12 @@ class Engine:
         code = page_code(cfg.kv_cache_dtype)
         if code:
             layout.update(kv_layout="layer,kv,block,page", kv_scheme=code.scheme, kv_key_basis=KEY_BASIS)
+        state_bytes = model_state_bytes(self.loaded.model, self.dtype)  # recurrent layers: their snapshots' slots
         if self.hybrid:
             layout["layer_windows"] = list(spec.layer_windows)  # which layers a slot holds (persistence)
-            return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout, page_shape, ratio)
-        return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout)
+            return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout, page_shape, ratio,
+                                 state_bytes=state_bytes)
+        return Tiering.build(cfg, self.loaded.model, block_shape, storage, layout, state_bytes=state_bytes)
 
     def _after_cache_changes(self) -> None:
         """Run the tier copies decided since the last call (the scheduler's, finishing
@@ -645,6 +650,8 @@ class Engine:
         to the publisher (a queue put: encoding and sending happen on its thread)."""
         if not self.kv.caching:
             return
+        if self.runner.states is not None:  # recurrent snapshots' operations, their tier copies before the tier's events
+            self.runner.states.apply(self.kv.take_snapshot_ops())
         if self.tiering.store is not None:
             self.tiering.execute(self.runner.pool, self.kv.take_copies(), self.kv.take_tier_events())
         if self.kv_events is not None:

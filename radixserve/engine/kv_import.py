@@ -38,6 +38,7 @@ class ImportResult:
     inserted: int = 0  # blocks copied into the pool and the tree
     already_held: int = 0  # blocks sent that the tree had by then
     failed: str | None = None  # why the handoff could not be used (the request computes it)
+    state_kept: bool = False  # its recurrent state went into the tree (at its position's node)
 
 
 @dataclass
@@ -126,12 +127,15 @@ def commit(engine: "Engine", pending: PendingImport) -> ImportResult:
         if not cancel(engine, pending):
             return ImportResult(failed=f"the reservation is {state}, not copied")
         return ImportResult(failed=error or f"the reservation was {state}, not copied")
+    h = pending.handoff
     if pending.block_table:
-        h = pending.handoff
         blocks = pending.prefix_blocks + pending.block_table
         engine.kv.insert(h.token_ids[:len(blocks) * h.block_size], blocks, h.cache_salt)
         _drop(engine, pending)  # the tree holds its own references now
-    return ImportResult(len(pending.block_table), pending.skip)
+    state = getattr(h, "state_data", None)  # where the tree holds its blocks (a salted path: the tenant's)
+    kept = state is not None and engine.kv.import_state(
+        h.token_ids, h.cache_salt, h.state_position, torch.from_numpy(np.array(state, dtype=np.uint8)))
+    return ImportResult(len(pending.block_table), pending.skip, state_kept=kept)
 
 
 def cancel(engine: "Engine", pending: PendingImport) -> bool:
@@ -167,6 +171,15 @@ def incompatible(engine: "Engine", handoff: Handoff) -> str | None:
                 or not isinstance(handoff.window_data, np.ndarray)
                 or handoff.window_data.shape != (sum(mask), page_bytes(pool))):
             return "the handoff's window pages do not match its blocks"
+    state = getattr(handoff, "state_data", None)
+    states = engine.runner.states
+    if state is not None:
+        if states is None:
+            return "the handoff carries a recurrent state and this model has no recurrent layers"
+        if not isinstance(state, np.ndarray) or state.dtype != np.uint8 or state.size != states.slot_bytes:
+            return f"a recurrent state of {getattr(state, 'size', '?')} bytes, this model's is {states.slot_bytes}"
+        if not 0 < handoff.state_position <= (handoff.start_block + handoff.num_blocks) * handoff.block_size:
+            return f"a recurrent state at token {handoff.state_position}, past the blocks it names"
     bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
     tokens = handoff.token_ids[:(start + n) * bs]
     if len(tokens) < (start + n) * bs:

@@ -67,6 +67,10 @@ class KVHandoff:
     page_shape: tuple[int, ...] | None = None
     window_mask: list[bool] | None = None
     window_data: Any = None  # uint8 array [sum(window_mask), bytes per page]
+    # recurrent layers: the state kept at the deepest position of the sent prefix the prefill
+    # tree keeps one (a block end), as bytes (RecurrentStatePool.snapshot_data)
+    state_position: int = 0
+    state_data: Any = None  # uint8 array [bytes of one request's states]
 
     @property
     def num_blocks(self) -> int:
@@ -79,7 +83,8 @@ class KVHandoff:
     @property
     def nbytes(self) -> int:
         window = int(self.window_data.nbytes) if isinstance(self.window_data, np.ndarray) else 0
-        return (int(self.data.nbytes) if isinstance(self.data, np.ndarray) else 0) + window
+        state = int(self.state_data.nbytes) if isinstance(self.state_data, np.ndarray) else 0
+        return (int(self.data.nbytes) if isinstance(self.data, np.ndarray) else 0) + window + state
 
 
 class TransferFailed:
@@ -112,6 +117,8 @@ class TransferStats:
     imports_pending: int = 0  # reservations not yet committed or cancelled (a gauge, filled in by snapshot())
     blocks_already_held: int = 0  # blocks a handoff carried that the decode tree had meanwhile
     skipped_blocks: int = 0  # blocks the decode side held before asking (never sent)
+    sent_states: int = 0  # recurrent states sent with handoffs
+    received_states: int = 0  # of those received, kept in this tree
     fallback_recomputes: int = 0  # handoffs that did not arrive or could not be used
     fallback_tokens: int = 0  # prompt tokens the decode side computed for them
     remote_prefills: int = 0  # jobs sent to a prefill replica (retries included)
@@ -184,11 +191,13 @@ class KVTransfer:
         handoff_id = f"{self._prefix}-{next(self._ids)}"
         full = _full_blocks(token_ids, bs)
         blocks: list[int] = []
+        state = None
         if full > skip_blocks:
             match = kv.hold_prefix(token_ids[:full * bs], salt, more_than=skip_blocks)
             if match is not None:
                 kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
                 blocks = match.blocks[skip_blocks:]
+                state = kv.exported_state(match.node)
         hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(blocks)) * bs], bs)[skip_blocks:]
         handoff = KVHandoff(
             handoff_id, list(token_ids), first_token, salt, bs, skip_blocks, hashes, tuple(pool.block_shape()),
@@ -198,6 +207,9 @@ class KVTransfer:
             handoff.page_shape = tuple(pool.page_shape())
             handoff.window_mask, pages = kv.window_pages(blocks)
             handoff.window_data = _read_pages(pool, pages)
+        if state is not None:
+            handoff.state_position, handoff.state_data = state[1], _read_state(engine, *state)
+            self.stats.sent_states += 1
         handoff.export_ms = (time.perf_counter() - t0) * 1000.0
         self.stats.exports += 1
         self.stats.sent_blocks += len(blocks)
@@ -298,6 +310,7 @@ class KVTransfer:
             self.stats.received_bytes += pending.nbytes
             self.stats.blocks_already_held += result.already_held
             self.stats.skipped_blocks += pending.handoff.start_block
+            self.stats.received_states += int(result.state_kept)
         self.stats.import_engine_ms += (time.perf_counter() - t0) * 1000.0
         return result
 
@@ -323,6 +336,17 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     if blocks:
         pool.copy_blocks_out(blocks, dest, list(range(len(blocks))))
     return dest.view(torch.uint8).reshape(len(blocks), block_bytes(pool)).cpu().numpy()
+
+
+def _read_state(engine: "Engine", snapshot: int, position: int) -> np.ndarray:
+    """A kept recurrent state's bytes (the runner's row, once the queued snapshot operations
+    have run: a state the last step saved is written at the next one's start)."""
+    states = engine.runner.states
+    states.apply(engine.kv.take_snapshot_ops())
+    if states.snapshot_positions.get(snapshot) != position:
+        raise RuntimeError(f"recurrent snapshot {snapshot} stands at {states.snapshot_positions.get(snapshot)}, "
+                           f"the cache keeps it at {position}")
+    return states.snapshot_data(snapshot).cpu().numpy()
 
 
 def _read_pages(pool: Any, pages: list[int]) -> np.ndarray:

@@ -116,6 +116,8 @@ class EngineStats:
     recurrent_snapshot_saves: int = 0  # cumulative: states saved
     recurrent_snapshot_restores: int = 0  # cumulative: requests started from a kept state (prefix hits)
     recurrent_snapshots_evicted: int = 0  # cumulative: kept snapshots that gave their room to a new one
+    recurrent_snapshots_in_tier: int = 0  # snapshots kept in the second tier's state slots now
+    recurrent_snapshot_tier_restores: int = 0  # cumulative: of the restores, those read from the tier
 
     @property
     def blocks_used(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.core.plan import ScheduledChunk
-from radixserve.core.recurrent_snapshots import DROP, KEEP, RESTORE, SAVE, SnapshotOp
+from radixserve.core.recurrent_snapshots import DROP, KEEP, LOAD, RESTORE, SAVE, TIER_RESTORE, TO_TIER, SnapshotOp
 from radixserve.core.request import Request, RequestStatus
 from radixserve.model.recurrent_step import RecurrentStep, Segment, StateShape
 
@@ -66,6 +66,9 @@ class RecurrentStatePool:
         self.block_size = 0  # settle keeps the state at a block boundary a draft ran past (0: none)
         self.inner_saves = inner_saves  # every recurrent layer keeps a state inside a segment (keep_after)
         self._keep: dict[str, int] = {}  # request id -> a position its coming chunk keeps (KEEP ops)
+        # the second tier's state slots (kv_tier/store.py: state_data [slots, slot_bytes] uint8, and
+        # state_seq, odd while a slot is written), for TO_TIER and TIER_RESTORE ops
+        self.tier_store = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
@@ -170,6 +173,21 @@ class RecurrentStatePool:
                 if self.restore_snapshot(op.request, op.snapshot) != op.position:
                     raise RuntimeError(f"snapshot {op.snapshot} stands at token {self.snapshot_positions[op.snapshot]}, "
                                        f"request {op.request.request_id!r} resumes at {op.position}")
+            elif op.kind == LOAD:
+                self.load_snapshot(op.snapshot, op.data, op.position)
+            elif op.kind == TO_TIER:
+                if self.snapshot_positions.get(op.snapshot) != op.position:
+                    raise RuntimeError(f"snapshot {op.snapshot} stands at {self.snapshot_positions.get(op.snapshot)}, "
+                                       f"its tier copy at {op.position}")
+                self._to_tier(op.snapshot, op.slot)
+            elif op.kind == TIER_RESTORE:
+                holder = self.holders.get(op.request.request_id)
+                if holder is None or holder.request is not op.request:
+                    self.release(op.request.request_id)
+                    holder = self._take(op.request)
+                self._write({layer: tuple(t[holder.slot] for t in tensors) for layer, tensors in self.states.items()},
+                            self.tier_store.state_data[op.slot])
+                holder.position = op.position
             elif op.kind == DROP:
                 self.drop_snapshot(op.snapshot)
             else:
@@ -218,6 +236,39 @@ class RecurrentStatePool:
                 state[holder.slot] = kept[snapshot]
         holder.position = self.snapshot_positions[snapshot]
         return holder.position
+
+    def snapshot_data(self, snapshot: int) -> torch.Tensor:
+        """A saved snapshot's states as bytes (uint8 [slot_bytes], every layer's tensors in
+        turn): what a KV handoff or the second tier carries."""
+        parts = [kept[snapshot].reshape(-1).view(torch.uint8) for layer in sorted(self.snapshots)
+                 for kept in self.snapshots[layer]]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def load_snapshot(self, snapshot: int, data: torch.Tensor, position: int) -> None:
+        """Fill snapshot `snapshot` from bytes snapshot_data gave (of this model's layout),
+        standing at token `position`."""
+        self._snapshot_room(snapshot + 1)
+        self._write({layer: tuple(kept[snapshot] for kept in tensors) for layer, tensors in self.snapshots.items()},
+                    data)
+        self.snapshot_positions[snapshot] = position
+
+    def _write(self, rows: dict[int, tuple[torch.Tensor, ...]], data: torch.Tensor) -> None:
+        """One request's states (per layer its row of each state tensor) from snapshot_data's bytes."""
+        data = torch.as_tensor(data, dtype=torch.uint8).reshape(-1)
+        if data.numel() != self.slot_bytes:
+            raise ValueError(f"a recurrent state of {data.numel()} bytes, this model's is {self.slot_bytes}")
+        at = 0
+        for layer in sorted(rows):
+            for row in rows[layer]:
+                n = row.numel() * row.element_size()
+                row.reshape(-1).view(torch.uint8).copy_(data[at:at + n].to(row.device))
+                at += n
+
+    def _to_tier(self, snapshot: int, slot: int) -> None:
+        store = self.tier_store
+        store.state_seq[slot] += 1  # odd: being written (the persistence thread checks)
+        store.state_data[slot].copy_(self.snapshot_data(snapshot).cpu())
+        store.state_seq[slot] += 1
 
     def check_snapshots(self, expected: dict[int, int]) -> None:
         """Raise AssertionError unless each of these snapshots is saved and stands at its position."""

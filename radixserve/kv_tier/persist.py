@@ -14,6 +14,11 @@ only, so an index whose header differs in `hybrid_kv` (written with hybrid KV an
 without, or the other way round) is ignored like another layout's; a window slot that fails
 its checksum leaves its block a tombstone for the window layers (its full layers are kept).
 
+Recurrent layers (a tier with state slots): the header says so (`recurrent_states`), and
+a "states" list beside the entries holds [state slot, salt, hash of the block its node ends
+with, the token position, CRC-32] per snapshot kept in the tier; on load each goes back to
+the node rebuilt for that block (core/recurrent_snapshots.py's load_tier).
+
 Writes never stall a step: the engine thread only enqueues what changed in a step (and the
 slot sequence numbers after its copies); a background thread checksums the slots, writes
 the slots set since its last index back to disk (msync of their range, through ctypes so
@@ -56,6 +61,7 @@ class TierPersister:
             self.header["hybrid_kv"] = {**header.get("hybrid_kv", {}), "window_slots": store.num_window_slots,
                                         "window_slot_bytes": store.window_slot_bytes,
                                         "window_offset": store.window_offset}
+        self.states = store.num_state_slots > 0
         self.index_path = os.path.join(directory, INDEX_FILE)
         self.failed: str | None = None
         self.index_writes = 0
@@ -63,6 +69,10 @@ class TierPersister:
         self._entries: dict[int, tuple[TierEntry, int, int, bytes]] = {}
         self._unsynced: set[int] = set()  # slots set since the last index write
         self._unsynced_windows: set[int] = set()  # window slots likewise
+        # recurrent layers: state slot -> ((slot, salt, digest, position), crc, its JSON)
+        self._states: dict[int, tuple[tuple, int, bytes]] = {}
+        self._unsynced_states: set[int] = set()
+        self.loaded_states: list[tuple] = []  # (slot, salt, digest, position) of a loaded index, checked
         self._queue: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -111,7 +121,27 @@ class TierPersister:
         if bad_windows:
             log.warning("KV persist: %d window page(s) in %s failed their checksum; their blocks are tombstones "
                         "for the window layers", bad_windows, self.index_path)
+        self._load_states(body.get("states", []))
         return entries
+
+    def _load_states(self, items: list) -> None:
+        """Recurrent-state entries whose bytes check out, into loaded_states (adopt_states keeps
+        those the tree took)."""
+        bad = 0
+        for slot, salt, digest, position, crc in items if self.states else []:
+            if not (0 <= slot < self.store.num_state_slots) or zlib.crc32(self.store.state_view(slot)) != crc:
+                bad += 1
+                continue
+            state = (slot, salt, int(digest, 16), position)
+            self.loaded_states.append(state)
+            self._states[slot] = (state, crc, self._encode_state(state, crc))
+        if bad:
+            log.warning("KV persist: %d recurrent state(s) in %s failed their checksum; ignored", bad, self.index_path)
+
+    def adopt_states(self, kept: list[tuple]) -> None:
+        """Only these loaded states are in the tree: forget the rest."""
+        slots = {state[0] for state in kept}
+        self._states = {slot: v for slot, v in self._states.items() if slot in slots}
 
     def adopt(self, kept: list[TierEntry]) -> None:
         """Only these loaded entries are in the tree, as the tree took them (a window slot
@@ -129,6 +159,7 @@ class TierPersister:
         if not events or self.failed:
             return
         seqs = {e.slot: self.store.seq[e.slot] for kind, e in events if kind == "set"}
+        seqs.update({("state", e[0]): self.store.state_seq[e[0]] for kind, e in events if kind == "state"})
         window_seqs = {e.window_slot: self.store.window_seq[e.window_slot]
                        for kind, e in events if kind == "set" and e.window_slot >= 0}
         self._idle.clear()
@@ -168,13 +199,28 @@ class TierPersister:
             if self._queue.empty() and (not dirty or self.failed):
                 self._idle.set()
 
-    def _apply(self, events: list[tuple[str, Any]], seqs: dict[int, int], window_seqs: dict[int, int]) -> None:
+    def _apply(self, events: list[tuple[str, Any]], seqs: dict[Any, int], window_seqs: dict[int, int]) -> None:
         final: dict[int, TierEntry | None] = {}
+        states: dict[int, tuple | None] = {}
         for kind, value in events:
             if kind == "set":
                 final[value.slot] = value
-            else:
+            elif kind == "free":
                 final[value] = None
+            elif kind == "state":
+                states[value[0]] = value
+            else:  # "state_free"
+                states[value] = None
+        for slot, state in states.items():
+            self._states.pop(slot, None)
+            if state is None:
+                continue
+            seq = seqs[("state", slot)]
+            crc = zlib.crc32(self.store.state_view(slot))
+            if self.store.state_seq[slot] != seq or seq % 2:
+                continue
+            self._states[slot] = (state, crc, self._encode_state(state, crc))
+            self._unsynced_states.add(slot)
         for slot, entry in final.items():
             self._entries.pop(slot, None)
             if entry is None:
@@ -196,11 +242,13 @@ class TierPersister:
 
     def _write_index(self) -> None:
         try:
-            self.store.sync(self._unsynced, self._unsynced_windows)
-            self._unsynced, self._unsynced_windows = set(), set()
+            self.store.sync(self._unsynced, self._unsynced_windows, self._unsynced_states)
+            self._unsynced, self._unsynced_windows, self._unsynced_states = set(), set(), set()
             body = b"".join([
                 b'{"header":', json.dumps(self.header, separators=(",", ":")).encode(), b',"entries":[',
-                b",".join(encoded for *_, encoded in self._entries.values()), b"]}",
+                b",".join(encoded for *_, encoded in self._entries.values()), b"]",
+                b',"states":[' + b",".join(encoded for *_, encoded in self._states.values()) + b"]"
+                if self.states else b"", b"}",
             ])
             tmp = self.index_path + ".tmp"
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # its salts and tokens
@@ -221,6 +269,14 @@ class TierPersister:
         if self.hybrid:
             item += [e.window_slot, window_crc]
         return json.dumps(item, separators=(",", ":")).encode()
+
+
+    @staticmethod
+    def _encode_state(state: tuple, crc: int) -> bytes:
+        """One recurrent-state entry: [state slot, salt, hash of its node's last block, the
+        token position it stands at, CRC-32]."""
+        slot, salt, digest, position = state
+        return json.dumps([slot, salt, f"{digest:032x}", position, crc], separators=(",", ":")).encode()
 
 
 def _checked_body(raw: bytes) -> dict[str, Any] | None:

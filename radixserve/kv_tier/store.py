@@ -6,7 +6,8 @@ disk read when it was paged out (README: restore vs recompute, measured). Withou
 directory it is anonymous memory. Slot s holds tensor data[s] of the pool's block shape.
 Hybrid KV: after the block slots, in the same mapping (so in the same file, persisted
 with it), window slot w holds window_data[w], one window page (the window layers' K/V of
-a block).
+a block). Recurrent layers: after those, state slot s holds state_data[s], the bytes of one
+recurrent-state snapshot (written and read by the runner's RecurrentStatePool).
 
 Every slot (and window slot) has a sequence counter, odd while the engine thread writes
 it, so the persistence thread can tell whether the bytes it checksummed are the ones it
@@ -33,7 +34,8 @@ TIER_FILE = "kv_tier.bin"
 
 class TierStore:
     def __init__(self, num_slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, directory: str | None,
-                 num_window_slots: int = 0, page_shape: tuple[int, ...] = ()):
+                 num_window_slots: int = 0, page_shape: tuple[int, ...] = (), num_state_slots: int = 0,
+                 state_bytes: int = 0):
         element = torch.empty((), dtype=dtype).element_size()
         self.num_slots = num_slots
         self.slot_bytes = element * int(torch.Size(block_shape).numel())
@@ -41,14 +43,21 @@ class TierStore:
         self.num_window_slots = num_window_slots
         self.window_slot_bytes = element * int(torch.Size(page_shape).numel()) if num_window_slots else 0
         self.window_offset = num_slots * self.slot_bytes  # where the window slots start
-        size = self.window_offset + num_window_slots * self.window_slot_bytes
+        # recurrent layers: one request's states per state slot (a snapshot's bytes), after those
+        self.num_state_slots = num_state_slots if state_bytes else 0
+        self.state_slot_bytes = state_bytes if self.num_state_slots else 0
+        self.state_offset = self.window_offset + num_window_slots * self.window_slot_bytes
+        size = self.state_offset + self.num_state_slots * self.state_slot_bytes
         self.path = os.path.join(directory, TIER_FILE) if directory else None
         self._memory, self._fd = _map(self.path, size)
         self._close_fd = weakref.finalize(self, os.close, self._fd) if self._fd is not None else None
         flat = torch.frombuffer(self._memory, dtype=torch.uint8, count=size)
         self.data = flat[:self.window_offset].view(dtype).view(num_slots, *block_shape)
-        self.window_data = (flat[self.window_offset:].view(dtype).view(num_window_slots, *page_shape)
+        self.window_data = (flat[self.window_offset:self.state_offset].view(dtype).view(num_window_slots, *page_shape)
                             if num_window_slots else None)
+        self.state_data = (flat[self.state_offset:].view(self.num_state_slots, self.state_slot_bytes)
+                           if self.num_state_slots else None)
+        self.state_seq = [0] * self.num_state_slots
         self._base = self.data.data_ptr()  # the mapping's address, for page calls
         self.seq = [0] * num_slots
         self.window_seq = [0] * num_window_slots
@@ -86,6 +95,10 @@ class TierStore:
         start = self.window_offset + window_slot * self.window_slot_bytes
         return memoryview(self._memory)[start:start + self.window_slot_bytes]
 
+    def state_view(self, state_slot: int) -> memoryview:
+        start = self.state_offset + state_slot * self.state_slot_bytes
+        return memoryview(self._memory)[start:start + self.state_slot_bytes]
+
     def slot_span(self, slot: int, count: int = 1) -> tuple[int, int]:
         """(address, length) of `count` slots from `slot` in this process's mapping."""
         return self._base + slot * self.slot_bytes, count * self.slot_bytes
@@ -99,7 +112,11 @@ class TierStore:
         and `buf`, at least `length` bytes, discarded)."""
         os.preadv(self._fd, [memoryview(buf)[:length]], addr - self._base)
 
-    def sync(self, slots: Iterable[int] | None = None, window_slots: Iterable[int] = ()) -> None:
+    def state_span(self, state_slot: int, count: int = 1) -> tuple[int, int]:
+        return self._base + self.state_offset + state_slot * self.state_slot_bytes, count * self.state_slot_bytes
+
+    def sync(self, slots: Iterable[int] | None = None, window_slots: Iterable[int] = (),
+             state_slots: Iterable[int] = ()) -> None:
         """Write dirty pages of a file-backed tier to disk and wait: those of `slots` and
         `window_slots`, or the whole file. Releases the GIL while it waits (mmap.flush would
         hold it)."""
@@ -112,6 +129,8 @@ class TierStore:
             self.pages.sync(*self.slot_span(first, count))
         for first, count in slot_runs(window_slots):
             self.pages.sync(*self.window_span(first, count))
+        for first, count in slot_runs(state_slots):
+            self.pages.sync(*self.state_span(first, count))
 
     def drop_cached_pages(self) -> int:
         """Write a file-backed tier to disk and drop its pages from memory (this process's
@@ -136,7 +155,7 @@ class TierStore:
 
     def close(self) -> None:
         """Unmap (callers stop the threads that use the store first)."""
-        self.data = self.window_data = None
+        self.data = self.window_data = self.state_data = None
         if self._close_fd is not None:
             self._close_fd()
         try:

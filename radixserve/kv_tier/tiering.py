@@ -27,6 +27,7 @@ from radixserve.kv_tier.store import TierStore
 log = logging.getLogger("radixserve.tiering")
 
 DEFAULT_TIER_BYTES = 2 << 30  # a tier asked for by directory alone (kv_offload_dir, kv_persist_dir)
+STATE_BLOCKS = 8  # recurrent layers: one state slot per this many block slots, in the same bytes
 _SAMPLES_PER_TENSOR = 4096
 
 
@@ -45,22 +46,26 @@ class TierStats:
 class Tiering:
     slots: KVTier | None = None
     window_slots: KVTier | None = None  # hybrid KV: slots of window pages (store.window_data)
+    state_slots: KVTier | None = None  # recurrent layers: slots of state snapshots (store.state_data)
     store: TierStore | None = None
     persister: TierPersister | None = None
     prefetch: TierPrefetcher | None = None
     disabled_reason: str | None = None
     loaded_blocks: int = 0  # blocks found on disk at start and adopted
+    loaded_states: int = 0  # recurrent-state snapshots likewise
 
     @classmethod
     def build(cls, config: EngineConfig, model: torch.nn.Module, block_shape: tuple[int, ...],
               dtype: torch.dtype, layout: dict[str, Any], page_shape: tuple[int, ...] = (),
-              window_ratio: float = 0.0) -> "Tiering":
+              window_ratio: float = 0.0, state_bytes: int = 0) -> "Tiering":
         """A tier of slots of one pool block each: block_shape elements of dtype (the pool's
         storage: int8 pages are uint8 bytes to the tier). Hybrid KV (`page_shape`): beside
         them, window_ratio window-page slots per block slot (page_shape each), in the same
         mapping (the file, where there is one) and the same kv_offload_memory; `layout`'s
         layer_windows (each layer's window, 0 for a full layer) then goes into a persisted
-        index's header (hybrid_kv), so an index is read only under the same split."""
+        index's header (hybrid_kv), so an index is read only under the same split. Recurrent
+        layers (`state_bytes`, one snapshot): one state slot per STATE_BLOCKS block slots, their
+        bytes out of the same kv_offload_memory (and named in a persisted index's header)."""
         size = config.kv_offload_memory
         if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
@@ -70,18 +75,21 @@ class Tiering:
         element = torch.empty((), dtype=dtype).element_size()
         per_block = element * int(torch.Size(block_shape).numel())
         per_page = element * int(torch.Size(page_shape).numel()) if page_shape else 0
-        num_slots = int(size // (per_block + window_ratio * per_page))
+        num_slots = int(size // (per_block + window_ratio * per_page + state_bytes / STATE_BLOCKS))
         num_window_slots = max(1, int(num_slots * window_ratio)) if per_page else 0
+        num_state_slots = max(1, num_slots // STATE_BLOCKS) if state_bytes else 0
         if num_slots < 1:
             return cls._degrade(f"kv_offload_memory of {size} bytes holds no block ({per_block} bytes each)")
         directory = config.kv_persist_dir or config.kv_offload_dir
         try:
             if directory:
                 os.makedirs(directory, exist_ok=True)
-            store = TierStore(num_slots, block_shape, dtype, directory, num_window_slots, page_shape)
+            store = TierStore(num_slots, block_shape, dtype, directory, num_window_slots, page_shape,
+                              num_state_slots, state_bytes)
         except (OSError, ValueError) as exc:
             return cls._degrade(f"cannot create a {size}-byte tier in {directory}: {type(exc).__name__}: {exc}")
-        tiering = cls(KVTier(num_slots), KVTier(num_window_slots) if num_window_slots else None, store,
+        tiering = cls(KVTier(num_slots), KVTier(num_window_slots) if num_window_slots else None,
+                      KVTier(num_state_slots) if num_state_slots else None, store,
                       prefetch=TierPrefetcher.start(store))
         if config.kv_persist_dir:
             layout = dict(layout)
@@ -90,6 +98,9 @@ class Tiering:
                       "kv_cache_dtype": layout.get("kv_cache_dtype")}  # named apart, so a log says it differs
             if num_window_slots:  # a slot holds the full layers only: named apart too
                 header["hybrid_kv"] = {"layer_windows": layer_windows}
+            if num_state_slots:  # recurrent-state snapshots in the same file
+                header["recurrent_states"] = {"slots": num_state_slots, "slot_bytes": state_bytes,
+                                              "offset": store.state_offset}
             tiering.persister = TierPersister(config.kv_persist_dir, store, header)
             atexit.register(tiering.close)  # the last index write, also when nobody calls close()
         log.info("KV tier: %d blocks (%.2f GiB) in %s%s%s", num_slots, num_slots * per_block / 2**30,
@@ -109,14 +120,19 @@ class Tiering:
         writes through and reports what each slot holds)."""
         return self.persister is not None
 
-    def load(self, adopt: Callable[[list[TierEntry]], list[TierEntry]]) -> int:
+    def load(self, adopt: Callable[[list[TierEntry]], list[TierEntry]],
+             adopt_states: Callable[[list[tuple]], list[tuple]] | None = None) -> int:
         """Hand what a previous run persisted to `adopt` (the radix cache's
-        load_tier_entries, before any request) and keep what it kept; returns blocks adopted."""
+        load_tier_entries, before any request) and keep what it kept, then its recurrent
+        states to `adopt_states` (at the nodes rebuilt); returns blocks adopted."""
         if self.persister is None:
             return 0
         kept = adopt(self.persister.load())
         self.persister.adopt(kept)
+        states = adopt_states(self.persister.loaded_states) if adopt_states is not None else []
+        self.persister.adopt_states(states)
         self.loaded_blocks = len(kept)
+        self.loaded_states = len(states)
         if kept:
             log.info("KV persist: %d block(s) from a previous run are in the tier", len(kept))
         return len(kept)

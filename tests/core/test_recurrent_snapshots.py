@@ -14,7 +14,7 @@ from radixserve.config import EngineConfig
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.kv_events import POOL, RECURRENT, BlockRemoved, BlockStored, KVEventLog
 from radixserve.core.radix_cache import RadixCache
-from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, RecurrentSnapshots
+from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, TIER_RESTORE, TO_TIER, RecurrentSnapshots
 from radixserve.core.request import Request, RequestStatus
 from radixserve.core.scheduler import Scheduler
 from radixserve.kv_tier.index import KVTier
@@ -30,10 +30,17 @@ class TokenStates:
     def __init__(self):
         self.states: dict[str, tuple[int, ...]] = {}
         self.snapshots: dict[int, tuple[int, ...]] = {}
+        self.tier: dict[int, tuple[int, ...]] = {}  # the second tier's state slots
 
     def apply(self, ops):
         for op in ops:
-            if op.kind == SAVE:
+            if op.kind == TO_TIER:
+                assert len(self.snapshots[op.snapshot]) == op.position
+                self.tier[op.slot] = self.snapshots[op.snapshot]
+            elif op.kind == TIER_RESTORE:
+                self.states[op.request.request_id] = self.tier[op.slot]
+                assert len(self.tier[op.slot]) == op.position
+            elif op.kind == SAVE:
                 state = self.states[op.request.request_id]
                 assert len(state) == op.position, (op, len(state))
                 self.snapshots[op.snapshot] = state
@@ -276,3 +283,43 @@ def test_the_integrity_check_catches_a_leaked_or_doubly_kept_snapshot():
     snaps._free.pop()  # an id that is neither free nor kept nor held
     with pytest.raises(AssertionError, match="not each of"):
         s.kv.check_integrity([], [])
+
+
+def test_states_of_nodes_moved_to_the_tier_go_to_its_state_slots_and_free_their_rows():
+    s, snaps, states = make(tier=KVTier(64))
+    snaps.use_tier(KVTier(2))
+    a, b = list(range(100, 121)), list(range(200, 221))
+    for prompt in (a, b):
+        run(s, states, add(s, prompt, max_tokens=4))
+    assert kept(snaps) == [8, 8, 16, 16, 20, 20, 24, 24]
+    assert s.kv.cache.evict(6) == 6  # a's path moves to the tier: two of its states go with it
+    states.apply(s.kv.take_snapshot_ops())
+    assert snaps.num_in_tier == 2 and kept(snaps) == [8, 16, 20, 24]  # rows: b's four, none of a's
+    # the two worth most (8 and 16 spare 8 tokens each, 20 and 24 four): its leaves went first, then gave way
+    assert in_tier(snaps) == [8, 16] and sorted(len(states.tier[s]) for s in snaps._tier_node) == [8, 16]
+    s.kv.check_integrity([], [])
+    assert s.kv.cache.evict(6) == 6  # then b's: its states worth more take the tier's two slots
+    states.apply(s.kv.take_snapshot_ops())
+    assert in_tier(snaps) == [8, 16] and kept(snaps) == []  # b's (as recent as a's were and worth as much)
+    s.kv.check_integrity([], [])
+    cached = []
+    for prompt in (a, b):
+        again = add(s, prompt + [1, 2, 3])
+        run(s, states, again)  # from the deepest state kept: b's in the tier, none of a's
+        cached.append((again.cached_tokens, again.restored_tokens))
+    assert cached == [(0, 0), (16, 16)] and snaps.tier_restores == 1
+    s.flush_cache()
+    assert snaps.num_used == snaps.num_in_tier == 0 and snaps.tier.num_free == 2
+    s.kv.check_integrity([], [])
+
+
+def in_tier(snaps):
+    return sorted(_path_len(node) for node in snaps._tier_node.values())
+
+
+def _path_len(node):
+    n = 0
+    while not node.is_root:
+        n += len(node.tokens)
+        node = node.parent
+    return n

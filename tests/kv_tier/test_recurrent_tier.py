@@ -1,0 +1,93 @@
+"""Recurrent-state snapshots in the second tier (core/recurrent_snapshots.py, kv_tier/): a node
+whose blocks demote takes its snapshot into a tier state slot and frees its memory row; a
+request resuming through the tier restores the blocks and starts from that state, computing
+only its new tokens, greedy-equal to transformers; a persisted tier brings the states back
+after a restart; tenants keep their own; integrity after every step, nothing held after a flush."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from radixserve import Engine
+from radixserve.core.kv_events import RECURRENT, TIER, BlockStored, KVEventLog
+from radixserve.kv_tier.persist import INDEX_FILE
+from tiny_models import hf_greedy, run_checked
+
+
+def tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 97) for _ in range(n)]
+
+
+def engine_of(directory, **options):
+    defaults = dict(block_size=4, num_kv_blocks=24, chunked_prefill_size=16, max_num_batched_tokens=32,
+                    kv_offload_memory=2 << 20)
+    return Engine(str(directory), **{**defaults, **options})
+
+
+def push_out(engine, n, seed):
+    """Other prompts that take the whole pool: what was cached before moves to the tier."""
+    run_checked(engine, [tokens(41, seed + i) for i in range(n)], 4)
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+def test_a_prefix_resumed_through_the_tier_starts_from_its_tier_state(tiny_model_dir, kind):
+    directory = tiny_model_dir(kind)
+    engine = engine_of(directory)
+    snapshots = engine.kv.snapshots
+    assert snapshots.tier is not None and engine.tiering.store.state_slot_bytes == engine.runner.states.slot_bytes
+    prompt = tokens(41, 1)
+    (first,) = run_checked(engine, [prompt], 4, cache_salt="a")
+    push_out(engine, 2, seed=10)
+    assert snapshots.num_in_tier >= 3  # the prompt's chunk ends 16, 32 and 40 (and its reply's 44)
+    assert all(node.blocks for node in snapshots._node.values()), "a demoted node kept its memory row"
+    retry = prompt + first.token_ids[:3] + tokens(2, 3)  # the next turn: resumes at the reply's end, 44
+    (second,) = run_checked(engine, [retry], 6, cache_salt="a")
+    assert second.cached_tokens == 44 and second.restored_tokens == 36  # the reply's end; 9 blocks from the tier
+    assert second.token_ids == hf_greedy(directory, retry, 6)
+    stats = engine.stats()
+    assert stats["recurrent_snapshot_tier_restores"] == 1 and stats["recurrent_snapshots_in_tier"] >= 3
+    (other,) = run_checked(engine, [retry], 6, cache_salt="b")  # another tenant: nothing of a's
+    assert other.cached_tokens == 0 and other.token_ids == second.token_ids
+    engine.flush_cache()
+    engine.check_integrity()
+    assert snapshots.num_used == 0 and snapshots.num_in_tier == 0 and snapshots.tier.num_free == snapshots.tier.num_slots
+
+
+def test_tier_states_are_events_in_the_tier_medium(tiny_model_dir):
+    engine = engine_of(tiny_model_dir("lfm2"))
+    events = engine.kv.cache.event_log = KVEventLog()
+    run_checked(engine, [tokens(41, 1)], 4)
+    push_out(engine, 2, seed=10)
+    mine = [e for e in events.take() if e.group == RECURRENT and e.medium == TIER]
+    stored = [e for e in mine if isinstance(e, BlockStored)]
+    assert stored and len(stored) - (len(mine) - len(stored)) == engine.kv.snapshots.num_in_tier
+    engine.flush_cache()
+    mine += [e for e in events.take() if e.group == RECURRENT and e.medium == TIER]
+    assert 2 * sum(isinstance(e, BlockStored) for e in mine) == len(mine)  # each removed again
+
+
+def test_a_persisted_tier_brings_the_states_back_after_a_restart(tiny_model_dir, tmp_path):
+    directory = tiny_model_dir("qwen3_5")
+    prompt = tokens(41, 1)
+    first = engine_of(directory, num_kv_blocks=64, kv_persist_dir=str(tmp_path))
+    (cold,) = run_checked(first, [prompt], 4, cache_salt="a")
+    assert first.flush_tier()
+    kept = first.kv.snapshots.num_in_tier
+    assert kept >= 3  # written through: each kept state has a tier copy
+    first.close()
+    states = json.loads((tmp_path / INDEX_FILE).read_bytes().partition(b"\n")[2])["states"]
+    assert len(states) == kept
+    again = engine_of(directory, num_kv_blocks=64, kv_persist_dir=str(tmp_path))
+    assert again.tiering.loaded_states == kept and again.kv.snapshots.num_kept == 0
+    again.check_integrity()
+    retry = prompt + cold.token_ids[:3] + tokens(2, 3)
+    (warm,) = run_checked(again, [retry], 6, cache_salt="a")
+    assert warm.cached_tokens == 44 and warm.restored_tokens == 44
+    assert warm.token_ids == hf_greedy(directory, retry, 6)
+    (other,) = run_checked(again, [retry], 6, cache_salt="b")
+    assert other.cached_tokens == 0
+    again.close()
