@@ -425,11 +425,12 @@ class KVManager:
         """Store computed blocks in the tree (it takes its own references)."""
         return self.cache.insert(token_ids, blocks, salt)
 
-    def exported_state(self, node: RadixNode) -> tuple[int, int] | None:
-        """(snapshot, position) of the deepest recurrent state kept on `node`'s path, for a
-        KV handoff (None: none kept, or the model has no recurrent layers)."""
+    def exported_state(self, node: RadixNode, limit: int) -> tuple[int, int, int] | None:
+        """(memory row or -1, tier state slot or -1, position) of the deepest recurrent state
+        kept on `node`'s path up to token `limit`, for a KV handoff (None: none kept, or no
+        recurrent layers)."""
         snapshots = self.snapshots
-        return snapshots.deepest(node) if snapshots is not None and not node.is_root else None
+        return snapshots.deepest(node, limit) if snapshots is not None and not node.is_root else None
 
     def import_state(self, token_ids: list[int], salt: str | None, position: int, data: Any) -> bool:
         """Keep a recurrent state another engine sent (bytes `data`) at the node of the tree

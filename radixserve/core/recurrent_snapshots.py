@@ -203,12 +203,15 @@ class RecurrentSnapshots(CacheComponent):
         self.tier.take(used)
         return adopted
 
-    def deepest(self, node: RadixNode) -> tuple[int, int] | None:
-        """(snapshot, position) of the deepest snapshot kept on `node`'s path (None: none)."""
+    def deepest(self, node: RadixNode, limit: int) -> tuple[int, int, int] | None:
+        """(memory row or -1, tier state slot or -1, position) of the deepest snapshot kept on
+        `node`'s path at or before token `limit` (None: none)."""
+        end = _path_tokens(node)
         while not node.is_root:
-            snapshot = self._of_node.get(node.node_id)
-            if snapshot is not None:
-                return snapshot, _path_tokens(node)
+            row, slot = self._of_node.get(node.node_id, -1), self._tier_of.get(node.node_id, -1)
+            if end <= limit and (row >= 0 or slot >= 0):
+                return row, slot, end
+            end -= len(node.tokens)
             node = node.parent
         return None
 

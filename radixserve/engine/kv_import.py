@@ -178,8 +178,9 @@ def incompatible(engine: "Engine", handoff: Handoff) -> str | None:
             return "the handoff carries a recurrent state and this model has no recurrent layers"
         if not isinstance(state, np.ndarray) or state.dtype != np.uint8 or state.size != states.slot_bytes:
             return f"a recurrent state of {getattr(state, 'size', '?')} bytes, this model's is {states.slot_bytes}"
-        if not 0 < handoff.state_position <= (handoff.start_block + handoff.num_blocks) * handoff.block_size:
-            return f"a recurrent state at token {handoff.state_position}, past the blocks it names"
+        position, bs = handoff.state_position, handoff.block_size
+        if not 0 < position <= (handoff.start_block + handoff.num_blocks) * bs or position % bs:
+            return f"a recurrent state at token {position}, not a block end of the blocks it names"
     bs, start, n = handoff.block_size, handoff.start_block, handoff.num_blocks
     tokens = handoff.token_ids[:(start + n) * bs]
     if len(tokens) < (start + n) * bs:

@@ -197,7 +197,7 @@ class KVTransfer:
             if match is not None:
                 kv.external_holds[handoff_id] = _Hold(list(match.blocks), match.node, now + self.hold_s)
                 blocks = match.blocks[skip_blocks:]
-                state = kv.exported_state(match.node)
+                state = kv.exported_state(match.node, len(match.blocks) * bs)  # where the sent blocks end
         hashes = chain_hashes(root_hash(salt), token_ids[:(skip_blocks + len(blocks)) * bs], bs)[skip_blocks:]
         handoff = KVHandoff(
             handoff_id, list(token_ids), first_token, salt, bs, skip_blocks, hashes, tuple(pool.block_shape()),
@@ -208,7 +208,7 @@ class KVTransfer:
             handoff.window_mask, pages = kv.window_pages(blocks)
             handoff.window_data = _read_pages(pool, pages)
         if state is not None:
-            handoff.state_position, handoff.state_data = state[1], _read_state(engine, *state)
+            handoff.state_position, handoff.state_data = state[2], _read_state(engine, *state)
             self.stats.sent_states += 1
         handoff.export_ms = (time.perf_counter() - t0) * 1000.0
         self.stats.exports += 1
@@ -338,15 +338,17 @@ def _read_blocks(pool: Any, blocks: list[int]) -> np.ndarray:
     return dest.view(torch.uint8).reshape(len(blocks), block_bytes(pool)).cpu().numpy()
 
 
-def _read_state(engine: "Engine", snapshot: int, position: int) -> np.ndarray:
-    """A kept recurrent state's bytes (the runner's row, once the queued snapshot operations
-    have run: a state the last step saved is written at the next one's start)."""
+def _read_state(engine: "Engine", row: int, slot: int, position: int) -> np.ndarray:
+    """A kept recurrent state's bytes: the runner's row (once the queued snapshot operations
+    have run), else its copy in the tier's state slot."""
     states = engine.runner.states
     states.apply(engine.kv.take_snapshot_ops())
-    if states.snapshot_positions.get(snapshot) != position:
-        raise RuntimeError(f"recurrent snapshot {snapshot} stands at {states.snapshot_positions.get(snapshot)}, "
+    if row < 0:
+        return engine.tiering.store.state_data[slot].numpy().copy()
+    if states.snapshot_positions.get(row) != position:
+        raise RuntimeError(f"recurrent snapshot {row} stands at {states.snapshot_positions.get(row)}, "
                            f"the cache keeps it at {position}")
-    return states.snapshot_data(snapshot).cpu().numpy()
+    return states.snapshot_data(row).cpu().numpy()
 
 
 def _read_pages(pool: Any, pages: list[int]) -> np.ndarray:

@@ -2,7 +2,8 @@
 beside the blocks, the recurrent state kept at the deepest point of the sent prefix; the decode
 side keeps it at that node of its own (salted) tree, so its request resumes there and computes
 only the prompt's tail and the first token, greedy-equal to transformers; a state of another
-size is refused whole; a tenant never resumes from another's state; integrity on both sides."""
+size is refused whole; a state the prefill side keeps in its tier only is sent from there; a
+tenant never resumes from another's state; integrity on both sides."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from tiny_models import hf_greedy
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def engine_of(directory) -> Engine:
-    return Engine(str(directory), block_size=4, num_kv_blocks=128, chunked_prefill_size=16, max_num_batched_tokens=32)
+def engine_of(directory, **options) -> Engine:
+    defaults = dict(block_size=4, num_kv_blocks=128, chunked_prefill_size=16, max_num_batched_tokens=32)
+    return Engine(str(directory), **{**defaults, **options})
 
 
 def tokens(n, seed):
@@ -91,5 +93,23 @@ def test_a_state_of_another_size_is_refused_and_tenants_keep_their_own(tiny_mode
     assert other.cached_tokens == 0 and other.token_ids == out.token_ids  # tenant b computes its own
     rid = d.add_request(prompt, SamplingParams(**GREEDY, max_tokens=8), cache_salt="a")
     assert finish(d, rid).cached_tokens == 40
+    for engine in (p, d):
+        engine.check_integrity()
+
+
+def test_a_state_the_prefill_side_keeps_in_its_tier_is_sent_from_there(tiny_model_dir):
+    directory = tiny_model_dir("lfm2")
+    p, d = engine_of(directory, num_kv_blocks=24, kv_offload_memory=2 << 20), engine_of(directory)
+    prompt = tokens(41, 5)
+    assert p.kv_transfer.release(prefill(p, prompt).handoff_id)
+    for i in range(2):  # other prompts push the prompt's blocks and states into the tier
+        finish(p, p.add_request(tokens(41, 20 + i), SamplingParams(**GREEDY, max_tokens=4)))
+    again = prefill(p, prompt)  # resumes at 40 from the tier; its state at 40 stays there alone
+    node = p.kv.peek_prefix(prompt[:40])[1]
+    assert node.node_id in p.kv.snapshots._tier_of and node.node_id not in p.kv.snapshots._of_node
+    assert again.state_position == 40 and again.num_blocks == 10
+    out = decode(d, prompt, again)
+    assert out.cached_tokens == 40 and out.token_ids == hf_greedy(directory, prompt, 8)
+    assert p.kv_transfer.release(again.handoff_id)
     for engine in (p, d):
         engine.check_integrity()
