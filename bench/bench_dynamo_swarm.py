@@ -7,8 +7,8 @@ would have served: each prompt's longest block-aligned prefix shared with an ear
 and its reply), errors, and where the rest went: routing (the ideal on the worker the request
 went to, one unbounded cache per worker, falls short of the ideal: its prefix was on the
 other worker) or the worker's cache (the worker held less than that); by turn. The kv run's
-frontend gets --router-args (default: prefill weighed 8x a resident block, the recipe of
-docs/cluster.md for CPU workers; "" for Dynamo's defaults). Then, in the kv run, whether the
+frontend gets --router-args (default: the flags radixserve.dynamo.worker.ROUTER_ARGS
+recommends, the recipe of docs/cluster.md; "" for Dynamo's defaults). Then, in the kv run, whether the
 router's view equals the workers' caches after the swarm, a demotion to the second tier, a
 flush and a restart of one worker: the view of Dynamo's own KV router (dynamo.llm.KvRouter,
 in this process, reading the events the workers relay on Dynamo's event plane, as the
@@ -38,14 +38,15 @@ import httpx
 import openai
 
 from bench.lib.cli import apply_quick, bench_parser, write_json
+from radixserve.dynamo.worker import ROUTER_ARGS as DYNAMO_ROUTER_ARGS
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16
 ENDPOINT = "radixserve.backend.generate"
-# A CPU worker's cost is its prefill: Dynamo's default weighs a block a decoding request holds
-# like a block to prefill (a GPU's decode reads every resident block each step); here a decode
-# step costs about a token per request, so 8x keeps a conversation on the worker holding it.
-ROUTER_ARGS = "--router-prefill-load-scale 8"
+# The frontend flags radixserve.dynamo.worker recommends (prefill weighed 8x a resident block, a
+# routed prefix counted as held until its KV events arrive, a held block worth two of queued
+# prefill; the reasons there and in docs/cluster.md).
+ROUTER_ARGS = " ".join(DYNAMO_ROUTER_ARGS)
 TOPICS = ["refunds", "returns", "lost parcels", "customs", "damaged goods", "address changes", "delivery times",
           "insurance"]
 

@@ -2,7 +2,7 @@
 runtime as a token-in, token-out model, its KV events relayed to Dynamo's KV router.
 
     python -m radixserve.dynamo --model smollm2-135m --discovery-backend file
-    python -m dynamo.frontend --router-mode kv --discovery-backend file
+    python -m dynamo.frontend --router-mode kv --discovery-backend file  # + ROUTER_ARGS below
 
 The engine publishes its events on a loopback ZMQ socket in vLLM's current format, blocks
 named by their low 64 bits (all Dynamo 1.6 decodes), and Dynamo's KvEventPublisher relays
@@ -29,6 +29,15 @@ from radixserve.engine.kv_events import wire_name
 
 log = logging.getLogger("radixserve.dynamo")
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+# Dynamo 1.6.1's frontend flags for routing to these workers (docs/cluster.md, "NVIDIA Dynamo"):
+# - prefill weighed 8x a resident block: on a CPU worker a decode step costs a token a request,
+#   a block of prefill 16 (Dynamo's default, 1, is a GPU's, whose decode reads every block);
+# - a prefix routed to a worker counts as held there for 10 s, until its KV events arrive (a
+#   prompt's wait and prefill here), so requests that share it and come meanwhile follow it;
+# - a held block offsets two blocks of queued prefill: otherwise a worker still computing a
+#   prefix (its whole prompt queued) always loses to an idle one, which computes it again.
+ROUTER_ARGS = ("--router-prefill-load-scale", "8", "--router-predicted-ttl-secs", "10",
+               "--router-kv-overlap-score-credit", "2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,8 +174,9 @@ async def serve(args: argparse.Namespace) -> None:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint,
                              str(card_dir(model_dir)), name, kv_cache_block_size=args.block_size,
                              worker_type=WorkerType.Aggregated, needs=[])
-        log.info("radixserve worker %s serves %s at %s, KV events at %s", endpoint.connection_id(), name,
-                 args.endpoint, engine.kv_events.endpoint)
+        log.info("radixserve worker %s serves %s at %s, KV events at %s; route with python -m dynamo.frontend "
+                 "--router-mode kv %s", endpoint.connection_id(), name, args.endpoint, engine.kv_events.endpoint,
+                 " ".join(ROUTER_ARGS))
         await endpoint.serve_endpoint(worker.generate)
     finally:
         publisher.shutdown()

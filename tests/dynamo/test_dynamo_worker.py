@@ -1,12 +1,14 @@
 """NVIDIA Dynamo's own frontend (`python -m dynamo.frontend --router-mode kv`, file discovery,
-loopback) in front of 2 radixserve workers (`python -m radixserve.dynamo`), through the
-official openai client: the KV router places every repeat of a prompt on the worker whose
-cache holds it (read from the workers' KV events: with round robin half would miss), a
-tenant's salt keeps its blocks apart, and what the engine cannot honour comes back as an
-error naming it."""
+loopback, the router flags radixserve.dynamo.worker recommends) in front of 2 radixserve
+workers (`python -m radixserve.dynamo`), through the official openai client: the KV router
+places every repeat of a prompt on the worker whose cache holds it (read from the workers' KV
+events: with round robin half would miss), and a request sharing a prefix another request is
+still prefilling with the worker computing it; a tenant's salt keeps its blocks apart, and
+what the engine cannot honour comes back as an error naming it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.slow  # three processes (about 10 s here)
 pytest.importorskip("dynamo.llm", reason="scripts/setup.sh installs NVIDIA Dynamo (ai-dynamo 1.6.1)")
 openai = pytest.importorskip("openai")
+from radixserve.dynamo.worker import ROUTER_ARGS  # noqa: E402 - after the skip: it needs no Dynamo, but is for it
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEMS = [f"You are agent {k} of a shipping company's support team. Answer in one short sentence, cite the "
@@ -61,7 +64,8 @@ def dynamo(tmp_path_factory):
             start(f"worker{i}", ["-m", "radixserve.dynamo", "--num-kv-blocks", "96",
                                  "--endpoint", f"dyn://{namespace}.backend.generate"])
         start("frontend", ["-m", "dynamo.frontend", "--router-mode", "kv", "--discovery-backend", "file",
-                           "--http-host", "127.0.0.1", "--http-port", str(port), "--namespace", namespace])
+                           "--http-host", "127.0.0.1", "--http-port", str(port), "--namespace", namespace,
+                           *ROUTER_ARGS])
         _wait(lambda: all("serves" in log.read_text() for _, log in procs[:2]), 120, "workers", procs)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
@@ -108,6 +112,23 @@ def test_the_kv_router_places_each_repeat_where_its_prefix_is_cached(dynamo):
                 assert cached >= 16 * ((reply.usage.prompt_tokens - 1) // 16) - 16, (cached, reply.usage)
                 assert reply.choices[0].text == texts[k]
     assert "Rejected incompatible workers" not in dynamo.frontend_log.read_text(), "both workers serve the model"
+
+
+def test_a_request_sharing_a_prefix_in_prefill_follows_it(dynamo):
+    """Two agents with one long system prompt start together: the second is routed while the
+    first still prefills it (no KV event names it yet, and its worker has the whole first
+    prompt queued), to the same worker, which makes it wait for the prefix and reuse it.
+    With Dynamo's default cost the idle worker wins and computes the prefix again."""
+    system = "".join(f"Policy {k}: parcels of class {k} ship within {k + 2} days, insured to {k * 50} euros. "
+                     for k in range(32))  # about 850 tokens: its prefill outlasts the 0.1 s between the two
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_ask, dynamo, system + "Question: where is my parcel?")
+        time.sleep(0.1)
+        second = pool.submit(_ask, dynamo, system + "Question: can I insure a bike?")
+        (a, worker_a), (b, worker_b) = first.result(timeout=120), second.result(timeout=120)
+    assert worker_a == worker_b, "the second went to the other worker, which computed the prefix again"
+    shared = 16 * ((a.usage.prompt_tokens - 16) // 16)  # the system prompt's whole blocks (its last one spared)
+    assert b.usage.prompt_tokens_details.cached_tokens >= shared, (a.usage, b.usage)
 
 
 def test_a_tenants_salt_keeps_its_blocks_apart(dynamo):
