@@ -6,7 +6,8 @@ decays and writes to:
 
     dt_t = softplus(dt_t + dt_bias);   S <- exp(dt_t A) S + dt_t x_t B_t^T;   y_t = S C_t + D x_t
 
-with A = -exp(A_log), B and C shared by the heads of a group. y is gated by SiLU(z), RMS-normed
+with A = -exp(A_log) (held as A, as llama.cpp's GGUF stores it), B and C shared by the heads of
+a group. y is gated by SiLU(z), RMS-normed
 per group and projected. A request's state: the conv's last inputs and S per head (float32,
 as transformers keeps it). Decodes advance S one step, batched (`ssm_step`); a prompt chunk
 runs the chunked (SSD) form (`chunked_scan`), SCAN_BLOCK tokens a block: within a block the
@@ -39,7 +40,7 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = Linear(hidden_size, self.inner + self.conv_dim + num_heads, bias=proj_bias)
         self.conv1d = DepthwiseConv(self.conv_dim, conv_width, conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.A = nn.Parameter(torch.empty(num_heads))  # -exp(A_log)
         self.D = nn.Parameter(torch.empty(num_heads))
         self.norm = GroupedGatedRMSNorm(self.inner, num_groups, eps)
         self.out_proj = Linear(self.inner, hidden_size, bias=proj_bias)
@@ -62,7 +63,7 @@ class Mamba2Mixer(nn.Module):
         xs = xs.reshape(t, heads, self.head_dim)
         b, c = (m.reshape(t, groups, self.state_size).repeat_interleave(heads // groups, dim=1) for m in (b, c))
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
-        a = -self.A_log.float().exp()
+        a = self.A.float()
         y = self._recur(xs, dt, a, b, c, ssm_state, conv_history, conv_kept, step)
         y = y + self.D.float()[:, None] * xs
         return self.out_proj(self.norm(y.reshape(t, self.inner), gate).to(x.dtype))
