@@ -51,9 +51,9 @@ def components_for(pool: BlockPool, block_size: int, max_chunk_tokens: int = 0,
 class TierPrefetch(Protocol):
     """Reads second-tier slots into memory off the engine thread (kv_tier/tiering.py)."""
 
-    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
-        """Start reading these slots (and window slots) if any page of them is out of memory;
-        True when the request named `key` must wait for them."""
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = (), state_slots: list[int] = ()) -> bool:
+        """Start reading these slots (and window slots, recurrent state slots) if any page of
+        them is out of memory; True when the request named `key` must wait for them."""
 
     def ready(self, wait_s: float = 0.0) -> list[str]:
         """Keys whose slots are in now (or whose hold ran out); may wait up to wait_s."""
@@ -65,7 +65,7 @@ class TierPrefetch(Protocol):
 class NoPrefetch:
     """A tier that is never out of memory (or no tier): nothing waits."""
 
-    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = (), state_slots: list[int] = ()) -> bool:
         return False
 
     def ready(self, wait_s: float = 0.0) -> list[str]:
@@ -186,7 +186,18 @@ class KVManager:
         tokens = request.token_ids[: request.reusable_prefix_len()]
         slots = self.cache.tier_only_slots(tokens, request.cache_salt)
         windows = self.cache.tier_only_window_slots(tokens, request.cache_salt) if slots else []
-        return self.prefetch.hold(request.request_id, slots, windows)
+        states = self._tier_state(tokens, request.cache_salt)
+        return self.prefetch.hold(request.request_id, slots, windows, states)
+
+    def _tier_state(self, tokens: list[int], salt: str | None) -> list[int]:
+        """Recurrent layers: the tier state slot a request with this prefix would start from
+        (the deepest kept state of its match, when only the tier keeps it), read-only."""
+        snapshots = self.snapshots
+        if snapshots is None or snapshots.tier is None:
+            return []
+        matched, node = self.cache.peek_prefix(tokens, salt)
+        found = snapshots.deepest(node, matched) if node is not None and not node.is_root else None
+        return [found[1]] if found is not None and found[0] < 0 else []
 
     def prefetched(self, wait_s: float = 0.0) -> list[str]:
         """Ids of held requests that may run now (see TierPrefetch.ready)."""

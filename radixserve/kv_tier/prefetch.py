@@ -6,7 +6,8 @@ some of whose pages are not in memory (mincore), is held back at admission: the 
 runs it (PREFETCHING, then WAITING) once this thread has read those slots in (readahead for all of
 them, then MADV_POPULATE_READ each, or pread where the kernel has no populate), or once
 `max_hold_s` has passed. Other requests step on meanwhile. A request whose pages are in
-memory is never held. Hybrid KV: the window slots its restore reads are read in with them.
+memory is never held. Hybrid KV: the window slots its restore reads are read in with them;
+recurrent layers: the state slot it starts from.
 
 Saves. The thread keeps the next slots the tier will hand out faulted in for writing
 (MADV_POPULATE_WRITE): the first write to a page costs a fault (in a file mapping, with
@@ -104,13 +105,14 @@ class TierPrefetcher:
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
-        """Hold the request named `key` back if any of these tier slots or window slots (the
-        ones its restore will read) has pages out of memory, and start reading those; True
-        when held."""
-        if self.store.path is None or not slots or self._closed:
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = (), state_slots: list[int] = ()) -> bool:
+        """Hold the request named `key` back if any of these tier slots, window slots or
+        recurrent state slots (the ones its restore will read) has pages out of memory, and
+        start reading those; True when held."""
+        if self.store.path is None or not (slots or state_slots) or self._closed:
             return False
-        spans = [self.store.slot_span(s) for s in slots] + [self.store.window_span(w) for w in window_slots]
+        spans = ([self.store.slot_span(s) for s in slots] + [self.store.window_span(w) for w in window_slots]
+                 + [self.store.state_span(s) for s in state_slots])
         try:
             missing = [i for i, span in enumerate(spans) if self.pages.missing_pages(*span)]
         except OSError as exc:  # no residency to go by: the restore reads the tier itself

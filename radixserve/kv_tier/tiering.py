@@ -152,13 +152,13 @@ class Tiering:
 
     # ---- requests held for a prefetch (engine thread; core/kv_manager.py's TierPrefetch) --
 
-    def hold(self, key: str, slots: list[int], window_slots: list[int] = ()) -> bool:
+    def hold(self, key: str, slots: list[int], window_slots: list[int] = (), state_slots: list[int] = ()) -> bool:
         """Hold back the request named `key` while the prefetch thread reads these tier
-        slots and window slots (those its restore will read) where some of their pages are
-        not in memory; True when held."""
+        slots, window slots and recurrent state slots (those its restore will read) where
+        some of their pages are not in memory; True when held."""
         if self.prefetch is None or self.store.path is None:
             return False  # an anonymous tier is in memory (its prefetcher only warms slots)
-        return self.prefetch.hold(key, slots, window_slots)
+        return self.prefetch.hold(key, slots, window_slots, state_slots)
 
     def ready(self, wait_s: float = 0.0) -> list[str]:
         """Keys of held requests that may run now (see TierPrefetcher.ready)."""

@@ -91,3 +91,25 @@ def test_a_persisted_tier_brings_the_states_back_after_a_restart(tiny_model_dir,
     (other,) = run_checked(again, [retry], 6, cache_salt="b")
     assert other.cached_tokens == 0
     again.close()
+
+
+def test_a_state_paged_out_of_a_file_backed_tier_is_read_in_before_its_request_runs(tiny_model_dir, tmp_path):
+    directory = tiny_model_dir("lfm2")
+    engine = engine_of(directory, kv_offload_dir=str(tmp_path))
+    if engine.tiering.prefetch is None:
+        pytest.skip("page calls (mincore, madvise) are Linux only")
+    prompt = tokens(41, 1)
+    run_checked(engine, [prompt], 4)
+    push_out(engine, 2, seed=10)
+    run_checked(engine, [prompt], 1)  # resumes at 40 from the tier: blocks back in the pool, the state stays there
+    node = engine.kv.peek_prefix(prompt[:40])[1]
+    slot = engine.kv.snapshots._tier_of[node.node_id]
+    assert node.blocks and node.node_id not in engine.kv.snapshots._of_node
+    if engine.tiering.drop_cached_pages() != 0:
+        pytest.skip("this filesystem keeps the tier file's pages in memory (tmpfs?)")
+    store = engine.tiering.store
+    assert store.pages.missing_pages(*store.state_span(slot))
+    (again,) = run_checked(engine, [prompt + [5, 6]], 4)
+    stats = engine.stats()
+    assert stats["tier_prefetch_holds"] == 1 and stats["tier_prefetched_blocks"] == 0  # held for its state alone
+    assert again.cached_tokens == 40 and again.token_ids == hf_greedy(directory, prompt + [5, 6], 4)
