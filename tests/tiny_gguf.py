@@ -24,9 +24,16 @@ _LFM2 = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj
          "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
          "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
          "conv.in_proj": "shortconv.in_proj", "conv.conv": "shortconv.conv", "conv.out_proj": "shortconv.out_proj"}
+_QWEN35 = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+           "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+           "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta",
+           "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+           "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+           "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
         "model.embedding_norm": "token_embd_norm"}
-_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2", "lfm2": "lfm2"}
+_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2", "lfm2": "lfm2",
+         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 
 
 def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
@@ -59,7 +66,7 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
 
 
 def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
-    names = {"gemma3": _GEMMA3, "lfm2": _LFM2}.get(arch, _LAYER)
+    names = {"gemma3": _GEMMA3, "lfm2": _LFM2, "qwen35": _QWEN35, "qwen35moe": _QWEN35}.get(arch, _LAYER)
     for layer in range(config.num_hidden_layers):  # per-expert tensors stacked [E, out, in], as llama.cpp stores them
         for proj, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             parts = [tensors.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
@@ -74,11 +81,17 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
             t = t + 1.0  # llama.cpp stores Gemma's (1 + w)
         if name.endswith(".conv.conv.weight"):
             t = t.squeeze(1)  # LFM2's depthwise conv as llama.cpp stores it, [C, L]
+        if arch in ("qwen35", "qwen35moe"):
+            name, t = _qwen35_tensor(name, t, config)
+            stem, _, suffix = name.rpartition(".")
         if stem in _TOP:
             yield f"{_TOP[stem]}.{suffix}", t
             continue
         parts = name.split(".")  # model.layers.N.<rest>
         layer, rest = parts[2], ".".join(parts[3:])
+        if rest in ("linear_attn.A_log", "linear_attn.dt_bias"):  # whole names: ssm_a (no suffix), ssm_dt.bias
+            yield f"blk.{layer}.{'ssm_a' if rest.endswith('A_log') else 'ssm_dt.bias'}", t
+            continue
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             gate, up = t.chunk(2, dim=1)
             yield f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous()
@@ -89,6 +102,58 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
             continue
         else:
             yield f"blk.{layer}.{names[rest.rpartition('.')[0]]}.{suffix}", t
+
+
+def _qwen35_tensor(name: str, t: torch.Tensor, config) -> tuple[str, torch.Tensor]:
+    """A Qwen3.5 tensor as llama.cpp's converter writes it: norms (but the DeltaNet's) as 1 + w,
+    A_log as A = -exp(A_log), the conv squeezed to [C, L], and with more value heads than key
+    heads, the value heads reordered from grouped by key head to tiled."""
+    if name.endswith("norm.weight") and ".linear_attn." not in name:
+        t = t + 1.0
+    if name.endswith("linear_attn.A_log"):
+        t = -torch.exp(t.float())
+    if name.endswith("linear_attn.conv1d.weight"):
+        t = t.squeeze(1)
+    k, v = config.linear_num_key_heads, config.linear_num_value_heads
+    if ".linear_attn." in name and k != v:
+        dv, qk = config.linear_value_head_dim, 2 * k * config.linear_key_head_dim
+
+        def tiled(x, dim, size):  # [k, v / k, size] along dim -> [v / k, k, size]
+            index = torch.arange(x.shape[dim]).reshape(k, v // k, size).transpose(0, 1).reshape(-1)
+            return x.index_select(dim, index)
+
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = torch.cat((t[:qk], tiled(t[qk:], 0, dv)))
+        elif name.endswith("in_proj_z.weight"):
+            t = tiled(t, 0, dv)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            t = tiled(t, 0, 1)
+        elif name.endswith("out_proj.weight"):
+            t = tiled(t, 1, dv)
+    return name, t
+
+
+def quant_rounded(model_dir: Path, out_dir: Path, quant: str) -> Path:
+    """A copy of the transformers checkpoint in `model_dir` holding the values its GGUF of
+    `quant` holds (each tensor write_gguf quantizes, quantized and dequantized by its rows): the
+    reference for a file transformers cannot read. Valid where write_gguf's transforms of those
+    tensors only reorder or stack rows."""
+    import shutil
+
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.torch import load_file, save_file
+
+    kind = GGMLQuantizationType[quant]
+    shutil.copytree(model_dir, out_dir)
+    for f in sorted(Path(out_dir).glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if t.dim() >= 2 and t.shape[-1] % 64 == 0 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                assert "out_proj" not in name or ".linear_attn." not in name, "columns reordered: not row-wise"
+                data = t.float().numpy()
+                tensors[name] = torch.from_numpy(quants.dequantize(quants.quantize(data, kind), kind).reshape(data.shape))
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return out_dir
 
 
 def _metadata(writer, arch: str, config) -> None:
@@ -106,7 +171,7 @@ def _metadata(writer, arch: str, config) -> None:
         writer.add_shortconv_l_cache(config.conv_L_cache)
         writer.add_vocab_size(config.vocab_size)
     else:
-        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_feed_forward_length(getattr(config, "intermediate_size", 0) or 0)
         writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_head_count(heads)
     writer.add_key_length(head_dim)
@@ -117,7 +182,18 @@ def _metadata(writer, arch: str, config) -> None:
     writer.add_rope_freq_base(float(theta or 10000.0))
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
-    if arch == "qwen3moe":
+    if arch in ("qwen35", "qwen35moe"):  # as llama.cpp's Qwen3-Next converter writes them
+        writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+        writer.add_ssm_state_size(config.linear_key_head_dim)
+        writer.add_ssm_group_count(config.linear_num_key_heads)
+        writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+        writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch == "qwen35moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch in ("qwen3moe", "qwen35moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)

@@ -89,7 +89,14 @@ def ensure_converted_gguf(source, cache_dir: str | None = None, float_weights: b
     from radixserve.model.registry import model_class
 
     gguf = open_gguf(source)  # a corrupt file is refused before anything is converted or cached
-    extra = model_class(gguf.family).gguf_config_fields(gguf.header.metadata)
+    family = model_class(gguf.family)
+    own = family.gguf_config(gguf.header)
+    if own is not None:  # an architecture transformers does not read: served from the file itself
+        if float_weights:
+            raise ValueError(f"a {gguf.header.architecture!r} GGUF is served with its weights as the file stores "
+                             f"them (weight_dtype auto, on CPU), not converted to float weights")
+        return convert_gguf_header(path, target, own)
+    extra = family.gguf_config_fields(gguf.header.metadata)
     return convert_gguf(path, target, config_fields=extra) if float_weights else \
         convert_gguf_metadata(path, target, config_fields=extra)
 
@@ -120,6 +127,28 @@ def convert_gguf_metadata(gguf: Path, target: Path, config_fields: dict | None =
         (work / "config.json").write_text(json.dumps(values, indent=2))
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
+        (work / SOURCE_FILE).write_text(json.dumps({"gguf": gguf.name, "content_key": None}))
+        _install(work, target, None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def convert_gguf_header(gguf: Path, target: Path, config: dict) -> Path:
+    """Write `target` with `config` (the family's reading of the header) and the GGUF's
+    tokenizer, for an architecture transformers does not read (its tokenizer it does)."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        (work / "config.json").write_text(json.dumps(config, indent=2))
+        architecture, vocabulary, tokenizer_config = get_gguf_tokenizer(str(gguf))
+        backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+        PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra).save_pretrained(work)
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+        GenerationConfig(**generation).save_pretrained(work)
         (work / SOURCE_FILE).write_text(json.dumps({"gguf": gguf.name, "content_key": None}))
         _install(work, target, None)
     finally:

@@ -212,10 +212,14 @@ def hf_name(gguf_name: str, arch: str = "llama", layer_names: dict[str, str] | N
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    parts = stem.split(".", 2)  # blk.N.<stem>, the stem itself dotted in some (LFM2's shortconv.conv)
+    parts = gguf_name.split(".", 2)  # blk.N.<stem>.<suffix>, the stem itself dotted in some (LFM2's shortconv.conv)
     names = GGUF_LAYER_NAMES if layer_names is None else layer_names
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in names:  # a whole name (Qwen3.5's ssm_a, ssm_dt.bias)
+            return f"model.layers.{parts[1]}.{names[parts[2]]}"
+        stem, _, suffix = parts[2].rpartition(".")
+        if stem in names:
+            return f"model.layers.{parts[1]}.{names[stem]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
 
 

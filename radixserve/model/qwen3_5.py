@@ -260,7 +260,7 @@ def qwen3_5_gguf_config(header, model_type: str) -> dict:
         num_attention_heads=int(key("attention.head_count")),
         num_key_value_heads=int(key("attention.head_count_kv")),
         head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_eps")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(key("context_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
                          "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim},
