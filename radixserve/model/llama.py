@@ -29,6 +29,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.attention_sinks else None
 
     def forward(self, x, rope, backend: AttentionBackend, pool: KVPool, plan: AttentionPlan):
         t = x.shape[0]
@@ -45,7 +46,8 @@ class Attention(nn.Module):
         if not backend.takes_strided_rows:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         k_cache, v_cache = pool.layer(self.layer_index)
-        out = backend.forward(q, k, v, k_cache, v_cache, plan_for(plan, self.window), window=self.window)
+        out = backend.forward(q, k, v, k_cache, v_cache, plan_for(plan, self.window), window=self.window,
+                              sinks=self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -95,6 +95,7 @@ class NativeDecoder:
         q_size = spec.num_heads * spec.head_dim
         if not (
             not spec.recurrent  # its layers are attention layers only
+            and not spec.attention_sinks  # its attention takes no sinks
             and model_ops_enabled() and max_rows() > 0
             and all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
             and all(m.quant is None or m.quant.codes.device.type == "cpu" for m in layers.modules()

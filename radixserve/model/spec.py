@@ -35,6 +35,8 @@ class ModelSpec:
     # Layers that keep a per-request recurrent state instead of KV (LFM2's short convolutions):
     # a prefix of another request's KV cannot rebuild their state.
     recurrent_layers: tuple[int, ...] = field(default=())
+    # gpt-oss: each attention layer has a learned sink logit per query head (AttentionBackend.forward's sinks)
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if not self.layer_windows:

@@ -219,7 +219,7 @@ def test_each_family_names_what_auto_picks_under_its_template():
     named = {f.name: (f.chat_template, f.tool_call_format, f.reasoning_parser)
              for f in registry.FAMILIES if f.chat_template in PICKS}
     assert named == {"qwen3_moe": ("qwen3", *PICKS["qwen3"]), "qwen3_5": ("qwen3_5", *PICKS["qwen3_5"]),
-                     "lfm2": ("lfm2", *PICKS["lfm2"])}
+                     "qwen3_5_moe": ("qwen3_5", *PICKS["qwen3_5"]), "lfm2": ("lfm2", *PICKS["lfm2"]), "gpt_oss": ("harmony", *PICKS["harmony"])}
     # an edited copy is no built-in: `auto` reads its text (the same format here)
     edited = builtin_template("qwen3_5") + "{# edited #}"
     assert builtin_module.builtin_defaults(edited) == (None, None) and detected_name(edited) == "qwen3_coder"
@@ -227,14 +227,9 @@ def test_each_family_names_what_auto_picks_under_its_template():
     assert builtin_module.builtin_defaults("{{ messages }}") == (None, None)
 
 
-def test_a_gpt_oss_entry_with_the_harmony_defaults_gets_them(tmp_path, monkeypatch):
-    """The registry seam a gpt-oss family fills: `**HARMONY` gives it the built-in harmony
-    template, the harmony calls and the gpt_oss reasoning parser."""
-    gpt_oss = registry.ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("gpt-oss",), ("silu",),
-                                   "radixserve.model.gpt_oss", "GptOssForCausalLM", **registry.HARMONY)
-    families = (*registry.FAMILIES, gpt_oss)
-    monkeypatch.setattr(registry, "FAMILIES", families)
-    monkeypatch.setattr(builtin_module, "FAMILIES", families)
+def test_the_gpt_oss_entry_gets_the_harmony_defaults(tmp_path):
+    """The gpt_oss entry (`**HARMONY`): the built-in harmony template, the harmony calls and the
+    gpt_oss reasoning parser."""
     tokenizer = load_tokenizer(config_dir(tmp_path, "gpt_oss", ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]))
     assert builtin_name(tokenizer.chat_template) == "harmony"
     assert builtin_module.builtin_defaults(tokenizer.chat_template) == ("harmony", "gpt_oss")

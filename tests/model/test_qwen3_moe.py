@@ -171,8 +171,8 @@ def test_an_unsupported_architecture_is_refused_naming_qwen3_moe(tmp_path):
 
     from radixserve.model.loader import load_model
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "dbrx", "architectures": ["DbrxForCausalLM"]}))
     start = time.monotonic()
-    with pytest.raises(ValueError, match="unsupported model type 'gpt_oss'.*qwen3_moe \\(model types qwen3_moe\\)"):
+    with pytest.raises(ValueError, match="unsupported model type 'dbrx'.*qwen3_moe \\(model types qwen3_moe\\)"):
         load_model(str(tmp_path))
     assert time.monotonic() - start < 1.0
