@@ -144,6 +144,11 @@ class KVManager:
         """Recurrent-state snapshots the runner holds and where each stands (integrity checks)."""
         return {s: p for c in self.components if isinstance(c, RecurrentSnapshots) for s, p in c.positions().items()}
 
+    def tier_snapshot_positions(self) -> dict[int, int]:
+        """Recurrent-state snapshots in the tier's state slots and where each stands."""
+        snapshots = self.snapshots
+        return snapshots.tier_positions() if snapshots is not None else {}
+
     def take_snapshot_ops(self) -> list[SnapshotOp]:
         """The recurrent-state snapshot operations queued since the last call, for the runner
         to apply in order before the step's forward pass."""

@@ -154,6 +154,15 @@ class RecurrentSnapshots(CacheComponent):
             out.pop(op.snapshot, None)
         return out
 
+    def tier_positions(self) -> dict[int, int]:
+        """Where each tier state slot's state stands (its node's end), leaving out those a
+        queued TO_TIER still writes: what the runner's record of the slots must say."""
+        out = {slot: _path_tokens(node) for slot, node in self._tier_node.items()}
+        for op in self._ops:
+            if op.kind == TO_TIER:
+                out.pop(op.slot, None)
+        return out
+
     # ---- the tree's side -------------------------------------------------------------
 
     def dropped(self, node: RadixNode) -> None:

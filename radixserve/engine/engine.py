@@ -153,6 +153,7 @@ class Engine:
             if self.kv.snapshots is not None:  # its layers keep states inside a chunk: no step stops for one
                 self.kv.snapshots.inner_saves = self.runner.states.inner_saves
             self.runner.states.tier_store = self.tiering.store  # the tier's state slots (None: no tier)
+            self.runner.states.tier_positions.update(self.kv.tier_snapshot_positions())  # those loaded from disk
         self.grammars = GrammarFactory(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
         if cfg.jump_forward:  # constrained requests draft the text their grammar forces
             self.drafter.forced = lambda request, k: self.grammars.forced_draft(request.grammar, k)
@@ -534,7 +535,7 @@ class Engine:
         state snapshots disagree with what the cache says they hold)."""
         self.scheduler.check_integrity()
         if self.runner.states is not None:
-            self.runner.states.check_snapshots(self.kv.snapshot_positions())
+            self.runner.states.check_snapshots(self.kv.snapshot_positions(), self.kv.tier_snapshot_positions())
 
     @_one_thread
     def flush_cache(self, namespace: str | None = None) -> int:

@@ -69,6 +69,7 @@ class RecurrentStatePool:
         # the second tier's state slots (kv_tier/store.py: state_data [slots, slot_bytes] uint8, and
         # state_seq, odd while a slot is written), for TO_TIER and TIER_RESTORE ops
         self.tier_store = None
+        self.tier_positions: dict[int, int] = {}  # tier state slot -> the position its state stands at
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> "RecurrentStatePool | None":
@@ -269,12 +270,17 @@ class RecurrentStatePool:
         store.state_seq[slot] += 1  # odd: being written (the persistence thread checks)
         store.state_data[slot].copy_(self.snapshot_data(snapshot).cpu())
         store.state_seq[slot] += 1
+        self.tier_positions[slot] = self.snapshot_positions[snapshot]
 
-    def check_snapshots(self, expected: dict[int, int]) -> None:
-        """Raise AssertionError unless each of these snapshots is saved and stands at its position."""
+    def check_snapshots(self, expected: dict[int, int], tier: dict[int, int] | None = None) -> None:
+        """Raise AssertionError unless each of these snapshots is saved and stands at its
+        position (and each of the `tier` state slots)."""
         wrong = {s: self.snapshot_positions.get(s) for s, p in expected.items() if self.snapshot_positions.get(s) != p}
         if wrong:
             raise AssertionError(f"recurrent-state snapshots stand at {wrong}, the cache says {expected}")
+        wrong = {s: self.tier_positions.get(s) for s, p in (tier or {}).items() if self.tier_positions.get(s) != p}
+        if wrong:
+            raise AssertionError(f"recurrent states in tier slots stand at {wrong}, the cache says {tier}")
 
     def drop_snapshot(self, snapshot: int) -> None:
         self.snapshot_positions.pop(snapshot, None)

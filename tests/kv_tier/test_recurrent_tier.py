@@ -37,8 +37,11 @@ def push_out(engine, n, seed):
 def test_a_prefix_resumed_through_the_tier_starts_from_its_tier_state(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     engine = engine_of(directory)
-    snapshots = engine.kv.snapshots
-    assert snapshots.tier is not None and engine.tiering.store.state_slot_bytes == engine.runner.states.slot_bytes
+    snapshots, store = engine.kv.snapshots, engine.tiering.store
+    assert snapshots.tier is not None and store.state_slot_bytes == engine.runner.states.slot_bytes
+    # the state slots' bytes come out of the tier's own budget: one per 8 block slots
+    assert store.num_state_slots == store.num_slots // 8
+    assert store.num_slots * store.slot_bytes + store.num_state_slots * store.state_slot_bytes <= 2 << 20
     prompt = tokens(41, 1)
     (first,) = run_checked(engine, [prompt], 4, cache_salt="a")
     push_out(engine, 2, seed=10)
@@ -50,6 +53,11 @@ def test_a_prefix_resumed_through_the_tier_starts_from_its_tier_state(tiny_model
     assert second.token_ids == hf_greedy(directory, retry, 6)
     stats = engine.stats()
     assert stats["recurrent_snapshot_tier_restores"] == 1 and stats["recurrent_snapshots_in_tier"] >= 3
+    slot = next(iter(engine.kv.tier_snapshot_positions()))
+    engine.runner.states.tier_positions[slot] += 4  # the runner's record of a tier slot disagrees
+    with pytest.raises(AssertionError, match="recurrent states in tier slots stand at"):
+        engine.check_integrity()
+    engine.runner.states.tier_positions[slot] -= 4
     (other,) = run_checked(engine, [retry], 6, cache_salt="b")  # another tenant: nothing of a's
     assert other.cached_tokens == 0 and other.token_ids == second.token_ids
     engine.flush_cache()
