@@ -1,4 +1,4 @@
-"""KV handoffs of models with recurrent layers (engine/kv_transfer.py): the prefill side sends,
+"""KV handoffs of models with recurrent layers (LFM2, Qwen3.5, Granite 4.0-H; engine/kv_transfer.py): the prefill side sends,
 beside the blocks, the recurrent state kept at the deepest point of the sent prefix; the decode
 side keeps it at that node of its own (salted) tree, so its request resumes there and computes
 only the prompt's tail and the first token, greedy-equal to transformers; a state of another
@@ -52,7 +52,7 @@ def decode(engine: Engine, prompt, handoff, salt=None, max_tokens=8):
     return finish(engine, rid)
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite_hybrid"])
 def test_the_decode_side_resumes_from_the_sent_state(tiny_model_dir, kind):
     directory = tiny_model_dir(kind)
     p, d = engine_of(directory), engine_of(directory)
