@@ -1,8 +1,10 @@
-"""Agent loops on an LFM2 of a real shape: radixserve against llama.cpp's server on the same
-random-weight GGUF (bench/lib/lfm2_gguf.py: LFM2-350M's shape, Q4_0; output quality does not
-matter for speed), the same requests to each server in turn.
+"""Agent loops on a recurrent hybrid of a real shape: radixserve against llama.cpp's server on the
+same random-weight GGUF (Q4_0; output quality does not matter for speed), the same requests to
+each server in turn. Shapes: LFM2-350M (bench/lib/lfm2_gguf.py: short convolutions) and
+Qwen3.5-0.8B (bench/lib/qwen35_gguf.py: Gated DeltaNet beside gated attention).
 
     .venv/bin/python -m bench.bench_recurrent_llamacpp --llama-server PATH    # or $LLAMA_SERVER
+    .venv/bin/python -m bench.bench_recurrent_llamacpp --shape qwen3.5-0.8b
     .venv/bin/python -m bench.bench_recurrent_llamacpp --quick               # 4 agents x 3 turns, 512-token tool prompt
 
 8 agents x 6 turns share a tool prompt of 2,048 tokens; each has its own task (40 tokens); every
@@ -25,12 +27,17 @@ from dataclasses import dataclass
 import httpx
 
 from bench.lib.cli import Figures, apply_quick, bench_parser
-from bench.lib.lfm2_gguf import SHAPES, random_lfm2_gguf
+from bench.lib.lfm2_gguf import SHAPES as LFM2_SHAPES
+from bench.lib.lfm2_gguf import random_lfm2_gguf
+from bench.lib.qwen35_gguf import SHAPES as QWEN35_SHAPES
+from bench.lib.qwen35_gguf import random_qwen35_gguf
 from bench.lib.peers import add_llama_server
 from bench.lib.servers import radixserve_command, serving
 from radixserve.config import cache_root
 
 TARGET = 0.5  # radixserve's wall / llama.cpp's
+SHAPES = {**LFM2_SHAPES, **QWEN35_SHAPES}
+WRITERS = {**{name: random_lfm2_gguf for name in LFM2_SHAPES}, **{name: random_qwen35_gguf for name in QWEN35_SHAPES}}
 
 
 @dataclass
@@ -55,11 +62,12 @@ def main() -> None:
     args = parser.parse_args()
     apply_quick(parser, args, agents=4, turns=3, tool_prompt=512, answer=16)
     shape = SHAPES[args.shape]
-    path = random_lfm2_gguf(shape, cache_root() / "bench" / f"{shape.name}.Q4_0.gguf")
+    path = WRITERS[args.shape](shape, cache_root() / "bench" / f"{shape.name}.Q4_0.gguf")
     longest = args.tool_prompt + args.task + args.turns * (args.answer + args.tool_result) + 64
     context = 1 << (longest - 1).bit_length()
-    print(f"model: random-weight lfm2 GGUF {path.name}: {shape.params() / 1e6:.0f}M parameters, {shape.layers} "
-          f"layers ({len(shape.attention)} attention, the others short convolutions), Q4_0", flush=True)
+    arch, recurrent = getattr(shape, "arch", "lfm2"), getattr(shape, "recurrent", "short convolutions")
+    print(f"model: random-weight {arch} GGUF {path.name}: {shape.params() / 1e6:.0f}M parameters, {shape.layers} "
+          f"layers ({len(shape.attention)} attention, the others {recurrent}), Q4_0", flush=True)
     print(f"workload: {args.agents} agents x {args.turns} turns; shared tool prompt {args.tool_prompt} tokens, task "
           f"{args.task}, tool result {args.tool_result}, reply {args.answer}; every turn the whole history re-sent "
           f"as token ids, all agents at once", flush=True)
