@@ -14,6 +14,7 @@ import pytest
 from radixserve import Engine
 from radixserve.core.kv_events import RECURRENT, TIER, BlockStored, KVEventLog
 from radixserve.kv_tier.persist import INDEX_FILE
+from radixserve.kv_tier.store import TIER_FILE
 from tiny_models import hf_greedy, run_checked
 
 
@@ -78,7 +79,10 @@ def test_tier_states_are_events_in_the_tier_medium(tiny_model_dir):
     assert 2 * sum(isinstance(e, BlockStored) for e in mine) == len(mine)  # each removed again
 
 
-def test_a_persisted_tier_brings_the_states_back_after_a_restart(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("spoil", [False, True])
+def test_a_persisted_tier_brings_the_states_back_after_a_restart(tiny_model_dir, tmp_path, spoil):
+    """Spoiled: the reply end's state fails its checksum, is ignored, and the request resumes
+    from the state before it."""
     directory = tiny_model_dir("qwen3_5")
     prompt = tokens(41, 1)
     first = engine_of(directory, num_kv_blocks=64, kv_persist_dir=str(tmp_path))
@@ -86,15 +90,24 @@ def test_a_persisted_tier_brings_the_states_back_after_a_restart(tiny_model_dir,
     assert first.flush_tier()
     kept = first.kv.snapshots.num_in_tier
     assert kept >= 3  # written through: each kept state has a tier copy
+    offset, size = first.tiering.store.state_offset, first.tiering.store.state_slot_bytes
     first.close()
     states = json.loads((tmp_path / INDEX_FILE).read_bytes().partition(b"\n")[2])["states"]
     assert len(states) == kept
+    if spoil:
+        slot = next(entry[0] for entry in states if entry[3] == 44)
+        with open(tmp_path / TIER_FILE, "r+b") as f:
+            f.seek(offset + slot * size)
+            flipped = bytes(b ^ 0xFF for b in f.read(16))
+            f.seek(offset + slot * size)
+            f.write(flipped)
     again = engine_of(directory, num_kv_blocks=64, kv_persist_dir=str(tmp_path))
-    assert again.tiering.loaded_states == kept and again.kv.snapshots.num_kept == 0
+    assert again.tiering.loaded_states == kept - spoil and again.kv.snapshots.num_kept == 0
     again.check_integrity()
     retry = prompt + cold.token_ids[:3] + tokens(2, 3)
     (warm,) = run_checked(again, [retry], 6, cache_salt="a")
-    assert warm.cached_tokens == 44 and warm.restored_tokens == 44
+    resumed = 40 if spoil else 44
+    assert warm.cached_tokens == resumed and warm.restored_tokens == resumed
     assert warm.token_ids == hf_greedy(directory, retry, 6)
     (other,) = run_checked(again, [retry], 6, cache_salt="b")
     assert other.cached_tokens == 0
