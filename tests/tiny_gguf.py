@@ -30,10 +30,12 @@ _QWEN35 = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
            "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
            "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
            "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_GRANITE = {**_LAYER, "mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.out_proj": "ssm_out",
+            "mamba.norm": "ssm_norm", "block_sparse_moe.router.layer": "ffn_gate_inp"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
         "model.embedding_norm": "token_embd_norm"}
 _ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2", "lfm2": "lfm2",
-         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid"}
 
 
 def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
@@ -54,7 +56,8 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
     kind = GGMLQuantizationType[quant]
     for name, t in _gguf_tensors(tensors, arch, config):
         data = t.float().numpy()
-        if kind != GGMLQuantizationType.F32 and data.ndim >= 2 and data.shape[-1] % 64 == 0 and "ffn_gate_inp" not in name:
+        plain = "ffn_gate_inp" in name or "ssm_norm" in name  # routers and norms stay float, as llama.cpp keeps them
+        if kind != GGMLQuantizationType.F32 and data.ndim >= 2 and data.shape[-1] % 64 == 0 and not plain:
             writer.add_tensor(name, quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data))
@@ -66,7 +69,8 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
 
 
 def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
-    names = {"gemma3": _GEMMA3, "lfm2": _LFM2, "qwen35": _QWEN35, "qwen35moe": _QWEN35}.get(arch, _LAYER)
+    names = {"gemma3": _GEMMA3, "lfm2": _LFM2, "qwen35": _QWEN35, "qwen35moe": _QWEN35,
+             "granitehybrid": _GRANITE}.get(arch, _LAYER)
     for layer in range(config.num_hidden_layers):  # per-expert tensors stacked [E, out, in], as llama.cpp stores them
         for proj, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             parts = [tensors.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
@@ -84,6 +88,10 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
         if arch in ("qwen35", "qwen35moe"):
             name, t = _qwen35_tensor(name, t, config)
             stem, _, suffix = name.rpartition(".")
+        if arch == "granitehybrid" and (".mamba." in name or "block_sparse_moe.input_linear" in name
+                                        or "block_sparse_moe.output_linear" in name or ".shared_mlp." in name):
+            yield from _granite_tensors(name, t, config)
+            continue
         if stem in _TOP:
             yield f"{_TOP[stem]}.{suffix}", t
             continue
@@ -133,6 +141,43 @@ def _qwen35_tensor(name: str, t: torch.Tensor, config) -> tuple[str, torch.Tenso
     return name, t
 
 
+def _granite_tensors(name: str, t: torch.Tensor, config):
+    """A Granite 4.0-H tensor as llama.cpp's converter writes it: A_log as A = -exp(A_log) and D
+    as [H, 1], the gated norm as [groups, inner / groups], the conv squeezed to [C, L]; the fused
+    [gate; up] experts and shared MLP split (the shared one as ffn_*_shexp beside experts, plain
+    ffn_* without)."""
+    layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+    blk = f"blk.{layer}."
+    shexp = "_shexp" if config.num_local_experts else ""
+    if rest == "mamba.A_log":
+        yield blk + "ssm_a", (-torch.exp(t.float())).reshape(-1, 1)
+    elif rest == "mamba.D":
+        yield blk + "ssm_d", t.reshape(-1, 1)
+    elif rest == "mamba.dt_bias":
+        yield blk + "ssm_dt.bias", t
+    elif rest == "mamba.norm.weight":
+        yield blk + "ssm_norm.weight", t.reshape(config.mamba_n_groups, -1)
+    elif rest == "mamba.conv1d.weight":
+        yield blk + "ssm_conv1d.weight", t.squeeze(1)
+    elif rest.startswith("mamba."):
+        stem, _, suffix = rest.rpartition(".")
+        yield f"{blk}{_GRANITE[stem]}.{suffix}", t
+    elif rest == "block_sparse_moe.input_linear.weight":  # [E, 2I, H]
+        gate, up = t.chunk(2, dim=1)
+        yield blk + "ffn_gate_exps.weight", gate.contiguous()
+        yield blk + "ffn_up_exps.weight", up.contiguous()
+    elif rest == "block_sparse_moe.output_linear.weight":
+        yield blk + "ffn_down_exps.weight", t
+    elif rest == "shared_mlp.input_linear.weight":
+        gate, up = t.chunk(2, dim=0)
+        yield f"{blk}ffn_gate{shexp}.weight", gate.contiguous()
+        yield f"{blk}ffn_up{shexp}.weight", up.contiguous()
+    elif rest == "shared_mlp.output_linear.weight":
+        yield f"{blk}ffn_down{shexp}.weight", t
+    else:
+        raise ValueError(f"no granitehybrid name for {name}")
+
+
 def quant_rounded(model_dir: Path, out_dir: Path, quant: str) -> Path:
     """A copy of the transformers checkpoint in `model_dir` holding the values its GGUF of
     `quant` holds (each tensor write_gguf quantizes, quantized and dequantized by its rows): the
@@ -148,7 +193,8 @@ def quant_rounded(model_dir: Path, out_dir: Path, quant: str) -> Path:
     for f in sorted(Path(out_dir).glob("*.safetensors")):
         tensors = load_file(str(f))
         for name, t in tensors.items():
-            if t.dim() >= 2 and t.shape[-1] % 64 == 0 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            router = name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.layer.weight"))
+            if t.dim() >= 2 and t.shape[-1] % 64 == 0 and not router:
                 assert "out_proj" not in name or ".linear_attn." not in name, "columns reordered: not row-wise"
                 data = t.float().numpy()
                 tensors[name] = torch.from_numpy(quants.dequantize(quants.quantize(data, kind), kind).reshape(data.shape))
@@ -170,6 +216,10 @@ def _metadata(writer, arch: str, config) -> None:
                                   for t in config.layer_types])
         writer.add_shortconv_l_cache(config.conv_L_cache)
         writer.add_vocab_size(config.vocab_size)
+    elif arch == "granitehybrid":  # kv heads 0 on the Mamba2 layers
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count_kv([config.num_key_value_heads if t == "full_attention" else 0
+                                  for t in config.layer_types])
     else:
         writer.add_feed_forward_length(getattr(config, "intermediate_size", 0) or 0)
         writer.add_head_count_kv(config.num_key_value_heads)
@@ -191,6 +241,21 @@ def _metadata(writer, arch: str, config) -> None:
         writer.add_full_attention_interval(4)
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
         writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if arch == "granitehybrid":  # as llama.cpp's GraniteHybrid converter writes them
+        writer.add_ssm_conv_kernel(config.mamba_d_conv)
+        writer.add_ssm_state_size(config.mamba_d_state)
+        writer.add_ssm_group_count(config.mamba_n_groups)
+        writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+        writer.add_ssm_time_step_rank(config.mamba_n_heads)
+        writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+        if config.num_local_experts:
+            writer.add_expert_count(config.num_local_experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+            writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
     if arch == "qwen35moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch in ("qwen3moe", "qwen35moe"):

@@ -56,8 +56,8 @@ FAMILIES = (
                 ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), ("qwen35moe",), ("silu",),
                 "radixserve.model.qwen3_5_moe", "Qwen3_5MoeForCausalLM",
                 chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
-    ModelFamily("granitemoehybrid", ("granitemoehybrid",), ("GraniteMoeHybridForCausalLM",), (), ("silu",),
-                "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM"),
+    ModelFamily("granitemoehybrid", ("granitemoehybrid",), ("GraniteMoeHybridForCausalLM",), ("granitehybrid",),
+                ("silu",), "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM"),
     # MoE with attention sinks, window layers on the hybrid KV; from a Hugging Face directory (float experts)
     ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), (), ("silu",), "radixserve.model.gpt_oss",
                 "GptOssForCausalLM", **HARMONY),
