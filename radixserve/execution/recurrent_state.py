@@ -17,8 +17,12 @@ take before the next step (a reply's end is kept at a block boundary).
 Snapshots are states kept by id apart from any request (`save_snapshot`, `restore_snapshot`):
 the tensor half of a prefix cache for these layers, whose other half (which positions to keep,
 which to evict, where a match is cut) belongs to the cache (core/recurrent_snapshots.py). Its
-operations come with the step's plan and are applied, in order, before the step (`apply`), while
-the slots of requests that left are still held (begin_step frees them after).
+operations are applied, in order, once the cache's changes are run and before the step (`apply`),
+while the slots of requests that left are still held (begin_step frees them after). Besides
+saves, restores and drops: a KEEP asks the coming chunk's layers for the state at a position
+inside it (Segment.keep_after, for the SAVE after the step); a LOAD fills a snapshot from bytes
+another engine sent; TO_TIER copies a snapshot's bytes into the second tier's state slot
+(`tier_store`) and TIER_RESTORE starts a request from one (`snapshot_data` is the byte layout).
 """
 
 from __future__ import annotations
@@ -153,46 +157,54 @@ class RecurrentStatePool:
     def apply(self, ops: list[SnapshotOp]) -> None:
         """The cache's snapshot operations, in the order it queued them (before begin_step)."""
         self._take_kept()
+        handlers = {KEEP: self._keep_op, SAVE: self._save_op, RESTORE: self._restore_op, LOAD: self._load_op,
+                    TO_TIER: self._to_tier_op, TIER_RESTORE: self._tier_restore_op,
+                    DROP: lambda op: self.drop_snapshot(op.snapshot)}
         for op in ops:
-            if op.kind == KEEP:
-                if not self.inner_saves:
-                    raise RuntimeError("a state inside a chunk was asked of layers that cannot keep one")
-                self._keep[op.request.request_id] = op.position
-            elif op.kind == SAVE:
-                holder = self.holders.get(op.request.request_id)
-                passed = holder.boundary if holder is not None else None
-                if holder is None or holder.request is not op.request or (
-                        holder.position != op.position and (passed is None or passed[0] != op.position)):
-                    at = "no state" if holder is None else f"a state at token {holder.position}"
-                    raise RuntimeError(f"snapshot {op.snapshot} of request {op.request.request_id!r} at token "
-                                       f"{op.position}: its recurrent layers hold {at}")
-                if holder.position == op.position:
-                    self.save_snapshot(op.request.request_id, op.snapshot)
-                else:  # the block boundary its last draft ran past
-                    self._save(passed[1], op.snapshot, op.position)
-            elif op.kind == RESTORE:
-                if self.restore_snapshot(op.request, op.snapshot) != op.position:
-                    raise RuntimeError(f"snapshot {op.snapshot} stands at token {self.snapshot_positions[op.snapshot]}, "
-                                       f"request {op.request.request_id!r} resumes at {op.position}")
-            elif op.kind == LOAD:
-                self.load_snapshot(op.snapshot, op.data, op.position)
-            elif op.kind == TO_TIER:
-                if self.snapshot_positions.get(op.snapshot) != op.position:
-                    raise RuntimeError(f"snapshot {op.snapshot} stands at {self.snapshot_positions.get(op.snapshot)}, "
-                                       f"its tier copy at {op.position}")
-                self._to_tier(op.snapshot, op.slot)
-            elif op.kind == TIER_RESTORE:
-                holder = self.holders.get(op.request.request_id)
-                if holder is None or holder.request is not op.request:
-                    self.release(op.request.request_id)
-                    holder = self._take(op.request)
-                self._write({layer: tuple(t[holder.slot] for t in tensors) for layer, tensors in self.states.items()},
-                            self.tier_store.state_data[op.slot])
-                holder.position = op.position
-            elif op.kind == DROP:
-                self.drop_snapshot(op.snapshot)
-            else:
+            if op.kind not in handlers:
                 raise ValueError(f"unknown snapshot operation {op.kind!r}")
+            handlers[op.kind](op)
+
+    def _keep_op(self, op: SnapshotOp) -> None:
+        if not self.inner_saves:
+            raise RuntimeError("a state inside a chunk was asked of layers that cannot keep one")
+        self._keep[op.request.request_id] = op.position
+
+    def _save_op(self, op: SnapshotOp) -> None:
+        holder = self.holders.get(op.request.request_id)
+        passed = holder.boundary if holder is not None else None
+        if holder is None or holder.request is not op.request or (
+                holder.position != op.position and (passed is None or passed[0] != op.position)):
+            at = "no state" if holder is None else f"a state at token {holder.position}"
+            raise RuntimeError(f"snapshot {op.snapshot} of request {op.request.request_id!r} at token "
+                               f"{op.position}: its recurrent layers hold {at}")
+        if holder.position == op.position:
+            self.save_snapshot(op.request.request_id, op.snapshot)
+        else:  # the block boundary its last draft ran past, or a position its last chunk passed (KEEP)
+            self._save(passed[1], op.snapshot, op.position)
+
+    def _restore_op(self, op: SnapshotOp) -> None:
+        if self.restore_snapshot(op.request, op.snapshot) != op.position:
+            raise RuntimeError(f"snapshot {op.snapshot} stands at token {self.snapshot_positions[op.snapshot]}, "
+                               f"request {op.request.request_id!r} resumes at {op.position}")
+
+    def _load_op(self, op: SnapshotOp) -> None:
+        self.load_snapshot(op.snapshot, op.data, op.position)
+
+    def _to_tier_op(self, op: SnapshotOp) -> None:
+        if self.snapshot_positions.get(op.snapshot) != op.position:
+            raise RuntimeError(f"snapshot {op.snapshot} stands at {self.snapshot_positions.get(op.snapshot)}, "
+                               f"its tier copy at {op.position}")
+        self._to_tier(op.snapshot, op.slot)
+
+    def _tier_restore_op(self, op: SnapshotOp) -> None:
+        holder = self.holders.get(op.request.request_id)
+        if holder is None or holder.request is not op.request:
+            self.release(op.request.request_id)
+            holder = self._take(op.request)
+        self._write({layer: tuple(t[holder.slot] for t in tensors) for layer, tensors in self.states.items()},
+                    self.tier_store.state_data[op.slot])
+        holder.position = op.position
 
     def _take_kept(self) -> None:
         """The states the last step's layers kept inside prompt chunks (Segment.keep_after),
