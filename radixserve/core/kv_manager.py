@@ -280,10 +280,11 @@ class KVManager:
         """Blocks for num_tokens tokens from free blocks only (never evicting), leaving
         keep_free blocks free; False (nothing taken) when they are not there."""
         need = -(-num_tokens // self.block_size) - len(request.block_table)
+        if need <= 0:
+            return True
         if need > self.pool.num_free - keep_free:
             return False
-        if need > 0:
-            self._extend(request, self.pool.allocate(need))
+        self._extend(request, self.pool.allocate(need))
         return True
 
     def _extend(self, request: Request, blocks: list[int]) -> None:

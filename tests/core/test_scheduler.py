@@ -158,3 +158,19 @@ def test_abort_of_running_and_waiting_frees_everything():
     s.check_integrity()
     assert not s.has_unfinished()
     assert s.kv.pool.num_free + s.kv.cache.num_evictable_blocks == s.kv.pool.num_blocks
+
+
+def test_growing_from_free_blocks_takes_exactly_what_is_missing():
+    """grow_from_free never evicts and keeps keep_free blocks free, but room a request's own
+    blocks already have is granted whatever is free (nothing taken)."""
+    s = make_scheduler(num_blocks=6, cache=False)
+    r = add(s, range(6), max_tokens=4)  # 10 tokens: 3 blocks of 4, its first step takes 2
+    step(s)
+    held, free = list(r.block_table), s.kv.pool.num_free
+    assert s.kv.grow_from_free(r, len(held) * 4, keep_free=free + 1)  # fits its blocks: granted
+    assert r.block_table == held and s.kv.pool.num_free == free
+    assert not s.kv.grow_from_free(r, len(held) * 4 + 1, keep_free=free)  # one more block would break keep_free
+    assert r.block_table == held
+    assert s.kv.grow_from_free(r, len(held) * 4 + 1, keep_free=free - 1)
+    assert len(r.block_table) == len(held) + 1 and s.kv.pool.num_free == free - 1
+    s.check_integrity()
