@@ -38,9 +38,11 @@ _ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qw
          "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid"}
 
 
-def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
+def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = False) -> Path:
     """The model saved in `model_dir` as a GGUF at `path`: 2-D weights with 64-multiple rows
-    (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32."""
+    (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32.
+    `mtp`: one more block after the model's, as llama.cpp's converter appends Qwen3.5's
+    multi-token-prediction layer (random values: a reader must leave it out)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -51,10 +53,10 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0") -> Path:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     writer = GGUFWriter(str(path), arch=arch)
-    _metadata(writer, arch, config)
+    _metadata(writer, arch, config, extra_blocks=int(mtp))
     _tokenizer(writer, config.vocab_size)
     kind = GGMLQuantizationType[quant]
-    for name, t in _gguf_tensors(tensors, arch, config):
+    for name, t in [*_gguf_tensors(tensors, arch, config), *(_mtp_block(config) if mtp else [])]:
         data = t.float().numpy()
         plain = "ffn_gate_inp" in name or "ssm_norm" in name  # routers and norms stay float, as llama.cpp keeps them
         if kind != GGMLQuantizationType.F32 and data.ndim >= 2 and data.shape[-1] % 64 == 0 and not plain:
@@ -202,12 +204,24 @@ def quant_rounded(model_dir: Path, out_dir: Path, quant: str) -> Path:
     return out_dir
 
 
-def _metadata(writer, arch: str, config) -> None:
+def _mtp_block(config):
+    """A Qwen3.5 multi-token-prediction block as llama.cpp names it (blk.{layers}: nextn.* and an
+    attention layer's tensors), random."""
+    h, blk = config.hidden_size, f"blk.{config.num_hidden_layers}."
+    for name, shape in (("nextn.eh_proj.weight", (h, 2 * h)), ("nextn.enorm.weight", (h,)),
+                        ("nextn.hnorm.weight", (h,)), ("nextn.shared_head_norm.weight", (h,)),
+                        ("attn_norm.weight", (h,)), ("attn_k.weight", (config.num_key_value_heads * config.head_dim, h))):
+        yield blk + name, torch.randn(shape)
+
+
+def _metadata(writer, arch: str, config, extra_blocks: int = 0) -> None:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + extra_blocks)
+    if extra_blocks:
+        writer.add_nextn_predict_layers(extra_blocks)
     if arch == "lfm2":  # as llama.cpp's converter: the MLP's real width, kv heads 0 on conv layers
         from radixserve.model.lfm2 import _mlp_width
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.moe_gguf import _q4_0, _tokenizer
+from bench.lib.moe_gguf import _q4_0
+from bench.lib.moe_gguf import _tokenizer as _pairs_tokenizer
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,26 @@ class Qwen35Shape:
 # heads of 256 (a quarter rotated), MLP 3584, DeltaNet 16 key and 16 value heads of 128, conv 4,
 # vocabulary 248,320, tied
 SHAPES = {"qwen3.5-0.8b": Qwen35Shape("qwen3.5-0.8b", 1024, 24, 8, 2, 256, 3584, 16, 16, 128, 248320)}
+
+
+def _tokenizer(writer, vocab: int) -> None:
+    """moe_gguf's byte-level vocabulary (byte symbols and merged pairs: 65,792 at most), filled up
+    to `vocab` with tokens no merge reaches (llama.cpp sizes the model by the token list)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    pairs = min(vocab, 256 + 256 * 256)
+    if pairs == vocab:
+        return _pairs_tokenizer(writer, vocab)
+    symbols = list(bytes_to_unicode().values())
+    tokens = symbols + [a + b for a in symbols for b in symbols]
+    tokens += [f"<|fill_{i}|>" for i in range(vocab - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges([f"{a} {b}" for a in symbols for b in symbols])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
 
 
 def random_qwen35_gguf(shape: Qwen35Shape, path: Path, seed: int = 0) -> Path:

@@ -188,8 +188,11 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
     heads = _int(meta.get(f"{arch}.attention.head_count"))
     kv_heads = _int(meta.get(f"{arch}.attention.head_count_kv")) or heads
     interleaved = arch in names.gguf_interleaved_qk and heads is not None
+    mtp = _mtp_blocks(meta, arch)
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for info in gguf.header.tensors:
+        if _block(info.name) in mtp:
+            continue  # a multi-token-prediction block (llama.cpp's nextn layers), not run
         name = hf_name(info.name, arch, names.gguf_layer_names)
         kind = GGMLQuantizationType(info.type)
         shape = [int(d) for d in reversed(info.dims)]  # GGUF lists the innermost dimension first
@@ -204,6 +207,18 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
         t = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
         out[name] = t if permute is None else t[permute].contiguous()
     return out
+
+
+def _mtp_blocks(meta: dict, arch: str) -> range:
+    """The blocks llama.cpp's converter appends for multi-token prediction (the last
+    `nextn_predict_layers` of `block_count`)."""
+    blocks, nextn = _int(meta.get(f"{arch}.block_count")), _int(meta.get(f"{arch}.nextn_predict_layers"))
+    return range(blocks - nextn, blocks) if blocks and nextn else range(0)
+
+
+def _block(gguf_name: str) -> int | None:
+    parts = gguf_name.split(".", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() else None
 
 
 def hf_name(gguf_name: str, arch: str = "llama", layer_names: dict[str, str] | None = None) -> str:

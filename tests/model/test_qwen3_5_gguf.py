@@ -65,11 +65,13 @@ def test_a_qwen35_gguf_is_greedy_equal_to_transformers(tiny_model_dir, tmp_path,
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])
 def test_a_qwen35moe_gguf_is_greedy_equal_to_transformers(tiny_moe, tmp_path, quant):
+    """The Q8_0 file also carries a multi-token-prediction block (blk.4, nextn_predict_layers 1),
+    which is left out."""
     from radixserve.model.moe import SparseMoE
 
-    path = write_gguf(tiny_moe, tmp_path / f"tiny-qwen35moe.{quant}.gguf", quant=quant)
+    path = write_gguf(tiny_moe, tmp_path / f"tiny-qwen35moe.{quant}.gguf", quant=quant, mtp=quant == "Q8_0")
     engine = engine_for(path)
-    assert engine.loaded.spec.family == "qwen3_5_moe"
+    assert engine.loaded.spec.family == "qwen3_5_moe" and engine.loaded.spec.num_layers == 4
     moe = engine.runner.model.layers[0].mlp
     assert isinstance(moe, SparseMoE) and moe.shared_expert is not None
     if quant == "Q8_0":
