@@ -372,10 +372,21 @@ class KVManager:
     def cached_pool_blocks(self, token_ids: list[int], salt: str | None) -> int:
         """Leading full blocks of the prompt the tree holds in its pool (read-only). Hybrid
         KV: never the last window's blocks before the prompt's full blocks end (their window
-        pages come with a handoff, so the receiver's match reaches its end)."""
+        pages come with a handoff, so the receiver's match reaches its end). Recurrent layers:
+        only up to the deepest state kept there (the handoff's state then comes with blocks after it)."""
         bs = self.block_size
         full = len(token_ids) // bs
         tokens, node = self.cache.peek_prefix(token_ids[:full * bs], salt)
+        blocks = self._pool_blocks(tokens, node)
+        if self.snapshots is not None:  # recurrent layers: blocks past the deepest kept state are no use alone
+            state = self.snapshots.deepest(node, blocks * bs) if blocks else None
+            blocks = state[2] // bs if state is not None else 0
+        window = self.pool.window
+        return min(blocks, window.first_needed(full * bs)) if window is not None else blocks
+
+    def _pool_blocks(self, tokens: int, node: RadixNode | None) -> int:
+        """Of a peeked match of `tokens` ending in `node`, the leading blocks in the pool."""
+        bs = self.block_size
         if node is None or node.is_root or node.in_pool:
             blocks = tokens // bs  # residency is top-connected: the whole match is in the pool
         else:
@@ -385,8 +396,7 @@ class KVManager:
             while not node.is_root:
                 blocks += len(node.tokens) // bs
                 node = node.parent
-        window = self.pool.window
-        return min(blocks, window.first_needed(full * bs)) if window is not None else blocks
+        return blocks
 
     def hold_prefix(self, token_ids: list[int], salt: str | None, more_than: int) -> MatchResult | None:
         """Reference and lock the pool blocks of the prompt's cached prefix when there are

@@ -2,7 +2,8 @@
 beside the blocks, the recurrent state kept at the deepest point of the sent prefix; the decode
 side keeps it at that node of its own (salted) tree, so its request resumes there and computes
 only the prompt's tail and the first token, greedy-equal to transformers; a state of another
-size is refused whole; a state the prefill side keeps in its tier only is sent from there; a
+size is refused whole; a state the prefill side keeps in its tier only is sent from there; the
+decode side asks again for blocks it holds past its deepest state (they come with a state); a
 tenant never resumes from another's state; integrity on both sides."""
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ def finish(engine: Engine, request_id: str):
     return out
 
 
-def prefill(engine: Engine, prompt, salt=None):
+def prefill(engine: Engine, prompt, salt=None, skip=0):
     rid = engine.add_request(prompt, SamplingParams(**GREEDY, max_tokens=1), cache_salt=salt)
     (first,) = finish(engine, rid).token_ids
-    return engine.kv_transfer.export(prompt, salt, 0, first)
+    return engine.kv_transfer.export(prompt, salt, skip, first)
 
 
 def decode(engine: Engine, prompt, handoff, salt=None, max_tokens=8):
@@ -111,5 +112,22 @@ def test_a_state_the_prefill_side_keeps_in_its_tier_is_sent_from_there(tiny_mode
     out = decode(d, prompt, again)
     assert out.cached_tokens == 40 and out.token_ids == hf_greedy(directory, prompt, 8)
     assert p.kv_transfer.release(again.handoff_id)
+    for engine in (p, d):
+        engine.check_integrity()
+
+
+def test_blocks_the_decode_side_holds_past_its_deepest_state_are_asked_for_again(tiny_model_dir):
+    directory = tiny_model_dir("qwen3_5")
+    p, d = engine_of(directory), engine_of(directory)
+    prompt = tokens(41, 7)
+    other = prompt[:40] + tokens(8, 8)  # shares the prompt's 10 blocks; its states: 16, 32, 44
+    finish(d, d.add_request(other, SamplingParams(**GREEDY, max_tokens=1)))
+    assert d.kv.cached_pool_blocks(prompt, None) == 8  # the 10 blocks are there, a state only at 32
+    handoff = prefill(p, prompt, skip=d.kv_transfer.cached_blocks(prompt, None))
+    assert handoff.start_block == 8 and handoff.num_blocks == 2 and handoff.state_position == 40
+    out = decode(d, prompt, handoff)
+    assert out.cached_tokens == 40 and out.token_ids == hf_greedy(directory, prompt, 8)
+    assert d.stats()["kv_blocks_already_held"] == 2  # the blocks were not copied again, the state was kept
+    assert p.kv_transfer.release(handoff.handoff_id)
     for engine in (p, d):
         engine.check_integrity()
