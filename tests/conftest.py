@@ -73,6 +73,15 @@ def real_engine(real_model_dir):
     return Engine(str(real_model_dir))
 
 
+@pytest.fixture(scope="session")
+def served_engine(real_model_dir):
+    """One shared engine on the default model as `radixserve serve` runs it: its Q4_1 file's
+    weights as stored (the server tests' engine; tests must leave it idle and intact)."""
+    from radixserve import Engine
+
+    return Engine()
+
+
 @pytest.fixture(autouse=True)
 def _kv_cache_dtype_from_env(monkeypatch):
     """RADIXSERVE_TEST_KV_CACHE_DTYPE=int8 (or fp8_e4m3: on CPU through the torch backend) runs

@@ -17,15 +17,15 @@ def server_options() -> ServerOptions:
 
 
 @pytest.fixture(scope="module")
-def server(real_engine, server_options):
+def server(served_engine, server_options):
     """The app on the shared real engine (cache flushed first); afterwards the engine must be
     idle and intact, and its cache is flushed again."""
-    real_engine.flush_cache()
-    with BackgroundServer(create_app(real_engine, server_options)) as running:
+    served_engine.flush_cache()
+    with BackgroundServer(create_app(served_engine, server_options)) as running:
         yield running
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
 
 
 @pytest.fixture
@@ -37,11 +37,11 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def engine(real_engine):
-    """The shared real engine, flushed before and after a module, checked idle and intact after."""
-    real_engine.flush_cache()
-    yield real_engine
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+def engine(served_engine):
+    """The server tests' shared engine, flushed before and after a module, checked idle and intact after."""
+    served_engine.flush_cache()
+    yield served_engine
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
 

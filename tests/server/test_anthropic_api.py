@@ -44,15 +44,15 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(real_engine):
-    real_engine.flush_cache()
-    app = create_app(real_engine, ServerOptions(enable_debug_endpoints=True))
+def server(served_engine):
+    served_engine.flush_cache()
+    app = create_app(served_engine, ServerOptions(enable_debug_endpoints=True))
     with BackgroundServer(app) as running:
         running.app = app
         yield running
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
 
 
 @pytest.fixture
@@ -230,9 +230,9 @@ def test_a_conversation_renders_to_the_same_tokens_through_either_api(server, cl
     assert out.content[0].text == chat["choices"][0]["message"]["content"]
 
 
-def test_x_api_key_is_accepted_like_a_bearer_key(real_engine):
-    real_engine.flush_cache()
-    with BackgroundServer(create_app(real_engine, ServerOptions(api_key="sk-test"))) as keyed:
+def test_x_api_key_is_accepted_like_a_bearer_key(served_engine):
+    served_engine.flush_cache()
+    with BackgroundServer(create_app(served_engine, ServerOptions(api_key="sk-test"))) as keyed:
         good = anthropic.Anthropic(base_url=keyed.url, api_key="sk-test", max_retries=0, timeout=120)
         assert good.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hi"}]).input_tokens > 0
         bad = anthropic.Anthropic(base_url=keyed.url, api_key="sk-wrong", max_retries=0, timeout=120)
@@ -244,7 +244,7 @@ def test_x_api_key_is_accepted_like_a_bearer_key(real_engine):
         assert models.status_code == 200
         openai_shape = httpx.get(keyed.url + "/v1/models", headers={"x-api-key": "sk-wrong"})
         assert openai_shape.status_code == 401 and openai_shape.json()["error"]["code"] == "invalid_api_key"
-    real_engine.flush_cache()
+    served_engine.flush_cache()
 
 
 def test_unknown_model_is_a_404_not_found_error(client):

@@ -120,12 +120,12 @@ BAD_INPUTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(real_engine):
-    real_engine.flush_cache()
-    yield real_engine
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+def engine(served_engine):
+    served_engine.flush_cache()
+    yield served_engine
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
 
 
 @pytest.fixture(scope="module")

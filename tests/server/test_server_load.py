@@ -22,13 +22,13 @@ LEAVER_MAX_TOKENS = 2000  # far more than the test waits for: only an abort can 
 
 
 @pytest.fixture(scope="module")
-def served(real_engine):
-    real_engine.flush_cache()
-    app = create_app(real_engine, ServerOptions())
+def served(served_engine):
+    served_engine.flush_cache()
+    app = create_app(served_engine, ServerOptions())
     with BackgroundServer(app) as server:
         yield server, app.state.server.engine
-    real_engine.check_integrity()
-    real_engine.flush_cache()
+    served_engine.check_integrity()
+    served_engine.flush_cache()
 
 
 async def _client(http: httpx.AsyncClient, url: str, index: int) -> dict:

@@ -48,8 +48,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(real_engine):
-    engine = real_engine
+def served(served_engine):
+    engine = served_engine
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)
     expected = {p: engine.generate([p], greedy)[0] for p in PROMPTS + [LONG_PROMPT]}
     chat_ids = engine.apply_chat_template([{"role": "user", "content": CHAT}])

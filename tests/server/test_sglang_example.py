@@ -17,17 +17,17 @@ pytestmark = pytest.mark.real_model
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sglang_fewshot.py"
 
 
-def test_sglang_example_runs_against_a_server(real_engine, capsys):
+def test_sglang_example_runs_against_a_server(served_engine, capsys):
     pytest.importorskip("sglang")  # the `sglang` extra (scripts/setup.sh installs it)
     spec = importlib.util.spec_from_file_location("sglang_fewshot", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    real_engine.flush_cache()
-    with BackgroundServer(create_app(real_engine, ServerOptions())) as server:
+    served_engine.flush_cache()
+    with BackgroundServer(create_app(served_engine, ServerOptions())) as server:
         assert module.main(["--url", server.url, "--limit", "3"]) == 0
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
     out = capsys.readouterr().out
     teams = re.findall(r"^\s*(\w+) \(urgency ([1-3])\)", out, re.MULTILINE)
     assert len(teams) == 3 and all(team in module.LABELS for team, _ in teams), out

@@ -98,17 +98,17 @@ def _shared_prefix_alike(entries: list[list]) -> list[list]:
 
 
 @pytest.fixture(scope="module")
-def served(real_engine):
-    expected = Expected(real_engine)
-    real_engine.flush_cache()
-    app = create_app(real_engine, ServerOptions(enable_debug_endpoints=True))
+def served(served_engine):
+    expected = Expected(served_engine)
+    served_engine.flush_cache()
+    app = create_app(served_engine, ServerOptions(enable_debug_endpoints=True))
     with BackgroundServer(app) as server:
         server.backend = sgl.RuntimeEndpoint(server.url)
         server.expected = expected
         yield server
-    real_engine.check_integrity()
-    assert not real_engine.has_unfinished_requests()
-    real_engine.flush_cache()
+    served_engine.check_integrity()
+    assert not served_engine.has_unfinished_requests()
+    served_engine.flush_cache()
 
 
 @pytest.fixture(autouse=True)

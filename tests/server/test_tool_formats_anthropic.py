@@ -29,10 +29,10 @@ BLOCK = 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forced_tool_use_whole_streamed_and_next_turn(real_engine, family):
+def test_forced_tool_use_whole_streamed_and_next_turn(served_engine, family):
     options = ServerOptions(enable_debug_endpoints=True, reasoning_parser="none",
                             chat_template=(TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8"))
-    with BackgroundServer(create_app(real_engine, options)) as server:
+    with BackgroundServer(create_app(served_engine, options)) as server:
         client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
         ask = dict(model=MODEL, max_tokens=200, tools=TOOLS, extra_body={"temperature": 0},
                    tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
