@@ -370,10 +370,10 @@ def _layer_windows(engine, windows):
     backend = engine.runner.backend
     forward, calls = backend.forward, [0]
 
-    def windowed(q, k, v, k_cache, v_cache, plan, window=0):
+    def windowed(q, k, v, k_cache, v_cache, plan, window=0, sinks=None):
         window = windows[calls[0] % len(windows)]
         calls[0] += 1
-        return forward(q, k, v, k_cache, v_cache, plan, window)
+        return forward(q, k, v, k_cache, v_cache, plan, window, sinks=sinks)
 
     backend.forward = windowed
 
