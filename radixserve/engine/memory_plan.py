@@ -114,6 +114,10 @@ def plan_memory(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: 
         plan = _plan_kv(cfg, spec, dtype, None, hybrid)
     else:
         count = int(budget * RECURRENT_SHARE) // snapshot_bytes
+        if count < 1:  # a match would adopt blocks with no state to resume from
+            raise ValueError(f"kv_cache_memory of {budget} bytes keeps no recurrent-state snapshot "
+                             f"({snapshot_bytes} bytes each, out of a {RECURRENT_SHARE:.0%} share): give at "
+                             f"least {-(-snapshot_bytes // RECURRENT_SHARE):.0f} bytes, or turn the prefix cache off")
         plan = replace(_plan_kv(cfg, spec, dtype, budget - count * snapshot_bytes, hybrid), budget=budget)
     return replace(plan, shares={**plan.shares, "recurrent": Share(count, snapshot_bytes)})
 

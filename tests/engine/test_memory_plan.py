@@ -65,3 +65,13 @@ def test_a_recurrent_model_gives_its_state_snapshots_a_quarter_of_the_budget_fir
     assert plan.shares == {"full": Share(256, 16384), "recurrent": Share(32, 5_000)}
     small = EngineConfig(block_size=16, num_kv_blocks=40)
     assert plan_memory(small, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=5_000).num_snapshots == 16
+
+
+def test_a_budget_whose_share_keeps_no_snapshot_is_refused_naming_the_least():
+    # a match would adopt cached blocks with no state to resume from
+    cfg = EngineConfig(block_size=16, kv_cache_memory=1_000_000)
+    with pytest.raises(ValueError, match="keeps no recurrent-state snapshot.*at least 1200000 bytes"):
+        plan_memory(cfg, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=300_000)
+    enough = EngineConfig(block_size=16, kv_cache_memory=1_200_000)
+    assert plan_memory(enough, _spec(), torch.float32, torch.device("cpu"), False,
+                       snapshot_bytes=300_000).num_snapshots == 1
