@@ -28,6 +28,7 @@ log = logging.getLogger("radixserve.tiering")
 
 DEFAULT_TIER_BYTES = 2 << 30  # a tier asked for by directory alone (kv_offload_dir, kv_persist_dir)
 STATE_BLOCKS = 8  # recurrent layers: one state slot per this many block slots, in the same bytes
+STATE_SHARE = 0.25  # ... and never more than this share of them
 _SAMPLES_PER_TENSOR = 4096
 
 
@@ -64,8 +65,9 @@ class Tiering:
         mapping (the file, where there is one) and the same kv_offload_memory; `layout`'s
         layer_windows (each layer's window, 0 for a full layer) then goes into a persisted
         index's header (hybrid_kv), so an index is read only under the same split. Recurrent
-        layers (`state_bytes`, one snapshot): one state slot per STATE_BLOCKS block slots, their
-        bytes out of the same kv_offload_memory (and named in a persisted index's header)."""
+        layers (`state_bytes`, one snapshot): one state slot per STATE_BLOCKS block slots (at
+        most STATE_SHARE of the bytes), out of the same kv_offload_memory (and named in a
+        persisted index's header)."""
         size = config.kv_offload_memory
         if size is None and config.kv_persist_dir is None and config.kv_offload_dir is None:
             return cls()
@@ -78,6 +80,10 @@ class Tiering:
         num_slots = int(size // (per_block + window_ratio * per_page + state_bytes / STATE_BLOCKS))
         num_window_slots = max(1, int(num_slots * window_ratio)) if per_page else 0
         num_state_slots = max(1, num_slots // STATE_BLOCKS) if state_bytes else 0
+        if num_state_slots > 1 and num_state_slots * state_bytes > size * STATE_SHARE:  # large states: capped
+            num_state_slots = max(1, int(size * STATE_SHARE) // state_bytes)
+            num_slots = int((size - num_state_slots * state_bytes) // (per_block + window_ratio * per_page))
+            num_window_slots = max(1, int(num_slots * window_ratio)) if per_page else 0
         if num_slots < 1:
             return cls._degrade(f"kv_offload_memory of {size} bytes holds no block ({per_block} bytes each)")
         directory = config.kv_persist_dir or config.kv_offload_dir

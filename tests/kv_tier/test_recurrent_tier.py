@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from radixserve import Engine
 from radixserve.core.kv_events import RECURRENT, TIER, BlockStored, KVEventLog
@@ -134,3 +135,26 @@ def test_a_state_paged_out_of_a_file_backed_tier_is_read_in_before_its_request_r
     stats = engine.stats()
     assert stats["tier_prefetch_holds"] == 1 and stats["tier_prefetched_blocks"] == 0  # held for its state alone
     assert again.cached_tokens == 40 and again.token_ids == hf_greedy(directory, prompt + [5, 6], 4)
+
+
+def test_large_states_take_at_most_a_quarter_of_the_tier():
+    """One state slot per 8 block slots, unless that is more than a quarter of the tier's
+    bytes: states of a large Mamba2 model must not crowd out the blocks."""
+    from radixserve.config import EngineConfig
+    from radixserve.kv_tier.tiering import Tiering
+
+    size, block_shape = 4 << 20, (2, 2, 16, 4, 16)  # 16 KiB float32 blocks
+    small = Tiering.build(EngineConfig(kv_offload_memory=size), torch.nn.Module(), block_shape, torch.float32, {},
+                          state_bytes=40_000)
+    large = Tiering.build(EngineConfig(kv_offload_memory=size), torch.nn.Module(), block_shape, torch.float32, {},
+                          state_bytes=300_000)
+    try:
+        # 4 MiB // (16,384 + 40,000 / 8) = 196 block slots, 24 state slots (23% of the bytes)
+        assert (small.store.num_slots, small.store.num_state_slots) == (196, 24)
+        # by the ratio alone 77 block slots and 9 state slots (64%); capped: 3 state slots
+        # (1 MiB // 300,000) and 201 block slots in the 3,294,304 bytes left
+        assert (large.store.num_slots, large.store.num_state_slots) == (201, 3)
+        assert large.state_slots.num_slots == 3
+    finally:
+        small.close()
+        large.close()
