@@ -198,6 +198,9 @@ class RecurrentStatePool:
         self._to_tier(op.snapshot, op.slot)
 
     def _tier_restore_op(self, op: SnapshotOp) -> None:
+        if self.tier_positions.get(op.slot) != op.position:
+            raise RuntimeError(f"tier state slot {op.slot} stands at {self.tier_positions.get(op.slot)}, "
+                               f"request {op.request.request_id!r} resumes at {op.position}")
         holder = self.holders.get(op.request.request_id)
         if holder is None or holder.request is not op.request:
             self.release(op.request.request_id)
