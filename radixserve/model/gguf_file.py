@@ -209,6 +209,16 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
     return out
 
 
+def refuse_rope_scaling(meta: dict, arch: str) -> None:
+    """For a config read from a header that knows only plain RoPE: a file whose RoPE is
+    scaled (YaRN, linear, ...) is refused rather than served with unscaled positions."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if kind not in (None, "none", "") and factor != 1.0:
+        raise ValueError(f"this {arch} GGUF scales RoPE ({arch}.rope.scaling.type {kind!r}, factor {factor:g}), "
+                         f"which radixserve does not read from a {arch} header; serve its Hugging Face directory")
+
+
 def _mtp_blocks(meta: dict, arch: str) -> range:
     """The blocks llama.cpp's converter appends for multi-token prediction (the last
     `nextn_predict_layers` of `block_count`)."""

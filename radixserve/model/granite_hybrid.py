@@ -23,6 +23,7 @@ from radixserve.attention.backend import AttentionBackend, AttentionPlan, plan_f
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.key_basis import rotate_heads
 from radixserve.model.causal_lm import CausalLM
+from radixserve.model.gguf_file import refuse_rope_scaling
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from radixserve.model.llama import MLP
 from radixserve.model.mamba2 import Mamba2Mixer
@@ -203,6 +204,7 @@ def granite_gguf_config(header) -> dict:
             raise ValueError(f"the {arch} GGUF's header lacks {arch}.{name}")
         return value
 
+    refuse_rope_scaling(meta, arch)
     tensors = {info.name: info for info in header.tensors}
     layers, hidden = int(key("block_count")), int(key("embedding_length"))
     heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))

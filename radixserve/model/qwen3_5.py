@@ -23,6 +23,7 @@ from radixserve.kernels.key_basis import rotate_heads
 from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.gated_deltanet import GatedDeltaNet
+from radixserve.model.gguf_file import refuse_rope_scaling
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from radixserve.model.llama import MLP
 from radixserve.model.recurrent_step import RecurrentLayers, RecurrentStep
@@ -247,6 +248,7 @@ def qwen3_5_gguf_config(header, model_type: str) -> dict:
             raise ValueError(f"the {arch} GGUF's header lacks {arch}.{name}")
         return value
 
+    refuse_rope_scaling(meta, arch)
     tensors = {info.name: info for info in header.tensors}
     layers = int(key("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
     head_dim = int(key("attention.key_length"))

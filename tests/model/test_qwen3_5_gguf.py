@@ -87,3 +87,22 @@ def test_float_weights_from_a_qwen35_gguf_are_refused_clearly(tiny_model_dir, tm
     path = write_gguf(tiny_model_dir("qwen3_5"), tmp_path / "tiny-qwen35.gguf", quant="Q8_0")
     with pytest.raises(ValueError, match="'qwen35' GGUF is served with its weights as the file stores them"):
         Engine(str(path), weight_dtype="float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "granitehybrid"])
+def test_a_header_with_scaled_rope_is_refused_not_read_as_plain(arch):
+    """The header readers know plain RoPE only: a file declaring YaRN would otherwise be served
+    with unscaled positions."""
+    from types import SimpleNamespace
+
+    from radixserve.model.granite_hybrid import granite_gguf_config
+    from radixserve.model.qwen3_5 import qwen3_5_gguf_config
+
+    read = (lambda h: qwen3_5_gguf_config(h, "qwen3_5_text")) if arch == "qwen35" else granite_gguf_config
+    header = SimpleNamespace(architecture=arch, tensors=[], metadata={
+        f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match=f"this {arch} GGUF scales RoPE .*'yarn', factor 4"):
+        read(header)
+    header.metadata[f"{arch}.rope.scaling.factor"] = 1.0  # declared but a factor of 1: plain, read on
+    with pytest.raises(ValueError, match="header lacks"):
+        read(header)
