@@ -76,11 +76,19 @@ def test_served_without_transformers_as_transformers_serves_it(model, tmp_path):
         theirs.convert_tokens_to_ids(["<|im_end|>", "no-such-token-here"])
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_every_served_template_renders_as_transformers_renders_it(template, tmp_path):
-    directory = _copy(None, tmp_path)
+@pytest.fixture(scope="module")
+def default_pair(tmp_path_factory):
+    """The default model's resolved tokenizer and transformers' own, loaded once for every template."""
+    directory = _copy(None, tmp_path_factory.mktemp("default"))
     load_resolved(directory)
     ours, theirs = load_resolved(directory), transformers_tokenizer(directory)
+    assert isinstance(ours, ResolvedTokenizer)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_served_template_renders_as_transformers_renders_it(template, default_pair):
+    ours, theirs = default_pair
     text = template.read_text()
     for messages in CONVERSATIONS:
         for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "tools": TOOLS},
