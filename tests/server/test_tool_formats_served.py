@@ -8,6 +8,7 @@ first turn computed."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -77,10 +78,17 @@ def test_forced_call_streamed_whole_and_next_turn(client, family):
         assert cached >= out.usage.prompt_tokens - out.usage.prompt_tokens % BLOCK - BLOCK
 
 
+def each_at_once(call, cases: list) -> list:
+    """call(case) for every case, all in flight together (the engine batches them); answers in order."""
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(call, cases))
+
+
 def test_named_call_under_each_template(client):
-    for family in FAMILIES:
-        out = ask(client, family, [{"role": "user", "content": "Add 12 and 30."}],
-                  tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False)
+    answers = each_at_once(lambda family: ask(
+        client, family, [{"role": "user", "content": "Add 12 and 30."}],
+        tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False), FAMILIES)
+    for family, out in zip(FAMILIES, answers):
         (call,) = out.choices[0].message.tool_calls
         assert call.function.name == "add", family
         jsonschema.validate(json.loads(call.function.arguments), ADD_SCHEMA)
@@ -88,17 +96,18 @@ def test_named_call_under_each_template(client):
 
 def test_auto_calls_under_each_template_parse_or_stay_text(client):
     """tool_choice auto: free text, but a call the model opens is the format's, constrained."""
-    for family in FAMILIES:
-        for seed in (1, 2):
-            out = ask(client, family, [{"role": "user", "content": "Use a tool: what is 2 plus 3?"}],
-                      tool_choice="auto", temperature=1.0, seed=seed, max_tokens=60)
-            choice = out.choices[0]
-            assert choice.finish_reason in ("stop", "length", "tool_calls"), family
-            if choice.finish_reason == "tool_calls":
-                for call in choice.message.tool_calls:
-                    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-            else:
-                assert choice.message.tool_calls is None or choice.finish_reason == "length"
+    cases = [(family, seed) for family in FAMILIES for seed in (1, 2)]
+    answers = each_at_once(lambda case: ask(
+        client, case[0], [{"role": "user", "content": "Use a tool: what is 2 plus 3?"}],
+        tool_choice="auto", temperature=1.0, seed=case[1], max_tokens=60), cases)
+    for (family, _), out in zip(cases, answers):
+        choice = out.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls"), family
+        if choice.finish_reason == "tool_calls":
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        else:
+            assert choice.message.tool_calls is None or choice.finish_reason == "length"
 
 
 def test_a_request_template_renders_plain_chat(client, engine):
