@@ -139,16 +139,21 @@ def max_chars_per_token(tokenizer: Any) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    spec = json.loads(backend.to_str())
-    if not _keeps_every_char(spec.get("normalizer"), _LOSSLESS_NORMALIZERS, _normalizer_ok):
+    if not _keeps_every_char(_spec(backend.normalizer), _LOSSLESS_NORMALIZERS, _normalizer_ok):
         return None
-    if not _keeps_every_char(spec.get("pre_tokenizer"), _LOSSLESS_PRE_TOKENIZERS, _pre_tokenizer_ok):
+    if not _keeps_every_char(_spec(backend.pre_tokenizer), _LOSSLESS_PRE_TOKENIZERS, _pre_tokenizer_ok):
         return None
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")):
+    model = backend.model
+    if type(model).__name__ != "BPE" or (model.unk_token is not None and model.fuse_unk):
         return None  # a fused unknown token can stand for any number of characters
     lengths = [len(t) for t in tokenizer.get_vocab()]
     return max(lengths) if lengths else None
+
+
+def _spec(component: Any) -> dict | None:
+    """A normalizer's or pre-tokenizer's JSON, as tokenizer.json holds it (serializing only
+    it: the whole tokenizer's JSON, vocabulary and merges, takes seconds on a large vocabulary)."""
+    return None if component is None else json.loads(component.__getstate__())
 
 
 def _keeps_every_char(node: dict | None, allowed: set[str], ok: Callable[[dict], bool]) -> bool:
