@@ -1,5 +1,6 @@
-"""One local Ray for every cluster test file: each file deploys its own Serve app on it and
-shuts Serve down after its tests; Ray itself stops once, after the last test of this folder."""
+"""One local Ray and one Serve (its controller and HTTP proxy on one port) for every cluster
+test file: each file deploys its own Serve app on them and deletes it after its tests; Serve
+and Ray stop once, after the last test of this folder."""
 
 from __future__ import annotations
 
@@ -14,3 +15,16 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def serve_port(local_ray) -> int:
+    """The port of the one Serve HTTP proxy (radixserve.cluster.app.deploy starts it with the first app)."""
+    from ray import serve
+
+    from subprocess_server import free_port
+
+    try:
+        yield free_port()
+    finally:
+        serve.shutdown()

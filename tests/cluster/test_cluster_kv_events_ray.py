@@ -18,7 +18,6 @@ serve = pytest.importorskip("ray.serve")
 from bench.lib.chat_sessions import REPLICA_HEADER  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
 from routing_metrics import routing_reasons  # noqa: E402
-from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
@@ -26,11 +25,11 @@ APP = "radixserve-kv"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
+def test_the_ingress_routes_on_what_the_replicas_report_holding(serve_port):
     from radixserve.cluster.app import deploy
     from radixserve.cluster.options import ClusterOptions
 
-    port = free_port()
+    port = serve_port
     url = f"http://127.0.0.1:{port}"
     engine = {"num_threads": 1, "kv_events_endpoint": "tcp://127.0.0.1:5557"}  # each replica binds its own ports
     prompt = [(7 * i) % 5000 + 100 for i in range(96)]
@@ -68,4 +67,4 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(local_ray):
         assert follow.status_code == 200 and follow.headers[REPLICA_HEADER] == asked.headers[REPLICA_HEADER]
         assert routing_reasons(url).get("kv_prefix", 0) == before.get("kv_prefix", 0) + 1  # named: routed on events
     finally:
-        serve.shutdown()
+        serve.delete(APP)

@@ -25,7 +25,6 @@ from bench.lib import chat_sessions  # noqa: E402
 from bench.lib.chat_sessions import REPLICA_HEADER, ChatSessions  # noqa: E402
 from radixserve.cluster.metrics_merge import sample_total  # noqa: E402
 from radixserve.server.options import ServerOptions  # noqa: E402
-from subprocess_server import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.timeout(400)]
 
@@ -46,17 +45,17 @@ def reference() -> list[chat_sessions.Turn]:
 
 
 @pytest.fixture(scope="module")
-def cluster(reference, local_ray) -> str:
+def cluster(reference, serve_port) -> str:
     from radixserve.cluster.app import deploy
     from radixserve.cluster.options import ClusterOptions
 
-    port = free_port()
+    port = serve_port
     try:
         deploy(ENGINE, ServerOptions(enable_debug_endpoints=True), ClusterOptions(replicas=2, app_name=APP),
                "127.0.0.1", port)
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        serve.delete(APP)
 
 
 def test_affinity_routing_keeps_one_replicas_reuse(cluster, reference):
