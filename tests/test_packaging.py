@@ -75,7 +75,8 @@ def test_wheel_installs_beside_an_existing_torch(dist, tmp_path):
 
     before = (torch.__version__, str(Path(torch.__file__).resolve()))
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], timeout=180)
+    # no pip of its own (ensurepip takes seconds): the project's, seen through the .pth, installs into it
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], timeout=180)
     python = venv / "bin" / "python"
     site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).strip())
     (site / "project_venv.pth").write_text(sysconfig.get_path("purelib") + "\n")
