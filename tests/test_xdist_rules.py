@@ -129,10 +129,12 @@ def test_two_workers_keep_modules_whole_share_a_named_worker_and_run_a_serial_te
         body = MODULE.format(log=str(log), serial=SERIAL if name == "a" else "")
         (suite / f"test_{name}.py").write_text(textwrap.dedent(body))
     tests = Path(__file__).resolve().parent
+    # xdist alone of the installed plugins (loading them all is most of the three interpreters' start)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "xdist.plugin", "-p", "no:cacheprovider",
          "--rootdir", str(suite), "-c", "/dev/null", str(suite)],
-        capture_output=True, text=True, timeout=240, cwd=suite, env={**os.environ, "PYTHONPATH": str(tests)},
+        capture_output=True, text=True, timeout=240, cwd=suite,
+        env={**os.environ, "PYTHONPATH": str(tests), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [json.loads(line) for line in log.read_text().splitlines()]
