@@ -59,6 +59,7 @@ The library (bench/lib/), what the runners share:
     agent_traces   agent traces for speculation: tool loops with JSON arguments, a coding agent, ReAct, chat
     draft_replay   a drafter run over recorded outputs without the model (bench_draft_replay)
     recurrent_agents  agent loops as messages on a tiny random-weight Qwen3.5 or LFM2 (bench_recurrent_agents)
+    random_gguf    random-weight GGUF files of real shapes: the writer, Q4_0 blocks, a byte-level vocabulary
     dsl_workloads, dsl_backends, kv_quant_prompts, weights_speed, gguf_kquants, moe_gguf,
-                   lfm2_gguf: what single benches run on
+                   lfm2_gguf, qwen35_gguf: what single benches run on
 """

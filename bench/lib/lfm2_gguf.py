@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.moe_gguf import _q4_0, _tokenizer
+from bench.lib.random_gguf import byte_pair_tokenizer, finish, open_writer, q4_0
 
 
 @dataclass(frozen=True)
@@ -44,28 +44,21 @@ def random_lfm2_gguf(shape: Lfm2Shape, path: Path, seed: int = 0) -> Path:
     """Write (once: an existing file is kept) a random-weight lfm2 GGUF of `shape`."""
     if path.is_file():
         return path
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(str(tmp), arch="lfm2")
     h, head_dim = shape.hidden, shape.hidden // shape.heads
-    writer.add_name(shape.name)
-    writer.add_context_length(32768)
-    writer.add_embedding_length(h)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.ffn)
+    writer = open_writer(path, "lfm2", shape.name, h, shape.layers, shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv([shape.kv_heads if i in shape.attention else 0 for i in range(shape.layers)])
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
     writer.add_shortconv_l_cache(shape.conv)
-    _tokenizer(writer, shape.vocab)
+    byte_pair_tokenizer(writer, shape.vocab)
     q4 = GGMLQuantizationType.Q4_0
     ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
-    writer.add_tensor("token_embd.weight", _q4_0(rng, (shape.vocab, h)), raw_dtype=q4)
+    writer.add_tensor("token_embd.weight", q4_0(rng, (shape.vocab, h)), raw_dtype=q4)
     writer.add_tensor("token_embd_norm.weight", ones(h))
     kv = shape.kv_heads * head_dim
     for i in range(shape.layers):
@@ -82,10 +75,5 @@ def random_lfm2_gguf(shape: Lfm2Shape, path: Path, seed: int = 0) -> Path:
             weights = (("shortconv.in_proj", 3 * h, h), ("shortconv.out_proj", h, h))
         weights += (("ffn_gate", shape.ffn, h), ("ffn_up", shape.ffn, h), ("ffn_down", h, shape.ffn))
         for name, rows, cols in weights:
-            writer.add_tensor(f"{blk}{name}.weight", _q4_0(rng, (rows, cols)), raw_dtype=q4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=True)
-    writer.close()
-    tmp.rename(path)
-    return path
+            writer.add_tensor(f"{blk}{name}.weight", q4_0(rng, (rows, cols)), raw_dtype=q4)
+    return finish(writer, path)

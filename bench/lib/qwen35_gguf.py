@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.moe_gguf import _q4_0
-from bench.lib.moe_gguf import _tokenizer as _pairs_tokenizer
+from bench.lib.random_gguf import byte_pair_tokenizer, finish, open_writer, q4_0
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def _tokenizer(writer, vocab: int) -> None:
 
     pairs = min(vocab, 256 + 256 * 256)
     if pairs == vocab:
-        return _pairs_tokenizer(writer, vocab)
+        return byte_pair_tokenizer(writer, vocab)
     symbols = list(bytes_to_unicode().values())
     tokens = symbols + [a + b for a in symbols for b in symbols]
     tokens += [f"<|fill_{i}|>" for i in range(vocab - len(tokens))]
@@ -78,18 +77,11 @@ def random_qwen35_gguf(shape: Qwen35Shape, path: Path, seed: int = 0) -> Path:
     """Write (once: an existing file is kept) a random-weight qwen35 GGUF of `shape`."""
     if path.is_file():
         return path
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(str(tmp), arch="qwen35")
     h, d = shape.hidden, shape.head_dim
-    writer.add_name(shape.name)
-    writer.add_context_length(32768)
-    writer.add_embedding_length(h)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.ffn)
+    writer = open_writer(path, "qwen35", shape.name, h, shape.layers, shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(d)
@@ -107,7 +99,7 @@ def random_qwen35_gguf(shape: Qwen35Shape, path: Path, seed: int = 0) -> Path:
     _tokenizer(writer, shape.vocab)
     q4 = GGMLQuantizationType.Q4_0
     ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
-    writer.add_tensor("token_embd.weight", _q4_0(rng, (shape.vocab, h)), raw_dtype=q4)
+    writer.add_tensor("token_embd.weight", q4_0(rng, (shape.vocab, h)), raw_dtype=q4)
     writer.add_tensor("output_norm.weight", ones(h))
     value = shape.v_heads * shape.head_k
     channels = 2 * shape.k_heads * shape.head_k + value
@@ -129,10 +121,5 @@ def random_qwen35_gguf(shape: Qwen35Shape, path: Path, seed: int = 0) -> Path:
                        ("ssm_beta", shape.v_heads, h), ("ssm_out", h, value))
         weights += (("ffn_gate", shape.ffn, h), ("ffn_up", shape.ffn, h), ("ffn_down", h, shape.ffn))
         for name, rows, cols in weights:
-            writer.add_tensor(f"{blk}{name}.weight", _q4_0(rng, (rows, cols)), raw_dtype=q4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=True)
-    writer.close()
-    tmp.rename(path)
-    return path
+            writer.add_tensor(f"{blk}{name}.weight", q4_0(rng, (rows, cols)), raw_dtype=q4)
+    return finish(writer, path)
