@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 from pathlib import Path
 
 import torch
@@ -182,3 +183,22 @@ def run_checked(engine, prompts: list[list[int]], max_tokens: int, cache_salt: s
                 done[out.request_id] = out
         engine.check_integrity()
     return [done[i] for i in ids]
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(97) for _ in range(n)]
+
+
+def resumed_turns(engine, reference: Path) -> None:
+    """Two prompts (one over two chunks of 16), greedy equal to transformers on `reference`,
+    then the next turn of the first resumed from the recurrent state kept at its reply's end."""
+    prompts = [random_tokens(21, seed=1), random_tokens(30, seed=3)]
+    outs = run_checked(engine, prompts, 8)
+    for prompt, out in zip(prompts, outs):
+        assert out.cached_tokens == 0 and out.token_ids == hf_greedy(reference, prompt, 8)
+    follow = prompts[0] + outs[0].token_ids + random_tokens(6, seed=2)
+    (second,) = run_checked(engine, [follow], 8)
+    assert second.cached_tokens == 21 + 8 - 1  # the reply's end (a block end), where its state was kept
+    assert second.token_ids == hf_greedy(reference, follow, 8)
+    assert engine.stats()["recurrent_snapshot_restores"] == 1

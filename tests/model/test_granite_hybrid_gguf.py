@@ -8,31 +8,11 @@ against transformers on the values it holds."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from radixserve import Engine
 from tiny_gguf import quant_rounded, write_gguf
-from tiny_models import hf_greedy, run_checked
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(97) for _ in range(n)]
-
-
-def turns(engine, reference):
-    """Two prompts (one over two chunks), then the next turn of the first resumed from its kept state."""
-    prompts = [tokens(21, seed=1), tokens(30, seed=3)]
-    outs = run_checked(engine, prompts, 8)
-    for prompt, out in zip(prompts, outs):
-        assert out.cached_tokens == 0 and out.token_ids == hf_greedy(reference, prompt, 8)
-    follow = prompts[0] + outs[0].token_ids + tokens(6, seed=2)
-    (second,) = run_checked(engine, [follow], 8)
-    assert second.cached_tokens == 21 + 8 - 1  # the reply's end (a block end), where its state was kept
-    assert second.token_ids == hf_greedy(reference, follow, 8)
-    assert engine.stats()["recurrent_snapshot_restores"] == 1
+from tiny_models import resumed_turns
 
 
 @pytest.mark.parametrize("kind, quant", [("granite_hybrid", "F32"), ("granite_hybrid", "Q8_0"),
@@ -56,4 +36,4 @@ def test_a_granitehybrid_gguf_is_greedy_equal_to_transformers(tiny_model_dir, tm
         reference = quant_rounded(directory, tmp_path / "rounded", quant)
     else:
         reference = directory
-    turns(engine, reference)
+    resumed_turns(engine, reference)

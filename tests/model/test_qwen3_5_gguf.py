@@ -8,32 +8,12 @@ holds."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from radixserve import Engine
 from tiny_gguf import quant_rounded, write_gguf
-from tiny_models import hf_greedy, run_checked
+from tiny_models import resumed_turns
 from test_qwen3_5_moe import build_tiny_qwen3_5_moe
-
-
-def tokens(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(97) for _ in range(n)]
-
-
-def turns(engine, reference):
-    """Two prompts (one over two chunks), then the next turn of the first resumed from its kept state."""
-    prompts = [tokens(21, seed=1), tokens(30, seed=3)]
-    outs = run_checked(engine, prompts, 8)
-    for prompt, out in zip(prompts, outs):
-        assert out.cached_tokens == 0 and out.token_ids == hf_greedy(reference, prompt, 8)
-    follow = prompts[0] + outs[0].token_ids + tokens(6, seed=2)
-    (second,) = run_checked(engine, [follow], 8)
-    assert second.cached_tokens == 21 + 8 - 1  # the reply's end (a block end), where its state was kept
-    assert second.token_ids == hf_greedy(reference, follow, 8)
-    assert engine.stats()["recurrent_snapshot_restores"] == 1
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +40,7 @@ def test_a_qwen35_gguf_is_greedy_equal_to_transformers(tiny_model_dir, tmp_path,
         reference = quant_rounded(directory, tmp_path / "rounded", quant)
     else:
         reference = directory
-    turns(engine, reference)
+    resumed_turns(engine, reference)
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])
@@ -80,7 +60,7 @@ def test_a_qwen35moe_gguf_is_greedy_equal_to_transformers(tiny_moe, tmp_path, qu
         reference = quant_rounded(tiny_moe, tmp_path / "rounded", quant)
     else:
         reference = tiny_moe
-    turns(engine, reference)
+    resumed_turns(engine, reference)
 
 
 def test_float_weights_from_a_qwen35_gguf_are_refused_clearly(tiny_model_dir, tmp_path):
