@@ -257,7 +257,7 @@ class Engine:
         from the handoff's first token, which is its first output (returned with the id). A
         TransferFailed, or a handoff that cannot be used, makes it an ordinary request that
         computes its prompt here (counted); None: an ordinary request, not counted."""
-        taken = self.kv_transfer.take(handoff, prepared.token_ids)
+        taken = self.kv_transfer.take(handoff, prepared.token_ids, prepared.cache_salt)
         request_id = self.admit(prepared, request_id)
         if taken is None:
             return request_id, None

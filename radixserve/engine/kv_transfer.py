@@ -253,14 +253,17 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
-    def take(self, handoff: "KVHandoff | PendingImport | TransferFailed | None", token_ids: list[int]) -> KVHandoff | None:
-        """The handoff a request of `token_ids` goes on from, its blocks now in the tree; None:
-        the request computes its prompt here (counted, unless `handoff` is None). A reservation
-        is committed, or cancelled when it does not fit. Engine thread."""
+    def take(self, handoff: "KVHandoff | PendingImport | TransferFailed | None", token_ids: list[int],
+             cache_salt: str | None = None) -> KVHandoff | None:
+        """The handoff a request of `token_ids` in namespace `cache_salt` goes on from, its blocks
+        now in the tree; None: the request computes its prompt here (counted, unless `handoff` is
+        None). A handoff of other tokens or of another namespace is not used. A reservation is
+        committed, or cancelled when it does not fit. Engine thread."""
         if handoff is None:
             return None
         source = handoff.handoff if isinstance(handoff, PendingImport) else handoff
-        usable = isinstance(source, KVHandoff) and source.token_ids == list(token_ids)
+        usable = (isinstance(source, KVHandoff) and source.token_ids == list(token_ids)
+                  and source.cache_salt == cache_salt)
         if isinstance(handoff, PendingImport):
             if usable:
                 usable = self.commit(handoff).failed is None

@@ -172,12 +172,14 @@ def test_a_handoff_that_never_arrives_is_computed_on_the_decode_side(model):
     check(p, d)
 
 
-@pytest.mark.parametrize("spoil", ["hashes", "layout", "data", "short_data", "prompt"])
+@pytest.mark.parametrize("spoil", ["hashes", "layout", "data", "short_data", "prompt", "namespace"])
 def test_an_unusable_handoff_falls_back(model, spoil):
+    """namespace: a handoff computed under another tenant's salt is not taken into this
+    request's namespace (nor into its own: nothing of it enters the tree)."""
     p, d = engine_of(model), engine_of(model)
     prompt = tokens(16, 50)
     want = engine_of(model).generate([prompt], SamplingParams(**GREEDY, max_tokens=6))[0].token_ids
-    handoff = prefill(p, prompt, skip_blocks=0)
+    handoff = prefill(p, prompt, skip_blocks=0, salt="tenant-a" if spoil == "namespace" else None)
     if spoil == "hashes":
         handoff.block_hashes = [h ^ 1 for h in handoff.block_hashes]
     elif spoil == "layout":
@@ -186,11 +188,12 @@ def test_an_unusable_handoff_falls_back(model, spoil):
         handoff.data = None
     elif spoil == "short_data":
         handoff.data = handoff.data[:, :-4]
-    else:
+    elif spoil == "prompt":
         handoff.token_ids = handoff.token_ids[:-1] + [handoff.token_ids[-1] % 90 + 4]
     got, _ = decode(d, prompt, handoff, max_tokens=6)
     assert got == want
     assert d.stats()["kv_fallback_recomputes"] == 1 and d.stats()["kv_received_blocks"] == 0
+    assert d.kv_transfer.cached_blocks(prompt, "tenant-a") == 0
     p.kv_transfer.release(handoff.handoff_id)
     check(p, d)
 
