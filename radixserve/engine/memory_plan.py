@@ -11,7 +11,8 @@ free) and splits it among the kinds the model needs:
                      but never fewer pages than one request's window plus its largest chunk
                      (those first, blocks in what is left)
 
-    recurrent        snapshots = RECURRENT_SHARE * budget // snapshot_bytes first, the rest as above
+    recurrent        snapshots = RECURRENT_SHARE * budget // snapshot_bytes first (none: refused),
+                     the rest as above
 
 With num_kv_blocks the block count is given and nothing is split (window pages still
 follow the ratio, at least the least; snapshots: one per SNAPSHOT_BLOCKS blocks, at least
