@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.core.plan import ScheduledChunk
-from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, SnapshotOp
+from radixserve.core.recurrent_snapshots import DROP, RESTORE, SAVE, TIER_RESTORE, SnapshotOp
 from radixserve.core.request import Request, RequestStatus
 from radixserve.execution.recurrent_state import RecurrentStatePool
 from radixserve.model.short_conv import ShortConv
@@ -149,3 +149,6 @@ def test_the_caches_operations_apply_in_order_and_a_save_off_its_position_is_ref
     pool.apply([SnapshotOp(SAVE, 0, a, 8)])
     with pytest.raises(RuntimeError, match="stands at token 8, request 'c' resumes at 12"):
         pool.apply([SnapshotOp(RESTORE, 0, request("c"), 12)])
+    pool.tier_positions[3] = 8  # a tier slot the runner recorded at 8: a restore from it at 12 is refused
+    with pytest.raises(RuntimeError, match="tier state slot 3 stands at 8, request 'c' resumes at 12"):
+        pool.apply([SnapshotOp(TIER_RESTORE, -1, request("c"), 12, slot=3)])
