@@ -15,7 +15,7 @@ pool of another dtype the backend runs the torch backend's paths throughout (and
 A sliding-window layer passes its window to both kernels, which start at each row's first
 window block (decode cost O(window)); SDPA's chunks get window masks, made once per window a step.
 A layer's attention sinks (gpt-oss) go to every path: both kernels fold them in after a row's
-last key.
+last key. A step's draft-tree masks (attention/metadata.py) go to the decode kernel.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class CpuPlan(AttentionPlan):
     tiled: TiledChunks | None = None
     meta: AttentionMetadata | None = None
     windows: dict[int, list[PrefillChunk]] = field(default_factory=dict, compare=False)  # SDPA's chunks per window
+    decode_tree_masks: torch.Tensor | None = None  # [D] int64: the decodes' draft-tree masks, or None
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -114,10 +115,11 @@ class CpuAttentionBackend(AttentionBackend):
             return self._torch.prepare(meta)
         d = meta.num_decodes
         decodes = (d, meta.slot_mapping, meta.block_tables[:d], meta.seq_lens[:d])
+        masks = None if meta.tree_masks is None else meta.tree_masks[:d].contiguous()
         if d == meta.num_requests or not (self.tiled_prefill and self._kernels.has_prefill):
-            return CpuPlan(*decodes, plan_prefills(meta), meta=meta)
+            return CpuPlan(*decodes, plan_prefills(meta), meta=meta, decode_tree_masks=masks)
         chunks = TiledChunks(meta.block_tables[d:], meta.query_start_loc[d:], meta.seq_lens[d:])
-        return CpuPlan(*decodes, [], chunks, meta=meta)
+        return CpuPlan(*decodes, [], chunks, meta=meta, decode_tree_masks=masks)
 
     def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, window: int = 0, sinks=None) -> torch.Tensor:
         if self._torch is not None:
@@ -134,7 +136,7 @@ class CpuAttentionBackend(AttentionBackend):
         if d:
             out[:d] = self._kernels.decode(
                 q[:d].contiguous(), k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                pages, window, sinks,
+                pages, window, sinks, plan.decode_tree_masks,
             )
         if plan.tiled is not None:
             chunks = plan.tiled

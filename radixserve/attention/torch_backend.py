@@ -20,6 +20,9 @@ them (dequantized).
 A layer with attention sinks (gpt-oss: `sinks`, one logit per query head, which joins each
 softmax's denominator with no value row) takes the same gathers and masks, and its products and
 softmax run as plain ops (`attend`: SDPA has no sink term); without sinks nothing changes.
+
+A draft tree's rows (meta.tree_masks) get their masks' keys in the decodes' masks: the slots
+before their tree's base (from their window's first position on) and the tree slots they see.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 
 from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.kernels.quantized_pages import QuantizedPages
-from radixserve.attention.metadata import AttentionMetadata
+from radixserve.attention.metadata import AttentionMetadata, tree_view
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,26 @@ def _plan_decodes(meta: AttentionMetadata, window: int = 0) -> tuple[torch.Tenso
     index = meta.block_tables[:d, :num_blocks].reshape(-1).long()
     length = num_blocks * block_size
     positions = torch.arange(length, device=meta.seq_lens.device)
-    return index, length, (positions[None, :] < meta.seq_lens[:d, None]).view(d, 1, 1, -1)
+    mask = positions[None, :] < meta.seq_lens[:d, None]
+    _mask_trees(mask, [0] * d, meta, 0)
+    return index, length, mask.view(d, 1, 1, -1)
+
+
+def _mask_trees(mask: torch.Tensor, starts: list[int], meta: AttentionMetadata, window: int) -> None:
+    """In place: each draft-tree row's mask (its keys from slot starts[row] on) to what its
+    tree mask lets it see (attention/metadata.py: tree_view)."""
+    if meta.tree_masks_list is None:
+        return
+    for r, tree in enumerate(meta.tree_masks_list[:mask.shape[0]]):
+        if not tree:
+            continue
+        seq_len = meta.seq_lens_list[r]
+        first, seen = tree_view(seq_len, tree, window)
+        base = seq_len - tree.bit_length()
+        row = torch.zeros(mask.shape[1], dtype=torch.bool)
+        row[max(0, first - starts[r]):max(0, base - starts[r])] = True
+        row[[s - starts[r] for s in seen]] = True
+        mask[r] = row.to(mask.device)
 
 
 def _plan_window_decodes(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -223,7 +245,8 @@ def _plan_window_decodes(meta: AttentionMetadata, window: int) -> tuple[torch.Te
     last; a row with fewer repeats its last block (masked), so no other entry is read."""
     d, block_size, device = meta.num_decodes, meta.block_size, meta.seq_lens.device
     lens = meta.seq_lens_list[:d]
-    first = [max(0, n - window) // block_size for n in lens]
+    trees = meta.tree_masks_list[:d] if meta.tree_masks_list is not None else [0] * d
+    first = [tree_view(n, tree, window)[0] // block_size for n, tree in zip(lens, trees)]
     last = [(n - 1) // block_size for n in lens]
     num_blocks = max(b - a + 1 for a, b in zip(first, last))
     first_t = torch.tensor(first, dtype=torch.int64, device=device)[:, None]
@@ -234,6 +257,7 @@ def _plan_window_decodes(meta: AttentionMetadata, window: int) -> tuple[torch.Te
     positions = first_t * block_size + torch.arange(length, device=device)
     seq_lens = meta.seq_lens[:d, None].long()
     mask = (positions < seq_lens) & (positions >= seq_lens - window)
+    _mask_trees(mask, [b * block_size for b in first], meta, window)
     return index, length, mask.view(d, 1, 1, -1)
 
 

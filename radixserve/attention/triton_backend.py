@@ -4,7 +4,7 @@ Each layer: store_kv writes the step's K/V into the pool, the decode kernel serv
 single-token requests (the first num_decodes), and the extend kernel serves the prefill
 chunks, reading cached prefixes in place through their block tables; a sliding-window
 layer's window goes to both, which start at each query's first window key, and its attention
-sinks (gpt-oss) to both. With quantized pages
+sinks (gpt-oss) to both, and a step's draft-tree masks to the decode kernel. With quantized pages
 (int8 or fp8_e4m3) the kernels take each layer's pages as two strided views, the codes and
 the scales (kernels/quantized_pages.py): the store quantizes, attention dequantizes as it loads.
 
@@ -34,6 +34,7 @@ class TritonPlan(AttentionPlan):
     extend_query_start: torch.Tensor
     extend_seq_lens: torch.Tensor
     max_extend_len: int
+    decode_tree_masks: torch.Tensor | None = None  # [D] int64 draft-tree masks, or None
 
 
 def load_kernels(device: torch.device) -> SimpleNamespace:
@@ -71,6 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
             extend_query_start=meta.query_start_loc[d:],
             extend_seq_lens=meta.seq_lens[d:],
             max_extend_len=max(extend_lens, default=0),
+            decode_tree_masks=None if meta.tree_masks is None else meta.tree_masks[:d].contiguous(),
         )
 
     def forward(self, q, k, v, k_cache, v_cache, plan: TritonPlan, window: int = 0, sinks=None):
@@ -85,7 +87,8 @@ class TritonAttentionBackend(AttentionBackend):
         if d:
             kernels.decode_attention(
                 q[:d], k_cache, v_cache, plan.decode_block_tables, plan.decode_seq_lens, self.scale,
-                max_seq_len=plan.max_decode_len, out=out[:d], window=window, sinks=sinks, **scales,
+                max_seq_len=plan.max_decode_len, out=out[:d], window=window, sinks=sinks,
+                tree_masks=plan.decode_tree_masks, **scales,
             )
         if plan.max_extend_len:
             # Extend rows are addressed through query_start_loc, so q and out go in whole.

@@ -53,34 +53,37 @@ class NativePagedAttention:
         pages: QuantizedPages | None = None,
         window: int = 0,
         sinks: torch.Tensor | None = None,
+        tree_masks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [D, H, d] float32 -> out [D, H, d]; caches [blocks, block_size, kv_heads, d], or
         with `pages` int8 pages [blocks, page_bytes]. Requests that share leading blocks
         should be neighbours (they are read once). window > 0: each row sees its last
         `window` keys, and its table only from the block of the first on. sinks: float32 [H]
-        attention-sink logits, or None."""
+        attention-sink logits, or None. tree_masks: int64 [D] draft-tree masks
+        (attention/metadata.py), or None."""
+        masks = _masks_ptr(tree_masks, q.shape[0])
         if pages is not None:
-            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages, window, sinks)
+            return self._decode_pages(q, k_cache, v_cache, block_tables, seq_lens, scale, pages, window, sinks, masks)
         _check(q, k_cache, v_cache, block_tables, seq_lens)
         out = torch.empty_like(q)
         status = self._decode(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], block_tables.data_ptr(),
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), q.shape[0],
             q.shape[1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1], scale, max(window, 0),
-            _sinks_ptr(sinks, q.shape[1]),
+            _sinks_ptr(sinks, q.shape[1]), masks,
         )
         _raise_for(status)
         return out
 
     def _decode_pages(self, q, k_pages, v_pages, block_tables, seq_lens, scale, pages: QuantizedPages,
-                      window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+                      window: int, sinks: torch.Tensor | None, masks: int | None) -> torch.Tensor:
         _check_pages(q, k_pages, v_pages, block_tables, seq_lens, pages)
         out = torch.empty_like(q)
         status = self._decode_i8(
             q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.shape[0], pages.page_bytes,
             pages.code_bytes, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             seq_lens.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], pages.num_kv_heads, pages.head_dim,
-            pages.block_size, scale, max(window, 0), _sinks_ptr(sinks, q.shape[1]),
+            pages.block_size, scale, max(window, 0), _sinks_ptr(sinks, q.shape[1]), masks,
         )
         _raise_for(status)
         return out
@@ -203,9 +206,21 @@ def _sinks_ptr(sinks: torch.Tensor | None, num_heads: int) -> int | None:
     return sinks.data_ptr()
 
 
+def _masks_ptr(masks: torch.Tensor | None, rows: int) -> int | None:
+    """The address the decode kernel reads the rows' draft-tree masks at (None: none)."""
+    if masks is None:
+        return None
+    if not (masks.dtype == torch.int64 and masks.device.type == "cpu" and masks.is_contiguous()
+            and masks.shape == (rows,)):
+        raise ValueError(f"tree_masks must be a contiguous CPU int64 [{rows}] tensor, got {masks.dtype} "
+                         f"{tuple(masks.shape)} on {masks.device}")
+    return masks.data_ptr()
+
+
 def _raise_for(status: int) -> None:
     if status == -2:
-        raise ValueError("a context length is < 1 or past its block table, or a block id is outside the pool")
+        raise ValueError("a context length is < 1 or past its block table, a tree mask's highest bit is past its "
+                         "row's context, or a block id is outside the pool")
     if status:
         raise RuntimeError("native decode attention could not allocate its scratch memory")
 

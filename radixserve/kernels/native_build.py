@@ -59,7 +59,8 @@ class Signature:
 SIGNATURES: dict[str, Signature] = {
     "paged_decode_attention_f32": Signature(
         "paged_attention.c",
-        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR), _INT,
+        (_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _PTR, _PTR),
+        _INT,
     ),
     "paged_prefill_attention_i8": Signature(
         "prefill_attention.c",
@@ -76,7 +77,7 @@ SIGNATURES: dict[str, Signature] = {
     "paged_decode_attention_i8": Signature(
         "paged_attention.c",
         (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64,
-         _PTR), _INT,
+         _PTR, _PTR), _INT,
     ),
     "paged_store_i8": Signature(
         "paged_attention.c", (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64), _INT,
@@ -104,7 +105,8 @@ SIGNATURES: dict[str, Signature] = {
         (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64), _INT,
     ),
     "decoder_layers_f32": Signature(
-        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR), _INT,
+        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR),
+        _INT,
     ),
 }
 

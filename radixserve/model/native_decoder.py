@@ -133,6 +133,7 @@ class NativeDecoder:
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
             cos.data_ptr(), sin.data_ptr(), full.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
+            None if full.decode_tree_masks is None else full.decode_tree_masks.data_ptr(),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool")

@@ -20,6 +20,7 @@
  *   tables     [rows, table_stride] int32 block table of each row's request
  *   seq_lens   [rows] int32 context length of each row, this row's token included (a layer with a
  *              sliding window reads only the table entries its window reaches)
+ *   masks      [rows] draft-tree masks (paged_attention.c), or NULL: none
  *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
  *              projection out, gate_up, activation (qkv = q + 2 kv)
  *   second     NULL, or the step's second RoPE table (layers with alt_rope: Gemma 3's window layers)
@@ -106,7 +107,7 @@ static void add_rows(float *x, const float *y, int64_t n) {
  * tables: the widest window among them bounds the table entries checked (0: all). */
 static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t alt, const int64_t *slots,
                        int64_t rows, const int32_t *tables, int64_t table_stride, int64_t table_width,
-                       const int32_t *seq_lens, int64_t block_size, int64_t num_blocks) {
+                       const int32_t *seq_lens, int64_t block_size, int64_t num_blocks, const uint64_t *masks) {
     int64_t widest = 0, full = 0, any = 0;
     for (int64_t i = 0; i < num_layers; ++i) {
         if ((layers[i].alt_pages != 0) != (alt != 0)) continue;
@@ -117,28 +118,30 @@ static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t a
     if (!any && alt) return 1;
     return slots_valid(slots, rows, num_blocks * block_size) &&
            tables_valid(tables, table_stride, table_width, seq_lens, rows, block_size, num_blocks,
-                        full || !any ? 0 : widest);
+                        full || !any ? 0 : widest, masks);
 }
 
 int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                        const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
-                       const int32_t *seq_lens, float *workspace, const StepSecond *second) {
+                       const int32_t *seq_lens, float *workspace, const StepSecond *second,
+                       const uint64_t *masks) {
     const DecoderShape s = *shape;
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
     for (int64_t i = 0; i < num_layers; ++i)
         if ((layers[i].alt_rope || layers[i].alt_pages) && !second) return -1;
     if (!pages_valid(layers, num_layers, 0, slots, rows, tables, table_stride, table_width, seq_lens,
-                     s.block_size, s.num_blocks) ||
+                     s.block_size, s.num_blocks, masks) ||
         (second && !pages_valid(layers, num_layers, 1, second->slots, rows, second->tables, second->table_stride,
-                                second->table_width, seq_lens, s.block_size, second->num_blocks)))
+                                second->table_width, seq_lens, s.block_size, second->num_blocks, masks)))
         return -2;
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
     float *act = gate_up + rows * 2 * inter;
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
+    pages.masks = masks;
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
         const float *lcos = w->alt_rope ? second->cos : cos, *lsin = w->alt_rope ? second->sin : sin;

@@ -31,6 +31,15 @@
  * denominator takes one more term, exp(sink), that no value row goes with. It is folded in
  * once per row after the last key, from the row's final (m, l), so the key loops are unchanged.
  *
+ * Draft trees (`masks` non-NULL; attention/metadata.py's tree_masks): a row with a nonzero
+ * mask M is a tree node: bit j stands for slot base + j, base = len - 1 - (M's highest bit, the
+ * row's own slot); the row sees every slot before base, and of those from base on the ones whose
+ * bit is set (its ancestors and itself). Its position is base + popcount(M) - 1, and a window
+ * counts positions: the slots before base from position + 1 - W on, bit j while
+ * popcount(M >> j) <= W. The row walks its table (grouped, windowed) as a row of context base,
+ * so a tree's rows share their prefix as a chain's do; its tree keys (at most 64) are then
+ * gathered into the tile, a block's worth at a time, and folded in by the float path.
+ *
  * Layouts (float32, contiguous):
  *   q, out           [num_rows, num_heads, head_dim]
  *   k, v (new rows)  [tokens, num_kv_heads, head_dim]
@@ -75,6 +84,7 @@ typedef struct {
     float scale;
     int64_t window; /* sliding window, 0: the whole context */
     const float *sinks; /* [num_heads] natural-log logits, or NULL: no sinks */
+    const uint64_t *masks; /* [num_rows] draft-tree masks (0: an ordinary row), or NULL: none */
 } Shape;
 
 static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
@@ -573,6 +583,23 @@ static int64_t first_key(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
+/* A tree row's base: the slot of its mask's bit 0. */
+static int64_t tree_base(int64_t len, uint64_t mask) { return len - 1 - (63 - __builtin_clzll(mask)); }
+
+/* The slots [first, walk) row r (context len) reads through its table: all its context, or a
+ * tree row's slots before its base from its window's first position on. */
+static void row_span(const Shape *sh, int64_t r, int64_t len, int64_t *first, int64_t *walk) {
+    const uint64_t mask = sh->masks ? sh->masks[r] : 0;
+    if (!mask) {
+        *first = first_key(len, sh->window), *walk = len;
+        return;
+    }
+    *walk = tree_base(len, mask);
+    const int64_t next = *walk + __builtin_popcountll(mask); /* the row's position + 1 */
+    *first = sh->window > 0 && next > sh->window ? next - sh->window : 0;
+    if (*first > *walk) *first = *walk;
+}
+
 /* Block PREFETCH_BLOCKS after position b of a table for context len, or -1 past its end. */
 static int64_t block_ahead(const int32_t *table, int64_t len, int64_t b, int64_t block_size) {
     return (b + PREFETCH_BLOCKS) * block_size < len ? table[b + PREFETCH_BLOCKS] : -1;
@@ -611,11 +638,12 @@ static void load_rows(const Shape *sh, const float *q, int64_t count, const Rows
     }
 }
 
-/* Blocks from position `from` (or the first its window reaches) on of one row (table,
+/* Blocks from position `from` (or the block of its first key `first`) on of one row (table,
  * length len), walked alone. */
 static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table, const int32_t *len, int64_t from,
-                        Tile *tile) {
-    const int64_t bs = sh->block_size, first = first_key(*len, sh->window);
+                        int64_t first, Tile *tile) {
+    const int64_t bs = sh->block_size;
+    if (first >= *len) return;
     for (int64_t b = from > first / bs ? from : first / bs; b * bs < *len; ++b) {
         const int64_t skip = first > b * bs ? first - b * bs : 0;
         attend_pages(sh, rows, len, 1, table[b], b, skip, block_ahead(table, *len, b, bs), tile);
@@ -630,22 +658,65 @@ static float with_sink(float m, float l, float sink) {
     return keep / (l * keep + exp2f(s - top));
 }
 
+/* Tree row's keys from its base on, the slots its mask lets it see (row_span's header), folded
+ * into its query heads (rows: the row's own): gathered a block's worth at a time into the tile
+ * as floats (int8 codes unscaled, with their scales), as block_keys lays out an int8 block. */
+static void fold_tree(const Shape *sh, const Rows *rows, const int32_t *table, int64_t len, uint64_t mask,
+                      Tile *tile) {
+    const int64_t bs = sh->block_size, d = sh->head_dim, h = sh->num_kv_heads, p = rows->padded;
+    const int64_t group = sh->num_heads / h, base = tree_base(len, mask);
+    int64_t slots[64], n = 0;
+    for (int j = 0; j < 64; ++j)
+        if ((mask >> j) & 1 && (sh->window <= 0 || __builtin_popcountll(mask >> j) <= sh->window))
+            slots[n++] = base + j;
+    for (int64_t c = 0; c < n; c += bs) {
+        const int64_t m = n - c < bs ? n - c : bs;
+        for (int64_t j = 0; j < h; ++j) {
+            for (int64_t t = 0; t < m; ++t) {
+                const int64_t s = slots[c + t], off = (s % bs) * h + j;
+                const char *kp = sh->k_pages + table[s / bs] * sh->page_bytes;
+                const char *vp = sh->v_pages + table[s / bs] * sh->page_bytes;
+                float *kt = tile->k + t * p, *vt = tile->v + t * p;
+                for (int64_t x = 0; x < p; ++x) {
+                    if (x >= d) kt[x] = vt[x] = 0.0f;
+                    else if (sh->int8) kt[x] = ((const int8_t *)kp)[off * d + x], vt[x] = ((const int8_t *)vp)[off * d + x];
+                    else kt[x] = ((const float *)kp)[off * d + x], vt[x] = ((const float *)vp)[off * d + x];
+                }
+                if (sh->int8) {
+                    tile->ks[t] = ((const float *)(kp + sh->code_bytes))[off];
+                    tile->vs[t] = ((const float *)(vp + sh->code_bytes))[off];
+                }
+            }
+            for (int64_t t = m; t < vectors_of(m) * VW; ++t) tile->ks[t] = tile->vs[t] = 0.0f;
+            const Keys keys = {tile->k, tile->v, sh->int8 ? tile->ks : NULL, sh->int8 ? tile->vs : NULL, p,
+                               vectors_of(d), VW};
+            for (int64_t head = j * group; head < (j + 1) * group; ++head) attend_row(rows, head, &keys, 0, m);
+        }
+    }
+}
+
+/* Rows [first, last): walk (their context lengths as tables are read: row_span's walk), seq_lens
+ * their own lengths. */
 static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
-                         const int32_t *seq_lens, int64_t first, int64_t last, float *out, const Rows *rows,
-                         Tile *tile) {
+                         const int32_t *walk, const int32_t *seq_lens, int64_t first, int64_t last, float *out,
+                         const Rows *rows, Tile *tile) {
     const int64_t count = last - first, bs = sh->block_size, d = sh->head_dim, p = rows->padded;
-    const int64_t joint = count > 1 ? joint_blocks(tables, stride, seq_lens, first, last, bs) : 0;
+    const int64_t joint = count > 1 ? joint_blocks(tables, stride, walk, first, last, bs) : 0;
     int64_t longest = first;
-    for (int64_t r = first; r < last; ++r) longest = seq_lens[r] > seq_lens[longest] ? r : longest;
+    for (int64_t r = first; r < last; ++r) longest = walk[r] > walk[longest] ? r : longest;
     load_rows(sh, q + first * sh->num_heads * d, count, rows);
     for (int64_t b = 0; b < joint; ++b) {
-        const int64_t ahead = block_ahead(tables + longest * stride, seq_lens[longest], b, bs);
-        attend_pages(sh, rows, seq_lens + first, count, tables[first * stride + b], b, 0, ahead, tile);
+        const int64_t ahead = block_ahead(tables + longest * stride, walk[longest], b, bs);
+        attend_pages(sh, rows, walk + first, count, tables[first * stride + b], b, 0, ahead, tile);
     }
     for (int64_t r = 0; r < count; ++r) {
         const Rows own = {rows->q + r * sh->num_heads * p, rows->acc + r * sh->num_heads * p,
                           rows->m + r * sh->num_heads, rows->l + r * sh->num_heads, p};
-        attend_rest(sh, &own, tables + (first + r) * stride, seq_lens + first + r, joint, tile);
+        int64_t first_slot, walked;
+        row_span(sh, first + r, seq_lens[first + r], &first_slot, &walked);
+        attend_rest(sh, &own, tables + (first + r) * stride, walk + first + r, joint, first_slot, tile);
+        if (sh->masks && sh->masks[first + r])
+            fold_tree(sh, &own, tables + (first + r) * stride, seq_lens[first + r], sh->masks[first + r], tile);
     }
     float *o = out + first * sh->num_heads * d;
     for (int64_t i = 0; i < count * sh->num_heads; ++i) {
@@ -663,14 +734,20 @@ static int max_threads(void) {
 #endif
 }
 
-/* Every context length >= 1 and covered by its table row, every block id it reads (from
- * the first its window reaches) in the pool. */
+/* Every context length >= 1 and covered by its table row, every tree mask's highest bit
+ * within it, every block id it reads (from the first its window reaches) in the pool. */
 static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, const int32_t *seq_lens,
-                        int64_t num_requests, int64_t block_size, int64_t num_blocks, int64_t window) {
+                        int64_t num_requests, int64_t block_size, int64_t num_blocks, int64_t window,
+                        const uint64_t *masks) {
+    Shape sh = {0};
+    sh.window = window, sh.masks = masks;
     for (int64_t r = 0; r < num_requests; ++r) {
         const int64_t blocks = ((int64_t)seq_lens[r] + block_size - 1) / block_size;
         if (seq_lens[r] < 1 || blocks > width) return 0;
-        for (int64_t b = first_key(seq_lens[r], window) / block_size; b < blocks; ++b)
+        if (masks && masks[r] && 63 - __builtin_clzll(masks[r]) >= seq_lens[r]) return 0;
+        int64_t first, walk;
+        row_span(&sh, r, seq_lens[r], &first, &walk);
+        for (int64_t b = first / block_size; b < blocks; ++b)
             if (tables[r * stride + b] < 0 || tables[r * stride + b] >= num_blocks) return 0;
     }
     return 1;
@@ -684,14 +761,28 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
     const Shape sh = *shape;
     const int64_t num_heads = sh.num_heads, head_dim = sh.head_dim, block_size = sh.block_size;
     if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks,
-                      sh.window))
+                      sh.window, sh.masks))
         return -2;
+    /* The lengths the rows read their tables to: a tree row's base, else its context. */
+    int32_t *walk = (int32_t *)seq_lens;
+    if (sh.masks) {
+        walk = (int32_t *)malloc(sizeof(int32_t) * (num_requests > 0 ? num_requests : 1));
+        if (!walk) return -1;
+        for (int64_t r = 0; r < num_requests; ++r) {
+            int64_t first, length;
+            row_span(&sh, r, seq_lens[r], &first, &length);
+            walk[r] = (int32_t)length;
+        }
+    }
     /* Small enough groups that every thread gets one, large enough to share a prefix; under
      * a window every row alone (group_end then reads no table entry). */
     const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
     const int64_t cap = sh.window > 0 ? 1 : per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
     int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (num_requests + 1));
-    if (!starts) return -1;
+    if (!starts) {
+        if (walk != seq_lens) free(walk);
+        return -1;
+    }
     int64_t num_groups = 0;
     for (int64_t first = 0; first < num_requests; ++num_groups) {
         starts[num_groups] = first;
@@ -716,12 +807,13 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
                                 scratch + rows * (2 * padded + 1), padded};
             float *t = scratch + rows * (2 * padded + 2);
             Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
-            attend_group(&sh, q, block_tables, table_stride, seq_lens, starts[g], starts[g + 1], out, &state,
+            attend_group(&sh, q, block_tables, table_stride, walk, seq_lens, starts[g], starts[g + 1], out, &state,
                          &block);
         }
         free(scratch);
     }
     free(starts);
+    if (walk != seq_lens) free(walk);
     return failed ? -1 : 0;
 }
 
@@ -729,10 +821,12 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                const int32_t *block_tables, int64_t table_stride, int64_t table_width,
                                const int32_t *seq_lens, float *out, int64_t num_requests,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, int64_t window, const float *sinks) {
+                               int64_t block_size, float scale, int64_t window, const float *sinks,
+                               const uint64_t *masks) {
     Shape sh = float_shape(k_cache, v_cache, num_heads, num_kv_heads, head_dim, block_size, scale);
     sh.window = window;
     sh.sinks = sinks;
+    sh.masks = masks;
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 
@@ -741,9 +835,10 @@ int paged_decode_attention_i8(const float *q, const void *k_pages, const void *v
                               int64_t page_bytes, int64_t code_bytes, const int32_t *block_tables,
                               int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
                               int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                              int64_t block_size, float scale, int64_t window, const float *sinks) {
+                              int64_t block_size, float scale, int64_t window, const float *sinks,
+                              const uint64_t *masks) {
     const Shape sh = {(const char *)k_pages, (const char *)v_pages, page_bytes, code_bytes, 1,
-                      num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks};
+                      num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks, masks};
     return decode_pages(&sh, q, num_blocks, block_tables, table_stride, table_width, seq_lens, out, num_requests);
 }
 

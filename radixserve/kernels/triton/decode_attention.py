@@ -15,6 +15,10 @@ cover [seq_len - W, seq_len) only, and no block-table entry before it is read.
 
 With attention sinks (gpt-oss: a logit per query head in each softmax's denominator, no
 value with it) the sink joins a row's (m, l) after its last key, or the splits' merge.
+
+With draft-tree masks (attention/metadata.py) a row with a nonzero mask sees the slots before
+its tree's base and, from the base on, those whose bit is set; its window counts positions.
+An ordinary row reads as a tree whose base is its length, so one code path serves both.
 """
 
 from __future__ import annotations
@@ -45,9 +49,30 @@ _PROGRAMS_PER_SM = 8
 
 
 @triton.jit
+def _popcount(x):
+    """Set bits of each uint64 lane (SWAR), as int32."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return ((x * 0x0101010101010101) >> 56).to(tl.int32)
+
+
+@triton.jit
+def _bit_length(x):
+    """The position of the highest set bit plus one (0 for 0), as int32."""
+    x = x | (x >> 1)
+    x = x | (x >> 2)
+    x = x | (x >> 4)
+    x = x | (x >> 8)
+    x = x | (x >> 16)
+    x = x | (x >> 32)
+    return _popcount(x)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, masks_ptr,
     scale_log2e, num_splits, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -57,7 +82,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, TREE: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -66,6 +91,11 @@ def _decode_kernel(
     first = 0
     if WINDOWED:
         first = tl.maximum(seq_len - window, 0)
+    if TREE:
+        tree = tl.load(masks_ptr + req).to(tl.uint64, bitcast=True)
+        base = seq_len - _bit_length(tree)  # seq_len for an ordinary row: every key before it
+        if WINDOWED:
+            first = tl.minimum(tl.maximum(base + _popcount(tree) - window, 0), base)
     if SPLIT:
         # Every split of a request covers the same whole number of tiles; late ones may be empty.
         split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
@@ -97,7 +127,15 @@ def _decode_kernel(
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+        seen = n_mask
+        if TREE:
+            j = tl.minimum(tl.maximum(n - base, 0), 63).to(tl.uint64)
+            tail = tree >> j
+            ancestor = (tail & 1) != 0
+            if WINDOWED:
+                ancestor = ancestor & (_popcount(tail) <= window)
+            seen = n_mask & ((n < base) | ancestor)
+        s = tl.where(seen[None, :], s, float("-inf"))
         v = load_paged_rows(
             v_cache_ptr, v_scale_ptr, table, n, n_mask, d, kv_head, stride_vcb, stride_vcs, stride_vch,
             stride_vsb, stride_vss, BLOCK_SIZE, QUANTIZED,
@@ -208,10 +246,12 @@ def decode_attention(
     v_scales: torch.Tensor | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    tree_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged context (window > 0: its
     last `window` keys only, the table read from the block of the first of them on; sinks:
-    [num_heads] attention-sink logits, each joining its head's softmax denominator).
+    [num_heads] attention-sink logits, each joining its head's softmax denominator;
+    tree_masks: int64 [B] draft-tree masks, attention/metadata.py).
 
     q: [B, num_heads, head_dim]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: int32 [B, max_blocks]; seq_lens: int32 [B], each >= 1 (the
@@ -225,6 +265,10 @@ def decode_attention(
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, block_tables, seq_lens, out, k_scales, v_scales)
     check_sinks(sinks, q)
+    if tree_masks is not None and (tree_masks.shape != (q.shape[0],) or tree_masks.dtype != torch.int64
+                                   or tree_masks.device != q.device):
+        raise ValueError(f"tree_masks must be int64 [{q.shape[0]}] on {q.device}, got {tree_masks.dtype} "
+                         f"{tuple(tree_masks.shape)} on {tree_masks.device}")
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if batch == 0:
@@ -243,7 +287,7 @@ def decode_attention(
     k_sp, v_sp, *scale_strides = scale_args(k_cache, k_scales, v_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_sp, v_sp, block_tables, seq_lens,
-        out, part_out, part_lse, q if sinks is None else sinks,
+        out, part_out, part_lse, q if sinks is None else sinks, seq_lens if tree_masks is None else tree_masks,
         scale * _LOG2E, num_splits, max(window, 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -255,7 +299,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n, SPLIT=split,
         DOT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), QUANTIZED=k_scales is not None,
-        WINDOWED=window > 0, SINKS=sinks is not None, num_warps=4, num_stages=2,
+        WINDOWED=window > 0, SINKS=sinks is not None, TREE=tree_masks is not None, num_warps=4, num_stages=2,
     )
     if split:
         _merge_splits_kernel[(batch, num_heads)](
@@ -283,18 +327,36 @@ def decode_attention_reference(
     v_scales: torch.Tensor | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    tree_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """decode_attention in plain torch (fp32 math), one request at a time."""
+    """decode_attention in plain torch (fp32 math), one request at a time; a draft-tree row's
+    keys listed one by one from its mask (attention/metadata.py)."""
     out = torch.empty_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[2]
     k_cache, v_cache = dequantized(k_cache, k_scales), dequantized(v_cache, v_scales)
+    trees = [0] * q.shape[0] if tree_masks is None else [m % (1 << 64) for m in tree_masks.tolist()]
     for i, seq_len in enumerate(seq_lens.tolist()):
-        first = max(seq_len - window, 0) if window > 0 else 0
-        keys = gather_context(k_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
-        values = gather_context(v_cache, block_tables[i], seq_len, first).repeat_interleave(group, dim=1)
+        keys, values = _row_context(k_cache, v_cache, block_tables[i], seq_len, trees[i], window)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), keys.float()) * scale
         out[i] = torch.einsum("hn,nhd->hd", softmax_with_sinks(scores, sinks), values.float()).to(out.dtype)
     return out
+
+
+def _row_context(k_cache, v_cache, table, seq_len: int, tree: int, window: int):
+    """The K and V rows one decode row sees, [n, kv_heads, head_dim] each, listed slot by slot."""
+    if not tree:
+        first = max(seq_len - window, 0) if window > 0 else 0
+        return gather_context(k_cache, table, seq_len, first), gather_context(v_cache, table, seq_len, first)
+    base = seq_len - tree.bit_length()
+    position = base + bin(tree).count("1") - 1
+    first = max(0, position + 1 - window) if window > 0 else 0
+    slots = list(range(first, base)) + [base + j for j in range(64) if tree >> j & 1
+                                         and (window <= 0 or bin(tree >> j).count("1") <= window)]
+    block_size = k_cache.shape[1]
+    blocks = table[[s // block_size for s in slots]].long()
+    offsets = torch.tensor([s % block_size for s in slots])
+    return k_cache[blocks, offsets], v_cache[blocks, offsets]
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
