@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from radixserve.core.draft_tree import children, is_chain
 from radixserve.outputs import TokenLogprob
 from radixserve.sampling_params import SamplingParams
 
@@ -61,10 +62,16 @@ class Sampler:
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, token_list, rows)
 
-    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> list[list[int]]:
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
+               parents: list[list[int]] | None = None) -> list[list[int]]:
         """Check each request's draft against the model: logits holds len(draft) + 1 rows per
         request (row i scores the token after draft[:i]). Returns the tokens each request
         appends: the longest accepted prefix of its draft, then one token sampled after it.
+
+        A draft tree (`parents[i]`, core/draft_tree.py; empty or a chain: as below) has row 0
+        score the token after the request's last and row 1 + j the token after node j's path;
+        the tokens appended are an accepted path's and one sampled after it (_greedy_tree,
+        _sampled_tree). Trees carry no grammar (constrained drafts stay chains).
 
         Greedy: a draft token is accepted when it is the argmax. Sampled (rejection rule for
         a deterministic draft, exact in distribution): draft token d is accepted with
@@ -75,6 +82,9 @@ class Sampler:
         no penalties, logprobs or seed (see core/prompt_lookup.py)."""
         counts = [len(d) + 1 for d in drafts]
         starts = [sum(counts[:i]) for i in range(len(counts))]
+        trees = {i: p for i, p in enumerate(parents or []) if p and not is_chain(p)}
+        if any(rows[i].grammar is not None for i in trees):
+            raise ValueError("a constrained request's draft must be a chain")
         logits = _apply_draft_grammars(logits, rows, drafts, starts)
         targets = logits.argmax(dim=-1).tolist()
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -84,10 +94,16 @@ class Sampler:
             expanded = [rows[i] for i in sampled for _ in range(counts[i])]
             probs = torch.zeros_like(logits)
             probs[index] = self._probs(logits[index], expanded)
-            accept = self._accept_flags(probs, drafts, starts)
+            chains = [[] if i in trees else d for i, d in enumerate(drafts)]
+            accept = self._accept_flags(probs, chains, starts)
         out = []
         for i, draft in enumerate(drafts):
-            if i not in sampled:
+            rows_i = slice(starts[i], starts[i] + counts[i])
+            if i in trees and i not in sampled:
+                tokens = _greedy_tree(draft, trees[i], targets[rows_i])
+            elif i in trees:
+                tokens = self._sampled_tree(draft, trees[i], probs[rows_i])
+            elif i not in sampled:
                 tokens = _greedy_prefix(draft, targets[starts[i]:starts[i] + counts[i]])
             else:
                 tokens = self._sampled_prefix(draft, probs[starts[i]:starts[i] + counts[i]], accept[i])
@@ -110,6 +126,32 @@ class Sampler:
         for owner, ok in zip(owners, (u < p).tolist()):
             flags[owner].append(ok)
         return flags
+
+    def _sampled_tree(self, draft: list[int], parents: list[int], probs: torch.Tensor) -> list[int]:
+        """The multi-candidate rejection rule for deterministic drafts, exact in distribution:
+        at a node (row 0: the root) its children are tried in order, child d accepted with
+        probability p(d) under the node's distribution with the children tried before removed
+        and renormalised; the first accepted is appended and its own children tried next; when
+        all are rejected (or it has none) a token is drawn from what remains."""
+        kids = children(parents)
+        out: list[int] = []
+        node = -1
+        while True:
+            row = probs[node + 1]
+            total, rejected = float(row.sum(dtype=torch.float64)), []
+            for child in kids.get(node, []):
+                p = float(row[draft[child]])
+                u = float(torch.rand(1, generator=self.generator, device=self.device, dtype=torch.float64))
+                if u * total < p:
+                    break
+                total -= p
+                rejected.append(draft[child])
+            else:
+                residual = row.clone()
+                residual[rejected] = 0.0
+                return out + [self._race(residual)]
+            out.append(draft[child])
+            node = child
 
     def _sampled_prefix(self, draft: list[int], probs: torch.Tensor, accepted: list[bool]) -> list[int]:
         for j, d in enumerate(draft):
@@ -232,6 +274,20 @@ def _first_past(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     past = torch.searchsorted(cdf, target, right=True)
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(past, last)
+
+
+def _greedy_tree(draft: list[int], parents: list[int], targets: list[int]) -> list[int]:
+    """From the root, the child whose token is the argmax of its parent's row (row 0: the
+    root's, row 1 + j: node j's), while there is one; then that argmax (the bonus token)."""
+    kids = children(parents)
+    out: list[int] = []
+    node = -1
+    while True:
+        target = targets[node + 1]
+        node = next((c for c in kids.get(node, []) if draft[c] == target), None)
+        out.append(target)
+        if node is None:
+            return out
 
 
 def _greedy_prefix(draft: list[int], targets: list[int]) -> list[int]:

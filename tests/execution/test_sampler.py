@@ -162,3 +162,56 @@ def test_sampling_a_large_vocabulary_follows_the_distribution():
     assert freq[vocab - 1] == pytest.approx(3 / total, abs=0.03)
     assert freq[100:200].sum() == pytest.approx(100 * math.exp(-2.0) / total, abs=0.015)
     assert freq.sum() == pytest.approx(1.0) and freq[200:vocab - 1].sum() == 0
+
+
+# ---- draft trees (core/draft_tree.py) ----------------------------------------------------
+
+# node 0 (token 1) and node 1 (token 2) follow the root, node 2 (token 3) follows node 0,
+# node 3 (token 0) follows node 1
+TREE_TOKENS, TREE_PARENTS = [1, 2, 3, 0], [-1, -1, 0, 1]
+
+
+def test_greedy_tree_takes_the_branch_the_argmax_names():
+    logits = torch.full((5, 5), -5.0)
+    logits[0, 2] = 5.0  # the root's argmax is token 2: node 1, a side branch
+    logits[2, 0] = 5.0  # after node 1: token 0, node 3
+    logits[4, 4] = 5.0  # after node 3: token 4, the bonus
+    logits[1, 3] = logits[3, 1] = 5.0  # node 0's and node 2's rows: not on the path
+    row_ = row(temperature=0.0)
+    assert Sampler().verify(logits, [row_], [TREE_TOKENS], [TREE_PARENTS]) == [[2, 0, 4]]
+    logits[0] = -5.0
+    logits[0, 4] = 5.0  # no child of the root: its argmax alone
+    assert Sampler().verify(logits, [row_], [TREE_TOKENS], [TREE_PARENTS]) == [[4]]
+    # a chain given as parents verifies as the chain rule does
+    chain_logits = torch.full((3, 5), -5.0)
+    chain_logits[0, 1] = chain_logits[1, 3] = chain_logits[2, 2] = 5.0
+    assert Sampler().verify(chain_logits, [row_], [[1, 3]], [[-1, 0]]) == [[1, 3, 2]]
+
+
+def test_sampled_tree_is_exact_in_distribution():
+    """10,000 verifications of one tree: the first token follows the root's distribution and the
+    second, after each accepted branch, that branch's row; trying the root's second child with
+    its plain probability (no renormalisation after the first's rejection) would give token 2
+    0.6 * 0.3 = 0.18, not 0.3."""
+    root = torch.tensor([0.1, 0.4, 0.3, 0.1, 0.1])
+    after_1 = torch.tensor([0.2, 0.2, 0.2, 0.3, 0.1])  # node 0's row (its child: token 3)
+    after_2 = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])  # node 1's row (its child: token 0)
+    after_3 = torch.tensor([0.05, 0.05, 0.3, 0.3, 0.3])  # node 2's row (a leaf)
+    after_0 = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1])  # node 3's row (a leaf)
+    logits = torch.stack([root, after_1, after_2, after_3, after_0]).log()
+    n = 10000
+    sampler = Sampler(seed=3)
+    outs = sampler.verify(logits.repeat(n, 1), [row(temperature=1.0)] * n, [TREE_TOKENS] * n, [TREE_PARENTS] * n)
+
+    def close(count, total, p):
+        assert abs(count - p * total) < 4.5 * math.sqrt(total * p * (1 - p)) + 1, (count, total, p)
+
+    firsts = [o[0] for o in outs]
+    for token in range(5):
+        close(firsts.count(token), n, float(root[token]))
+    for first, row_probs in ((1, after_1), (2, after_2)):
+        seconds = [o[1] for o in outs if o[0] == first]
+        for token in range(5):
+            close(seconds.count(token), len(seconds), float(row_probs[token]))
+    assert all(len(o) == 1 for o in outs if o[0] not in (1, 2))
+    assert all(len(o) == 3 for o in outs if o[:2] in ([1, 3], [2, 0]))  # past an accepted leaf: a bonus
