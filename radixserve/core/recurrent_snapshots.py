@@ -27,9 +27,16 @@ A match is cut to the deepest node on its path that keeps a snapshot (`usable_bl
 request then starts from that snapshot (a RESTORE op) instead of from zeros.
 
 Budget: `capacity` snapshots (the memory plan's "recurrent" share). A new one that finds no
-free room takes the place of the least valuable snapshot of an unlocked node: the tokens a
-match ending there would recompute without it (back to the snapshot above it on its path)
-discounted by the log of how long ago it was used; none free and none to take: not taken.
+free room takes the place of the least valuable kept snapshot: the tokens a match ending there
+would recompute without it (back to the snapshot above it on its path) over the clock ticks
+since it was last saved or restored (hyperbolic: recency counts as much as size), divided by
+PASSED_DISCOUNT once it is passed: a request resumed from a snapshot below it on its path, so
+the conversation has moved on and only a retry of an older turn would come back to it (it is
+no longer passed once a request resumes from it again). A node's lock does not keep its
+snapshot: a request that matched it queued its RESTORE at adoption, and operations apply in
+order, so it reads the state before a later DROP and SAVE reuse the id (running requests lock
+every node of their paths: the states agents resume from would otherwise all be out of reach
+while they run). Nothing kept at all: not taken.
 A node that leaves the tree drops its snapshot; one whose blocks move to the second tier keeps
 it (a match through the tier restores the blocks and resumes from it).
 
@@ -49,6 +56,7 @@ from radixserve.core.radix_cache import MatchResult, RadixNode
 from radixserve.core.request import Request
 
 SAVE, RESTORE, DROP, KEEP, LOAD = "save", "restore", "drop", "keep", "load"
+PASSED_DISCOUNT = 8  # a passed snapshot's value is divided by this
 TO_TIER, TIER_RESTORE = "to_tier", "tier_restore"
 
 
@@ -95,6 +103,7 @@ class RecurrentSnapshots(CacheComponent):
         self._of_node: dict[int, int] = {}  # node id -> its snapshot (the state at its end)
         self._node: dict[int, RadixNode] = {}  # snapshot -> its node
         self._used: dict[int, int] = {}  # snapshot -> recency tick of its last save or restore
+        self._passed: set[int] = set()  # kept snapshots above one a request resumed from (on its path)
         self._held: dict[int, _Held] = {}  # id(request) -> its plan
         self._ops: list[SnapshotOp] = []
         self.saved = self.restored = self.evicted_snapshots = self.refused = 0
@@ -258,6 +267,8 @@ class RecurrentSnapshots(CacheComponent):
             if snapshot is not None:
                 self._ops.append(SnapshotOp(RESTORE, snapshot, request, start))
                 self._used[snapshot] = self.cache.now()
+                self._pass_above(node)
+                self._passed.discard(snapshot)
             elif node.node_id in self._tier_of:
                 self._ops.append(SnapshotOp(TIER_RESTORE, -1, request, start, slot=self._tier_of[node.node_id]))
                 self.tier_restores += 1
@@ -316,6 +327,8 @@ class RecurrentSnapshots(CacheComponent):
                 raise AssertionError(f"recurrent snapshot {snapshot} kept by {node}: not a live node of it")
         if len(self._of_node) != len(self._node):
             raise AssertionError("recurrent snapshots: a node names a snapshot it does not keep")
+        if not self._passed <= set(self._node):
+            raise AssertionError(f"recurrent snapshots passed but not kept: {sorted(self._passed - set(self._node))}")
         if self.tier is not None:
             self.tier.check_integrity(list(self._tier_node))
             for slot, node in self._tier_node.items():
@@ -409,18 +422,27 @@ class RecurrentSnapshots(CacheComponent):
         now = self.cache.now()
         best, victim = None, None
         for snapshot, node in self._node.items():
-            if node.lock_ref:
-                continue
-            value = self._saved_tokens(node) / math.log2(now - self._used.get(snapshot, 0) + 2)
+            value = self._saved_tokens(node) / (now - self._used.get(snapshot, 0) + 2)
+            if snapshot in self._passed:
+                value /= PASSED_DISCOUNT
             if best is None or (node.rank, value) < best:
                 best, victim = (node.rank, value), snapshot
-        if victim is None:
+        if victim is None:  # no snapshot kept at all (capacity taken by running requests)
             self.refused += 1
             return None
         self._unbind(victim)
         self._ops.append(SnapshotOp(DROP, victim))
         self.evicted_snapshots += 1
         return victim
+
+    def _pass_above(self, node: RadixNode) -> None:
+        """A request resumed from `node`'s snapshot: those above it on its path are passed."""
+        above = node.parent
+        while not above.is_root:
+            snapshot = self._of_node.get(above.node_id)
+            if snapshot is not None:
+                self._passed.add(snapshot)
+            above = above.parent
 
     def _saved_tokens(self, node: RadixNode) -> int:
         """Tokens from the snapshot above `node` on its path (or the root) to its end."""
@@ -482,6 +504,7 @@ class RecurrentSnapshots(CacheComponent):
         return self.tier.allocate(1)[0]
 
     def _unbind(self, snapshot: int) -> None:
+        self._passed.discard(snapshot)
         node = self._node.pop(snapshot)
         del self._of_node[node.node_id]
         self._event(node, stored=False)

@@ -59,7 +59,7 @@ class TokenStates:
 
 
 def make(num_blocks=64, snapshots=8, chunk=8, tier=None, events=None):
-    config = EngineConfig(block_size=BS, chunked_prefill_size=chunk, max_num_batched_tokens=32)
+    config = EngineConfig(block_size=BS, chunked_prefill_size=chunk, max_num_batched_tokens=max(32, chunk))
     pool = BlockPool(num_blocks, snapshots=snapshots)
     s = Scheduler(config, pool, RadixCache(pool, BS, tier, events=events))
     return s, s.kv.components[0], TokenStates()
@@ -166,30 +166,61 @@ def test_tenants_never_resume_from_each_others_states():
     assert all(node.salt in ("tenant-a", "tenant-b") for node in snaps._node.values())
 
 
-def test_a_full_budget_gives_the_least_valuable_unlocked_states_room_and_never_a_locked_one():
+def test_a_full_budget_gives_the_least_valuable_state_room_even_on_a_path_in_use():
     s, snaps, states = make(snapshots=3, chunk=32)
     run(s, states, add(s, range(100, 113), max_tokens=1))  # keeps 12
     run(s, states, add(s, range(200, 233), max_tokens=1))  # keeps 32: 32 tokens saved, the more valuable
     run(s, states, add(s, range(300, 309), max_tokens=1))  # keeps 8
     assert kept(snaps) == [8, 12, 32]
-    run(s, states, add(s, range(400, 417), max_tokens=1))  # 16: the 8-token one (least saved, oldest tie) goes
-    assert kept(snaps) == [12, 16, 32] and snaps.evicted_snapshots == 1
-    resumed = add(s, list(range(200, 232)) + [1] * 9, max_tokens=20)  # runs from the 32 state, locking it
-    run(s, states, resumed)
-    assert resumed.cached_tokens == 32
-    assert kept(snaps) == [32, 40, 60]  # its prompt's end and its reply's took the unlocked ones' room
+    run(s, states, add(s, range(400, 417), max_tokens=1))  # 16: the 12 goes (tokens saved / ticks since used:
+    assert kept(snaps) == [8, 16, 32] and snaps.evicted_snapshots == 1  # 12 of the oldest, below 8 of the newest)
+    resumed = add(s, list(range(200, 232)) + [1] * 9, max_tokens=20)  # runs from the 32 state, locking its path
+    log = run(s, states, resumed)
+    assert resumed.cached_tokens == 32 and snaps.refused == 0
+    assert [(op.kind, op.position) for op in log[0][1]] == [(RESTORE, 32)]  # queued at adoption, before any drop
+    assert kept(snaps) == [32, 40, 60]  # its prompt's end and its reply's took the others' room
     assert snaps.evicted_snapshots == 3
     s.kv.check_integrity([], [])
 
 
-def test_a_state_is_not_taken_when_every_kept_one_is_in_use():
+def test_a_state_in_use_gives_its_room_once_its_request_resumed_from_it():
+    """Running requests lock their paths; the state a request resumed from may still make room
+    (its RESTORE is queued first, so it reads the state before a DROP and SAVE reuse the id)."""
     s, snaps, states = make(snapshots=1, chunk=32)
-    run(s, states, add(s, range(100, 113), max_tokens=1))
+    first = add(s, range(100, 113), max_tokens=1)
+    run(s, states, first)
     assert kept(snaps) == [12]
     resumed = add(s, list(range(100, 112)) + [1] * 9, max_tokens=6)
-    run(s, states, resumed)
-    assert resumed.cached_tokens == 12 and snaps.refused >= 1
-    assert kept(snaps) == [12]
+    log = run(s, states, resumed)
+    ops = [(op.kind, op.snapshot, op.position) for _, step_ops in log for op in step_ops]
+    assert ops[:3] == [(RESTORE, 0, 12), (DROP, 0, 0), (SAVE, 0, 20)]  # its prompt's end takes the room
+    assert resumed.cached_tokens == 12 and snaps.refused == 0
+    assert kept(snaps) == [24]  # then its reply's end (the last block boundary it computed)
+    reply = resumed.token_ids[21:]
+    turn = add(s, list(range(100, 112)) + [1] * 9 + reply + [5, 5], max_tokens=1)
+    run(s, states, turn)
+    assert turn.cached_tokens == 24  # the next turn resumes there
+    s.kv.check_integrity([], [])
+
+
+@pytest.mark.parametrize("agents, room", [(2, 6), (3, 9)])
+def test_agents_resume_every_turn_from_their_last_prompts_end(agents, room):
+    """Agents on a shared 200-token prefix, 6 turns, all agents of a turn at once; a reply comes
+    back as other ids (re-rendered), so each turn resumes from the end of the agent's last prompt.
+    Room for 3 states an agent: while they run, their paths are locked; the states above the one
+    an agent resumed from are passed and give their room first."""
+    s, snaps, states = make(num_blocks=1024, snapshots=room, chunk=128)
+    ids = itertools.count(1000)
+    histories = [list(range(100, 300)) + [next(ids) for _ in range(10)] for _ in range(agents)]
+    for turn in range(6):
+        requests = [add(s, h, max_tokens=8) for h in histories]
+        run(s, states, *requests)
+        if turn:
+            assert [r.cached_tokens for r in requests] == ideal, f"turn {turn + 1}"
+        ideal = [(len(h) - 1) // BS * BS for h in histories]  # the last block boundary before each prompt's end
+        for h in histories:
+            h += [next(ids) for _ in range(8 + 16)]
+    assert snaps.evicted_snapshots > 0
     s.kv.check_integrity([], [])
 
 
