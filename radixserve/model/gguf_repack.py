@@ -11,6 +11,13 @@ package's dequantizer):
     Q4_K   4-bit q        32     d * sc[j]      -dmin * m[j]
     Q5_K   8-bit q        32     d * sc[j]      -dmin * m[j]
     Q6_K   8-bit q        16     d * sc[j]      zero 32
+    MXFP4  8-bit 2v + 128 32     2^(e - 128)    zero 128
+
+MXFP4 (gpt-oss's experts) is not affine in its 4-bit codes: an E2M1 value v is one of 0, 0.5, 1,
+1.5, 2, 3, 4, 6 (and their negatives) times 2^(e - 127) for the block's E8M0 byte e; 2v is an
+integer in [-12, 12], so 2v + 128 as an 8-bit code with the float32 scale 2^(e - 128) is exact
+(for e <= 248: the kernels multiply a code, up to 140, by the scale; a real weight's e is near 127).
+It costs 8 bits a weight and a float32 scale per 32 (9 bits a weight) where the file holds 4.25.
 
 A GGUF tensor's rows are its output features and its blocks run along K, so a row of the
 GGUF is a row here; only the order of codes inside a 64-element chunk changes. The legacy
@@ -26,7 +33,7 @@ import torch
 from radixserve.kernels.quant_linear import QuantWeight, pack_nibbles
 
 QK_K = 256
-REPACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+REPACKED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 HALF_SCALED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # scales and offsets kept float16; the rest float32
 
 
@@ -134,5 +141,15 @@ def _q6_k(b):
     return u, d * scales.astype(np.float32), None, 32, 16
 
 
+# E2M1's 16 codes (sign bit high) as twice their value
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+
+
+def _mxfp4(b):
+    e, qs = b[:, 0].astype(np.int32), b[:, 1:]
+    scale = np.ldexp(np.float32(1.0), e - 128).astype(np.float32)  # exact: 2^-128 is a float32 (subnormal)
+    return (_E2M1_DOUBLED[_nibbles32(qs)] + 128).astype(np.uint8), scale.reshape(-1, 1), None, 128, 32
+
+
 _UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}

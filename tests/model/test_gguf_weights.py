@@ -14,7 +14,7 @@ N, K = 6, 512
 
 
 def _random_blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes of `kind` for an [N, K] tensor, its float16 scales made finite."""
+    """Random bytes of `kind` for an [N, K] tensor, its float16 scales made finite (MXFP4's values too)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
@@ -24,7 +24,10 @@ def _random_blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
     def put(at: int, low: float, high: float) -> None:
         raw[:, at:at + 2] = rng.uniform(low, high, count).astype(np.float16).view(np.uint8).reshape(count, 2)
 
-    if kind == "Q6_K":
+    if kind == "MXFP4":  # E8M0 exponents, 0 and 1 (subnormal scales) among them; past 248 a code x scale overflows
+        raw[:, 0] = rng.integers(0, 249, count, dtype=np.uint8)
+        raw[:2, 0] = [0, 1]
+    elif kind == "Q6_K":
         put(208, 0.001, 0.02)
     elif kind.endswith("_K"):
         put(0, 0.001, 0.02), put(2, 0.001, 0.02)
