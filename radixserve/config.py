@@ -132,6 +132,10 @@ class EngineConfig:
     # pay, none where no length does (core/draft_length.py); off: the acceptance rule alone
     # (drafts that do not depend on timing: reproducible counts)
     speculative_adaptive: bool = True
+    # suffix drafting: most candidates a draft-tree node branches into (core/draft_tree.py), all
+    # verified in one step; 1: one chain (extra rows cost nearly a row's step each on the AVX2
+    # dev machine, so branches rarely pay there: docs/speculative.md)
+    speculative_tree_width: int = 1
     jump_forward: bool = True  # constrained requests draft the text their grammar forces (verified in one step)
 
     def __post_init__(self) -> None:
@@ -172,7 +176,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer (0: off), got {value!r}")
         if self.ttft_target_ms and not self.max_step_ms:
             raise ValueError("ttft_target_ms works with the step budget: set max_step_ms too")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
+                     "speculative_tree_width"):
             _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
@@ -214,7 +219,7 @@ class EngineConfig:
 
 
 _SPECULATIVE_KNOBS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch",
-                      "speculative_adaptive")
+                      "speculative_adaptive", "speculative_tree_width")
 _CACHE_KNOBS = ("session_ttl_s", "kv_offload_memory", "kv_offload_dir", "kv_persist_dir")
 
 
@@ -223,6 +228,8 @@ def _check_takes_effect(config: EngineConfig) -> None:
     nothing (an option that is silently ignored changes a deployment's meaning)."""
     if config.speculative is None:
         _refuse_changed(config, _SPECULATIVE_KNOBS, "take effect with speculative decoding: set speculative too")
+    elif config.speculative != "suffix":
+        _refuse_changed(config, ("speculative_tree_width",), "shapes suffix drafting's trees: set speculative suffix")
     if not config.enable_prefix_cache:
         _refuse_changed(config, _CACHE_KNOBS, "need the prefix cache: drop --no-enable-prefix-cache")
         if config.schedule_policy != "fcfs" and config.schedule_policy != _default("schedule_policy"):

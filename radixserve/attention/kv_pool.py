@@ -91,6 +91,25 @@ class KVPool:
         """The window layers' K/V of window page `page` = src[slot], pairwise (hybrid KV)."""
         self._copy_in(self.window_kv, slots, src, pages)
 
+    def copy_slots(self, src: list[int], dst: list[int], window: bool = False) -> None:
+        """Every layer's K/V of flat slot src[i] (block * block_size + offset) into dst[i], all
+        read before any is written (a draft tree's accepted path moving to its depths); the
+        window layers' pages with `window` (slots then name window pages)."""
+        kv = self.window_kv if window else self.kv
+        if self.pages is None:
+            flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])
+            flat[:, :, dst] = flat[:, :, src]
+            return
+        p, bs = self.pages, self.block_size
+        token, scale = p.num_kv_heads * p.head_dim, 4 * p.num_kv_heads  # a token's code and scale bytes
+        rows = [(s // bs, s % bs, t // bs, t % bs) for s, t in zip(src, dst)]
+        saved = [(kv[:, :, b, o * token:(o + 1) * token].clone(),
+                  kv[:, :, b, p.code_bytes + o * scale:p.code_bytes + (o + 1) * scale].clone())
+                 for b, o, _, _ in rows]
+        for (_, _, b, o), (codes, scales) in zip(rows, saved):
+            kv[:, :, b, o * token:(o + 1) * token] = codes
+            kv[:, :, b, p.code_bytes + o * scale:p.code_bytes + (o + 1) * scale] = scales
+
     def _copy_out(self, kv: torch.Tensor, ids: list[int], dest: torch.Tensor, slots: list[int]) -> None:
         if self._numpy_copies:  # numpy copies in this thread: torch's intra-op
             pool, out = kv.numpy(), dest.numpy()  # threads cost 10x more on a busy machine

@@ -19,6 +19,9 @@ class ScheduledChunk:
     # Speculative tokens proposed after the request's last token: the chunk computes
     # token_ids[start:] followed by these (num_tokens counts both), and the step verifies them.
     draft: list[int] = field(default_factory=list)
+    # A draft tree (core/draft_tree.py): each draft token's parent among them, -1 the request's
+    # last token; empty: the draft is a chain.
+    draft_parents: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.core.draft_length import StepCosts, best_length, draft_lengths
+from radixserve.core.draft_tree import depths
 from radixserve.core.request import Request
 
 MIN_ACCEPTED = 0.5  # accepted tokens per verification below which drafting does not pay
@@ -57,6 +58,7 @@ class _DraftState:
     from_tree: bool = False  # the last lookup's draft drew on the radix tree's sequences (suffix drafting)
     accepts: float = 0.0  # draft tokens accepted
     trials: float = 0.0  # draft tokens judged: the accepted ones and each draft's first rejected one
+    parents: list[int] | None = None  # the last lookup's draft tree (core/draft_tree.py); None: a chain
 
 
 @dataclass
@@ -69,6 +71,8 @@ class SpeculationStats:
     forced_tokens: int = 0  # forced-text tokens drafted
     forced_accepted: int = 0  # of those, accepted
     tree_drafts: int = 0  # drafts a cached sequence of the request's namespace contributed to (suffix drafting)
+    branched_drafts: int = 0  # of `drafts`, those verified as a tree with branches (speculative_tree_width > 1)
+    branch_hits: int = 0  # of those, the verifications that accepted a node off the tree's main chain
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,6 +160,7 @@ class PromptLookupDrafter:
             return None
         state = self._states.setdefault(request.request_id, _DraftState())
         state.forced = state.from_tree = False
+        state.parents = None
         if state.paused > 0:
             state.paused -= 1
             if state.paused == 0:  # judge it afresh: what it accepted before weighs half
@@ -180,8 +185,16 @@ class PromptLookupDrafter:
         state.forced = bool(draft)
         return draft
 
-    def record(self, request: Request, proposed: int, accepted: int) -> None:
-        """A draft of `proposed` tokens was verified and `accepted` of them agreed."""
+    def parents_of(self, request: Request) -> list[int] | None:
+        """The draft tree of the request's last proposal (core/draft_tree.py), None for a chain."""
+        state = self._states.get(request.request_id)
+        return None if state is None or state.forced else state.parents
+
+    def record(self, request: Request, proposed: int, accepted: int, path: list[int] | None = None,
+               parents: list[int] | None = None) -> None:
+        """A draft of `proposed` tokens was verified and `accepted` of them agreed; for a draft
+        tree (its `parents`), the nodes accepted (`path`): its lengths and acceptance are
+        judged along its deepest path, its nodes counted as proposed tokens."""
         state = self._states.get(request.request_id)
         if state is not None and state.forced:
             self.stats.forced_drafts += 1
@@ -192,6 +205,10 @@ class PromptLookupDrafter:
         self.stats.drafts += 1
         self.stats.draft_tokens += proposed
         self.stats.accepted_tokens += accepted
+        if parents:
+            self.stats.branched_drafts += 1
+            self.stats.branch_hits += any(node != d for d, node in enumerate(path or []))
+            proposed = max(depths(parents)) + 1
         state = self._states.setdefault(request.request_id, _DraftState())
         state.tries += 1
         # Verifying costs more per drafted token on a compute-bound device: draft one past

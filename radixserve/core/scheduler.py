@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from radixserve.config import EngineConfig
 from radixserve.core.block_pool import BlockPool
+from radixserve.core.draft_tree import is_chain
 from radixserve.core.hashing import extend_block_hashes
 from radixserve.core.kv_manager import KVManager, TierPrefetch
 from radixserve.core.plan import ScheduledChunk, StepPlan
@@ -269,6 +270,8 @@ class Scheduler:
                 draft = draft[:spare]
             if draft:
                 chunk.draft = draft
+                parents = (self.drafter.parents_of(request) or [])[:len(draft)]
+                chunk.draft_parents = [] if is_chain(parents) else parents  # a tree cut to its chain is one
                 chunk.num_tokens += len(draft)
                 budget -= len(draft)
         return budget

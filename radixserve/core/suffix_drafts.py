@@ -11,11 +11,15 @@ Every place a key occurs gives the tokens that followed it there, weighted by th
 how many tokens matched backwards. The draft follows the heaviest child of the trie from its root
 while the path's estimated probability (the product of each step's share of its parent's
 weight) stays at or above MIN_PATH_SHARE; a request with no place falls back to prompt
-lookup. Length, pauses and eligibility are PromptLookupDrafter's (core/prompt_lookup.py).
+lookup. With a tree width over 1 the draft is a tree (core/draft_tree.py): that path first,
+then the trie's other likely children, best first (best_tree). Length, pauses and
+eligibility are PromptLookupDrafter's (core/prompt_lookup.py).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Any
 
 from radixserve.core.prompt_lookup import PromptLookupDrafter, lookup
@@ -63,37 +67,78 @@ class _TrieNode:
         self.children: dict[int, _TrieNode] = {}
 
 
-def best_path(candidates: list[tuple[list[int], float]], k: int, min_share: float = MIN_PATH_SHARE) -> list[int]:
-    """The heaviest path of the candidates' trie, cut where its probability estimate drops
-    below min_share, at most k tokens."""
+def _trie(candidates: list[tuple[list[int], float]], depth: int) -> _TrieNode:
     root = _TrieNode()
     for tokens, weight in candidates:
         if weight <= 0:
             continue
         root.weight += weight
         node = root
-        for token in tokens[:k]:
+        for token in tokens[:depth]:
             node = node.children.setdefault(token, _TrieNode())
             node.weight += weight
-    path: list[int] = []
+    return root
+
+
+def best_path(candidates: list[tuple[list[int], float]], k: int, min_share: float = MIN_PATH_SHARE) -> list[int]:
+    """The heaviest path of the candidates' trie, cut where its probability estimate drops
+    below min_share, at most k tokens."""
+    return best_tree(candidates, k, 1, min_share)[0]
+
+
+def best_tree(candidates: list[tuple[list[int], float]], k: int, width: int,
+              min_share: float = MIN_PATH_SHARE) -> tuple[list[int], list[int]]:
+    """At most k nodes of the candidates' trie as a draft tree (tokens, parents; core/draft_tree.py):
+    its heaviest path first (while the path's probability estimate stays at or above min_share),
+    then, best first by that estimate (at least min_share too), the other children of the nodes
+    taken and of the root, each node's `width` heaviest children at most."""
+    root = _trie(candidates, k)
+    tokens: list[int] = []
+    parents: list[int] = []
+    taken: list[tuple[_TrieNode, float]] = [(root, 1.0)]  # node i's trie node at taken[i + 1]
     node, share = root, 1.0
-    while node.children and len(path) < k:
+    while node.children and len(tokens) < k:
         token, child = max(node.children.items(), key=lambda item: item[1].weight)
         share *= child.weight / node.weight
         if share < min_share:
             break
-        path.append(token)
+        tokens.append(token)
+        parents.append(len(tokens) - 2)
+        taken.append((child, share))
         node = child
-    return path
+    if width <= 1:
+        return tokens, parents
+    chosen = {id(n) for n, _ in taken}
+    frontier: list[tuple[float, int, int, _TrieNode, int]] = []  # (-share, tie, token, node, parent index)
+    order = itertools.count()
+
+    def offer(parent: _TrieNode, parent_share: float, index: int) -> None:
+        ranked = sorted(parent.children.items(), key=lambda item: -item[1].weight)[:width]
+        for token, child in ranked:
+            estimate = parent_share * child.weight / parent.weight
+            if id(child) not in chosen and estimate >= min_share:
+                heapq.heappush(frontier, (-estimate, next(order), token, child, index))
+
+    for index, (trie_node, node_share) in enumerate(taken):
+        offer(trie_node, node_share, index - 1)
+    while frontier and len(tokens) < k:
+        negative, _, token, child, parent = heapq.heappop(frontier)
+        tokens.append(token)
+        parents.append(parent)
+        chosen.add(id(child))
+        offer(child, -negative, len(tokens) - 1)
+    return tokens, parents
 
 
 class SuffixDrafter(PromptLookupDrafter):
     """Prompt lookup's drafter drawing from the suffix index and the radix tree; `cache`
     None (no prefix cache) leaves the request's own tokens."""
 
-    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, default_on: bool, cache: Any = None):
+    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, default_on: bool, cache: Any = None,
+                 tree_width: int = 1):
         super().__init__(num_tokens, ngram_min, ngram_max, default_on)
         self.tree = TreeIndex(cache) if cache is not None else None
+        self.tree_width = tree_width  # > 1: drafts are trees of candidates (best_tree)
         self._indexes: dict[str, SuffixIndex] = {}
 
     def _lookup(self, request: Request, k: int) -> list[int]:
@@ -102,10 +147,12 @@ class SuffixDrafter(PromptLookupDrafter):
         own = len(candidates)
         if self.tree is not None:
             candidates += self.tree.continuations(request.cache_salt, request.token_ids, k)
-        draft = best_path(candidates, k)
+        draft, parents = best_tree(candidates, k, self.tree_width)
         if not draft:
             return lookup(request.token_ids, k, self.ngram_min, self.ngram_max)
-        self._states[request.request_id].from_tree = len(candidates) > own  # counted if drafted
+        state = self._states[request.request_id]
+        state.from_tree = len(candidates) > own  # counted if drafted
+        state.parents = parents
         return draft
 
     def forget(self, request_id: str) -> None:

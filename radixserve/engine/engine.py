@@ -38,6 +38,7 @@ from radixserve.engine.kv_transfer import KVHandoff, KVTransfer, TransferFailed
 from radixserve.engine.memory_plan import plan_memory
 from radixserve.core.kv_manager import KVUsage
 from radixserve.core.agent_hints import AgentHints
+from radixserve.core.draft_tree import accepted_path
 from radixserve.core.request import Request
 from radixserve.execution.recurrent_state import model_state_bytes
 from radixserve.execution.runner import ModelRunner
@@ -147,6 +148,8 @@ class Engine:
                                                  device=self.device, dtype=self.dtype)
         self.runner = ModelRunner(model=self.loaded.model, spec=self.loaded.spec, config=runner_config,
                                   stop_token_ids=self.eos_token_ids, window=window)
+        if self.runner.states is not None and isinstance(self.drafter, SuffixDrafter):
+            self.drafter.tree_width = 1  # a recurrent state follows one sequence: drafts stay chains
         if self.runner.states is not None and self.memory_plan.num_snapshots:  # the cache keeps their snapshots
             self.runner.states.max_snapshots = self.memory_plan.num_snapshots
             self.runner.states.block_size = cfg.block_size
@@ -456,6 +459,8 @@ class Engine:
             spec_acceptance_rate=spec.acceptance_rate,
             spec_pauses=spec.pauses,
             spec_tree_drafts=spec.tree_drafts,
+            spec_branched_drafts=spec.branched_drafts,
+            spec_branch_hits=spec.branch_hits,
             spec_accepted_length=spec.accepted_length,
             spec_forced_drafts=spec.forced_drafts,
             spec_forced_tokens=spec.forced_tokens,
@@ -600,7 +605,8 @@ class Engine:
         appended, and blocks only rejected tokens used go back to the pool. One output for
         all of them."""
         request = chunk.request
-        self.drafter.record(request, len(chunk.draft), len(tokens) - 1)
+        path = accepted_path(chunk.draft, chunk.draft_parents, tokens) if chunk.draft_parents else None
+        self.drafter.record(request, len(chunk.draft), len(tokens) - 1, path, chunk.draft_parents)
         for i, token in enumerate(tokens):
             if i:
                 self.scheduler.accept_draft_token(request)
@@ -722,7 +728,7 @@ def _drafter(cfg: EngineConfig, cache: RadixCache | None) -> PromptLookupDrafter
     """The speculative drafter: prompt lookup, or suffix drafting over the prefix cache too."""
     args = (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.speculative == "suffix":
-        drafter = SuffixDrafter(*args, default_on=True, cache=cache)
+        drafter = SuffixDrafter(*args, default_on=True, cache=cache, tree_width=cfg.speculative_tree_width)
     else:
         drafter = PromptLookupDrafter(*args, default_on=cfg.speculative == "prompt-lookup")
     drafter.adaptive = cfg.speculative_adaptive

@@ -92,6 +92,8 @@ class EngineStats:
     spec_pauses: int
     spec_tree_drafts: int  # drafts a cached sequence of the request's namespace contributed to (suffix drafting)
     spec_accepted_length: float  # tokens a verification appends on average (accepted + the one after)
+    spec_branched_drafts: int  # drafts verified as a tree with branches (speculative_tree_width > 1)
+    spec_branch_hits: int  # of those, verifications that accepted a node off the tree's main chain
     spec_forced_drafts: int  # jump-forward: a grammar's forced text verified in one step
     spec_forced_tokens: int  # forced tokens drafted
     spec_forced_accepted: int  # of those, accepted

@@ -20,6 +20,7 @@ from radixserve.execution.recurrent_state import RecurrentStatePool
 from radixserve.execution.runner_config import RunnerConfig
 from radixserve.execution.sampler import Sampler, SamplingRow
 from radixserve.core.request import Request
+from radixserve.core.draft_tree import accepted_path, ancestor_masks, depths, moves
 from radixserve.core.plan import ScheduledChunk, StepPlan
 from radixserve.core.window_pages import WindowPages
 
@@ -122,9 +123,11 @@ class ModelRunner:
         if drafted:
             rows = [self._sampling_row(c) for c in drafted]
             drafts = [c.draft for c in drafted]
-            accepted = self.sampler.verify(logits[len(sampling):verified], rows, drafts)
+            parents = [c.draft_parents for c in drafted]
+            accepted = self.sampler.verify(logits[len(sampling):verified], rows, drafts, parents)
             result.speculative = list(zip(drafted, accepted))
             self._settle_recurrent(result.speculative)
+            self._move_accepted(result.speculative)
         if prompt_rows:
             result.prompt_logprobs = _score_prompt_tokens(logits[verified:], prompt_rows)
         return result
@@ -142,11 +145,35 @@ class ModelRunner:
         if self.states is not None:
             self.states.settle(verified)
 
+    def _move_accepted(self, verified: list[tuple[ScheduledChunk, list[int]]]) -> None:
+        """A draft tree's accepted path: its K/V from the slots of its nodes (base + node) to
+        those of its depths (base + depth), where they differ (core/draft_tree.py), so the
+        request's slots hold its tokens in order; the rest is overwritten or released."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for chunk, tokens in verified:
+            if not chunk.draft_parents:
+                continue
+            base, table = chunk.start + 1, chunk.request.block_table
+            for node, depth in moves(accepted_path(chunk.draft, chunk.draft_parents, tokens)):
+                src.append(table[(base + node) // bs] * bs + (base + node) % bs)
+                dst.append(table[(base + depth) // bs] * bs + (base + depth) % bs)
+        if not src:
+            return
+        self.pool.copy_slots(src, dst)
+        if self.window is not None:
+            page_of = self.window.page_of
+            self.pool.copy_slots([page_of[s // bs] * bs + s % bs for s in src],
+                                 [page_of[d // bs] * bs + d % bs for d in dst], window=True)
+
     def _prepare(self, chunks: list[ScheduledChunk]) -> PackedBatch:
         """Flat token batch and attention metadata. A drafted chunk (a decode plus its draft)
         enters attention as one single-query row per token, each with its own context length,
         so the decode kernel verifies it exactly as it would decode those tokens one by one;
-        in a small step (_as_single_query_rows) every chunk does."""
+        in a small step (_as_single_query_rows) every chunk does. A draft tree's node i is
+        written to slot start + 1 + i and computed at position start + 1 + depth(i), its row
+        masked to its ancestors (AttentionMetadata.tree_masks)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -160,6 +187,7 @@ class ModelRunner:
         sampling: list[ScheduledChunk] = []
         drafted: list[ScheduledChunk] = []
         num_decodes = 0
+        tree_masks: list[int] = []  # per attention row (core/draft_tree.py); all 0 without trees
         as_rows = self._as_single_query_rows(chunks)
         for c in chunks:
             request, start, end = c.request, c.start, c.start + c.num_tokens
@@ -167,7 +195,13 @@ class ModelRunner:
             chunk_starts.append(query_start[-1])
             input_ids.extend(request.token_ids[start:end - len(c.draft)])
             input_ids.extend(c.draft)
-            positions.extend(range(start, end))
+            if c.draft_parents:
+                if self.states is not None:
+                    raise ValueError("a draft tree needs a model without recurrent layers")
+                positions.append(start)
+                positions.extend(start + 1 + d for d in depths(c.draft_parents))
+            else:
+                positions.extend(range(start, end))
             _extend_slots(slots, table, start, end, bs)
             if c.draft or as_rows:
                 first = query_start[-1]
@@ -175,6 +209,7 @@ class ModelRunner:
                     query_start.append(query_start[-1] + 1)
                     seq_lens.append(pos + 1)
                     row_tables.append(table)
+                tree_masks.extend([0] + ancestor_masks(c.draft_parents) if c.draft_parents else [0] * c.num_tokens)
                 num_decodes += c.num_tokens
                 if c.draft:
                     draft_indices.extend(range(first, first + c.num_tokens))
@@ -186,6 +221,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + c.num_tokens)
             seq_lens.append(end)
             row_tables.append(table)
+            tree_masks.append(0)
             num_decodes += c.num_tokens == 1
             if c.samples:
                 logits_indices.append(query_start[-1] - 1)
@@ -202,6 +238,9 @@ class ModelRunner:
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
         )
+        if any(tree_masks):
+            meta.tree_masks = self._tensor([m - (1 << 64) if m >> 63 else m for m in tree_masks], torch.int64)
+            meta.tree_masks_list = tree_masks
         return PackedBatch(
             input_ids=self._tensor(input_ids, torch.int64),
             positions=self._tensor(positions, torch.int64),

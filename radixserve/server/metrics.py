@@ -73,6 +73,10 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Read]] = {
     "radixserve_spec_accepted_tokens": ("Speculative tokens accepted by verification", lambda s: s.spec_accepted_tokens),
     "radixserve_spec_tree_drafts": ("Drafts that the prefix cache's stored sequences (the request's namespace) "
                                     "contributed to", lambda s: s.spec_tree_drafts),
+    "radixserve_spec_branched_drafts": ("Drafts verified as a tree of candidates (speculative_tree_width > 1)",
+                                        lambda s: s.spec_branched_drafts),
+    "radixserve_spec_branch_hits": ("Tree verifications that accepted a candidate off the main chain",
+                                    lambda s: s.spec_branch_hits),
     "radixserve_spec_forced_drafts": ("Jump-forward verifications (a grammar's forced text checked in one step)",
                                       lambda s: s.spec_forced_drafts),
     "radixserve_spec_forced_tokens": ("Forced tokens drafted by jump-forward", lambda s: s.spec_forced_tokens),

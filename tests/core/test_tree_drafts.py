@@ -7,7 +7,7 @@ from radixserve import SamplingParams
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request
-from radixserve.core.suffix_drafts import SuffixDrafter, SuffixIndex, best_path
+from radixserve.core.suffix_drafts import SuffixDrafter, SuffixIndex, best_path, best_tree
 from radixserve.core.tree_drafts import TreeIndex
 
 BS = 4
@@ -91,6 +91,18 @@ def test_best_path_follows_the_heaviest_branch_while_it_is_likely():
     assert best_path([([1, 2], 1.0), ([3, 4], 1.0), ([5], 1.0)], 8) == [1, 2]  # 1/3 >= 0.3
     assert best_path([([1, 2], 1.0), ([3, 4], 1.0), ([5], 1.0), ([6], 1.0)], 8) == []  # 1/4 < 0.3
     assert best_path([], 4) == []
+
+
+def test_best_tree_adds_likely_side_branches_after_the_heaviest_path():
+    # 1 takes 4 / 5.5 of the weight, then 2 and 5 half of that each (0.36); 4 takes 0.27 < 0.3
+    candidates = [([1, 2, 3], 2.0), ([1, 5, 6], 2.0), ([4, 7], 1.5)]
+    assert best_tree(candidates, 8, 1) == ([1, 2, 3], [-1, 0, 1])  # width 1: best_path's chain
+    assert best_tree(candidates, 8, 2) == ([1, 2, 3, 5, 6], [-1, 0, 1, 0, 3])
+    assert best_tree(candidates, 4, 2) == ([1, 2, 3, 5], [-1, 0, 1, 0])  # the node budget
+    assert best_tree(candidates, 8, 2, min_share=0.25) == ([1, 2, 3, 5, 6, 4, 7], [-1, 0, 1, 0, 3, -1, 5])
+    # width counts a node's children: 3 of the root's four (a quarter each) at min_share 0.2
+    four = [([t], 1.0) for t in (9, 8, 7, 6)]
+    assert best_tree(four, 8, 3, min_share=0.2) == ([9, 8, 7], [-1, -1, -1])
 
 
 def _request(tokens, salt=None):
