@@ -5,7 +5,8 @@ them without the model (bench/lib/draft_replay.py), batch 1, step times from a t
     .venv/bin/python -m bench.bench_draft_replay --records /tmp/agent_outputs.json   # records once, then reads
     .venv/bin/python -m bench.bench_draft_replay --records R.json --step-ms 1:10,2:10.5,8:12,16:20   # rows nearly free
 
-Prints per trace and method: decode steps, tokens per step, drafts, the accepted length (tokens
+Methods: prompt lookup, suffix drafting (chains), suffix drafting's trees (two candidates a
+node, bench/lib/draft_replay.py's TREE_WIDTH). Prints per trace and method: decode steps, tokens per step, drafts, the accepted length (tokens
 a verification appends), the decode time's speedup over no drafts on the table, and suffix
 against prompt lookup. Deterministic: a drafting change is judged without the machine's noise
 (the engine's own bench, bench_speculative --workload agents, measures real time).
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {name:10s} {method:14s} {r.steps:5d} steps, {r.tokens_per_step:.2f} tokens a step, "
                   f"{r.drafts} drafts, accepted length {r.accepted_length:.2f}, "
                   f"acceptance {r.accepted}/{r.draft_tokens}; {r.speedup:.2f}x no drafts")
-        pl, sx = summary[(name, "prompt-lookup")], summary[(name, "suffix")]
-        print(f"   {name}: suffix {sx.speedup / pl.speedup:.2f}x prompt lookup ({time.perf_counter() - t0:.1f} s)")
+        pl, sx, tr = (summary[(name, m)] for m in ("prompt-lookup", "suffix", "suffix-tree"))
+        print(f"   {name}: suffix {sx.speedup / pl.speedup:.2f}x prompt lookup, suffix trees {tr.speedup / sx.speedup:.2f}x "
+              f"suffix chains ({time.perf_counter() - t0:.1f} s)")
     figures.finish(args, "replayed drafting: speedup over no drafts on the step table", "x no drafts")
     return 0
 

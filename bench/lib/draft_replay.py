@@ -6,7 +6,9 @@ The replay walks each output as verification would: at every decode step the dra
 (the real PromptLookupDrafter or SuffixDrafter, over a real RadixCache filled as the engine
 fills it: the prompt's full blocks at admission, each full block as it is computed, the whole
 sequence at the end), the draft is accepted while it equals the recorded output, and the step
-appends the accepted tokens and the one after. Step times come from a given table of rows ->
+appends the accepted tokens and the one after ("suffix-tree": suffix drafting's trees of
+TREE_WIDTH candidates a node, a draft accepted along the path whose tokens the output follows;
+every node a row). Step times come from a given table of rows ->
 ms (the drafter's own cost model reads it too), so `speedup` is the decode time without drafts
 over the time with them, on that table.
 """
@@ -20,6 +22,7 @@ from radixserve import SamplingParams
 from radixserve.config import EngineConfig
 from radixserve.core.block_pool import BlockPool
 from radixserve.core.draft_length import StepCosts
+from radixserve.core.draft_tree import children, is_chain
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request
@@ -27,7 +30,8 @@ from radixserve.core.suffix_drafts import SuffixDrafter
 
 # Decode step ms by rows, the default model on the project's AVX2 dev machine (2026-12-07)
 AVX2_STEP_MS = {1: 13.3, 2: 20.0, 4: 28.2, 5: 49.8, 8: 78.9, 9: 88.0, 12: 92.0, 16: 121.0}
-METHODS = ("prompt-lookup", "suffix")
+METHODS = ("prompt-lookup", "suffix", "suffix-tree")
+TREE_WIDTH = 2  # "suffix-tree": candidates a node may branch into
 _ids = itertools.count()
 
 
@@ -59,8 +63,8 @@ def drafter_for(method: str, cache: RadixCache) -> PromptLookupDrafter:
     """The engine's drafter for `method`, with the engine's default knobs."""
     c = EngineConfig()
     args = (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
-    if method == "suffix":
-        return SuffixDrafter(*args, default_on=True, cache=cache)
+    if method in ("suffix", "suffix-tree"):
+        return SuffixDrafter(*args, default_on=True, cache=cache, tree_width=TREE_WIDTH if method == "suffix-tree" else 1)
     return PromptLookupDrafter(*args, default_on=True)
 
 
@@ -84,11 +88,12 @@ def replay(recorded: list[tuple[list[int], list[int]]], method: str, step_ms: di
         done = 1
         while done < len(output):
             draft = drafter.propose(request, len(output) - done)
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == output[done + accepted]:
-                accepted += 1
+            parents = (drafter.parents_of(request) or [])[:len(draft)]
+            parents = [] if is_chain(parents) else parents
+            path = _followed(draft, parents, output[done:])
+            accepted = len(path)
             if draft:
-                drafter.record(request, len(draft), accepted)
+                drafter.record(request, len(draft), accepted, path, parents)
             n = min(accepted + 1, len(output) - done)
             request.token_ids += output[done:done + n]
             done += n
@@ -102,6 +107,20 @@ def replay(recorded: list[tuple[list[int], list[int]]], method: str, step_ms: di
     stats = drafter.stats
     out.drafts, out.draft_tokens, out.accepted = stats.drafts, stats.draft_tokens, stats.accepted_tokens
     return out
+
+
+def _followed(draft: list[int], parents: list[int], output: list[int]) -> list[int]:
+    """The draft nodes greedy verification accepts against the output that follows: a chain's
+    leading tokens that equal it, a tree's path whose tokens do (core/draft_tree.py)."""
+    kids = children(parents) if parents else {i - 1: [i] for i in range(len(draft))}
+    path: list[int] = []
+    node = -1
+    while len(path) < len(output):
+        node = next((c for c in kids.get(node, []) if draft[c] == output[len(path)]), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
 
 
 def record(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[int]]]:

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.core.draft_length import StepCosts, best_length, draft_lengths
-from radixserve.core.draft_tree import depths
 from radixserve.core.request import Request
 
 MIN_ACCEPTED = 0.5  # accepted tokens per verification below which drafting does not pay
@@ -193,8 +192,9 @@ class PromptLookupDrafter:
     def record(self, request: Request, proposed: int, accepted: int, path: list[int] | None = None,
                parents: list[int] | None = None) -> None:
         """A draft of `proposed` tokens was verified and `accepted` of them agreed; for a draft
-        tree (its `parents`), the nodes accepted (`path`): its lengths and acceptance are
-        judged along its deepest path, its nodes counted as proposed tokens."""
+        tree (its `parents`), the nodes accepted (`path`): it passed whole where the path ended
+        at a leaf (nothing rejected below it), and its next node budget follows as a chain's
+        length does."""
         state = self._states.get(request.request_id)
         if state is not None and state.forced:
             self.stats.forced_drafts += 1
@@ -205,18 +205,19 @@ class PromptLookupDrafter:
         self.stats.drafts += 1
         self.stats.draft_tokens += proposed
         self.stats.accepted_tokens += accepted
+        whole = accepted >= proposed
         if parents:
             self.stats.branched_drafts += 1
             self.stats.branch_hits += any(node != d for d, node in enumerate(path or []))
-            proposed = max(depths(parents)) + 1
+            whole = bool(path) and path[-1] not in parents
         state = self._states.setdefault(request.request_id, _DraftState())
         state.tries += 1
         # Verifying costs more per drafted token on a compute-bound device: draft one past
         # what was accepted last time; a whole draft accepted means a copied run: double.
-        state.length = min(self.num_tokens, accepted + 1 if accepted < proposed else 2 * proposed)
+        state.length = min(self.num_tokens, 2 * proposed if whole else accepted + 1)
         state.accepted_ema = accepted if state.tries == 1 else (1 - EMA) * state.accepted_ema + EMA * accepted
         state.accepts += accepted
-        state.trials += accepted + (accepted < proposed)
+        state.trials += accepted + (not whole)
         if state.tries >= MIN_TRIES and state.accepted_ema < MIN_ACCEPTED:
             self._pause(state)
 

@@ -11,8 +11,8 @@ Every place a key occurs gives the tokens that followed it there, weighted by th
 how many tokens matched backwards. The draft follows the heaviest child of the trie from its root
 while the path's estimated probability (the product of each step's share of its parent's
 weight) stays at or above MIN_PATH_SHARE; a request with no place falls back to prompt
-lookup. With a tree width over 1 the draft is a tree (core/draft_tree.py): that path first,
-then the trie's other likely children, best first (best_tree). Length, pauses and
+lookup. With a tree width over 1 the draft is a tree (core/draft_tree.py): the trie's likeliest
+nodes within the length, that path first (best_tree). Length, pauses and
 eligibility are PromptLookupDrafter's (core/prompt_lookup.py).
 """
 
@@ -89,45 +89,41 @@ def best_path(candidates: list[tuple[list[int], float]], k: int, min_share: floa
 def best_tree(candidates: list[tuple[list[int], float]], k: int, width: int,
               min_share: float = MIN_PATH_SHARE) -> tuple[list[int], list[int]]:
     """At most k nodes of the candidates' trie as a draft tree (tokens, parents; core/draft_tree.py):
-    its heaviest path first (while the path's probability estimate stays at or above min_share),
-    then, best first by that estimate (at least min_share too), the other children of the nodes
-    taken and of the root, each node's `width` heaviest children at most."""
+    the likeliest nodes by their path's probability estimate (the product of each step's share
+    of its parent's weight; at least min_share), each node's `width` heaviest children at most,
+    so that the tree holds the most accepted tokens the estimate expects. Laid out with its
+    heaviest path first (width 1: that path alone, as a chain drafter follows it)."""
     root = _trie(candidates, k)
-    tokens: list[int] = []
-    parents: list[int] = []
-    taken: list[tuple[_TrieNode, float]] = [(root, 1.0)]  # node i's trie node at taken[i + 1]
-    node, share = root, 1.0
-    while node.children and len(tokens) < k:
-        token, child = max(node.children.items(), key=lambda item: item[1].weight)
-        share *= child.weight / node.weight
-        if share < min_share:
-            break
-        tokens.append(token)
-        parents.append(len(tokens) - 2)
-        taken.append((child, share))
-        node = child
-    if width <= 1:
-        return tokens, parents
-    chosen = {id(n) for n, _ in taken}
-    frontier: list[tuple[float, int, int, _TrieNode, int]] = []  # (-share, tie, token, node, parent index)
     order = itertools.count()
+    frontier: list[tuple[float, int, int, _TrieNode, _TrieNode | None]] = []  # (-share, tie, token, node, parent)
 
-    def offer(parent: _TrieNode, parent_share: float, index: int) -> None:
-        ranked = sorted(parent.children.items(), key=lambda item: -item[1].weight)[:width]
-        for token, child in ranked:
-            estimate = parent_share * child.weight / parent.weight
-            if id(child) not in chosen and estimate >= min_share:
-                heapq.heappush(frontier, (-estimate, next(order), token, child, index))
+    def offer(parent: _TrieNode, share: float) -> None:
+        for token, child in sorted(parent.children.items(), key=lambda item: -item[1].weight)[:width]:
+            estimate = share * child.weight / parent.weight
+            if estimate >= min_share:
+                heapq.heappush(frontier, (-estimate, next(order), token, child, parent))
 
-    for index, (trie_node, node_share) in enumerate(taken):
-        offer(trie_node, node_share, index - 1)
-    while frontier and len(tokens) < k:
-        negative, _, token, child, parent = heapq.heappop(frontier)
-        tokens.append(token)
-        parents.append(parent)
-        chosen.add(id(child))
-        offer(child, -negative, len(tokens) - 1)
-    return tokens, parents
+    offer(root, 1.0)
+    chosen: list[tuple[int, _TrieNode, _TrieNode]] = []  # (token, node, parent node), parents first
+    while frontier and len(chosen) < k:
+        negative, _, token, node, parent = heapq.heappop(frontier)
+        chosen.append((token, node, parent))
+        offer(node, -negative)
+    # the heaviest path among the chosen nodes first, then the others as chosen
+    kids: dict[int, list[tuple[int, _TrieNode]]] = {}
+    for token, node, parent in chosen:
+        kids.setdefault(id(parent), []).append((token, node))
+    chain, node = [], root
+    while id(node) in kids:
+        node = max(kids[id(node)], key=lambda item: item[1].weight)[1]
+        chain.append(node)
+    on_chain = {id(n) for n in chain}
+    laid = chain + [node for _, node, _ in chosen if id(node) not in on_chain]
+    index = {id(node): i for i, node in enumerate(laid)}
+    token_of = {id(node): token for token, node, _ in chosen}
+    parent_of = {id(node): parent for _, node, parent in chosen}
+    return ([token_of[id(n)] for n in laid],
+            [index.get(id(parent_of[id(n)]), -1) for n in laid])
 
 
 class SuffixDrafter(PromptLookupDrafter):

@@ -25,3 +25,20 @@ def test_suffix_drafts_a_reply_said_before_to_another_prompt():
     assert own.tokens == tree.tokens == 47 + 44
     assert own.steps == own.tokens  # prompt lookup reads only the request's own tokens: nothing to copy
     assert tree.steps < 47 + 44 / 3  # the second request copies the first's reply from the tree
+
+
+def test_suffix_trees_take_the_branch_the_output_follows():
+    """Two earlier replies agree on their first 6 tokens, then part; a third request says those
+    6 and follows one of them: a chain draft follows one branch (a tie), the tree holds both
+    within the same 4 rows, so the tree accepts at least as much either way and more on the
+    branch the chain missed."""
+    head, left, right = list(range(500, 506)), list(range(600, 624)), list(range(700, 724))
+    told = [(list(range(100, 140)), head + left), (list(range(200, 240)) + head[:3], head[3:] + right)]
+    gains = []
+    for branch in (left, right):
+        recorded = told + [(list(range(300, 340)) + head[:3], head[3:] + branch)]
+        chains = replay(recorded, "suffix", CHEAP)
+        trees = replay(recorded, "suffix-tree", CHEAP)
+        assert chains.tokens == trees.tokens
+        gains.append(trees.accepted - chains.accepted)
+    assert min(gains) >= 0 and max(gains) > 0, gains
