@@ -96,6 +96,8 @@ class KVPool:
         read before any is written (a draft tree's accepted path moving to its depths); the
         window layers' pages with `window` (slots then name window pages)."""
         kv = self.window_kv if window else self.kv
+        if kv.numel() == 0:  # a hybrid pool of window layers only
+            return
         if self.pages is None:
             flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])
             flat[:, :, dst] = flat[:, :, src]

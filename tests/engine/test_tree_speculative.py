@@ -1,8 +1,9 @@
 """Draft trees end to end on tiny models (core/draft_tree.py): greedy output token for token the
 same as without speculation where the accepted path is a side branch (its K/V moved to the
 depths' slots), with exact counters, under preemption, over float32 and int8 KV, the torch
-backend and a hybrid-window model (Gemma 3); and suffix drafting's trees from a cache holding
-two continuations of the same text."""
+backend, a hybrid-window model (Gemma 3) and sliding windows on every layer; suffix drafting's
+trees from a cache holding two continuations of the same text; the option refused where it
+would do nothing, and recurrent models kept to chains."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 import pytest
 
 from radixserve import Engine, SamplingParams
+from radixserve.config import EngineConfig
 from radixserve.core.prompt_lookup import PromptLookupDrafter
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -68,6 +70,7 @@ def _expected_counts(max_tokens: int, prompts: int) -> dict[str, int]:
     ("llama", {"kv_cache_dtype": "int8"}),
     ("llama", {"attention_backend": "torch"}),
     ("gemma3", {}),
+    ("mistral_window", {}),  # every layer's window (6) counts positions: a node sees 6 back from its depth
 ])
 def test_side_branches_are_accepted_greedy_exact(tiny_model_dir, kind, options):
     directory = str(tiny_model_dir(kind))
@@ -135,3 +138,20 @@ def test_suffix_trees_from_two_cached_continuations(tiny_model_dir):
     chains, trees = run(1), run(2)
     assert chains == {"spec_branched_drafts": 0, "spec_branch_hits": 0, "spec_accepted_tokens": 17}
     assert trees == {"spec_branched_drafts": 1, "spec_branch_hits": 1, "spec_accepted_tokens": 19}
+
+
+def test_tree_width_is_refused_where_it_would_do_nothing():
+    EngineConfig(speculative="suffix", speculative_tree_width=3)
+    with pytest.raises(ValueError, match="speculative_tree_width"):
+        EngineConfig(speculative="prompt-lookup", speculative_tree_width=2)  # prompt lookup drafts chains
+    with pytest.raises(ValueError, match="speculative_tree_width"):
+        EngineConfig(speculative_tree_width=2)
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(speculative="suffix", speculative_tree_width=0)
+
+
+def test_recurrent_models_keep_chains(tiny_model_dir):
+    """A recurrent layer's state follows one sequence: the engine drafts chains whatever the width."""
+    engine = Engine(str(tiny_model_dir("qwen3_5")), block_size=4, num_kv_blocks=128, speculative="suffix",
+                    speculative_tree_width=3)
+    assert engine.runner.states is not None and engine.drafter.tree_width == 1
