@@ -32,15 +32,19 @@ _QWEN35 = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
            "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GRANITE = {**_LAYER, "mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.out_proj": "ssm_out",
             "mamba.norm": "ssm_norm", "block_sparse_moe.router.layer": "ffn_gate_inp"}
+_GPT_OSS = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
         "model.embedding_norm": "token_embd_norm"}
 _ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qwen2": "qwen2", "lfm2": "lfm2",
-         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid"}
+         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid",
+         "gpt_oss": "gpt-oss"}
 
 
-def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = False) -> Path:
+def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = False,
+               expert_quant: str | None = None) -> Path:
     """The model saved in `model_dir` as a GGUF at `path`: 2-D weights with 64-multiple rows
-    (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32.
+    (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32;
+    the stacked experts to `expert_quant` where given (gpt-oss's MXFP4).
     `mtp`: one more block after the model's, as llama.cpp's converter appends Qwen3.5's
     multi-token-prediction layer (random values: a reader must leave it out)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
@@ -55,10 +59,11 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = Fal
     writer = GGUFWriter(str(path), arch=arch)
     _metadata(writer, arch, config, extra_blocks=int(mtp))
     _tokenizer(writer, config.vocab_size)
-    kind = GGMLQuantizationType[quant]
     for name, t in [*_gguf_tensors(tensors, arch, config), *(_mtp_block(config) if mtp else [])]:
         data = t.float().numpy()
-        plain = "ffn_gate_inp" in name or "ssm_norm" in name  # routers and norms stay float, as llama.cpp keeps them
+        # routers, norms and biases (gpt-oss's experts' [E, out]) stay float, as llama.cpp keeps them
+        plain = "ffn_gate_inp" in name or "ssm_norm" in name or name.endswith(".bias")
+        kind = GGMLQuantizationType[expert_quant if expert_quant and name.endswith("_exps.weight") else quant]
         if kind != GGMLQuantizationType.F32 and data.ndim >= 2 and data.shape[-1] % 64 == 0 and not plain:
             writer.add_tensor(name, quants.quantize(data, kind), raw_dtype=kind)
         else:
@@ -72,7 +77,7 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = Fal
 
 def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
     names = {"gemma3": _GEMMA3, "lfm2": _LFM2, "qwen35": _QWEN35, "qwen35moe": _QWEN35,
-             "granitehybrid": _GRANITE}.get(arch, _LAYER)
+             "granitehybrid": _GRANITE, "gpt-oss": _GPT_OSS}.get(arch, _LAYER)
     for layer in range(config.num_hidden_layers):  # per-expert tensors stacked [E, out, in], as llama.cpp stores them
         for proj, stem in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             parts = [tensors.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
@@ -93,6 +98,9 @@ def _gguf_tensors(tensors: dict[str, torch.Tensor], arch: str, config):
         if arch == "granitehybrid" and (".mamba." in name or "block_sparse_moe.input_linear" in name
                                         or "block_sparse_moe.output_linear" in name or ".shared_mlp." in name):
             yield from _granite_tensors(name, t, config)
+            continue
+        if arch == "gpt-oss" and (".mlp.experts." in name or name.endswith(".self_attn.sinks")):
+            yield from _gpt_oss_tensors(name, t)
             continue
         if stem in _TOP:
             yield f"{_TOP[stem]}.{suffix}", t
@@ -178,6 +186,29 @@ def _granite_tensors(name: str, t: torch.Tensor, config):
         yield f"{blk}ffn_down{shexp}.weight", t
     else:
         raise ValueError(f"no granitehybrid name for {name}")
+
+
+def _gpt_oss_tensors(name: str, t: torch.Tensor):
+    """A gpt-oss tensor as llama.cpp's converter writes it: the sinks as attn_sinks.weight; the
+    experts' gate_up_proj [E, H, 2I] (x @ w, gate and up interleaved column by column) split into
+    gate and up [E, I, H], down_proj [E, I, H] as [E, H, I], their biases split alike."""
+    layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+    blk = f"blk.{layer}."
+    if rest == "self_attn.sinks":
+        yield blk + "attn_sinks.weight", t
+    elif rest == "mlp.experts.gate_up_proj":
+        t = t.transpose(1, 2)
+        yield blk + "ffn_gate_exps.weight", t[:, 0::2].contiguous()
+        yield blk + "ffn_up_exps.weight", t[:, 1::2].contiguous()
+    elif rest == "mlp.experts.gate_up_proj_bias":
+        yield blk + "ffn_gate_exps.bias", t[:, 0::2].contiguous()
+        yield blk + "ffn_up_exps.bias", t[:, 1::2].contiguous()
+    elif rest == "mlp.experts.down_proj":
+        yield blk + "ffn_down_exps.weight", t.transpose(1, 2).contiguous()
+    elif rest == "mlp.experts.down_proj_bias":
+        yield blk + "ffn_down_exps.bias", t
+    else:
+        raise ValueError(f"no gpt-oss name for {name}")
 
 
 def quant_rounded(model_dir: Path, out_dir: Path, quant: str) -> Path:
@@ -272,6 +303,19 @@ def _metadata(writer, arch: str, config, extra_blocks: int = 0) -> None:
             writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
     if arch == "qwen35moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == "gpt-oss":  # as llama.cpp's GptOss converter writes them: the window, the experts, YaRN
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        if rope.get("rope_type") == "yarn":
+            from gguf import RopeScalingType
+
+            writer.add_rope_scaling_type(RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch in ("qwen3moe", "qwen35moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

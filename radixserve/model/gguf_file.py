@@ -179,7 +179,7 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
     """Every tensor of the file named as transformers names it, its values as the family's
     model holds them (as stored, but for the row order of Llama's q/k): the repackable
     quantized types as QuantWeight when `quantized` (2-D weights, and stacked experts as [E * out,
-    in]), everything else float32."""
+    in]; never a bias), everything else float32."""
     from gguf import GGMLQuantizationType, quants
 
     gguf = open_gguf(source)
@@ -198,7 +198,8 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
         shape = [int(d) for d in reversed(info.dims)]  # GGUF lists the innermost dimension first
         raw = gguf.raw(info)
         permute = _permutation(name, heads, kv_heads, shape[0]) if interleaved else None
-        if quantized and kind.name in REPACKED and len(shape) in (2, 3) and shape[-1] % 64 == 0:
+        if quantized and kind.name in REPACKED and len(shape) in (2, 3) and shape[-1] % 64 == 0 \
+                and not name.endswith(".bias"):  # a bias (gpt-oss's experts' [E, out]) is added, not multiplied
             # stacked experts [E, out, in] as one [E * out, in] weight (model/moe.py splits it)
             weight = repack(kind.name, raw, math.prod(shape[:-1]), shape[-1])
             out[name] = weight if permute is None else _permute_quant(weight, permute)

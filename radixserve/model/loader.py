@@ -290,7 +290,12 @@ def _unflatten(flat: dict[str, torch.Tensor], layout: dict[str, dict[str, str]])
 
 
 def _describe_weights(net: CausalLM, storage: str, dtype: torch.dtype) -> str:
-    kinds = sorted({m.quant.kind for m in net.quantized_layers().values() if m.quant is not None})
+    from radixserve.model.moe import SparseMoE
+
+    kinds = {m.quant.kind for m in net.quantized_layers().values() if m.quant is not None}
+    kinds |= {w.kind for m in net.modules() if isinstance(m, SparseMoE)
+              for w in (m.quant_gate_up or []) + (m.quant_down or [])}  # experts (gpt-oss's MXFP4)
+    kinds = sorted(kinds)
     if storage == "gguf":
         return "gguf:" + "+".join(dict.fromkeys(k for kind in kinds for k in kind.split("+")))
     return storage if storage in ("int8", "int4") else str(dtype).removeprefix("torch.")

@@ -58,8 +58,9 @@ FAMILIES = (
                 chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
     ModelFamily("granitemoehybrid", ("granitemoehybrid",), ("GraniteMoeHybridForCausalLM",), ("granitehybrid",),
                 ("silu",), "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM"),
-    # MoE with attention sinks, window layers on the hybrid KV; from a Hugging Face directory (float experts)
-    ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), (), ("silu",), "radixserve.model.gpt_oss",
+    # MoE with attention sinks, window layers on the hybrid KV; from a Hugging Face directory (float
+    # experts) or a llama.cpp gpt-oss GGUF (its experts as stored, MXFP4 included)
+    ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("gpt-oss",), ("silu",), "radixserve.model.gpt_oss",
                 "GptOssForCausalLM", **HARMONY),
 )
 

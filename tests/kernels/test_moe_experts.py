@@ -31,13 +31,26 @@ def _gguf_like(bits, group, zero, offsets, dtype, n, k, gen) -> QuantWeight:
                        bits, group, 0 if offsets else zero)
 
 
+def _mxfp4(n: int, k: int, gen) -> QuantWeight:
+    """gpt-oss's MXFP4 as repacked (8-bit codes 2v + 128, float32 scales 2^(e - 128))."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from radixserve.model.gguf_repack import repack
+
+    values = (torch.randn(n, k, generator=gen) * 0.2).numpy()
+    return repack("MXFP4", np.asarray(quants.quantize(values, GGMLQuantizationType.MXFP4)), n, k)
+
+
 def _moe(storage: str, path: str, seed: int = 0, top_k: int = 2) -> SparseMoE:
     gen = torch.Generator().manual_seed(seed)
     moe = SparseMoE(H, I, E, top_k, normalize=True)
     with torch.no_grad():
         moe.gate.weight.normal_(0, 1.0, generator=gen)
     moe.drop_float_experts()
-    if storage in STORAGES:
+    if storage == "MXFP4":
+        gate, up, down = _mxfp4(E * I, H, gen), _mxfp4(E * I, H, gen), _mxfp4(E * H, I, gen)
+    elif storage in STORAGES:
         gate = _gguf_like(*STORAGES[storage], E * I, H, gen)
         up = _gguf_like(*STORAGES[storage], E * I, H, gen)
         down = _gguf_like(*STORAGES[storage], E * H, I, gen)
@@ -72,7 +85,7 @@ def _reference(moe: SparseMoE, x: torch.Tensor, path: str) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("storage", [*STORAGES, "int8", "int4"])
+@pytest.mark.parametrize("storage", [*STORAGES, "MXFP4", "int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])
 def test_one_call_equals_an_expert_at_a_time(storage, path, rows):
     moe = _moe(storage, path, seed=rows)
