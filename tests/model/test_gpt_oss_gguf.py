@@ -3,7 +3,7 @@ attn_sinks, post_attention_norm, the router with its bias as ffn_gate_inp, the e
 into gate, up and down with their biases, YaRN and the window in the header), its experts
 MXFP4 as OpenAI ships them: the config read from the header, greedy equal to transformers token
 for token (on the values the file holds) on prompts past the 8-token window and a prefill
-chunk, through chunked prefill and a prefix hit; a header radixserve does not read is refused
+chunk, through chunked prefill, preemption and a prefix hit; a header radixserve does not read is refused
 in well under a second, naming what runs."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def rounded_reference(directory: Path, out: Path, quant: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+@pytest.mark.parametrize("quant", ["Q8_0"])  # F32 beside MXFP4: the preemption test below
 def test_a_gpt_oss_gguf_with_mxfp4_experts_is_greedy_equal_to_transformers(tiny_gpt_oss_64, tmp_path, quant):
     from radixserve.model.gpt_oss import GptOssMoE
 
@@ -88,9 +88,8 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_greedy_equal_to_transformers(tiny_
     assert isinstance(moe, GptOssMoE) and moe.gate_up is None and moe.native is None  # an expert at a time
     assert {w.kind for w in moe.quant_gate_up + moe.quant_down} == {"MXFP4"}
     assert moe.quant_gate_up[0].bits == 8 and moe.quant_gate_up[0].zero == 128
-    assert engine.stats()["weight_dtype"] == ("gguf:MXFP4+Q8_0" if quant == "Q8_0" else "gguf:MXFP4")
-    if quant == "Q8_0":
-        assert model.layers[0].self_attn.qkv_proj.quant.kind == "Q8_0"
+    assert engine.stats()["weight_dtype"] == "gguf:MXFP4+Q8_0"
+    assert model.layers[0].self_attn.qkv_proj.quant.kind == "Q8_0"
     reference = rounded_reference(tiny_gpt_oss_64, tmp_path / "rounded", quant)
     prompts = prompts_of([5, 3 * CHUNK - 5, 11, 2 * CHUNK + 1], seed=1)  # past the window and a chunk
     outs = [out.token_ids for out in run_checked(engine, prompts, 8)]
@@ -100,6 +99,19 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_greedy_equal_to_transformers(tiny_
     cached_before = engine.stats()["cached_prompt_tokens"]
     assert run_checked(engine, [follow], 6)[0].token_ids == hf_greedy(reference, follow, 6)
     assert engine.stats()["cached_prompt_tokens"] - cached_before == (len(prompts[1]) + 8 - 1) // 4 * 4
+
+
+def test_preemption_keeps_a_gguf_s_outputs_equal(tiny_gpt_oss_64, tmp_path):
+    """A file whose other tensors are F32 beside the MXFP4 experts, under preemption."""
+    path = write_gguf(tiny_gpt_oss_64, tmp_path / "tiny-gpt-oss.gguf", quant="F32", expert_quant="MXFP4")
+    engine = Engine(str(path), block_size=4, num_kv_blocks=20, chunked_prefill_size=CHUNK, max_num_batched_tokens=24)
+    assert engine.stats()["weight_dtype"] == "gguf:MXFP4"
+    reference = rounded_reference(tiny_gpt_oss_64, tmp_path / "rounded", "F32")
+    prompts = prompts_of([30, 22, 27, 19], seed=5)
+    outs = [out.token_ids for out in run_checked(engine, prompts, 10)]
+    assert engine.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out == hf_greedy(reference, prompt, 10)
 
 
 def test_the_gguf_experts_dequantize_to_the_files_values(tiny_gpt_oss_64, tmp_path):
@@ -159,3 +171,32 @@ def test_rope_scaling_other_than_gpt_oss_yarn_is_refused(scaling, message):
     with pytest.raises(ValueError, match=message):
         gpt_oss_gguf_config(SimpleNamespace(architecture="gpt-oss", tensors=[], metadata={
             "gpt-oss.block_count": 2, **meta}))
+
+
+def test_gpt_oss_20b_s_header_reads_as_its_transformers_config():
+    """The fields llama.cpp's converter writes for gpt-oss-20b read as its published config (24
+    layers, 32 experts; the rest transformers' GptOssConfig defaults), YaRN included."""
+    from types import SimpleNamespace
+
+    from transformers import GptOssConfig
+
+    from radixserve.model.gpt_oss import gpt_oss_gguf_config
+    from radixserve.model.gguf_file import TensorInfo
+
+    a = "gpt-oss"
+    meta = {f"{a}.context_length": 131072, f"{a}.embedding_length": 2880, f"{a}.block_count": 24,
+            f"{a}.feed_forward_length": 2880, f"{a}.attention.head_count": 64, f"{a}.attention.head_count_kv": 8,
+            f"{a}.attention.key_length": 64, f"{a}.attention.value_length": 64,
+            f"{a}.attention.layer_norm_rms_epsilon": 1e-5, f"{a}.rope.freq_base": 150000.0,
+            f"{a}.attention.sliding_window": 128, f"{a}.expert_count": 32, f"{a}.expert_used_count": 4,
+            f"{a}.expert_feed_forward_length": 2880, f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": 32.0, f"{a}.rope.scaling.original_context_length": 4096}
+    tensors = [TensorInfo("token_embd.weight", [2880, 201088], 8, 0), TensorInfo("output.weight", [2880, 201088], 8, 0),
+               TensorInfo("blk.0.attn_q.bias", [4096], 0, 0)]
+    ours = GptOssConfig(**gpt_oss_gguf_config(SimpleNamespace(architecture=a, tensors=tensors, metadata=meta)))
+    theirs = GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "num_local_experts", "num_experts_per_tok", "sliding_window",
+                  "layer_types", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "swiglu_limit",
+                  "attention_bias", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
