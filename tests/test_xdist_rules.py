@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from xdist_rules import WorkerLock
+from xdist_rules import WorkerLock, torch_threads
 
 WAIT_S = 0.3  # how long a blocked holder is given to (wrongly) get in
 
@@ -74,6 +74,19 @@ def test_a_lock_is_free_again_after_a_failing_test(tmp_path):
     assert entered.wait(10)
     leave.set()
     thread.join(10)
+
+
+def test_a_workers_torch_ops_take_its_share_of_the_cores_and_a_serial_test_all():
+    assert [torch_threads(False, 2, 2), torch_threads(True, 2, 2)] == [1, 2]
+    assert [torch_threads(False, 8, 2), torch_threads(False, 3, 2), torch_threads(False, 1, 2)] == [4, 1, 1]
+    assert torch_threads(False, 4, 1) == 4
+
+
+@pytest.mark.skipif("PYTEST_XDIST_WORKER" not in os.environ, reason="the rule of pytest-xdist workers")
+def test_this_workers_torch_ops_take_its_share():
+    import torch
+
+    assert torch.get_num_threads() == torch_threads(False)
 
 
 MODULE = """

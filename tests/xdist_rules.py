@@ -1,11 +1,14 @@
 """How the suite runs in pytest-xdist workers (`pytest -n 2`), as hooks tests/conftest.py takes in:
-each test module on one worker (its module fixtures start once), and a test marked `serial` (it
-measures wall time) with no other test beside it."""
+each test module on one worker (its module fixtures start once), a test marked `serial` (it
+measures wall time) with no other test beside it, and each worker's own torch ops (transformers'
+references, reference kernels) on its share of the cores."""
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 
@@ -43,6 +46,25 @@ class WorkerLock:
 _worker_lock = WorkerLock(os.environ["PYTEST_XDIST_TESTRUNUID"]) if "PYTEST_XDIST_WORKER" in os.environ else None
 
 
+@functools.cache
+def _usable_cores() -> int:
+    from radixserve.engine.cpu_share import usable_cores
+
+    return usable_cores()
+
+
+def torch_threads(alone: bool, cores: int | None = None, workers: int | None = None) -> int:
+    """The torch thread count of a worker's test: the usable cores split over the workers, or all
+    of them for a test that runs alone. Two workers of two threads each on two cores leave every
+    parallel region waiting on a descheduled thread (transformers' 800-token forward: 10.7 s
+    beside another such process, 3.9 s on one thread, 2.0 s on two alone). An Engine sizes its
+    own steps' teams by the cores others leave it (radixserve/engine/cpu_share.py) and gives the
+    count back after each step."""
+    cores = cores or _usable_cores()
+    workers = workers or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return cores if alone else max(1, cores // workers)
+
+
 # Modules that share one worker, by name: the Ray files share one local Ray (tests/cluster/conftest.py).
 SHARED_WORKER = {
     "tests/cluster/test_cluster_ray.py": "local Ray",
@@ -76,8 +98,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under pytest-xdist, a test marked `serial` (it measures wall time) runs alone."""
+    """Under pytest-xdist, a test marked `serial` (it measures wall time) runs alone, on every
+    core; any other test's torch ops take the worker's share of the cores."""
     if _worker_lock is None:
         return (yield)
-    with _worker_lock.hold(alone=item.get_closest_marker("serial") is not None):
+    alone = item.get_closest_marker("serial") is not None
+    torch = sys.modules.get("torch")  # tests/conftest.py imports it; a suite without torch has nothing to size
+    if torch is not None and torch.get_num_threads() != (threads := torch_threads(alone)):
+        torch.set_num_threads(threads)  # milliseconds: only when the count changes
+    with _worker_lock.hold(alone=alone):
         return (yield)

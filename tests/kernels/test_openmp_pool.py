@@ -14,12 +14,23 @@ import pytest
 import torch
 
 from radixserve import Engine, SamplingParams
+from radixserve.engine.cpu_share import usable_cores
 from radixserve.engine.loop import EngineLoop
 from radixserve.kernels.openmp_pool import release_thread_pool
 
 TASKS = Path("/proc/self/task")
-pytestmark = pytest.mark.skipif(not TASKS.exists() or torch.get_num_threads() < 2,
-                                reason="needs /proc and OpenMP with two threads or more")
+pytestmark = pytest.mark.skipif(not TASKS.exists() or usable_cores() < 2,
+                                reason="needs /proc and two usable cores")
+
+
+@pytest.fixture(autouse=True)
+def _a_thread_per_core():
+    """These tests count a team's OpenMP workers: one per usable core, as a process of its own
+    has (a pytest-xdist worker's tests take a share of the cores, tests/xdist_rules.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    yield
+    torch.set_num_threads(before)
 
 
 def _threads() -> set[int]:
