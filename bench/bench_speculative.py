@@ -213,12 +213,12 @@ def agents(args) -> int:
         common["num_speculative_tokens"] = args.k
     engines = {"off": Engine(args.model, max_num_seqs=16, num_threads=args.num_threads),
                "prompt-lookup": Engine(args.model, speculative="prompt-lookup", **common),
-               "suffix": Engine(args.model, speculative="suffix", **common)}
+               "suffix": Engine(args.model, speculative="suffix", speculative_tree_width=args.tree_width, **common)}
     for engine in engines.values():  # untimed warm-up
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     k = engines["suffix"].config.num_speculative_tokens
     print(f"speculative decoding on agent traces: off / prompt-lookup / suffix (up to k={k}, draft length "
-          f"adaptive), greedy, max_tokens {args.max_tokens}, model {engines['off'].model_name}, batches {args.batches}")
+          f"adaptive, draft trees of width {args.tree_width}), greedy, max_tokens {args.max_tokens}, model {engines['off'].model_name}, batches {args.batches}")
     figures, summary = Figures(), {}
     for name in args.traces:
         workload = trace(name)
@@ -300,6 +300,8 @@ def _parse_args(argv):
     p.add_argument("--ngram-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each batch size (the speedup's spread)")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="agents: suffix drafting's speculative_tree_width (1: chains; 2+: draft trees)")
     p.add_argument("--show", action="store_true", help="print two outputs")
     args = p.parse_args(argv)
     apply_quick(p, args, tasks=5, batches=[1])
