@@ -15,8 +15,8 @@ free) and splits it among the kinds the model needs:
                      the rest as above
 
 With num_kv_blocks the block count is given and nothing is split (window pages still
-follow the ratio, at least the least; snapshots: one per SNAPSHOT_BLOCKS blocks, at least
-MIN_SNAPSHOTS).
+follow the ratio, at least the least; snapshots: one per SNAPSHOT_BLOCKS blocks, but no more
+bytes than RECURRENT_SHARE of blocks and snapshots together, at least MIN_SNAPSHOTS).
 """
 
 from __future__ import annotations
@@ -111,8 +111,10 @@ def plan_memory(cfg: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: 
     if not snapshot_bytes:
         return _plan_kv(cfg, spec, dtype, budget, hybrid)
     if budget is None:
-        count = max(MIN_SNAPSHOTS, cfg.num_kv_blocks // SNAPSHOT_BLOCKS)
         plan = _plan_kv(cfg, spec, dtype, None, hybrid)
+        kv_bytes = sum(share.bytes for share in plan.shares.values())
+        share_bytes = int(kv_bytes * RECURRENT_SHARE // (1 - RECURRENT_SHARE))  # a quarter of blocks + snapshots
+        count = max(MIN_SNAPSHOTS, min(cfg.num_kv_blocks // SNAPSHOT_BLOCKS, share_bytes // snapshot_bytes))
     else:
         count = int(budget * RECURRENT_SHARE) // snapshot_bytes
         if count < 1:  # a match would adopt blocks with no state to resume from

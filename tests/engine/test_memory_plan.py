@@ -65,6 +65,13 @@ def test_a_recurrent_model_gives_its_state_snapshots_a_quarter_of_the_budget_fir
     assert plan.shares == {"full": Share(256, 16384), "recurrent": Share(32, 5_000)}
     small = EngineConfig(block_size=16, num_kv_blocks=40)
     assert plan_memory(small, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=5_000).num_snapshots == 16
+    # large states: no more bytes than a quarter of blocks and snapshots together (1024 * 16384 / 3 // 200,000 = 27,
+    # not 1024 // 8 = 128: 25.6 MB of snapshots beside 16.8 MB of blocks)
+    large = EngineConfig(block_size=16, num_kv_blocks=1024)
+    assert plan_memory(large, _spec(), torch.float32, torch.device("cpu"), False, snapshot_bytes=200_000).shares == {
+        "full": Share(1024, 16384), "recurrent": Share(27, 200_000)}
+    assert plan_memory(small, _spec(), torch.float32, torch.device("cpu"), False,
+                       snapshot_bytes=200_000).num_snapshots == 16  # never fewer than 16
 
 
 def test_a_budget_whose_share_keeps_no_snapshot_is_refused_naming_the_least():
