@@ -210,6 +210,14 @@ def read_weights(source: Path | GGUFFile, quantized: bool) -> dict[str, torch.Te
     return out
 
 
+def header_field(meta: dict, arch: str, name: str, default=None):
+    """The header's `{arch}.{name}` (or `default`); refused, naming it, when the file lacks it."""
+    value = meta.get(f"{arch}.{name}", default)
+    if value is None:
+        raise ValueError(f"the {arch} GGUF's header lacks {arch}.{name}")
+    return value
+
+
 def refuse_rope_scaling(meta: dict, arch: str) -> None:
     """For a config read from a header that knows only plain RoPE: a file whose RoPE is
     scaled (YaRN, linear, ...) is refused rather than served with unscaled positions."""

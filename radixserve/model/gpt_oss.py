@@ -25,6 +25,7 @@ plain SwiGLU without biases, so it is not used here.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -34,7 +35,7 @@ from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.model.causal_lm import CausalLM
 from radixserve.kernels.quant_linear import QuantWeight
-from radixserve.model.gguf_file import refuse_rope_scaling
+from radixserve.model.gguf_file import header_field, refuse_rope_scaling
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, linear, quantized_linear
 from radixserve.model.llama import DecoderLayer
 from radixserve.model.moe import SparseMoE, Weight
@@ -227,11 +228,7 @@ class GptOssForCausalLM(CausalLM):
 def gpt_oss_gguf_config(header) -> dict:
     meta, arch = header.metadata, header.architecture
 
-    def key(name: str, default=None):
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"the {arch} GGUF's header lacks {arch}.{name}")
-        return value
+    key = functools.partial(header_field, meta, arch)
 
     rope = _rope_parameters(meta, arch, float(key("rope.freq_base", 150000.0)))  # refused before anything else
     tensors = {info.name: info for info in header.tensors}

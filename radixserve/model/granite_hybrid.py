@@ -14,6 +14,7 @@ runner's state pool (execution/recurrent_state.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,7 +24,7 @@ from radixserve.attention.backend import AttentionBackend, AttentionPlan, plan_f
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.key_basis import rotate_heads
 from radixserve.model.causal_lm import CausalLM
-from radixserve.model.gguf_file import refuse_rope_scaling
+from radixserve.model.gguf_file import header_field, refuse_rope_scaling
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from radixserve.model.llama import MLP
 from radixserve.model.mamba2 import Mamba2Mixer
@@ -198,11 +199,7 @@ def _gguf_shape(name: str, t: torch.Tensor) -> torch.Tensor:
 def granite_gguf_config(header) -> dict:
     meta, arch = header.metadata, header.architecture
 
-    def key(name: str, default=None):
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"the {arch} GGUF's header lacks {arch}.{name}")
-        return value
+    key = functools.partial(header_field, meta, arch)
 
     refuse_rope_scaling(meta, arch)
     tensors = {info.name: info for info in header.tensors}

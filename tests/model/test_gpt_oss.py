@@ -36,22 +36,27 @@ def tiny_gpt_oss_config(**overrides):
     return GptOssConfig(**values)
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt_oss(tmp_path_factory) -> Path:
+def save_tiny_gpt_oss(directory: Path, seed: int, **overrides) -> Path:
+    """A random tiny gpt-oss saved in `directory`: biases and sinks nonzero, so each is tested,
+    and a decisive router."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(tiny_gpt_oss_config(), dtype=torch.float32)
-    with torch.no_grad():  # biases and sinks nonzero, so each is tested; a decisive router
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_gpt_oss_config(**overrides), dtype=torch.float32)
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0, 2.0)
             layer.mlp.router.weight.normal_(0, 1.0)
             layer.mlp.router.bias.normal_(0, 0.5)
             layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
             layer.mlp.experts.down_proj_bias.normal_(0, 0.5)
-    directory = tmp_path_factory.mktemp("gpt-oss") / "tiny"
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "tiny", seed=11)
 
 
 @functools.lru_cache(maxsize=2)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radixserve import Engine
-from test_gpt_oss import CHUNK, WINDOW, hf_greedy, prompts_of, tiny_gpt_oss_config
+from test_gpt_oss import CHUNK, WINDOW, hf_greedy, prompts_of, save_tiny_gpt_oss
 from tiny_gguf import write_gguf
 from tiny_models import run_checked
 
@@ -26,21 +26,8 @@ from tiny_models import run_checked
 def tiny_gpt_oss_64(tmp_path_factory) -> Path:
     """Experts 64 wide (the quantized kernels' rows are 64-multiples), gpt-oss's own clamp (7.0:
     a header has no field for it), biases, sinks and router drawn large enough that it bites."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(12)
-    model = AutoModelForCausalLM.from_config(tiny_gpt_oss_config(intermediate_size=64, swiglu_limit=7.0),
-                                             dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0, 2.0)
-            layer.mlp.router.weight.normal_(0, 1.0)
-            layer.mlp.router.bias.normal_(0, 0.5)
-            layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
-            layer.mlp.experts.down_proj_bias.normal_(0, 0.5)
-    directory = tmp_path_factory.mktemp("gpt-oss-gguf") / "tiny"
-    model.save_pretrained(directory)
-    return directory
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss-gguf") / "tiny", seed=12, intermediate_size=64,
+                             swiglu_limit=7.0)
 
 
 def _round(t: torch.Tensor, kind: str) -> torch.Tensor:
