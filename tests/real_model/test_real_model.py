@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from transformers import DynamicCache
 
 from radixserve import Engine, SamplingParams
 from real_prompts import encode_all
@@ -102,7 +105,8 @@ def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_re
     """A ~3k-token prompt in chunks of 1000 (chunk boundaries inside blocks, each chunk an
     extend over the ones before), then a second prompt that shares most of it and extends
     the cached prefix: prompt attention runs the tiled kernel over the paged pool; both
-    greedy continuations match transformers'."""
+    greedy continuations match transformers' (which computes the shared 2,500 tokens once and
+    continues each prompt from a copy of their cache)."""
     from real_prompts import CHAT, RAW
 
     engine = Engine(str(real_model_dir), chunked_prefill_size=1000, max_num_batched_tokens=2048)
@@ -110,9 +114,12 @@ def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_re
     first = engine.apply_chat_template([{"role": "user", "content": text}])
     second = first[:2500] + engine.tokenizer.encode("\n\nWhich of these notes mentions a clock?")
     assert 2000 < len(first) < 6000
+    with torch.no_grad():  # transformers computes the 2,500 shared tokens once; each prompt continues from a copy
+        shared = DynamicCache(config=hf_real_model.config)
+        hf_real_model(torch.tensor([first[:2500]]), cache=shared, use_cache=True)
     for ids in (first, second):
         gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=MAX_NEW, do_sample=False)
+                                     cache=copy.deepcopy(shared), max_new_tokens=MAX_NEW, do_sample=False)
         reference = gen[0, len(ids):].tolist()
         if reference[-1] in engine.eos_token_ids:
             reference = reference[: reference.index(reference[-1]) + 1]
