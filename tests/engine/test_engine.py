@@ -306,7 +306,7 @@ _STATS_KEYS = [
     "weight_bytes", "spec_drafts",
     "spec_draft_tokens",
     "spec_accepted_tokens", "spec_acceptance_rate", "spec_pauses", "spec_tree_drafts", "spec_accepted_length",
-    "spec_forced_drafts", "spec_forced_tokens", "spec_forced_accepted",
+    "spec_branched_drafts", "spec_branch_hits", "spec_forced_drafts", "spec_forced_tokens", "spec_forced_accepted",
 ]
 _CACHE_KEYS = ["restored_prompt_tokens", "tier_hits", "restored_blocks"]
 _SESSION_KEYS = ["sessions_open", "pool_cached_bytes", "pins"]
