@@ -197,24 +197,23 @@ def load_native_attention() -> NativePagedAttention | None:
 
 def _sinks_ptr(sinks: torch.Tensor | None, num_heads: int) -> int | None:
     """The address the kernels read a layer's sink logits at (None: no sinks)."""
-    if sinks is None:
-        return None
-    if not (sinks.dtype == torch.float32 and sinks.device.type == "cpu" and sinks.is_contiguous()
-            and sinks.shape == (num_heads,)):
-        raise ValueError(f"sinks must be a contiguous CPU float32 [{num_heads}] tensor, got {sinks.dtype} "
-                         f"{tuple(sinks.shape)} on {sinks.device}")
-    return sinks.data_ptr()
+    return _vector_ptr(sinks, "sinks", torch.float32, num_heads)
 
 
 def _masks_ptr(masks: torch.Tensor | None, rows: int) -> int | None:
     """The address the decode kernel reads the rows' draft-tree masks at (None: none)."""
-    if masks is None:
+    return _vector_ptr(masks, "tree_masks", torch.int64, rows)
+
+
+def _vector_ptr(t: torch.Tensor | None, name: str, dtype: torch.dtype, n: int) -> int | None:
+    """A contiguous CPU `dtype` [n] tensor's address for a kernel (None: none given)."""
+    if t is None:
         return None
-    if not (masks.dtype == torch.int64 and masks.device.type == "cpu" and masks.is_contiguous()
-            and masks.shape == (rows,)):
-        raise ValueError(f"tree_masks must be a contiguous CPU int64 [{rows}] tensor, got {masks.dtype} "
-                         f"{tuple(masks.shape)} on {masks.device}")
-    return masks.data_ptr()
+    if not (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.shape == (n,)):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name} must be a contiguous CPU {kind} [{n}] tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
 
 
 def _raise_for(status: int) -> None:
