@@ -408,19 +408,31 @@ def test_forced_and_auto_grammars(compiler, fmt):
     assert tool_call_structural_tag(tool_spec(declared, "none", None), fmt) is None
 
 
-@pytest.mark.parametrize("fmt", every_format(), ids=ids(every_format()))
-def test_grammar_forced_calls_on_the_model_parse_and_validate(real_engine, fmt):
-    """The real model generating under each format's grammar (greedy and sampled): every
-    output parses into calls whose arguments validate against the schema."""
+@pytest.fixture(scope="module")
+def forced_outputs(real_engine) -> dict[str, list]:
+    """Every format's three forced generations (greedy one call, sampled one call, sampled
+    parallel calls), all formats in one batch: one decode step serves them all."""
     from radixserve import SamplingParams
 
     real_engine.flush_cache()
     prompt = real_engine.apply_chat_template([{"role": "user", "content": "Weather in Paris, and add 2 and 3."}])
-    single = tool_call_structural_tag(tool_spec(tools(WEATHER, ADD), "required", False), fmt)
-    parallel = tool_call_structural_tag(tool_spec(tools(WEATHER, ADD), "required", None), fmt)
-    params = [SamplingParams(max_tokens=160, temperature=t, seed=s, structural_tag=tag)
-              for t, s, tag in ((0.0, 0, single), (1.0, 1, single), (1.0, 2, parallel))]
-    outs = real_engine.generate([prompt] * len(params), params, use_tqdm=False)
+    params = {}
+    for name, fmt in zip(ids(every_format()), every_format()):
+        single = tool_call_structural_tag(tool_spec(tools(WEATHER, ADD), "required", False), fmt)
+        parallel = tool_call_structural_tag(tool_spec(tools(WEATHER, ADD), "required", None), fmt)
+        params[name] = [SamplingParams(max_tokens=160, temperature=t, seed=s, structural_tag=tag)
+                        for t, s, tag in ((0.0, 0, single), (1.0, 1, single), (1.0, 2, parallel))]
+    every = [p for name in params for p in params[name]]
+    outs = iter(real_engine.generate([prompt] * len(every), every, use_tqdm=False))
+    real_engine.check_integrity()
+    return {name: [next(outs) for _ in params[name]] for name in params}
+
+
+@pytest.mark.parametrize("fmt", every_format(), ids=ids(every_format()))
+def test_grammar_forced_calls_on_the_model_parse_and_validate(forced_outputs, fmt):
+    """The real model generating under each format's grammar (greedy and sampled): every
+    output parses into calls whose arguments validate against the schema."""
+    outs = forced_outputs[ids([fmt])[0]]
     assert outs[0].finish_reason == "stop"  # greedy, one call: closed, and the grammar ends there
     for out in outs:
         parsed = parse_tool_calls(out.text, fmt, SCHEMAS, SCHEMAS)
@@ -430,7 +442,6 @@ def test_grammar_forced_calls_on_the_model_parse_and_validate(real_engine, fmt):
         for call in complete:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     assert len(parse_tool_calls(outs[0].text, fmt, SCHEMAS, SCHEMAS).calls) == 1
-    real_engine.check_integrity()
 
 
 # ---- the registry, --tool-call-parser, --chat-template --------------------------------------
