@@ -41,12 +41,13 @@ _ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "qw
 
 
 def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = False,
-               expert_quant: str | None = None) -> Path:
+               expert_quant: str | None = None, specials: tuple[str, ...] = (), eos: str | None = None) -> Path:
     """The model saved in `model_dir` as a GGUF at `path`: 2-D weights with 64-multiple rows
     (and the stacked experts) quantized to `quant` (F32 keeps them float), the rest float32;
     the stacked experts to `expert_quant` where given (gpt-oss's MXFP4).
     `mtp`: one more block after the model's, as llama.cpp's converter appends Qwen3.5's
-    multi-token-prediction layer (random values: a reader must leave it out)."""
+    multi-token-prediction layer (random values: a reader must leave it out).
+    `specials`: control tokens at the vocabulary's end, `eos` the one the header names (else id 1)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -58,7 +59,7 @@ def write_gguf(model_dir: Path, path: Path, quant: str = "Q8_0", mtp: bool = Fal
         tensors.update(load_file(str(f)))
     writer = GGUFWriter(str(path), arch=arch)
     _metadata(writer, arch, config, extra_blocks=int(mtp))
-    _tokenizer(writer, config.vocab_size)
+    _tokenizer(writer, config.vocab_size, specials, eos)
     for name, t in [*_gguf_tensors(tensors, arch, config), *(_mtp_block(config) if mtp else [])]:
         data = t.float().numpy()
         # routers, norms and biases (gpt-oss's experts' [E, out]) stay float, as llama.cpp keeps them
@@ -322,16 +323,18 @@ def _metadata(writer, arch: str, config, extra_blocks: int = 0) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
-def _tokenizer(writer, vocab_size: int) -> None:
-    """A byte-level BPE vocabulary: single characters and one merged pair."""
+def _tokenizer(writer, vocab_size: int, specials: tuple[str, ...] = (), eos: str | None = None) -> None:
+    """A byte-level BPE vocabulary: single characters, one merged pair, then `specials` (CONTROL)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
-    tokens = alphabet[:vocab_size - 1] + ['!"']
+    plain = alphabet[:vocab_size - 1 - len(specials)] + ['!"']
+    tokens = plain + list(specials)
+    assert not specials or len(tokens) == vocab_size, "a vocab_size past the byte alphabet and the specials"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
+    writer.add_token_types([1] * len(plain) + [3] * len(specials))
     writer.add_token_merges(['! "'])
     writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    writer.add_eos_token_id(1 if eos is None else tokens.index(eos))

@@ -184,7 +184,8 @@ def load_model(
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else path.name
     described = _describe_weights(net, storage, torch_dtype)
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
-    return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer), path, name, context,
+    stops = family_stop_ids(family, tokenizer) if source.gguf is not None else []
+    return LoadedModel(net, spec, tokenizer, _eos_token_ids(path, spec, tokenizer, stops), path, name, context,
                        described, net.weight_bytes())
 
 
@@ -336,13 +337,25 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"model directory {path} has no *.safetensors or pytorch_model*.bin weights: {_HINT}")
 
 
-def _eos_token_ids(path: Path, spec: ModelSpec, tokenizer: Any | None) -> list[int]:
+def family_stop_ids(family: ModelFamily, tokenizer: Any | None) -> list[int]:
+    """The ids of the family's stop tokens (ModelFamily.stop_tokens) that the tokenizer has:
+    what a GGUF, whose header names one EOS, stops at beside it."""
+    if tokenizer is None:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = None if backend is not None else tokenizer.get_vocab()
+    ids = [backend.token_to_id(text) if backend is not None else vocab.get(text) for text in family.stop_tokens]
+    return [i for i in ids if i is not None]
+
+
+def _eos_token_ids(path: Path, spec: ModelSpec, tokenizer: Any | None, family_stops: list[int]) -> list[int]:
     ids: list[int] = []
     gen = path / "generation_config.json"
     sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.is_file() else []
     sources.append(getattr(spec.hf_config, "eos_token_id", None))
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
+    sources.append(family_stops)
     for source in sources:
         for token in source if isinstance(source, list) else [source]:
             if isinstance(token, int) and token not in ids:

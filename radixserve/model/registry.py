@@ -27,37 +27,52 @@ class ModelFamily:
     # what `auto` picks under that built-in template (any other template: what its text speaks of)
     tool_call_format: str | None = None  # tools/formats/
     reasoning_parser: str | None = None  # reasoning/registry.py
+    # The tokens (by text) that end a reply in the family's chat format, as its Hugging Face
+    # generation_config lists them; a GGUF header names one EOS, so a GGUF's load adds those of
+    # these its vocabulary has (loader.family_stop_ids)
+    stop_tokens: tuple[str, ...] = ()
+
+
+CHATML_STOPS = ("<|im_end|>", "<|endoftext|>")  # Qwen's generation_config: the turn's end and the text's
 
 
 # gpt-oss's harmony: the template, calls and reasoning channels a gpt_oss entry takes (**HARMONY)
-HARMONY = dict(chat_template="harmony", tool_call_format="harmony", reasoning_parser="gpt_oss")
+# (<|call|> ends a reply that calls a tool, <|return|> the final answer; <|end|> ends a message, not the reply)
+HARMONY = dict(chat_template="harmony", tool_call_format="harmony", reasoning_parser="gpt_oss",
+               stop_tokens=("<|return|>", "<|call|>", "<|endoftext|>"))
 
 
 FAMILIES = (
     ModelFamily("llama", ("llama", "mistral", "qwen2", "qwen3"),
                 ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
                 ("llama", "mistral", "qwen2", "qwen3"), ("silu", "swish"),
-                "radixserve.model.llama", "LlamaForCausalLM"),
+                "radixserve.model.llama", "LlamaForCausalLM",
+                # chatml's turn end (SmolLM2, Qwen2/3), Llama 3's and its tool turn's (<|eom_id|>); not the
+                # text end <|endoftext|>, which SmolLM2's generation_config does not stop at
+                stop_tokens=("<|im_end|>", "<|eot_id|>", "<|eom_id|>")),
     # gemma3 / Gemma3ForConditionalGeneration: the text tower of the image-text model (its
     # vision tower's weights are not loaded; images are not taken)
     ModelFamily("gemma3", ("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                 ("gemma3",), ("gelu_pytorch_tanh",), "radixserve.model.gemma3", "Gemma3ForCausalLM",
-                chat_template="gemma3"),
+                chat_template="gemma3", stop_tokens=("<eos>", "<end_of_turn>")),
     ModelFamily("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("silu", "swish"),
                 "radixserve.model.qwen3_moe", "Qwen3MoeForCausalLM",
-                chat_template="qwen3", tool_call_format="hermes", reasoning_parser="qwen3"),
+                chat_template="qwen3", tool_call_format="hermes", reasoning_parser="qwen3", stop_tokens=CHATML_STOPS),
     # recurrent hybrids: their recurrent layers' state per request lives in the runner's state pool
     ModelFamily("lfm2", ("lfm2",), ("Lfm2ForCausalLM",), ("lfm2",), ("silu",), "radixserve.model.lfm2", "Lfm2ForCausalLM",
-                chat_template="lfm2", tool_call_format="lfm2", reasoning_parser="qwen3"),
+                chat_template="lfm2", tool_call_format="lfm2", reasoning_parser="qwen3", stop_tokens=("<|im_end|>",)),
     ModelFamily("qwen3_5", ("qwen3_5_text", "qwen3_5"), ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                 ("qwen35",), ("silu",), "radixserve.model.qwen3_5", "Qwen3_5ForCausalLM",
-                chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
+                chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3",
+                stop_tokens=CHATML_STOPS),
     ModelFamily("qwen3_5_moe", ("qwen3_5_moe_text", "qwen3_5_moe"),
                 ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), ("qwen35moe",), ("silu",),
                 "radixserve.model.qwen3_5_moe", "Qwen3_5MoeForCausalLM",
-                chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3"),
+                chat_template="qwen3_5", tool_call_format="qwen3_coder", reasoning_parser="qwen3",
+                stop_tokens=CHATML_STOPS),
     ModelFamily("granitemoehybrid", ("granitemoehybrid",), ("GraniteMoeHybridForCausalLM",), ("granitehybrid",),
-                ("silu",), "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM"),
+                ("silu",), "radixserve.model.granite_hybrid", "GraniteHybridForCausalLM",
+                stop_tokens=("<|end_of_text|>",)),
     # MoE with attention sinks, window layers on the hybrid KV; from a Hugging Face directory (float
     # experts) or a llama.cpp gpt-oss GGUF (its experts as stored, MXFP4 included)
     ModelFamily("gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",), ("gpt-oss",), ("silu",), "radixserve.model.gpt_oss",
