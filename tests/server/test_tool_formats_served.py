@@ -47,19 +47,26 @@ def test_forced_call_streamed_whole_and_next_turn(client, family):
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "What is the weather in Paris? Use celsius."}]
     forced = dict(tool_choice="required", parallel_tool_calls=False)
-    out = ask(client, family, messages, **forced)
+
+    def streamed() -> tuple[dict, dict]:
+        names, arguments = {}, {}
+        for chunk in ask(client, family, messages, stream=True, **forced):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                if delta.function.name:
+                    names[delta.index] = delta.function.name
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+        return names, arguments
+
+    with ThreadPoolExecutor(1) as pool:  # the whole answer and the stream side by side
+        stream = pool.submit(streamed)
+        out = ask(client, family, messages, **forced)
+        names, arguments = stream.result()
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name in SCHEMAS and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
-    names, arguments = {}, {}
-    for chunk in ask(client, family, messages, stream=True, **forced):
-        for delta in chunk.choices[0].delta.tool_calls or []:
-            if delta.function.name:
-                names[delta.index] = delta.function.name
-            arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
     assert names == {0: call.function.name} and arguments == {0: call.function.arguments}
 
     history = messages + [
@@ -136,7 +143,8 @@ def test_a_forced_call_cut_by_max_tokens_returns_its_arguments_so_far(client):
     streamed and whole alike. A named call is one call even with parallel calls on."""
     messages = [{"role": "user", "content": "What is the weather in Paris? Use celsius."}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for family in FAMILIES:
+
+    def check(family: str) -> None:
         whole = ask(client, family, messages, tool_choice=named, logprobs=True)
         (call,) = whole.choices[0].message.tool_calls
         arguments = call.function.arguments
@@ -158,3 +166,5 @@ def test_a_forced_call_cut_by_max_tokens_returns_its_arguments_so_far(client):
                 assert delta.index == 0
                 streamed += delta.function.arguments or ""
         assert streamed == written, family
+
+    each_at_once(check, FAMILIES)  # each family's three requests in turn, the families side by side
