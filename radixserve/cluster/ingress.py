@@ -327,7 +327,7 @@ def _tokenizer(model: str | None, cache_dir: str | None) -> Any:
     from radixserve.model.loader import resolve_model_path
     from radixserve.model.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model_path(model, cache_dir, float_weights=False))
+    return load_tokenizer(resolve_model_path(model, cache_dir, float_weights=False), cache_dir=cache_dir)
 
 
 def _start_router(handle: Any) -> None:

@@ -1,12 +1,13 @@
-"""A model directory's config as transformers resolves it, kept beside config.json.
+"""A model directory's config as transformers resolves it, kept in radixserve's cache.
 
 transformers fills in what a config.json leaves out (each family's defaults, Gemma 3's
 layer_types and per-layer RoPE parameters), so radixserve reads configs through it. Importing
 its config classes also imports torch.distributed and sympy (~70 MiB resident in a serving
-process that needs neither), so the resolved config is written once as JSON
-(`radixserve-config.json`, keyed by config.json's bytes and transformers' version) and
-later loads read that. Where the directory cannot be written, transformers resolves it
-every time. A RoPE variant that only transformers computes asks for its config object
+process that needs neither), so the resolved config is written once as JSON (`resolved-config.json` in
+the directory's entry in the cache, model/derived_files.py: keyed by config.json's bytes,
+transformers' version and the directory's path; never written into the model directory) and
+later loads read that. Where the cache cannot be written, transformers resolves it every time.
+A RoPE variant that only transformers computes asks for its config object
 (`ResolvedConfig.transformers_config`).
 """
 
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
-import os
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-RESOLVED_FILE = "radixserve-config.json"
+from radixserve.model.derived_files import read_derived, write_derived
+
+RESOLVED_FILE = "resolved-config.json"  # its name in the directory's entry of the cache (model/derived_files.py)
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 
 
@@ -43,16 +43,20 @@ class ResolvedConfig(SimpleNamespace):
         return config
 
 
-def load_hf_config(path: Path) -> Any:
-    """The directory's resolved config: from RESOLVED_FILE when it matches config.json and
-    this transformers, else from transformers (and the file written for next time)."""
+def load_hf_config(path: Path, cache_dir: str | None = None) -> Any:
+    """The directory's resolved config: from the cache when it matches config.json and this
+    transformers, else from transformers (and kept in the cache for next time)."""
     source = (path / "config.json").read_bytes()
     key = {"config_sha256": hashlib.sha256(source).hexdigest(), "transformers": _transformers_version()}
-    cached = _read_resolved(path / RESOLVED_FILE, key)
-    if cached is not None:
+    cached = read_derived(path, RESOLVED_FILE, key, cache_dir)
+    if isinstance(cached, dict):
         return ResolvedConfig.of(cached, path)
     config = _auto_config(path)
-    _write_resolved(path / RESOLVED_FILE, key, config)
+    try:
+        values = config.to_dict()
+    except (TypeError, ValueError, AttributeError):
+        return config
+    write_derived(path, RESOLVED_FILE, key, values, cache_dir, sort_keys=True)  # a value JSON cannot hold: not kept
     return config
 
 
@@ -67,31 +71,3 @@ def _transformers_version() -> str:
         return importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _read_resolved(file: Path, key: dict[str, str]) -> dict[str, Any] | None:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("config"), dict):
-        return None
-    return data["config"]
-
-
-def _write_resolved(file: Path, key: dict[str, str], config: Any) -> None:
-    """Written whole or not at all (a temporary file renamed over it)."""
-    try:
-        text = json.dumps({"key": key, "config": config.to_dict()}, sort_keys=True)
-    except (TypeError, ValueError, AttributeError):
-        return  # a value JSON cannot hold: resolve it again next time
-    try:
-        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".radixserve-config-", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, file)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass

@@ -160,7 +160,7 @@ def load_model(
     source = open_model(model, cache_dir, float_weights=storage != "gguf")
     path = source.directory
     torch_dtype = resolve_dtype(dtype, torch_device)
-    config, family = _load_hf_config(source)
+    config, family = _load_hf_config(source, cache_dir)
     spec = ModelSpec.from_hf_config(config, family)
     context = spec.max_position_embeddings if max_model_len is None else max_model_len
     if context > spec.max_position_embeddings:
@@ -180,7 +180,7 @@ def load_model(
     del tensors, quantized
     return_freed_memory()
     net.eval()
-    tokenizer = load_tokenizer(path, family)
+    tokenizer = load_tokenizer(path, family, cache_dir)
     name = DEFAULT_MODEL_NAME if model is None else model if model in PACKAGED_MODELS else path.name
     described = _describe_weights(net, storage, torch_dtype)
     logger.info("weights: %s, %.1f MiB", described, net.weight_bytes() / 2**20)
@@ -302,7 +302,7 @@ def _describe_weights(net: CausalLM, storage: str, dtype: torch.dtype) -> str:
     return storage if storage in ("int8", "int4") else str(dtype).removeprefix("torch.")
 
 
-def _load_hf_config(source: ModelSource) -> tuple[Any, ModelFamily]:
+def _load_hf_config(source: ModelSource, cache_dir: str | None = None) -> tuple[Any, ModelFamily]:
     """The model's config and family; a family radixserve does not run is refused from
     config.json's own fields first (or the GGUF's header), naming what it runs."""
     path = source.directory
@@ -314,7 +314,7 @@ def _load_hf_config(source: ModelSource) -> tuple[Any, ModelFamily]:
         raise ValueError(f"{path / 'config.json'} is not a JSON object")
     family = source.family(raw)
     try:
-        return load_hf_config(path), family
+        return load_hf_config(path, cache_dir), family
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"cannot read {path / 'config.json'}: {exc}") from None
 

@@ -5,22 +5,20 @@ transformers' TokenizersBackend finishes the file's tokenizer when it loads it (
 post-processor from add_bos_token / add_eos_token, the special tokens added, truncation
 off) and keeps the special tokens' roles and the chat template; importing it costs ~18 MiB
 resident (its hub client, httpx, PIL...) in a process that only encodes, decodes and renders.
-So the tokenizer transformers built is written once as `radixserve-tokenizer.json` (keyed by
-the tokenizer files' bytes and transformers' version): the backend's own serialization and
-the attributes read from it. Later loads build a `tokenizers.Tokenizer` from it (the same
-Rust state: the same ids and text) and render chat templates with model/chat_renderer.py.
-What is used seldom (tokenize=True, assistant masks, save_pretrained, xgrammar's
-TokenizerInfo...) goes to transformers' tokenizer, loaded the first time it is asked for.
-Where the directory cannot be written, transformers' tokenizer is used as it is.
+So the tokenizer transformers built is written once as `resolved-tokenizer.json` in the
+directory's entry of radixserve's cache (model/derived_files.py: keyed by the tokenizer files'
+bytes, transformers' version and the directory's path; never written into the model directory):
+the backend's own serialization and the attributes read from it. Later loads build a
+`tokenizers.Tokenizer` from it (the same Rust state: the same ids and text) and render chat
+templates with model/chat_renderer.py. What is used seldom (tokenize=True, assistant masks,
+save_pretrained, xgrammar's TokenizerInfo...) goes to transformers' tokenizer, loaded the first
+time it is asked for. Where the cache cannot be written, transformers' tokenizer is used as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
-import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,9 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from radixserve.model.chat_renderer import render_chat
+from radixserve.model.derived_files import read_derived, write_derived
 
-RESOLVED_FILE = "radixserve-tokenizer.json"
+RESOLVED_FILE = "resolved-tokenizer.json"  # its name in the directory's entry of the cache
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "chat_template.json")
 SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -188,15 +187,19 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
-def load_resolved(path: Path) -> Any:
-    """The directory's tokenizer: a ResolvedTokenizer from RESOLVED_FILE when it matches the
-    tokenizer files and this transformers, else transformers' (and the file written for next time)."""
+def load_resolved(path: Path, cache_dir: str | None = None) -> Any:
+    """The directory's tokenizer: a ResolvedTokenizer from the cache when it matches the
+    tokenizer files and this transformers, else transformers' (and kept in the cache for next time)."""
     key = _key(path)
-    state = _read(path / RESOLVED_FILE, key)
-    if state is not None:
+    state = read_derived(path, RESOLVED_FILE, key, cache_dir)
+    if isinstance(state, dict):
         return ResolvedTokenizer(path, state)
     tokenizer = transformers_tokenizer(path)
-    _write(path / RESOLVED_FILE, key, tokenizer)
+    try:
+        state = resolved_state(tokenizer)
+    except (TypeError, ValueError):
+        return tokenizer
+    write_derived(path, RESOLVED_FILE, key, state, cache_dir)
     return tokenizer
 
 
@@ -231,25 +234,3 @@ def _key(path: Path) -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     return {"files_sha256": digest.hexdigest(), "transformers": version}
-
-
-def _read(file: Path, key: dict[str, str]) -> dict[str, Any] | None:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("tokenizer"), dict):
-        return None
-    return data["tokenizer"]
-
-
-def _write(file: Path, key: dict[str, str], tokenizer: Any) -> None:
-    """Written atomically; skipped where the directory is not writable."""
-    try:
-        text = json.dumps({"key": key, "tokenizer": resolved_state(tokenizer)})
-        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".radixserve-tokenizer-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, file)
-    except (OSError, TypeError, ValueError):
-        return
