@@ -47,9 +47,9 @@ FAMILIES = (
                 ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
                 ("llama", "mistral", "qwen2", "qwen3"), ("silu", "swish"),
                 "radixserve.model.llama", "LlamaForCausalLM",
-                # chatml's turn end (SmolLM2, Qwen2/3), Llama 3's and its tool turn's (<|eom_id|>); not the
-                # text end <|endoftext|>, which SmolLM2's generation_config does not stop at
-                stop_tokens=("<|im_end|>", "<|eot_id|>", "<|eom_id|>")),
+                # chatml's turn end (SmolLM2, Qwen2/3); Llama 3's text, turn and tool turn (<|eom_id|>) ends;
+                # not <|endoftext|>, which SmolLM2's generation_config does not stop at
+                stop_tokens=("<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")),
     # gemma3 / Gemma3ForConditionalGeneration: the text tower of the image-text model (its
     # vision tower's weights are not loaded; images are not taken)
     ModelFamily("gemma3", ("gemma3_text", "gemma3"), ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),

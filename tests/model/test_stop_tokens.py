@@ -30,7 +30,7 @@ CALL, RETURN, ENDOFTEXT = (257 + HARMONY.index(t) for t in ("<|call|>", "<|retur
 
 # family -> its stop tokens, as its Hugging Face generation_config (and chat template) end a reply
 EXPECTED = {
-    "llama": ["<|im_end|>", "<|eot_id|>", "<|eom_id|>"],
+    "llama": ["<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"],
     "gemma3": ["<eos>", "<end_of_turn>"],
     "qwen3_moe": ["<|im_end|>", "<|endoftext|>"],
     "lfm2": ["<|im_end|>"],
