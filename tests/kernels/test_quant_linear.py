@@ -404,3 +404,17 @@ def test_activations_round_half_to_even_in_both_codes(path):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
     truncated = x.trunc().sum(1, keepdim=True).double()
     assert ((got.double() - truncated[:, :1]).abs() > 0.1).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 16), (4, 64), (8, 32), (8, 16), (8, None)])
+def test_a_rows_result_is_the_same_floats_whatever_rows_beside_it(path, bits, group):
+    """Batch invariance at the kernel: each row of a 1-, 3-, 8- and 19-row product (the single-row
+    tiles, a partial row tile, a full one, and past it) equals that row's product alone, bit for bit."""
+    weight = _for_path(_weight(bits, group, n=70, k=192), path)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(19, 192, generator=gen) * torch.rand(19, 192, generator=gen) * 3
+    alone = torch.cat([quant_linear(x[r:r + 1], weight, None, path) for r in range(19)])
+    for rows in (3, 8, 19):
+        assert torch.equal(quant_linear(x[:rows], weight, None, path), alone[:rows]), rows

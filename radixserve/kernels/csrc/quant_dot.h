@@ -184,39 +184,46 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
 
 #if defined(__AVX2__)
 
-/* 4-bit codes (below 128) meet the activations' int8 codes through vpmaddubsw, whose 16-bit
- * pair sums cannot saturate there; each lane i of the int32 sums covers elements 4i..4i+3. Up to
- * AVX2_TILE rows share each chunk's codes, loaded and split once. */
-#define AVX2_TILE 4
+/* Every AVX2 product multiplies codes widened to 16 bits by the activations' 16-bit x16 =
+ * 256 xq + xr in one vpmaddwd a 16 elements: the same integer as 256 u.xq + u.xr, in half the
+ * multiplies of two vpmaddubsw and their vpmaddwd (1.6x at 8 rows, 1.9x at one row on Zen 3,
+ * where those multiplies were the bound). Lane i of a block's int32 sums covers elements 2i,
+ * 2i + 1, 16 + 2i and 17 + 2i; every path below forms each feature's sum in that order, so a
+ * row's result does not depend on the rows beside it. Up to AVX2_TILE rows share each block's
+ * widened codes. */
+#define AVX2_TILE 8
 /* The codes of the features TILE_PREFETCH x 4 ahead are asked into L2 as a feature streams
  * (0: none). */
 #ifndef TILE_PREFETCH
 #define TILE_PREFETCH 2
 #endif
 
-static inline __m256i pair_sums(__m256i u, __m256i x, __m256i weight16) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), weight16);
+/* The index of block b's scale among a row's groups (group 16: its first half's). */
+static inline int64_t block_group(int64_t b, int64_t group) {
+    return group == 32 ? b : group == 16 ? 2 * b : 32 * b / group;
 }
 
-/* 256 u.xq + u.xr of one block of 4-bit codes u, as 8 int32 lanes. */
-static inline __m256i block_dot2(__m256i u, const int8_t *q, const int8_t *res) {
-    const __m256i xq = _mm256_loadu_si256((const __m256i *)q), xr = _mm256_loadu_si256((const __m256i *)res);
-    return _mm256_add_epi32(pair_sums(u, xq, _mm256_set1_epi16(256)), pair_sums(u, xr, _mm256_set1_epi16(1)));
+/* The four 16-element quarters of a 64-element chunk of 4-bit codes (b even), widened to 16
+ * bits: u[0], u[1] block b's first and second half (low nibbles), u[2], u[3] block b + 1's. */
+static inline void chunk_codes16(const uint8_t *codes, int64_t b, __m256i u[4]) {
+    const __m256i p0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * b)));
+    const __m256i p1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * b + 16)));
+    const __m256i low4 = _mm256_set1_epi16(15);
+    u[0] = _mm256_and_si256(p0, low4);
+    u[1] = _mm256_and_si256(p1, low4);
+    u[2] = _mm256_srli_epi16(p0, 4);
+    u[3] = _mm256_srli_epi16(p1, 4);
 }
 
-/* The two blocks of a 64-element chunk of 4-bit codes (b even): low nibbles block b, high b + 1. */
-static inline void chunk_codes(const uint8_t *codes, int64_t b, __m256i u[2]) {
-    const __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 16 * b)), low4 = _mm256_set1_epi8(15);
-    u[0] = _mm256_and_si256(packed, low4);
-    u[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+/* One block's sums of 16-bit codes lo (elements 0-15) and hi (16-31) times x16, 8 int32 lanes. */
+static inline __m256i block_dot16(__m256i lo, __m256i hi, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
 
-/* Block b's scale as a vector: lanes 0-3 cover its first 16 elements, 4-7 the next 16. */
-static inline __m256 block_scale_avx2(const QWeight *w, const void *scale, int64_t b) {
-    if (w->group == 16)
-        return _mm256_setr_m128(_mm_set1_ps(group_value_fast(w, scale, 2 * b)),
-                                _mm_set1_ps(group_value_fast(w, scale, 2 * b + 1)));
-    return _mm256_set1_ps(group_value_fast(w, scale, 32 * b / w->group));
+/* acc += dot * scale_dx (a block's scale times its row's dx / 256) */
+static inline __m256 block_fma(__m256i dot, float scale_dx, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale_dx), acc);
 }
 
 /* offset_term with F16C's conversion, 8 groups a vector */
@@ -236,38 +243,67 @@ static inline float offset_term_avx2(const QWeight *w, int64_t n, const float *x
     return w->offset ? s : -(float)w->zero * s;
 }
 
-/* 8-bit codes against the 16-bit activations, vpmaddwd: codes widened as they load (less 128 for
- * the signed form, whose products need no offset term), 256 u.xq + u.xr in two multiplies a
- * block. Lane i of the sums covers elements 2i, 2i + 1 of each 16-element half. */
+/* The paths below take a weight's group size and scale dtype as arguments, and each caller
+ * names the common ones as constants, so that the compiler makes a copy for each without a
+ * division or a branch a block (1.6x at one row). */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* One row's block of 16-bit codes (lo, hi) into its accumulator: one scale for the block, or
+ * group 16's two, each over its own half's products. */
+static ALWAYS_INLINE __m256 row_block(int64_t group, __m256i lo, __m256i hi, const int16_t *x, float s0, float s1,
+                                      float dx, __m256 acc) {
+    if (group != 16) return block_fma(block_dot16(lo, hi, x), s0 * dx, acc);
+    acc = block_fma(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)), s0 * dx, acc);
+    return block_fma(_mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))), s1 * dx, acc);
+}
+
+/* Block b's scales: s[0] for its first 16 elements, s[1] for the next 16 (equal unless group 16). */
+static ALWAYS_INLINE float scale_at(const void *scale, int64_t i, int half) {
+#if defined(__F16C__)
+    if (half) return _cvtsh_ss(((const uint16_t *)scale)[i]);
+#endif
+    return half ? half_to_float(((const uint16_t *)scale)[i]) : ((const float *)scale)[i];
+}
+
+static ALWAYS_INLINE void block_scales(int64_t group, int half, const void *scale, int64_t b, float s[2]) {
+    s[0] = scale_at(scale, block_group(b, group), half);
+    s[1] = group == 16 ? scale_at(scale, 2 * b + 1, half) : s[0];
+}
+
+/* The 16-bit codes of block b of a row of 8-bit codes (less 128 for the signed form, whose
+ * products need no offset term). */
 static inline __m256i widened_codes(const uint8_t *c, int signed_form) {
     const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
     return signed_form ? _mm256_sub_epi16(u, _mm256_set1_epi16(128)) : u;
 }
 
-static void feature8_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+/* Feature n against every row of a, AVX2_TILE rows at a time. */
+static ALWAYS_INLINE void feature_avx2_form(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo,
+                                            const float *bias, int64_t group, int half) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
-    const int signed_form = w->zero == 128 && !w->offset;
+    const int signed_form = w->bits == 8 && w->zero == 128 && !w->offset;
     for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
         const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
         __m256 acc[AVX2_TILE];
         for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const __m256i lo = widened_codes(codes + 32 * b, signed_form), hi = widened_codes(codes + 32 * b + 16, signed_form);
-            const float s0 = group_value_fast(w, scale, w->group == 16 ? 2 * b : 32 * b / w->group);
-            const float s1 = w->group == 16 ? group_value_fast(w, scale, 2 * b + 1) : s0;
-            for (int64_t t = 0; t < rows; ++t) {
-                const int64_t r = r0 + t;
-                const int16_t *x = a->x16 + r * a->K + 32 * b;
-                const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
-                const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-                const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
-                if (w->group == 16) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s0 * dx), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s1 * dx), acc[t]);
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), _mm256_set1_ps(s0 * dx), acc[t]);
+        for (int64_t b = 0; b < blocks; b += 2) {
+            __m256i u[4];
+            if (w->bits == 4) {
+                if (TILE_PREFETCH && r0 == 0 && (b & 3) == 0)
+                    _mm_prefetch((const char *)codes + 16 * b + TILE_PREFETCH * 4 * row_bytes(w), _MM_HINT_T1);
+                chunk_codes16(codes, b, u);
+            } else {
+                for (int q = 0; q < 4; ++q) u[q] = widened_codes(codes + 32 * b + 16 * q, signed_form);
+            }
+            for (int h = 0; h < 2; ++h) {
+                float s[2];
+                block_scales(group, half, scale, b + h, s);
+                for (int64_t t = 0; t < rows; ++t) {
+                    const int64_t r = r0 + t;
+                    const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
+                    acc[t] = row_block(group, u[2 * h], u[2 * h + 1], a->x16 + r * a->K + 32 * (b + h), s[0], s[1], dx, acc[t]);
                 }
             }
         }
@@ -279,43 +315,13 @@ static void feature8_avx2(const QWeight *w, const QActs *a, int64_t n, float *ou
     }
 }
 
-static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
-    const uint8_t *codes = w->codes + n * row_bytes(w);
-    const void *scale = group_row(w, w->scale, n, a->groups);
-    const int64_t blocks = a->K / 32;
-    for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
-        const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
-        __m256 acc[AVX2_TILE];
-        for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b += 2) {
-            if (TILE_PREFETCH && r0 == 0 && (b & 3) == 0)
-                _mm_prefetch((const char *)codes + 16 * b + TILE_PREFETCH * 4 * row_bytes(w), _MM_HINT_T1);
-            __m256i u[2];
-            chunk_codes(codes, b, u);
-            for (int h = 0; h < 2; ++h) {
-                const __m256 s = block_scale_avx2(w, scale, b + h);
-                for (int64_t t = 0; t < rows; ++t) {
-                    const int64_t r = r0 + t, off = r * a->K + 32 * (b + h);
-                    const __m256i dot = block_dot2(u[h], a->xq + off, a->xr + off);
-                    const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(dx)), acc[t]);
-                }
-            }
-        }
-        for (int64_t t = 0; t < rows; ++t) {
-            const int64_t r = r0 + t;
-            out[r * ldo + n] = hsum8(acc[t]) + offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups) + (bias ? bias[n] : 0.0f);
-        }
-    }
-}
-
 /* One activation row (a decode step at batch 1) against FEATURE_TILE features of 4-bit codes: the
  * row's codes and each block's dx are read once for the tile, and the features' sums are
- * independent chains (0.81x the per-feature time on Zen 3's default-model layers; 8-bit codes
- * gained nothing). Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
+ * independent chains. Each feature's sum is formed exactly as feature_avx2 forms it, so the same floats. */
 #define FEATURE_TILE 4
 
-static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
+static ALWAYS_INLINE void feature_tile_avx2_form(const QWeight *w, const QActs *a, int64_t n0, float *out,
+                                                 const float *bias, int64_t group, int half) {
     const int64_t blocks = a->K / 32;
     const uint8_t *codes[FEATURE_TILE];
     const void *scale[FEATURE_TILE];
@@ -327,19 +333,34 @@ static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, floa
     }
     const int64_t ahead = TILE_PREFETCH * FEATURE_TILE * row_bytes(w);
     for (int64_t b = 0; b < blocks; b += 2) {
-        const __m256 d0 = _mm256_set1_ps(a->dx[b] * (1.0f / 256.0f)), d1 = _mm256_set1_ps(a->dx[b + 1] * (1.0f / 256.0f));
+        const float d0 = a->dx[b] * (1.0f / 256.0f), d1 = a->dx[b + 1] * (1.0f / 256.0f);
         for (int j = 0; j < FEATURE_TILE; ++j) {
             if (TILE_PREFETCH && (b & 3) == 0) _mm_prefetch((const char *)codes[j] + 16 * b + ahead, _MM_HINT_T1);
-            __m256i u[2];
-            chunk_codes(codes[j], b, u);
-            const __m256i dot0 = block_dot2(u[0], a->xq + 32 * b, a->xr + 32 * b);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_mul_ps(block_scale_avx2(w, scale[j], b), d0), acc[j]);
-            const __m256i dot1 = block_dot2(u[1], a->xq + 32 * b + 32, a->xr + 32 * b + 32);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_mul_ps(block_scale_avx2(w, scale[j], b + 1), d1), acc[j]);
+            __m256i u[4];
+            float s[2];
+            chunk_codes16(codes[j], b, u);
+            block_scales(group, half, scale[j], b, s);
+            acc[j] = row_block(group, u[0], u[1], a->x16 + 32 * b, s[0], s[1], d0, acc[j]);
+            block_scales(group, half, scale[j], b + 1, s);
+            acc[j] = row_block(group, u[2], u[3], a->x16 + 32 * b + 32, s[0], s[1], d1, acc[j]);
         }
     }
     for (int j = 0; j < FEATURE_TILE; ++j)
         out[n0 + j] = hsum8(acc[j]) + offset_term_avx2(w, n0 + j, a->xsum, a->groups) + (bias ? bias[n0 + j] : 0.0f);
+}
+
+static void feature_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+    if (w->group == 32 && w->half) feature_avx2_form(w, a, n, out, ldo, bias, 32, 1);
+    else if (w->group == 32) feature_avx2_form(w, a, n, out, ldo, bias, 32, 0);
+    else if (w->group == 16) feature_avx2_form(w, a, n, out, ldo, bias, 16, (int)w->half);
+    else feature_avx2_form(w, a, n, out, ldo, bias, w->group, (int)w->half);
+}
+
+static void feature_tile_avx2(const QWeight *w, const QActs *a, int64_t n0, float *out, const float *bias) {
+    if (w->group == 32 && w->half) feature_tile_avx2_form(w, a, n0, out, bias, 32, 1);
+    else if (w->group == 32) feature_tile_avx2_form(w, a, n0, out, bias, 32, 0);
+    else if (w->group == 16) feature_tile_avx2_form(w, a, n0, out, bias, 16, (int)w->half);
+    else feature_tile_avx2_form(w, a, n0, out, bias, w->group, (int)w->half);
 }
 #endif
 
@@ -510,10 +531,7 @@ static void product_features(const QWeight *w, const QActs *a, int64_t n0, int64
         int64_t n = n0;
         if (a->M == 1 && w->bits == 4)
             for (; n + FEATURE_TILE <= n1; n += FEATURE_TILE) feature_tile_avx2(w, a, n, out, bias);
-        for (; n < n1; ++n) {
-            if (w->bits == 8) feature8_avx2(w, a, n, out, ldo, bias);
-            else feature_avx2(w, a, n, out, ldo, bias);
-        }
+        for (; n < n1; ++n) feature_avx2(w, a, n, out, ldo, bias);
         return;
     }
 #endif

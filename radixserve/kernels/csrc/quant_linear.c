@@ -20,10 +20,10 @@
  * sum_g scale * dx * (256 u.xq + u.xr) / 256 + offset * sum(x^): exactly w . x^ up to float
  * summation order, so the only error against the float product is the activations' rounding.
  * Two layouts of the same codes and values: one feature a row (above: what model/gguf_repack.py
- * makes and quantized.safetensors keeps), read by the AVX2 path (vpmaddubsw on codes below 128, 8-bit
- * codes as two nibbles: no saturation; a few rows share each load of the codes, and a single row
- * a few features each load of its activations; 8-bit codes widened to 16 bits against 16-bit
- * activations, vpmaddwd) and the scalar one; and the lanes layout (features across the
+ * makes and quantized.safetensors keeps), read by the AVX2 path (codes widened to 16 bits against
+ * the 16-bit activations 256 xq + xr, vpmaddwd; up to 8 rows share each load of the codes, and a
+ * single row a few features each load of its activations) and the scalar one; and the lanes
+ * layout (features across the
  * vector lanes, 32 a block: the AVX512-VNNI section below), into which kernels/quant_linear.py
  * moves every weight once at load on a CPU with AVX512-VNNI, for vpdpbusd's u8 x s8 products
  * at every row count. `path` chooses (0: the best this build has for the layout; 1: AVX2;
