@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.core.agent_hints import KINDS, AgentHints
 from radixserve.engine.cpu_share import CpuSnapshot
-from radixserve.engine.kv_transfer import TransferStats
-from radixserve.kv_tier.tiering import TierStats
+
+if TYPE_CHECKING:  # both import torch; the stats are read without it (the cluster's ingress, the metrics)
+    from radixserve.engine.kv_transfer import TransferStats
+    from radixserve.kv_tier.tiering import TierStats
 
 
 @dataclass(frozen=True)

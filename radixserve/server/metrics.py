@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.engine.kv_transfer import TransferStats
 from radixserve.engine.stats import CacheStats, EngineStats, HintStats
-from radixserve.kv_tier.tiering import TierStats
 from radixserve.server.request_group import MemberTiming
+
+if TYPE_CHECKING:  # both import torch; the cluster's ingress reads this module's CONTENT_TYPE without it
+    from radixserve.engine.kv_transfer import TransferStats
+    from radixserve.kv_tier.tiering import TierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)

@@ -328,3 +328,18 @@ def test_disaggregated_broadcasts_reach_both_roles_and_forwarding_only_decode():
     assert set(asyncio.run(go("POST", "/abort_request", json={"rid": "x"})).json()["replicas"]) == {"d", "p"}
     metrics = asyncio.run(go("GET", "/metrics", headers={"authorization": "Bearer k"})).text
     assert 'replica="p"' in metrics and 'replica="d"' in metrics
+
+
+def test_the_ingress_and_the_app_import_no_torch():
+    """The ingress (no CPU reserved) and the driver that builds the app read the request models,
+    the metrics and the routers without the engine: importing torch would cost each ingress
+    start ~2.5 s of CPU and a few hundred MiB beside the replicas (the loader, under KV-event
+    routing, imports it when it reads the tokenizer)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, radixserve.cluster.ingress, radixserve.cluster.app, radixserve.cluster.routers; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
