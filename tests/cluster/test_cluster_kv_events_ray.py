@@ -46,7 +46,7 @@ def test_the_ingress_routes_on_what_the_replicas_report_holding(serve_port):
             again = httpx.post(url + "/generate", json={"input_ids": prompt + [9, 9],
                                                         "sampling_params": {"max_tokens": 1}}, timeout=120)
             assert again.status_code == 200 and again.headers[REPLICA_HEADER] == home
-            time.sleep(1)
+            time.sleep(0.25)
         assert httpx.post(url + "/flush_cache", timeout=60).status_code == 200
         time.sleep(1)  # the flush's events reach the ingress
         before = routing_reasons(url)

@@ -149,7 +149,7 @@ def test_the_ingress_picks_both_roles_on_their_events(cluster):
         answer = httpx.post(cluster + "/v1/chat/completions", json=body, timeout=180)
         assert answer.status_code == 200, answer.text
         turn += 1
-        time.sleep(1)
+        time.sleep(0.25)
     assert turn >= 2  # the first prompt was cached nowhere
     check_integrity(cluster)
 
@@ -195,7 +195,7 @@ def stats_by_role_when_healthy(url: str) -> dict[str, dict]:
         health = httpx.get(url + "/health", timeout=30).json()
         if health["replicas_healthy"] == 2:
             return stats_by_role(url)
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"the prefill replica was not replaced: {health}")
 
 

@@ -167,7 +167,7 @@ def test_killed_replica_fails_its_stream_only_and_is_replaced(cluster):
         if health["replicas_healthy"] == 2:
             break
         assert health["status"] in ("degraded", "ok")
-        time.sleep(2)
+        time.sleep(0.5)
     assert health["replicas_healthy"] == 2, health
     replicas = {r["replica"] for r in health["replicas"]}
     assert victim[0] not in replicas and len(replicas) == 2
