@@ -10,7 +10,7 @@ key A made with key B's credentials (stored responses, rids, sessions) and must 
 
 Afterwards the server must be idle and intact (`/debug/check_integrity`, free + cached
 blocks == the pool), its RSS within `--rss-bound` of its value after the warm-up (the first
-fifth of the run) at every sample after it and at the end, its
+fifth of the run: of its minutes, or of its calls with --calls) at every sample after it and at the end, its
 threads and file descriptors no more than a few above it, every accepted request answered
 or refused with a clear error (a JSON error body, never a dropped connection or a 500), and
 no answer to key B holding key A's secret word (nor A's to B). Prints the figures, writes
@@ -67,6 +67,10 @@ class Tally:
     def fail(self, message: str) -> None:
         with self.lock:
             self.failures.append(message)
+
+    def calls(self) -> int:
+        with self.lock:
+            return sum(self.outcomes.values())
 
 
 class Worker:
@@ -272,25 +276,27 @@ def run(args: argparse.Namespace) -> dict:
             "Authorization": f"Bearer {ADMIN}"}).json()["paths"]
         deadline = time.monotonic() + args.minutes * 60
         warmup_s = args.minutes * 60 / 5  # 2 of 10 minutes: the bound holds over the last 8
-        stop = threading.Event()
+        stop = threading.Event()  # set at --calls calls (if given), else the minutes end the run
         workers = [Worker(url, key, tally, random.Random(args.seed * 100 + i), anthropic)
                    for i, key in enumerate(["A", "B"] * (args.workers // 2))]
 
         def loop(worker: Worker) -> None:
             while not stop.is_set() and time.monotonic() < deadline:
                 worker.step()
+                if args.calls and tally.calls() >= args.calls:
+                    stop.set()
 
         threads = [threading.Thread(target=loop, args=(w,), daemon=True) for w in workers]
         for t in threads:
             t.start()
         started, samples, warm = time.monotonic(), [], None
-        while time.monotonic() < deadline:
-            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        while time.monotonic() < deadline and not stop.is_set():
+            stop.wait(min(5.0, max(0.0, deadline - time.monotonic())))
             probe_foreign_ids(url, tally, rng)
             elapsed = time.monotonic() - started
             samples.append((elapsed, process_figures(pid)))
-            if warm is None and elapsed >= warmup_s:
-                warm = samples[-1][1]
+            if warm is None and (tally.calls() >= args.calls / 5 if args.calls else elapsed >= warmup_s):
+                warm, warmup_s = samples[-1][1], elapsed  # the bound holds from this sample on
             if len(samples) % 6 == 0:
                 done = sum(n for (_, o), n in tally.outcomes.items())
                 print(f"  {elapsed:6.0f} s  {done} calls  rss {samples[-1][1]['rss'] / 2**20:.0f} MiB  "
@@ -374,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, quick="2 minutes", plot="write RSS over time as a PNG here",
                           json_help="write the report as JSON here")
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--calls", type=int, default=0, help="stop once this many calls are done (the minutes "
+                        "still bound the run); the warm-up is then the first fifth of the calls")
     parser.add_argument("--workers", type=int, default=6, help="client threads, half per key")
     parser.add_argument("--kv-blocks", type=int, default=384, help="a small pool, so eviction runs all the time")
     parser.add_argument("--rss-bound", type=float, default=0.05, help="allowed RSS growth after the warm-up")
