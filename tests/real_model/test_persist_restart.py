@@ -13,7 +13,7 @@ import httpx
 import pytest
 from subprocess_server import free_port, wait_healthy
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.serial]  # it compares two TTFTs
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # not serial: a TTFT ratio of ~3% against a bound of 30%
 
 PROMPT = [(37 * i) % 30000 + 300 for i in range(2000)]
 BODY = {"input_ids": PROMPT, "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}
