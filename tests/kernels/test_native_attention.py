@@ -127,6 +127,29 @@ def test_native_decode_of_several_rows_per_request_matches_float64(int8, heads, 
 
 
 @needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (9, 3), (4, 4), (4, 1)])
+def test_native_decode_splits_kv_heads_between_threads_when_requests_are_fewer(int8, heads, kv_heads):
+    """A decode of fewer request groups than threads (a batch of one) gives each thread a share of
+    the KV heads: every head computed once, the same bits at every thread count, float64's values."""
+    previous = torch.get_num_threads()
+    try:
+        for case, requests in enumerate(([(150, 1, None, 0)], [(37, 5, None, 0)], [(64, 1, None, 0), (9, 1, None, 0)])):
+            args, pages, k, v = request_rows(requests, heads=heads, kv_heads=kv_heads, head_dim=64, block_size=16,
+                                             int8=int8, seed=case)
+            outs = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                outs.append(native.decode(*args, 0.125, pages))
+            q, _, _, tables, seq_lens = args
+            torch.testing.assert_close(outs[0], dense_reference(q, k, v, tables, seq_lens, 0.125), atol=3e-5, rtol=3e-5)
+            for out in outs[1:]:
+                assert torch.equal(out, outs[0]), case
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
 def test_native_decode_block_size_one_and_unsorted_sharers():
     lens = [9, 12, 9, 30, 12]
     args = build_case(lens, [8, 0, 8, 8, 0], heads=6, kv_heads=2, head_dim=24, block_size=1, seed=3)

@@ -85,7 +85,10 @@ typedef struct {
     int64_t window; /* sliding window, 0: the whole context */
     const float *sinks; /* [num_heads] natural-log logits, or NULL: no sinks */
     const uint64_t *masks; /* [num_rows] draft-tree masks (0: an ordinary row), or NULL: none */
+    int64_t kv_first, kv_last; /* the KV heads (and their query heads) a decode work item attends; kv_last 0: all */
 } Shape;
+
+static inline int64_t kv_end(const Shape *sh) { return sh->kv_last > 0 ? sh->kv_last : sh->num_kv_heads; }
 
 static Shape float_shape(const float *k_cache, const float *v_cache, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale) {
@@ -282,7 +285,7 @@ static void attend_block(const Shape *sh, const Rows *rows, const int32_t *lens,
     int64_t most = 0;
     for (int64_t i = 0; i < count; ++i) most = tokens_in(lens[i], b, bs) > most ? tokens_in(lens[i], b, bs) : most;
     const char *kp = sh->k_pages + block * sh->page_bytes, *vp = sh->v_pages + block * sh->page_bytes;
-    for (int64_t j = 0; j < sh->num_kv_heads; ++j) {
+    for (int64_t j = sh->kv_first; j < kv_end(sh); ++j) {
         const Keys keys = block_keys(sh, kp, vp, j, most, rows->padded, tile);
         for (int64_t h = j * group; h < (j + 1) * group; ++h) {
             prefetch_part(sh, ahead, h, sh->num_heads);
@@ -671,7 +674,7 @@ static void fold_tree(const Shape *sh, const Rows *rows, const int32_t *table, i
             slots[n++] = base + j;
     for (int64_t c = 0; c < n; c += bs) {
         const int64_t m = n - c < bs ? n - c : bs;
-        for (int64_t j = 0; j < h; ++j) {
+        for (int64_t j = sh->kv_first; j < kv_end(sh); ++j) {
             for (int64_t t = 0; t < m; ++t) {
                 const int64_t s = slots[c + t], off = (s % bs) * h + j;
                 const char *kp = sh->k_pages + table[s / bs] * sh->page_bytes;
@@ -719,7 +722,10 @@ static void attend_group(const Shape *sh, const float *q, const int32_t *tables,
             fold_tree(sh, &own, tables + (first + r) * stride, seq_lens[first + r], sh->masks[first + r], tile);
     }
     float *o = out + first * sh->num_heads * d;
+    const int64_t group = sh->num_heads / sh->num_kv_heads;
     for (int64_t i = 0; i < count * sh->num_heads; ++i) {
+        const int64_t kv = i % sh->num_heads / group;
+        if (kv < sh->kv_first || kv >= kv_end(sh)) continue;
         const float inv = sh->sinks ? with_sink(rows->m[i], rows->l[i], sh->sinks[i % sh->num_heads])
                                     : 1.0f / rows->l[i];
         for (int64_t x = 0; x < d; ++x) o[i * d + x] = rows->acc[i * p + x] * inv;
@@ -789,6 +795,13 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
         first = group_end(block_tables, table_stride, first, num_requests, cap);
     }
     starts[num_groups] = num_requests;
+    /* Fewer groups than threads (a batch of one): each group's KV heads are split between
+     * threads too, so that no thread idles. The int8 path of AVX-512 walks every head at once. */
+    int64_t splits = num_groups < max_threads() ? max_threads() / num_groups : 1;
+#ifdef FAST_I8
+    if (sh.int8) splits = 1;
+#endif
+    if (splits > sh.num_kv_heads) splits = sh.num_kv_heads;
     int failed = 0;
 #pragma omp parallel
     {
@@ -801,13 +814,16 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t g = 0; g < num_groups; ++g) {
+        for (int64_t item = 0; item < num_groups * splits; ++item) {
             if (!scratch) continue;
+            const int64_t g = item / splits, part = item % splits;
+            Shape heads = sh;
+            heads.kv_first = sh.num_kv_heads * part / splits, heads.kv_last = sh.num_kv_heads * (part + 1) / splits;
             const Rows state = {scratch, scratch + rows * padded, scratch + 2 * rows * padded,
                                 scratch + rows * (2 * padded + 1), padded};
             float *t = scratch + rows * (2 * padded + 2);
             Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
-            attend_group(&sh, q, block_tables, table_stride, walk, seq_lens, starts[g], starts[g + 1], out, &state,
+            attend_group(&heads, q, block_tables, table_stride, walk, seq_lens, starts[g], starts[g + 1], out, &state,
                          &block);
         }
         free(scratch);
