@@ -116,7 +116,7 @@ def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_re
     assert 2000 < len(first) < 6000
     with torch.no_grad():  # transformers computes the 2,500 shared tokens once; each prompt continues from a copy
         shared = DynamicCache(config=hf_real_model.config)
-        hf_real_model(torch.tensor([first[:2500]]), cache=shared, use_cache=True)
+        hf_real_model(torch.tensor([first[:2500]]), cache=shared, use_cache=True, logits_to_keep=1)
     for ids in (first, second):
         gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      cache=copy.deepcopy(shared), max_new_tokens=MAX_NEW, do_sample=False)
