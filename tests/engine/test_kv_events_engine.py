@@ -345,7 +345,7 @@ def test_gemma3_publishes_its_window_group_apart_and_window_blocks_leave_as_they
         raw.connect(engine.kv_events.endpoint)
         time.sleep(0.2)
         for round_ in range(2):
-            engine.generate([[1000 + (round_ * 37 + i * 11) % 5000 for i in range(1200)]],
+            engine.generate([[1000 + (round_ * 37 + i * 11) % 5000 for i in range(800)]],  # 288 tokens past a window
                             SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             full.catch_up(engine)
             windows.catch_up(engine)
