@@ -92,6 +92,9 @@ SIGNATURES: dict[str, Signature] = {
     "rms_norm_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64, _PTR, _F32), None),
     "rms_norm_add_f32": Signature("layer_ops.c", (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32), None),
     "hadamard_heads_f32": Signature("layer_ops.c", (_PTR, _I64, _I64, _I64, _I64), None),
+    "delta_rule_step_f32": Signature(
+        "delta_rule.c", (_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR), _INT,
+    ),
     "quant_linear_best_path": Signature("quant_linear.c", (), _INT),
     "quant_linear_f32": Signature(
         "quant_linear.c",

@@ -164,6 +164,28 @@ def hadamard_heads_(x: torch.Tensor) -> bool:
     return True
 
 
+def delta_rule_step_(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+    """One token of the gated delta rule for D requests, their states state[slots] [D, H, Dk, Dv]
+    advanced in place in the pool; q, k [D, H, Dk], v [D, H, Dv], g, beta [D, H]. Returns o
+    [D, H, Dv], or None (nothing touched) where the kernel does not apply."""
+    if not (state.dim() == 4 and _dense_f32(state) and slots.dtype == torch.int64 and slots.dim() == 1
+            and slots.is_contiguous()):
+        return None
+    d, (h, dk, dv) = slots.shape[0], state.shape[1:]
+    if not (q.shape == k.shape == (d, h, dk) and v.shape == (d, h, dv) and g.shape == beta.shape == (d, h)
+            and all(_dense_f32(t) for t in (q, k, v, g, beta))):
+        return None
+    fn = _load("delta_rule_step_f32")
+    if fn is None:
+        return None
+    out = torch.empty(d, h, dv, dtype=torch.float32)
+    if fn(state.data_ptr(), state.shape[0], slots.data_ptr(), d, h, dk, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+          g.data_ptr(), beta.data_ptr(), out.data_ptr()):
+        raise IndexError(f"a state slot outside the pool's {state.shape[0]}: {slots.tolist()}")
+    return out
+
+
 def _rows_f32(t: torch.Tensor) -> bool:
     """A float32 CPU tensor whose last axis is contiguous (rows may be strided)."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1

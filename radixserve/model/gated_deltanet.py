@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.native_ops import delta_rule_step_
 from radixserve.model.layers import Linear
 from radixserve.model.recurrent_step import RecurrentStep, StateShape
 from radixserve.model.short_conv import DepthwiseConv, causal_conv
@@ -87,9 +88,14 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)  # [T, H, Dv] float32
         if step.single_rows.numel():
             rows, slots = step.single_rows, step.single_slots
-            state = ssm_state[slots]
-            out[rows] = delta_rule_step(state, q[rows], k[rows], v[rows], g[rows], beta[rows])
-            ssm_state[slots] = state
+            fused = delta_rule_step_(ssm_state, slots, q[rows].contiguous(), k[rows].contiguous(),
+                                     v[rows].contiguous(), g[rows].contiguous(), beta[rows].contiguous())
+            if fused is not None:
+                out[rows] = fused
+            else:
+                state = ssm_state[slots]
+                out[rows] = delta_rule_step(state, q[rows], k[rows], v[rows], g[rows], beta[rows])
+                ssm_state[slots] = state
         for seg in step.segments:
             rows = slice(seg.first_row, seg.first_row + seg.num_rows)
             state = ssm_state[seg.slot]

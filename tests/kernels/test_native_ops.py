@@ -249,7 +249,7 @@ def test_silu_mul_declines_to_torch():
 def test_build_all_builds_every_c_source_of_the_package():
     from radixserve.kernels.native_build import build_all
 
-    assert build_all() == ["decoder_layers.c", "layer_ops.c", "moe_experts.c", "paged_attention.c",
+    assert build_all() == ["decoder_layers.c", "delta_rule.c", "layer_ops.c", "moe_experts.c", "paged_attention.c",
                            "prefill_attention.c", "quant_linear.c", "skinny_linear.c"]
 
 
