@@ -185,9 +185,9 @@ static void feature_scalar(const QWeight *w, const QActs *a, int64_t n, float *o
 #if defined(__AVX2__)
 
 /* Every AVX2 product multiplies codes widened to 16 bits by the activations' 16-bit x16 =
- * 256 xq + xr in one vpmaddwd a 16 elements: the same integer as 256 u.xq + u.xr, in half the
- * multiplies of two vpmaddubsw and their vpmaddwd (1.6x at 8 rows, 1.9x at one row on Zen 3,
- * where those multiplies were the bound). Lane i of a block's int32 sums covers elements 2i,
+ * 256 xq + xr, one vpmaddwd per 16 elements: the same integer as 256 u.xq + u.xr, in half the
+ * multiplies of two vpmaddubsw and their vpmaddwd (with the constant group sizes below, 1.5x at
+ * one row and at 8 rows on Zen 3). Lane i of a block's int32 sums covers elements 2i,
  * 2i + 1, 16 + 2i and 17 + 2i; every path below forms each feature's sum in that order, so a
  * row's result does not depend on the rows beside it. Up to AVX2_TILE rows share each block's
  * widened codes. */
