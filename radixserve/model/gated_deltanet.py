@@ -12,7 +12,8 @@ With more value heads than key heads, the value heads are held in llama.cpp's ti
 transformers checkpoint's value-head rows and columns are reordered once at load, qwen3_5.py).
 The output is RMS-normed per head, gated by SiLU(z) and
 projected. A request's state: the conv's last inputs and S per head (float32, as transformers
-keeps it). Decodes advance S one step, batched (`delta_rule_step`); a prompt chunk runs the
+keeps it). Decodes advance S one step, batched: in place in the state pool by the C step
+(kernels/native_ops.delta_rule_step_), else `delta_rule_step` on the gathered states; a prompt chunk runs the
 chunked form (`chunked_delta_rule`), 64 tokens a block: within a block the corrections solve
 one unit-triangular system, and S is carried across blocks.
 """
