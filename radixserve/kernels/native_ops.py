@@ -10,6 +10,8 @@ returning None where it does not apply so that the caller keeps its torch path.
   (onednn_linear.py), or the BLAS where oneDNN is off.
 - rms_norm, rms_norm_heads_, rms_norm_add_, rope_, silu_mul, gelu_tanh_mul, hadamard_heads_: one pass each instead of the several tensor ops (and as
   many dispatches) torch needs; at decode sizes the dispatches were most of their cost.
+- delta_rule_step_: a Gated DeltaNet decode token for a batch, each request's state advanced in
+  place in the layer's state pool (csrc/delta_rule.c), each state read once and written once.
 """
 
 from __future__ import annotations
