@@ -6,7 +6,9 @@ machine). For a step whose rows are all single-query attention rows (decodes, sp
 draft rows, and the prompt chunks of small steps, which the runner lays out that way) and
 few enough for the skinny matmul kernel, the C side runs the
 same kernels in the same order, so the logits are bit for bit those of the layer-by-layer
-path; any other step, model or device keeps that path. The pool may hold float32 or int8
+path; any other step, model or device keeps that path. A layer's MLP may be a mixture of
+experts that model/moe.py would run in its one C call (quantized experts, no shared expert:
+Qwen3-MoE); the C side computes the router's logits and makes that call. The pool may hold float32 or int8
 pages (the store quantizes, attention dequantizes, as the cpu backend's kernels do). Each
 layer has its sliding window (`windows`, 0: full attention), as the backend's forward takes it.
 """
@@ -26,6 +28,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_build import load_kernel
 from radixserve.kernels.native_ops import max_rows, model_ops_enabled
+from radixserve.model.moe import SparseMoE
 from radixserve.model.spec import ModelSpec
 
 
@@ -45,9 +48,16 @@ _NORMS = (("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_out_n
           ("mlp_out_norm", ctypes.c_void_p))
 
 
+# A mixture of experts in place of the dense MLP (experts 0: none): the router's weight, then
+# moe_experts_f32's arguments (kernels/moe_experts.py's QuantExperts).
+_EXPERTS = (("router", _Weight), ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+            ("normalize", ctypes.c_int64), *((name, ctypes.c_void_p) for name in
+                                             ("gate_up_ptrs", "gate_up_meta", "down_ptrs", "down_meta")))
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [*_WEIGHTS, ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
-                *_NORMS, ("alt_rope", ctypes.c_int64), ("alt_pages", ctypes.c_int64)]
+                *_NORMS, ("alt_rope", ctypes.c_int64), ("alt_pages", ctypes.c_int64), *_EXPERTS]
 
 
 class _Shape(ctypes.Structure):
@@ -75,6 +85,9 @@ class NativeDecoder:
         self._spec = spec
         self._weights = [_layer_weights(layer) for layer in layers]
         self._norms = [_layer_norms(layer) for layer in layers]
+        self._experts = [_layer_experts(layer.mlp) for layer in layers]
+        self._max_experts = max((mlp.num_experts for mlp in (layer.mlp for layer in layers)
+                                 if isinstance(mlp, SparseMoE)), default=0)
         self._activation = int(getattr(layers[0].mlp, "native_activation", 0)) if len(layers) else 0
         self._windows = [max(int(w), 0) for w in windows] if windows is not None else [0] * len(layers)
         self._keep = layers  # the pointers above stay valid while the modules live
@@ -88,9 +101,8 @@ class NativeDecoder:
         """The decoder for these layers (windows: each layer's sliding window, 0 or None for
         full attention), or None where the C path does not apply (another device or dtype,
         sizes the matmul kernel refuses, kernels disabled or not buildable)."""
-        if not all(isinstance(getattr(getattr(layer, "mlp", None), "gate_up_proj", None), nn.Linear)
-                   for layer in layers):
-            return None  # a layer without Llama's dense MLP (a mixture of experts): layer by layer
+        if not all(_dense(layer.mlp) or _native_experts(layer.mlp) for layer in layers):
+            return None  # a layer with an MLP the C side does not run: layer by layer
         params = list(layers.parameters())
         q_size = spec.num_heads * spec.head_dim
         if not (
@@ -149,9 +161,9 @@ class NativeDecoder:
             # a window layer's K/V in a hybrid pool: pages of their own (not views of pool.kv)
             apart = [pool.hybrid and _inside(k, pool.window_kv) for k, _ in caches]
             self._layers = (_Layer * len(caches))(*[
-                _Layer(*weights, k.data_ptr(), v.data_ptr(), window, *norms, int(window > 0), int(alt))
-                for weights, (k, v), window, norms, alt in zip(self._weights, caches, self._windows, self._norms,
-                                                              apart)
+                _Layer(*weights, k.data_ptr(), v.data_ptr(), window, *norms, int(window > 0), int(alt), *experts)
+                for weights, (k, v), window, norms, alt, experts in zip(self._weights, caches, self._windows,
+                                                                       self._norms, apart, self._experts)
             ])
             spec, pages = self._spec, pool.pages
             kv = pool.kv if pool.kv.shape[0] else pool.window_kv
@@ -170,7 +182,7 @@ class NativeDecoder:
         spec = self._spec
         q = spec.num_heads * spec.head_dim
         qkv = q + 2 * spec.num_kv_heads * spec.head_dim
-        need = rows * (2 * spec.hidden_size + qkv + 2 * q + 3 * spec.intermediate_size)
+        need = rows * (2 * spec.hidden_size + qkv + 2 * q + 3 * spec.intermediate_size + self._max_experts)
         workspace = getattr(_scratch, "workspace", None)
         if workspace is None or workspace.numel() < need:
             workspace = _scratch.workspace = torch.empty(need, dtype=torch.float32)
@@ -190,15 +202,37 @@ def _kernel():
     return load_kernel("decoder_layers_f32")
 
 
+def _dense(mlp: nn.Module) -> bool:
+    return isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear)
+
+
+def _native_experts(mlp: nn.Module) -> bool:
+    """A mixture of experts the C side runs as model/moe.py does at decode sizes: quantized experts
+    in the one C call, softmax-then-top-k routing, no shared expert."""
+    return (isinstance(mlp, SparseMoE) and mlp.native is not None and mlp.shared_expert is None
+            and type(mlp).forward is SparseMoE.forward and type(mlp).routed is SparseMoE.routed
+            and type(mlp).route is SparseMoE.route and isinstance(mlp.gate, nn.Linear) and mlp.gate.bias is None)
+
+
 def _layer_weights(layer: nn.Module) -> tuple[int | _Weight | None, ...]:
     attn, mlp = layer.self_attn, layer.mlp
     pre_mlp = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-    parts = (
-        layer.input_layernorm.weight, attn.qkv_proj, attn.qkv_proj.bias, attn.o_proj, attn.o_proj.bias,
-        pre_mlp.weight, mlp.gate_up_proj, mlp.gate_up_proj.bias, mlp.down_proj,
-        mlp.down_proj.bias,
-    )
-    return tuple(_projection(p) if isinstance(p, nn.Linear) else _ptr(p) for p in parts)
+    parts = (layer.input_layernorm.weight, attn.qkv_proj, attn.qkv_proj.bias, attn.o_proj, attn.o_proj.bias,
+             pre_mlp.weight)
+    weights = tuple(_projection(p) if isinstance(p, nn.Linear) else _ptr(p) for p in parts)
+    if not _dense(mlp):  # experts in its place (_layer_experts)
+        return (*weights, _Weight(), None, _Weight(), None)
+    return (*weights, _projection(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias), _projection(mlp.down_proj),
+            _ptr(mlp.down_proj.bias))
+
+
+def _layer_experts(mlp: nn.Module) -> tuple:
+    """The C side's experts fields: none for a dense MLP."""
+    if not isinstance(mlp, SparseMoE):
+        return (_Weight(), 0, 0, 0, None, None, None, None)
+    native = mlp.native
+    return (_projection(mlp.gate), mlp.num_experts, mlp.top_k, int(mlp.normalize), native.gate_up_ptrs.data_ptr(),
+            native.gate_up_meta.data_ptr(), native.down_ptrs.data_ptr(), native.down_meta.data_ptr())
 
 
 def _layer_norms(layer: nn.Module) -> tuple[int | None, ...]:

@@ -139,8 +139,32 @@ def test_greedy_equals_transformers_from_a_quantized_gguf(tiny_moe_all_sparse, t
     assert len(moe.quant_gate_up) == 8 and {w.kind for w in moe.quant_gate_up + moe.quant_down} == {quant}
     assert engine.stats()["weight_dtype"] == f"gguf:{quant}"
     assert engine.loaded.spec.hf_config.moe_intermediate_size == 64  # from the header (transformers skips it)
+    assert engine.runner.model.native is not None, "decode steps run every layer in one C call"
     prompts = prompts_of([7, 2 * CHUNK + 3, 12], seed=2)
     _greedy_through_the_engine(engine, _hf_model(path.parent, path.name), prompts)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
+def test_the_native_decoder_gives_the_layer_paths_logits_bit_for_bit(tiny_moe_all_sparse, tmp_path, quant):
+    """Decode steps of an experts model in one C call (model/native_decoder.py: the router's
+    logits, then the experts' call) give the layer-by-layer path's logits, bit for bit."""
+    path = write_gguf(tiny_moe_all_sparse, tmp_path / f"tiny-qwen3moe.{quant}.gguf", quant=quant)
+    fused, layers = engine_for(str(path)), engine_for(str(path))
+    layers.runner.model.native = None
+    runs = []
+    for engine in (fused, layers):
+        logits, native = [], []
+        model = engine.runner.model
+        model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        if model.native is not None:
+            run = model.native.run
+            model.native.run = lambda *a, **k: native.append(run(*a, **k)) or native[-1]
+        tokens = [out.token_ids for out in run_checked(engine, prompts_of([9, 3, 2 * CHUNK + 5], seed=4), 12)]
+        runs.append((logits, native, tokens))
+    (fused_logits, took, fused_tokens), (layer_logits, _, layer_tokens) = runs
+    assert fused_tokens == layer_tokens
+    assert len(fused_logits) == len(layer_logits) and all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    assert sum(took) >= 11, "the decode steps ran natively"
 
 
 def test_only_the_selected_experts_are_read(tiny_moe):

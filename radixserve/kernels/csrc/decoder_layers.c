@@ -13,7 +13,9 @@
  * Llama layers as transformers computes them, with optional biases on the fused qkv, o,
  * gate_up and down projections and optional q/k norms (Qwen3); and Gemma 3's: q/k norms, a
  * norm on the attention block's output and on the MLP's before each residual add, the
- * GELU-tanh gate (shape->activation), and window layers with a RoPE table of their own.
+ * GELU-tanh gate (shape->activation), and window layers with a RoPE table of their own; a
+ * layer may hold a mixture of experts in place of the dense MLP (Qwen3-MoE: the router's
+ * logits, then moe_experts_f32, the call model/moe.py makes at these sizes).
  *   x          [rows, hidden] the residual stream, updated in place
  *   cos, sin   [rows, head_dim] of each row's position
  *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
@@ -21,8 +23,9 @@
  *   seq_lens   [rows] int32 context length of each row, this row's token included (a layer with a
  *              sliding window reads only the table entries its window reaches)
  *   masks      [rows] draft-tree masks (paged_attention.c), or NULL: none
- *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate) floats: normed x, qkv, q, attention out,
- *              projection out, gate_up, activation (qkv = q + 2 kv)
+ *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate + experts) floats: normed x, qkv, q,
+ *              attention out, projection out, gate_up, activation (qkv = q + 2 kv), the router's
+ *              logits (experts: the most of any layer)
  *   second     NULL, or the step's second RoPE table (layers with alt_rope: Gemma 3's window layers)
  *              and second set of pages (layers with alt_pages: a hybrid pool's window layers, whose
  *              pages have tables and slots of their own; the same rows and lengths)
@@ -31,6 +34,7 @@
  * first); -2 (nothing changed) for a slot, length or block id outside the pool.
  */
 #include "layer_ops.c"
+#include "moe_experts.c"
 #include "paged_attention.c"
 #include "quant_linear.c"
 #include "skinny_linear.c"
@@ -60,6 +64,12 @@ typedef struct {
     const float *attn_out_norm;   /* RMSNorm of the attention block's output before its residual add; NULL: none */
     const float *mlp_out_norm;    /* the same for the MLP's output */
     int64_t alt_rope, alt_pages;  /* 1: the call's `second` RoPE table / pages */
+    /* A mixture of experts in place of the dense MLP (moe_experts.c; experts 0: the dense MLP):
+     * the router's [experts, hidden] weight, each row's top_k, and the experts' addresses and
+     * storage as moe_experts_f32 takes them. */
+    LayerWeight router;
+    int64_t experts, top_k, normalize;
+    const int64_t *gate_up_ptrs, *gate_up_meta, *down_ptrs, *down_meta;
 } DecoderLayer;
 
 /* A step's second RoPE table and page set (see the header). */
@@ -138,7 +148,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         return -2;
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
-    float *act = gate_up + rows * 2 * inter;
+    float *act = gate_up + rows * 2 * inter, *logits = act + rows * inter;
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
@@ -170,10 +180,17 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         if (w->attn_out_norm) rms_norm_f32(proj, s.hidden, w->attn_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
         rms_norm_f32(x, s.hidden, w->post_norm, normed, s.hidden, rows, s.hidden, s.eps);
-        if (project(normed, rows, &w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up)) return -1;
-        if (s.activation == 1) gelu_tanh_mul_f32(gate_up, 2 * inter, act, rows, inter);
-        else silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
-        if (project(act, rows, &w->down, s.hidden, inter, w->down_bias, proj)) return -1;
+        if (w->experts) {
+            if (project(normed, rows, &w->router, w->experts, s.hidden, NULL, logits) ||
+                moe_experts_f32(normed, rows, s.hidden, logits, w->experts, w->experts, w->top_k, w->normalize,
+                                w->gate_up_ptrs, w->gate_up_meta, w->down_ptrs, w->down_meta, proj, s.hidden, NULL, 0))
+                return -1;
+        } else {
+            if (project(normed, rows, &w->gate_up, 2 * inter, s.hidden, w->gate_up_bias, gate_up)) return -1;
+            if (s.activation == 1) gelu_tanh_mul_f32(gate_up, 2 * inter, act, rows, inter);
+            else silu_mul_f32(gate_up, 2 * inter, act, rows, inter);
+            if (project(act, rows, &w->down, s.hidden, inter, w->down_bias, proj)) return -1;
+        }
         if (w->mlp_out_norm) rms_norm_f32(proj, s.hidden, w->mlp_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
     }
