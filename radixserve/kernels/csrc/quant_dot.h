@@ -282,72 +282,94 @@ static inline __m256i widened_codes(const uint8_t *c, int signed_form) {
  * 4-bit path's 8-row tile left a single row's one chain 1.7x slower on a Q8_0 head). */
 #define AVX2_TILE8 4
 
-static void feature8_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+static ALWAYS_INLINE void rows8_avx2(const QWeight *w, const QActs *a, int64_t n, int64_t r0, const int64_t ROWS,
+                                     float *out, int64_t ldo, const float *bias) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
     const int signed_form = w->zero == 128 && !w->offset;
-    for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE8) {
-        const int64_t rows = a->M - r0 < AVX2_TILE8 ? a->M - r0 : AVX2_TILE8;
-        __m256 acc[AVX2_TILE8];
-        for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const __m256i lo = widened_codes(codes + 32 * b, signed_form), hi = widened_codes(codes + 32 * b + 16, signed_form);
-            const float s0 = group_value_fast(w, scale, w->group == 16 ? 2 * b : 32 * b / w->group);
-            const float s1 = w->group == 16 ? group_value_fast(w, scale, 2 * b + 1) : s0;
-            for (int64_t t = 0; t < rows; ++t) {
-                const int64_t r = r0 + t;
-                const int16_t *x = a->x16 + r * a->K + 32 * b;
-                const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
-                const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-                const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
-                if (w->group == 16) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s0 * dx), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s1 * dx), acc[t]);
-                } else {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), _mm256_set1_ps(s0 * dx), acc[t]);
-                }
+    __m256 acc[AVX2_TILE8];
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < ROWS; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256i lo = widened_codes(codes + 32 * b, signed_form), hi = widened_codes(codes + 32 * b + 16, signed_form);
+        const float s0 = group_value_fast(w, scale, w->group == 16 ? 2 * b : 32 * b / w->group);
+        const float s1 = w->group == 16 ? group_value_fast(w, scale, 2 * b + 1) : s0;
+#pragma GCC unroll 4
+        for (int64_t t = 0; t < ROWS; ++t) {
+            const int64_t r = r0 + t;
+            const int16_t *x = a->x16 + r * a->K + 32 * b;
+            const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
+            const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
+            const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
+            if (w->group == 16) {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s0 * dx), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s1 * dx), acc[t]);
+            } else {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), _mm256_set1_ps(s0 * dx), acc[t]);
             }
         }
-        for (int64_t t = 0; t < rows; ++t) {
-            const int64_t r = r0 + t;
-            const float offset = signed_form ? 0.0f : offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups);
-            out[r * ldo + n] = hsum8(acc[t]) + offset + (bias ? bias[n] : 0.0f);
-        }
+    }
+#pragma GCC unroll 4
+    for (int64_t t = 0; t < ROWS; ++t) {
+        const int64_t r = r0 + t;
+        const float offset = signed_form ? 0.0f : offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups);
+        out[r * ldo + n] = hsum8(acc[t]) + offset + (bias ? bias[n] : 0.0f);
     }
 }
 
-/* 4-bit codes, feature n against every row of a, AVX2_TILE rows at a time. */
-static ALWAYS_INLINE void feature_avx2_form(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo,
-                                            const float *bias, int64_t group, int half) {
+static void feature8_avx2(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo, const float *bias) {
+    int64_t r0 = 0;
+    for (; r0 + AVX2_TILE8 <= a->M; r0 += AVX2_TILE8) rows8_avx2(w, a, n, r0, AVX2_TILE8, out, ldo, bias);
+    if (r0 + 2 <= a->M) rows8_avx2(w, a, n, r0, 2, out, ldo, bias), r0 += 2;
+    if (r0 < a->M) rows8_avx2(w, a, n, r0, 1, out, ldo, bias);
+}
+
+/* 4-bit codes, feature n against rows [r0, r0 + ROWS) of a. ROWS is a constant at every call, so
+ * the rows' accumulators stay in registers (with a variable count they lived on the stack, and
+ * each block's FMA waited on the store of the one before: ~6.5 cycles a row and block). */
+static ALWAYS_INLINE void rows_avx2_form(const QWeight *w, const QActs *a, int64_t n, int64_t r0, const int64_t ROWS,
+                                         float *out, int64_t ldo, const float *bias, int64_t group, int half) {
     const uint8_t *codes = w->codes + n * row_bytes(w);
     const void *scale = group_row(w, w->scale, n, a->groups);
     const int64_t blocks = a->K / 32;
-    for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_TILE) {
-        const int64_t rows = a->M - r0 < AVX2_TILE ? a->M - r0 : AVX2_TILE;
-        __m256 acc[AVX2_TILE];
-        for (int64_t t = 0; t < rows; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b += 2) {
-            __m256i u[4];
-            if (TILE_PREFETCH && r0 == 0 && (b & 3) == 0)
-                _mm_prefetch((const char *)codes + 16 * b + TILE_PREFETCH * 4 * row_bytes(w), _MM_HINT_T1);
-            chunk_codes16(codes, b, u);
-            for (int h = 0; h < 2; ++h) {
-                float s[2];
-                block_scales(group, half, scale, b + h, s);
-                for (int64_t t = 0; t < rows; ++t) {
-                    const int64_t r = r0 + t;
-                    const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
-                    acc[t] = row_block(group, u[2 * h], u[2 * h + 1], a->x16 + r * a->K + 32 * (b + h), s[0], s[1], dx, acc[t]);
-                }
+    __m256 acc[AVX2_TILE];
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < ROWS; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+        __m256i u[4];
+        if (TILE_PREFETCH && r0 == 0 && (b & 3) == 0)
+            _mm_prefetch((const char *)codes + 16 * b + TILE_PREFETCH * 4 * row_bytes(w), _MM_HINT_T1);
+        chunk_codes16(codes, b, u);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            float s[2];
+            block_scales(group, half, scale, b + h, s);
+#pragma GCC unroll 8
+            for (int64_t t = 0; t < ROWS; ++t) {
+                const int64_t r = r0 + t;
+                const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
+                acc[t] = row_block(group, u[2 * h], u[2 * h + 1], a->x16 + r * a->K + 32 * (b + h), s[0], s[1], dx, acc[t]);
             }
         }
-        for (int64_t t = 0; t < rows; ++t) {
-            const int64_t r = r0 + t;
-            out[r * ldo + n] = hsum8(acc[t]) + offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups) +
-                               (bias ? bias[n] : 0.0f);
-        }
     }
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < ROWS; ++t) {
+        const int64_t r = r0 + t;
+        out[r * ldo + n] = hsum8(acc[t]) + offset_term_avx2(w, n, a->xsum + r * a->groups, a->groups) +
+                           (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* 4-bit codes, feature n against every row of a, AVX2_TILE rows at a time (the rest in tiles of
+ * 4, 2 and 1). */
+static ALWAYS_INLINE void feature_avx2_form(const QWeight *w, const QActs *a, int64_t n, float *out, int64_t ldo,
+                                            const float *bias, int64_t group, int half) {
+    int64_t r0 = 0;
+    for (; r0 + AVX2_TILE <= a->M; r0 += AVX2_TILE) rows_avx2_form(w, a, n, r0, AVX2_TILE, out, ldo, bias, group, half);
+    if (r0 + 4 <= a->M) rows_avx2_form(w, a, n, r0, 4, out, ldo, bias, group, half), r0 += 4;
+    if (r0 + 2 <= a->M) rows_avx2_form(w, a, n, r0, 2, out, ldo, bias, group, half), r0 += 2;
+    if (r0 < a->M) rows_avx2_form(w, a, n, r0, 1, out, ldo, bias, group, half);
 }
 
 /* One activation row (a decode step at batch 1) against FEATURE_TILE features of 4-bit codes: the
