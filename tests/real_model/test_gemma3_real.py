@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from greedy_reference import transformers_greedy
 from radixserve import Engine, SamplingParams
 from real_prompts import RAW
 
@@ -55,16 +56,6 @@ def prompts(engine):
     return [engine.tokenizer.encode(text) for text in RAW + _long_texts()]
 
 
-def _hf_greedy(model, prompt: list[int], eos: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-    tokens = out[0, len(prompt):].tolist()
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
 def _idle_and_intact(engine):
     engine.check_integrity()
     assert not engine.has_unfinished_requests()
@@ -79,7 +70,8 @@ def test_prompts_span_several_windows(prompts):
 def test_greedy_equals_transformers(engine, hf_gemma, prompts):
     outs = engine.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(hf_gemma, prompt, engine.eos_token_ids), len(prompt)
+        assert out.token_ids == transformers_greedy(hf_gemma, prompt, MAX_NEW, engine.eos_token_ids, out.token_ids), \
+            len(prompt)
     _idle_and_intact(engine)
 
 
@@ -92,7 +84,7 @@ def test_a_follow_up_past_the_window_hits_the_cache_exactly(engine, hf_gemma, pr
     second = engine.generate([follow], GREEDY)[0]
     block = engine.config.block_size
     assert second.cached_tokens >= (len(first) + len(out.token_ids) - 1) // block * block > 2 * WINDOW
-    assert second.token_ids == _hf_greedy(hf_gemma, follow, engine.eos_token_ids)
+    assert second.token_ids == transformers_greedy(hf_gemma, follow, MAX_NEW, engine.eos_token_ids, second.token_ids)
     _idle_and_intact(engine)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from greedy_reference import transformers_greedy
 from radixserve import Engine, SamplingParams
 from real_prompts import encode_all
 
@@ -24,18 +25,11 @@ def prompts(real_engine):
 
 @pytest.fixture(scope="module")
 def references(prompts, hf_real_model, real_engine):
-    """transformers' greedy continuation of each prompt, cut after the first EOS."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf_real_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-        tokens = gen[0, len(p):].tolist()
-        for i, t in enumerate(tokens):
-            if t in real_engine.eos_token_ids:
-                tokens = tokens[: i + 1]
-                break
-        out.append(tokens)
-    return out
+    """transformers' greedy continuation of each prompt, cut after the first EOS (the shared
+    engine's output is the guess each is checked against in one forward pass: greedy_reference.py)."""
+    guesses = real_engine.generate(prompts, GREEDY)
+    return [transformers_greedy(hf_real_model, p, MAX_NEW, real_engine.eos_token_ids, guess.token_ids)
+            for p, guess in zip(prompts, guesses)]
 
 
 def idle_and_intact(engine):
@@ -90,13 +84,8 @@ def test_a_long_prompt_equals_transformers(real_engine, hf_real_model):
     text = "Summarize the following notes in one sentence.\n\n" + "\n\n".join(RAW + CHAT) * 2
     ids = real_engine.apply_chat_template([{"role": "user", "content": text}])
     assert 400 < len(ids) < 1000
-    gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, do_sample=False)
-    reference = gen[0, len(ids):].tolist()
-    if reference[-1] in real_engine.eos_token_ids:
-        reference = reference[: reference.index(reference[-1]) + 1]
     out = real_engine.generate([ids], GREEDY)[0]
-    assert out.token_ids == reference
+    assert out.token_ids == transformers_greedy(hf_real_model, ids, MAX_NEW, real_engine.eos_token_ids, out.token_ids)
     idle_and_intact(real_engine)
 
 
@@ -118,12 +107,8 @@ def test_prompts_of_thousands_of_tokens_equal_transformers(real_model_dir, hf_re
         shared = DynamicCache(config=hf_real_model.config)
         hf_real_model(torch.tensor([first[:2500]]), cache=shared, use_cache=True, logits_to_keep=1)
     for ids in (first, second):
-        gen = hf_real_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     cache=copy.deepcopy(shared), max_new_tokens=MAX_NEW, do_sample=False)
-        reference = gen[0, len(ids):].tolist()
-        if reference[-1] in engine.eos_token_ids:
-            reference = reference[: reference.index(reference[-1]) + 1]
         out = engine.generate([ids], GREEDY)[0]
-        assert out.token_ids == reference
+        assert out.token_ids == transformers_greedy(hf_real_model, ids, MAX_NEW, engine.eos_token_ids, out.token_ids,
+                                                    cache=copy.deepcopy(shared))
     assert out.cached_tokens >= 2400, "the second prompt extends the first one's cached prefix"
     idle_and_intact(engine)
