@@ -65,9 +65,9 @@ def _outcome(call):
 def test_served_without_transformers_as_transformers_serves_it(model, tmp_path, cache):
     directory = _copy(model, tmp_path)
     files = sorted(directory.iterdir())
-    first = load_resolved(directory, cache)
-    assert not isinstance(first, ResolvedTokenizer) and (entry_dir(directory, cache) / RESOLVED_FILE).is_file()
-    ours, theirs = load_resolved(directory, cache), transformers_tokenizer(directory)
+    theirs = load_resolved(directory, cache)  # a cold cache: transformers' own tokenizer, served as it is
+    assert not isinstance(theirs, ResolvedTokenizer) and (entry_dir(directory, cache) / RESOLVED_FILE).is_file()
+    ours = load_resolved(directory, cache)
     assert isinstance(ours, ResolvedTokenizer) and sorted(directory.iterdir()) == files  # nothing written there
     for text in TEXTS:
         for special in (True, False):
@@ -92,9 +92,9 @@ def test_served_without_transformers_as_transformers_serves_it(model, tmp_path, 
 def default_pair(tmp_path_factory, cache):
     """The default model's resolved tokenizer and transformers' own, loaded once for every template."""
     directory = _copy(None, tmp_path_factory.mktemp("default"))
-    load_resolved(directory, cache)
-    ours, theirs = load_resolved(directory, cache), transformers_tokenizer(directory)
-    assert isinstance(ours, ResolvedTokenizer)
+    theirs = load_resolved(directory, cache)  # a cold cache: transformers' own tokenizer
+    ours = load_resolved(directory, cache)
+    assert isinstance(ours, ResolvedTokenizer) and not isinstance(theirs, ResolvedTokenizer)
     return ours, theirs
 
 
