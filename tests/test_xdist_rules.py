@@ -76,6 +76,20 @@ def test_a_lock_is_free_again_after_a_failing_test(tmp_path):
     thread.join(10)
 
 
+def test_a_serial_test_passes_the_lock_on_to_the_next_serial_test(tmp_path):
+    a, b = _locks(tmp_path, 2)
+    with a.hold(alone=True, keep=True):
+        pass
+    entered, leave = threading.Event(), threading.Event()
+    other = _hold_in_thread(b, False, entered, leave)
+    assert not entered.wait(WAIT_S), "a test started between two serial tests"
+    with a.hold(alone=True):  # would wait for the other test, had the lock been released
+        assert not entered.is_set()
+    assert entered.wait(10)
+    leave.set()
+    other.join(10)
+
+
 def test_a_workers_torch_ops_take_its_share_of_the_cores_and_a_serial_test_all():
     assert [torch_threads(False, 2, 2), torch_threads(True, 2, 2)] == [1, 2]
     assert [torch_threads(False, 8, 2), torch_threads(False, 3, 2), torch_threads(False, 1, 2)] == [4, 1, 1]
@@ -122,10 +136,12 @@ def pytest_xdist_make_scheduler(config, log):
     return module_scheduler(config, log, {"test_b.py": "b and d", "test_d.py": "b and d"})
 """
 
-# First in test_a: without the lock it would run beside the other worker's first module.
+# First in test_a: without the lock they would run beside the other worker's first module; the
+# second right after the first, with no other test started in between.
 SERIAL = """
 @pytest.mark.serial
-def test_alone():
+@pytest.mark.parametrize("j", range(2))
+def test_alone(j):
     start = time.monotonic()
     time.sleep(0.5)
     note(module=__name__, start=start, end=time.monotonic(), serial=True)
@@ -154,11 +170,11 @@ def test_two_workers_keep_modules_whole_share_a_named_worker_and_run_a_serial_te
     setups = [r["setup"] for r in rows if "setup" in r]
     assert sorted(setups) == ["test_a", "test_b", "test_c", "test_d"], setups  # each module's fixture once
     ran = [r for r in rows if "module" in r]
-    assert len(ran) == 4 * 6 + 1
+    assert len(ran) == 4 * 6 + 2
     for module in ("test_a", "test_b", "test_c", "test_d"):
         assert len({r["worker"] for r in ran if r["module"] == module}) == 1, module  # one worker per module
     assert len({r["worker"] for r in ran}) == 2  # both workers ran tests
     assert {r["worker"] for r in ran if r["module"] == "test_b"} == {r["worker"] for r in ran if r["module"] == "test_d"}
-    alone = next(r for r in ran if r["serial"])
-    beside = [r for r in ran if not r["serial"] and r["start"] < alone["end"] and alone["start"] < r["end"]]
-    assert not beside, beside
+    first, second = sorted((r for r in ran if r["serial"]), key=lambda r: r["start"])
+    beside = [r for r in ran if not r["serial"] and r["start"] < second["end"] and first["start"] < r["end"]]
+    assert not beside, beside  # neither serial test had another beside it, nor did one start between them

@@ -22,25 +22,42 @@ class WorkerLock:
     since they are set up inside a test's protocol); a test marked `serial` holds it exclusively,
     so it runs with no other worker's test beside it. The turnstile keeps a waiting `serial` test
     from being starved: a worker takes it before either side, and a serial test keeps it until
-    it is done, so the other worker finishes its current test and then waits."""
+    it is done, so the other worker finishes its current test and then waits. A serial test
+    followed by another on its worker (`keep`) passes the lock on to it: released in between,
+    the other worker would start a test and the next serial one wait for that test to end."""
 
     def __init__(self, run_id: str, folder: str | None = None) -> None:
         base = os.path.join(folder or tempfile.gettempdir(), f"radixserve-tests-{run_id}")
         self._turnstile = open(base + ".turnstile", "a")
         self._tests = open(base + ".lock", "a")
+        self._kept = False  # held alone since the last serial test, for the next one
 
     @contextmanager
-    def hold(self, alone: bool):
+    def hold(self, alone: bool, keep: bool = False):
+        if self._kept and not alone:
+            self._release(alone=True)
+            self._kept = False
+        if not self._kept:
+            self._acquire(alone)
+        self._kept = False
+        try:
+            yield
+        finally:
+            if alone and keep:
+                self._kept = True
+            else:
+                self._release(alone)
+
+    def _acquire(self, alone: bool) -> None:
         fcntl.flock(self._turnstile, fcntl.LOCK_EX)
         if not alone:
             fcntl.flock(self._turnstile, fcntl.LOCK_UN)
         fcntl.flock(self._tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._tests, fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+
+    def _release(self, alone: bool) -> None:
+        fcntl.flock(self._tests, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
 
 
 _worker_lock = WorkerLock(os.environ["PYTEST_XDIST_TESTRUNUID"]) if "PYTEST_XDIST_WORKER" in os.environ else None
@@ -102,9 +119,13 @@ def pytest_runtest_protocol(item, nextitem):
     core; any other test's torch ops take the worker's share of the cores."""
     if _worker_lock is None:
         return (yield)
-    alone = item.get_closest_marker("serial") is not None
+    alone = _is_serial(item)
     torch = sys.modules.get("torch")  # tests/conftest.py imports it; a suite without torch has nothing to size
     if torch is not None and torch.get_num_threads() != (threads := torch_threads(alone)):
         torch.set_num_threads(threads)  # milliseconds: only when the count changes
-    with _worker_lock.hold(alone=alone):
+    with _worker_lock.hold(alone=alone, keep=nextitem is not None and _is_serial(nextitem)):
         return (yield)
+
+
+def _is_serial(item) -> bool:
+    return item.get_closest_marker("serial") is not None
