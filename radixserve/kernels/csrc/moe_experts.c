@@ -41,25 +41,8 @@ static QWeight expert_weight(const Experts *x, int64_t e) {
 static QActs acts_rows(const QActs *a, int64_t first, int64_t count) {
     const int64_t K = a->K;
     const QActs v = {a->xq + first * K, a->xr + first * K, a->dx + first * (K / 32), a->xsum + first * a->groups,
-                     a->x16 + first * K, count, K, a->groups};
+                     a->x16 + first * 32, count, K, a->groups, a->dxt + first, a->ld};
     return v;
-}
-
-static size_t acts_bytes(int64_t M, int64_t K, int64_t groups) {
-    return (size_t)(4 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + groups)) + 192;
-}
-
-/* Activations for M rows of K in the memory at *p (advanced past them, 64-byte aligned). */
-static QActs acts_at(char **p, int64_t M, int64_t K, int64_t group) {
-    QActs a = {NULL, NULL, NULL, NULL, NULL, M, K, K / group};
-    char *q = (char *)(((uintptr_t)*p + 63) & ~(uintptr_t)63);
-    a.xq = (int8_t *)q;
-    a.xr = a.xq + M * K;
-    a.dx = (float *)(((uintptr_t)(a.xr + M * K) + 63) & ~(uintptr_t)63);
-    a.xsum = a.dx + M * (K / 32);
-    a.x16 = (int16_t *)(((uintptr_t)(a.xsum + M * a.groups) + 63) & ~(uintptr_t)63);
-    *p = (char *)(a.x16 + M * K);
-    return a;
 }
 
 /* Row `from` of src into row `to` of dst (the same K and groups). */
@@ -67,9 +50,12 @@ static void acts_copy_row(const QActs *src, int64_t from, QActs *dst, int64_t to
     const int64_t K = src->K;
     memcpy(dst->xq + to * K, src->xq + from * K, (size_t)K);
     memcpy(dst->xr + to * K, src->xr + from * K, (size_t)K);
-    memcpy(dst->x16 + to * K, src->x16 + from * K, sizeof(int16_t) * (size_t)K);
     memcpy(dst->dx + to * (K / 32), src->dx + from * (K / 32), sizeof(float) * (size_t)(K / 32));
     memcpy(dst->xsum + to * src->groups, src->xsum + from * src->groups, sizeof(float) * (size_t)src->groups);
+    for (int64_t b = 0; b < K / 32; ++b) {
+        memcpy((int16_t *)x16_at(dst, to, b), x16_at(src, from, b), 32 * sizeof(int16_t));
+        dst->dxt[b * dst->ld + to] = dxt_at(src, from, b);
+    }
 }
 
 /* Each row's top k experts and weights: softmax over the logits, the k largest (the lower index

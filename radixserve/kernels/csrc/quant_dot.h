@@ -30,15 +30,41 @@ typedef struct {
 #define LANES 32 /* features a block of the lanes layout */
 
 /* The activations of one call: per row, int8 codes, each 32-block's dx, and per weight group
- * the sum of the dequantized activations. */
+ * the sum of the dequantized activations. The AVX2 paths read x16 and dxt, laid out block by
+ * block (a block's rows side by side) so that a tile of rows finds them at one address. */
 typedef struct {
     int8_t *xq;      /* [M, K] high codes */
     int8_t *xr;      /* [M, K] residual codes, in 1/256ths of dx */
     float *dx;       /* [M, K / 32] */
     float *xsum;     /* [M, K / G] */
-    int16_t *x16;    /* [M, K] 256 xq + xr (|x16| <= 32,639): the 8-bit codes' products read it */
+    int16_t *x16;    /* [K / 32, ld, 32] 256 xq + xr (|x16| <= 32,639) */
     int64_t M, K, groups;
+    float *dxt;      /* [K / 32, ld] dx / 256 */
+    int64_t ld;      /* rows between one block's rows and the next block's in x16 and dxt (>= M) */
 } QActs;
+
+/* Bytes acts_at takes for M rows of K. */
+static size_t acts_bytes(int64_t M, int64_t K, int64_t groups) {
+    return (size_t)(4 * M * K) + sizeof(float) * (size_t)(M * (2 * (K / 32) + groups)) + 256;
+}
+
+/* Activations for M rows of K in the memory at *p (advanced past them, 64-byte aligned). */
+static QActs acts_at(char **p, int64_t M, int64_t K, int64_t group) {
+    QActs a = {NULL, NULL, NULL, NULL, NULL, M, K, K / group, NULL, M};
+    char *q = (char *)(((uintptr_t)*p + 63) & ~(uintptr_t)63);
+    a.xq = (int8_t *)q;
+    a.xr = a.xq + M * K;
+    a.dx = (float *)(((uintptr_t)(a.xr + M * K) + 63) & ~(uintptr_t)63);
+    a.xsum = a.dx + M * (K / 32);
+    a.dxt = (float *)(((uintptr_t)(a.xsum + M * a.groups) + 63) & ~(uintptr_t)63);
+    a.x16 = (int16_t *)(((uintptr_t)(a.dxt + M * (K / 32)) + 63) & ~(uintptr_t)63);
+    *p = (char *)(a.x16 + M * K);
+    return a;
+}
+
+/* Block b of row r in x16 and dxt. */
+static inline const int16_t *x16_at(const QActs *a, int64_t r, int64_t b) { return a->x16 + (b * a->ld + r) * 32; }
+static inline float dxt_at(const QActs *a, int64_t r, int64_t b) { return a->dxt[b * a->ld + r]; }
 
 static int weight_valid(const QWeight *w) {
     if (w->K <= 0 || w->N <= 0 || w->K % 64 || (w->bits != 4 && w->bits != 8) || (w->half != 0 && w->half != 1))
@@ -132,11 +158,12 @@ static void quantize_acts_row(const float *xr, QActs *a, int64_t r, int64_t grou
     int8_t *q = a->xq + r * K, *res = a->xr + r * K;
     float *dx = a->dx + r * blocks, *xs = a->xsum + r * a->groups;
     memset(xs, 0, sizeof(float) * a->groups);
-    int16_t *x16 = a->x16 + r * K;
     for (int64_t b = 0; b < blocks; ++b) {
         float half[2];
         const float d = dx[b] = quantize_block(xr + 32 * b, q + 32 * b, res + 32 * b, half);
-        for (int64_t i = 32 * b; i < 32 * b + 32; ++i) x16[i] = (int16_t)(256 * q[i] + res[i]);
+        int16_t *x16 = (int16_t *)x16_at(a, r, b);
+        for (int64_t i = 0; i < 32; ++i) x16[i] = (int16_t)(256 * q[32 * b + i] + res[32 * b + i]);
+        a->dxt[b * a->ld + r] = d * (1.0f / 256.0f);
         if (group == 16) {
             xs[2 * b] += d * half[0], xs[2 * b + 1] += d * half[1];
         } else {
@@ -295,13 +322,14 @@ static ALWAYS_INLINE void rows8_avx2(const QWeight *w, const QActs *a, int64_t n
         const __m256i lo = widened_codes(codes + 32 * b, signed_form), hi = widened_codes(codes + 32 * b + 16, signed_form);
         const float s0 = group_value_fast(w, scale, w->group == 16 ? 2 * b : 32 * b / w->group);
         const float s1 = w->group == 16 ? group_value_fast(w, scale, 2 * b + 1) : s0;
+        const int16_t *xb = x16_at(a, r0, b);
+        const float *db = a->dxt + b * a->ld + r0;
 #pragma GCC unroll 4
         for (int64_t t = 0; t < ROWS; ++t) {
-            const int64_t r = r0 + t;
-            const int16_t *x = a->x16 + r * a->K + 32 * b;
+            const int16_t *x = xb + 32 * t;
             const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
             const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-            const float dx = a->dx[r * blocks + b] * (1.0f / 256.0f);
+            const float dx = db[t];
             if (w->group == 16) {
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(s0 * dx), acc[t]);
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(s1 * dx), acc[t]);
@@ -345,12 +373,11 @@ static ALWAYS_INLINE void rows_avx2_form(const QWeight *w, const QActs *a, int64
         for (int h = 0; h < 2; ++h) {
             float s[2];
             block_scales(group, half, scale, b + h, s);
+            const int16_t *xb = x16_at(a, r0, b + h);
+            const float *db = a->dxt + (b + h) * a->ld + r0;
 #pragma GCC unroll 8
-            for (int64_t t = 0; t < ROWS; ++t) {
-                const int64_t r = r0 + t;
-                const float dx = a->dx[r * blocks + b + h] * (1.0f / 256.0f);
-                acc[t] = row_block(group, u[2 * h], u[2 * h + 1], a->x16 + r * a->K + 32 * (b + h), s[0], s[1], dx, acc[t]);
-            }
+            for (int64_t t = 0; t < ROWS; ++t)
+                acc[t] = row_block(group, u[2 * h], u[2 * h + 1], xb + 32 * t, s[0], s[1], db[t], acc[t]);
         }
     }
 #pragma GCC unroll 8
@@ -390,16 +417,17 @@ static ALWAYS_INLINE void feature_tile_avx2_form(const QWeight *w, const QActs *
     }
     const int64_t ahead = TILE_PREFETCH * FEATURE_TILE * row_bytes(w);
     for (int64_t b = 0; b < blocks; b += 2) {
-        const float d0 = a->dx[b] * (1.0f / 256.0f), d1 = a->dx[b + 1] * (1.0f / 256.0f);
+        const float d0 = dxt_at(a, 0, b), d1 = dxt_at(a, 0, b + 1);
+        const int16_t *x0 = x16_at(a, 0, b), *x1 = x16_at(a, 0, b + 1);
         for (int j = 0; j < FEATURE_TILE; ++j) {
             if (TILE_PREFETCH && (b & 3) == 0) _mm_prefetch((const char *)codes[j] + 16 * b + ahead, _MM_HINT_T1);
             __m256i u[4];
             float s[2];
             chunk_codes16(codes[j], b, u);
             block_scales(group, half, scale[j], b, s);
-            acc[j] = row_block(group, u[0], u[1], a->x16 + 32 * b, s[0], s[1], d0, acc[j]);
+            acc[j] = row_block(group, u[0], u[1], x0, s[0], s[1], d0, acc[j]);
             block_scales(group, half, scale[j], b + 1, s);
-            acc[j] = row_block(group, u[2], u[3], a->x16 + 32 * b + 32, s[0], s[1], d1, acc[j]);
+            acc[j] = row_block(group, u[2], u[3], x1, s[0], s[1], d1, acc[j]);
         }
     }
     for (int j = 0; j < FEATURE_TILE; ++j)

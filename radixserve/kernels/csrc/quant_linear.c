@@ -68,14 +68,9 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
 #if !defined(__AVX2__)
     if (path == 1) return -3;
 #endif
-    QActs a = {NULL, NULL, NULL, NULL, NULL, M, K, K / group};
-    void *scratch = malloc((size_t)(4 * M * K) + sizeof(float) * (size_t)(M * (K / 32 + K / group)) + 128);
+    char *scratch = malloc(acts_bytes(M, K, K / group)), *p = scratch;
     if (!scratch) return -2;
-    a.xq = (int8_t *)scratch;
-    a.xr = a.xq + M * K;
-    a.dx = (float *)(((uintptr_t)(a.xr + M * K) + 63) & ~(uintptr_t)63);
-    a.xsum = a.dx + M * (K / 32);
-    a.x16 = (int16_t *)(((uintptr_t)(a.xsum + M * (K / group)) + 63) & ~(uintptr_t)63);
+    QActs a = acts_at(&p, M, K, group);
     quantize_rows(x, ldx, &a, group);
     const int64_t step = feature_step(&w), chunks = (N + step - 1) / step;
 #pragma omp parallel for schedule(static)
