@@ -368,7 +368,8 @@ def _cut_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         probs = (values - norm[:, None]).exp()
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
     nucleus = top_p < 1.0  # top_p 1 cuts nothing, though a float32 cumsum may reach 1 early
-    values = values.masked_fill((before >= top_p[:, None]) & nucleus[:, None], float("-inf"))  # the first survives
+    # the first always survives: a top_p below float32's range (5e-324 is 0 there) cut every token
+    values = values.masked_fill((before >= top_p[:, None]) & nucleus[:, None] & (ranks > 0), float("-inf"))
     complete = (top_k <= values.shape[1]) | (nucleus & (probs.sum(dim=-1) >= top_p))
     return values, complete
 

@@ -49,6 +49,15 @@ def test_top_k_top_p_min_p_exclude_exactly_the_tail():
     assert sample_many(logits, top_k=1, n=200)[0] == 1.0
 
 
+@pytest.mark.parametrize("top_p", [1e-12, 1e-30, 5e-324])
+@pytest.mark.parametrize("vocab", [4, 96, 3000])  # the sorted path, and the candidates' path past 2 x 1,024
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(top_p, vocab):
+    """5e-324 is 0 in float32: no token's mass above it is below it, yet the first always survives."""
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    tokens, _ = Sampler(seed=0)(logits.clone(), [row(top_p=top_p, temperature=1.0, seed=s) for s in range(3)])
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_seed_gives_the_same_token_whatever_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
