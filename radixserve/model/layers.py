@@ -17,7 +17,7 @@ from torch import nn
 from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_ops import max_rows, rms_norm, rope_, skinny_linear
 from radixserve.kernels.onednn_linear import onednn_linear, onednn_linear_bf16
-from radixserve.kernels.quant_linear import QuantWeight, quant_linear
+from radixserve.kernels.quant_linear import QuantWeight, best_path, quant_linear
 from radixserve.model.spec import ModelSpec
 
 
@@ -96,14 +96,15 @@ def linear(
 def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
                      onednn: bool = True, integer_prompt: bool = True) -> torch.Tensor:
     """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
-    native decoder takes (so both paths give the same bits), and past them too for a weight in
-    the lanes layout where `integer_prompt` (the same rounding of the activations); else the
+    native decoder takes (so both paths give the same bits), and past them too where
+    `integer_prompt` (the same rounding of the activations) for a weight in the lanes layout, or
+    on AVX2 up to _AVX2_INTEGER_ROWS rows; else the
     weight dequantized a slice of features at a time into a reused float32 buffer and
     multiplied by the float path. No rows (the head of a step whose prompt chunks sample
     nothing): no product, nothing dequantized."""
     if x.dim() == 2 and x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
-    if x.dim() == 2 and (x.shape[0] <= max(max_rows(), 1) or (weight.lanes and integer_prompt)):
+    if x.dim() == 2 and (x.shape[0] <= max(max_rows(), 1) or (integer_prompt and _integer_rows(x, weight))):
         out = quant_linear(x, weight, bias)
         if out is not None:
             return out
@@ -116,6 +117,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
         part_bias = None if bias is None else bias[start:start + _DEQUANT_FEATURES]
         parts.append(linear(x, weight.dequantize(rows, _dequant_buffer(len(rows), k)), part_bias, onednn))
     return torch.cat(parts, dim=-1)
+
+
+# On AVX2 (one feature a row) the integer kernel's row tiles outrun dequantizing the weight for
+# sgemm up to here (2 cores, Q4_0 shapes of 1-6k features: 64 rows 43-50 GMAC/s against 23-27,
+# 256 rows 39-48 against 46-53, 736 rows 44-52 against 58-64).
+_AVX2_INTEGER_ROWS = 128
+
+
+def _integer_rows(x: torch.Tensor, weight: QuantWeight) -> bool:
+    return weight.lanes or (x.shape[0] <= _AVX2_INTEGER_ROWS and best_path() == "avx2")
 
 
 _scratch = threading.local()

@@ -141,7 +141,8 @@ def test_the_lanes_kernel_takes_every_group_size(bits, group):
 def test_the_model_takes_the_integer_kernel_past_the_skinny_rows_for_lanes_weights_unless_switched_off(monkeypatch):
     """model/layers.quantized_linear: a lanes weight goes through the integer kernel at every row
     count (integer_prompt), or past max_rows through the dequantized weight in float32; a weight
-    one feature a row only up to max_rows. Both within the activations' rounding."""
+    one feature a row up to max_rows, and on AVX2 up to _AVX2_INTEGER_ROWS. Both within the
+    activations' rounding."""
     from radixserve.model import layers
 
     rows_layout = _gguf_like(8, 32, 16, False, n=96, k=640, seed=5)
@@ -158,8 +159,20 @@ def test_the_model_takes_the_integer_kernel_past_the_skinny_rows_for_lanes_weigh
     assert (integer.double() - exact).abs().max() <= 2e-3 * exact.abs().max()
     layers.quantized_linear(x[:4], weight, None, True, True)
     assert calls == [x.shape[0], 4]
-    assert torch.equal(layers.quantized_linear(x, rows_layout, None, True, True), floats)
-    assert calls == [x.shape[0], 4]  # one feature a row, past max_rows: dequantized
+    avx2 = best_path() == "avx2"
+    got = layers.quantized_linear(x, rows_layout, None, True, True)
+    if avx2:  # one feature a row on AVX2: the integer kernel up to _AVX2_INTEGER_ROWS rows
+        assert calls[2:] == [x.shape[0]] and torch.equal(got, quant_linear(x, rows_layout))
+    else:  # past max_rows: dequantized
+        assert calls == [x.shape[0], 4] and torch.equal(got, floats)
+    calls.clear()
+    layers.quantized_linear(x, rows_layout, None, True, False)
+    assert calls == []  # switched off: dequantized
+    many = torch.randn(layers._AVX2_INTEGER_ROWS + 1, 640, generator=torch.Generator().manual_seed(7))
+    floats_many = layers.quantized_linear(many, rows_layout, None, True, True)
+    assert calls == []  # past the AVX2 integer rows: dequantized
+    torch.testing.assert_close(floats_many.double(), many.double() @ rows_layout.dequantize().double().T,
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits, group", FORMATS)

@@ -37,14 +37,6 @@ static QWeight expert_weight(const Experts *x, int64_t e) {
     return w;
 }
 
-/* Rows [first, first + count) of a as activations of their own (views, nothing copied). */
-static QActs acts_rows(const QActs *a, int64_t first, int64_t count) {
-    const int64_t K = a->K;
-    const QActs v = {a->xq + first * K, a->xr + first * K, a->dx + first * (K / 32), a->xsum + first * a->groups,
-                     a->x16 + first * 32, count, K, a->groups, a->dxt + first, a->ld};
-    return v;
-}
-
 /* Row `from` of src into row `to` of dst (the same K and groups). */
 static void acts_copy_row(const QActs *src, int64_t from, QActs *dst, int64_t to) {
     const int64_t K = src->K;

@@ -62,6 +62,14 @@ static QActs acts_at(char **p, int64_t M, int64_t K, int64_t group) {
     return a;
 }
 
+/* Rows [first, first + count) of a as activations of their own (views, nothing copied). */
+static QActs acts_rows(const QActs *a, int64_t first, int64_t count) {
+    const int64_t K = a->K;
+    const QActs v = {a->xq + first * K, a->xr + first * K, a->dx + first * (K / 32), a->xsum + first * a->groups,
+                     a->x16 + first * 32, count, K, a->groups, a->dxt + first, a->ld};
+    return v;
+}
+
 /* Block b of row r in x16 and dxt. */
 static inline const int16_t *x16_at(const QActs *a, int64_t r, int64_t b) { return a->x16 + (b * a->ld + r) * 32; }
 static inline float dxt_at(const QActs *a, int64_t r, int64_t b) { return a->dxt[b * a->ld + r]; }

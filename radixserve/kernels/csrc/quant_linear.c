@@ -32,11 +32,46 @@
  *
  * Features are split over OpenMP threads (torch's own workers, see native_build.py).
  */
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "quant_dot.h"
 
 static void quantize_rows(const float *x, int64_t ldx, QActs *a, int64_t group) {
 #pragma omp parallel for schedule(static) if (a->M * a->K >= 65536)
     for (int64_t r = 0; r < a->M; ++r) quantize_acts_row(x + r * ldx, a, r, group);
+}
+
+/* Many rows, one feature a row: the features in blocks whose codes stay in L2 (a thread's share of
+ * the blocks), and in each block the rows a tile at a time, each tile against every feature of
+ * the block: a tile's activations stay in L1 while the block's codes pass, where one feature
+ * against all the rows read every row's activations from L3 again for each feature (prompt-sized
+ * calls ran at a third of the 8-row tile's rate). Each row's result is the one every other
+ * order gives (the paths' sums do not depend on the rows beside). */
+#define AVX2_ROWS_TILE 8
+#define BLOCK_CODE_BYTES (192 * 1024)
+
+static void rows_outer(const QWeight *w, const QActs *a, float *out, int64_t ldo, const float *bias, int64_t path) {
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t step = feature_step(w);
+    int64_t per = BLOCK_CODE_BYTES / row_bytes(w); /* features a block */
+    const int64_t balanced = (w->N + 4 * threads - 1) / (4 * threads); /* at least 4 blocks a thread */
+    per = per < balanced ? per : balanced;
+    per = per < step ? step : (per + step - 1) / step * step;
+    const int64_t blocks = (w->N + per - 1) / per;
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t n0 = blk * per, n1 = n0 + per < w->N ? n0 + per : w->N;
+        for (int64_t r0 = 0; r0 < a->M; r0 += AVX2_ROWS_TILE) {
+            const QActs tile = acts_rows(a, r0, a->M - r0 < AVX2_ROWS_TILE ? a->M - r0 : AVX2_ROWS_TILE);
+            product_features(w, &tile, n0, n1, out + r0 * ldo, ldo, bias, path);
+        }
+    }
 }
 
 /* ---- entry points --------------------------------------------------------------------- */
@@ -72,10 +107,14 @@ int quant_linear_f32(const float *x, int64_t M, int64_t ldx, const uint8_t *code
     if (!scratch) return -2;
     QActs a = acts_at(&p, M, K, group);
     quantize_rows(x, ldx, &a, group);
-    const int64_t step = feature_step(&w), chunks = (N + step - 1) / step;
+    if (!lanes && M > AVX2_ROWS_TILE) {
+        rows_outer(&w, &a, out, ldo, bias, path);
+    } else {
+        const int64_t step = feature_step(&w), chunks = (N + step - 1) / step;
 #pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c)
-        product_features(&w, &a, c * step, c * step + step < N ? c * step + step : N, out, ldo, bias, path);
+        for (int64_t c = 0; c < chunks; ++c)
+            product_features(&w, &a, c * step, c * step + step < N ? c * step + step : N, out, ldo, bias, path);
+    }
     free(scratch);
     return 0;
 }
