@@ -98,7 +98,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
     """x @ weight.T (+ bias) for a quantized weight: the integer kernel up to the rows the
     native decoder takes (so both paths give the same bits), and past them too where
     `integer_prompt` (the same rounding of the activations) for a weight in the lanes layout, or
-    on AVX2 up to _AVX2_INTEGER_ROWS rows; else the
+    a 4-bit one on AVX2 up to _AVX2_INTEGER_ROWS rows; else the
     weight dequantized a slice of features at a time into a reused float32 buffer and
     multiplied by the float path. No rows (the head of a step whose prompt chunks sample
     nothing): no product, nothing dequantized."""
@@ -119,14 +119,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | 
     return torch.cat(parts, dim=-1)
 
 
-# On AVX2 (one feature a row) the integer kernel's row tiles outrun dequantizing the weight for
-# sgemm up to here (2 cores, Q4_0 shapes of 1-6k features: 64 rows 43-50 GMAC/s against 23-27,
-# 256 rows 39-48 against 46-53, 736 rows 44-52 against 58-64).
+# On AVX2 (one feature a row) the integer kernel's row tiles outrun dequantizing a 4-bit weight
+# for sgemm up to here (2 cores, Q4_0 shapes of 1-6k features: 64 rows 43-50 GMAC/s against 23-27,
+# 256 rows 39-48 against 46-53, 736 rows 44-52 against 58-64; a 100-token prompt 0.72-0.85x the
+# time on the Qwen3.5-0.8B-shaped Q4_0 file and the default Q4_1 model). 8-bit codes keep sgemm:
+# their 4-row tiles made Gemma 3's (Q4_K with Q6_K) 100-token prompt 1.15x slower.
 _AVX2_INTEGER_ROWS = 128
 
 
 def _integer_rows(x: torch.Tensor, weight: QuantWeight) -> bool:
-    return weight.lanes or (x.shape[0] <= _AVX2_INTEGER_ROWS and best_path() == "avx2")
+    return weight.lanes or (weight.bits == 4 and x.shape[0] <= _AVX2_INTEGER_ROWS and best_path() == "avx2")
 
 
 _scratch = threading.local()

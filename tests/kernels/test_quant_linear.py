@@ -175,6 +175,33 @@ def test_the_model_takes_the_integer_kernel_past_the_skinny_rows_for_lanes_weigh
                                rtol=1e-5, atol=1e-4)
 
 
+@needs_kernel
+@pytest.mark.skipif(best_path() != "avx2", reason="the AVX2 rule (one feature a row)")
+def test_on_avx2_a_4bit_weight_takes_the_integer_kernel_up_to_128_rows(monkeypatch):
+    """model/layers.quantized_linear on AVX2: a 4-bit weight one feature a row goes through the
+    integer kernel up to _AVX2_INTEGER_ROWS rows (integer_prompt), dequantized past them or when
+    switched off; 8-bit codes past max_rows always dequantized."""
+    from radixserve.model import layers
+
+    calls = []
+    monkeypatch.setattr(layers, "quant_linear", lambda *a: calls.append(a[0].shape[0]) or quant_linear(*a))
+    gen = torch.Generator().manual_seed(6)
+    rows4, rows8 = _gguf_like(4, 32, 8, False, n=96, k=640, seed=5), _gguf_like(8, 32, 16, False, n=96, k=640, seed=5)
+    for rows in (layers.max_rows() + 1, layers._AVX2_INTEGER_ROWS):
+        x = torch.randn(rows, 640, generator=gen)
+        assert torch.equal(layers.quantized_linear(x, rows4, None, True, True), quant_linear(x, rows4))
+        assert calls == [rows]
+        calls.clear()
+        for weight, integer in ((rows4, False), (rows8, True)):
+            floats = layers.quantized_linear(x, weight, None, True, integer)
+            assert calls == []
+            torch.testing.assert_close(floats.double(), x.double() @ weight.dequantize().double().T, rtol=1e-5,
+                                       atol=1e-4)
+    many = torch.randn(layers._AVX2_INTEGER_ROWS + 1, 640, generator=gen)
+    layers.quantized_linear(many, rows4, None, True, True)
+    assert calls == []
+
+
 @pytest.mark.parametrize("bits, group", FORMATS)
 @pytest.mark.parametrize("n", [1, 32, 67])
 def test_the_lanes_layout_round_trips_and_puts_each_code_where_documented(bits, group, n):
