@@ -150,6 +150,35 @@ def test_native_decode_splits_kv_heads_between_threads_when_requests_are_fewer(i
 
 
 @needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("window, sinks", [(0, False), (300, False), (0, True)], ids=["full", "window", "sinks"])
+def test_native_decode_of_a_long_context_is_the_same_alone_in_a_batch_and_at_any_thread_count(int8, window, sinks):
+    """A long context is folded in fixed chunks, spread over the threads when the batch is small
+    and walked whole by one thread when it is not: a row's output has the same bits alone, in a
+    batch of nine, and at 1-3 threads, and float64's values."""
+    contexts = [1000, 37, 700, 129, 128, 5, 260, 999, 64]
+    args, pages, k, v = request_rows([(n, 1, None, 0) for n in contexts], heads=9, kv_heads=3, head_dim=64,
+                                     block_size=16, int8=int8, seed=7)
+    q, k_pages, v_pages, tables, seq_lens = args
+    logits = torch.randn(9, generator=torch.Generator().manual_seed(1)) if sinks else None
+    previous = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs[threads] = native.decode(*args, 0.125, pages, window=window, sinks=logits)
+            for i in range(len(contexts)):
+                alone = native.decode(q[i:i + 1], k_pages, v_pages, tables[i:i + 1], seq_lens[i:i + 1], 0.125, pages,
+                                      window=window, sinks=logits)
+                assert torch.equal(alone[0], outs[threads][i]), (threads, contexts[i])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+    want = dense_reference(q, k, v, tables, seq_lens, 0.125, window=window, sinks=logits)
+    torch.testing.assert_close(outs[1], want, atol=3e-5, rtol=3e-5)
+
+
+@needs_native
 def test_native_decode_block_size_one_and_unsorted_sharers():
     lens = [9, 12, 9, 30, 12]
     args = build_case(lens, [8, 0, 8, 8, 0], heads=6, kv_heads=2, head_dim=24, block_size=1, seed=3)
