@@ -21,6 +21,8 @@ from radixserve.kernels.native_build import load_kernel
 from radixserve.kernels.native_ops import model_ops_enabled
 from radixserve.kernels.quant_linear import PATHS, QuantWeight
 
+MAX_TOP_K = 64  # experts a row selects at most (csrc/moe_experts.c's MAX_TOP_K): more take the per-expert path
+
 
 @dataclass
 class QuantExperts:
@@ -32,10 +34,12 @@ class QuantExperts:
     down_meta: torch.Tensor
 
     @classmethod
-    def build(cls, gate_up: list[QuantWeight], down: list[QuantWeight]) -> QuantExperts | None:
-        """The kernel's view of the experts, or None where it cannot take them (no kernel here,
-        experts stored unlike each other, shapes that do not chain)."""
-        if _kernel("moe_experts_f32") is None or len(gate_up) != len(down) or not gate_up:
+    def build(cls, gate_up: list[QuantWeight], down: list[QuantWeight], top_k: int) -> QuantExperts | None:
+        """The kernel's view of the experts a layer selects top_k of per row, or None where it
+        cannot take them (no kernel here, experts stored unlike each other, shapes that do not
+        chain, more than MAX_TOP_K selected)."""
+        if (_kernel("moe_experts_f32") is None or len(gate_up) != len(down) or not gate_up
+                or not 0 < top_k <= min(MAX_TOP_K, len(gate_up))):
             return None
         gu, dn = _describe(gate_up), _describe(down)
         if gu is None or dn is None:
@@ -51,7 +55,7 @@ class QuantExperts:
         or None where the kernel does not take them. counts (int64 [E]) receives the rows each
         expert multiplied."""
         experts = len(self.gate_up)
-        if not (x.dim() == 2 and logits.dim() == 2 and x.dtype == logits.dtype == torch.float32
+        if not (0 < top_k <= min(MAX_TOP_K, experts) and x.dim() == 2 and logits.dim() == 2 and x.dtype == logits.dtype == torch.float32
                 and x.device.type == logits.device.type == "cpu" and x.stride(1) == 1 and logits.stride(1) == 1
                 and logits.shape == (x.shape[0], experts) and x.shape[0] > 0
                 and x.shape[1] == int(self.gate_up_meta[1])):

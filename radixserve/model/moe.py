@@ -131,7 +131,7 @@ class SparseMoE(nn.Module):
             fused = [concat_rows([g, u]) for g, u in zip(gates, ups)]
             self.quant_gate_up = [w.to_lanes() if lanes else w for w in fused]
             self.quant_down = [w.to_lanes() if lanes else w for w in downs]
-            self.native = QuantExperts.build(self.quant_gate_up, self.quant_down)
+            self.native = QuantExperts.build(self.quant_gate_up, self.quant_down, self.top_k)
             _check(self.quant_gate_up[0].shape, (2 * self.intermediate, self.gate.in_features), "gate/up")
             _check(self.quant_down[0].shape, (self.gate.in_features, self.intermediate), "down")
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.kernels.moe_experts import QuantExperts
+from radixserve.kernels.moe_experts import MAX_TOP_K, QuantExperts
 from radixserve.kernels.quant_linear import PATHS, QuantWeight, best_path, lanes_preferred, pack_nibbles, quantize
 from radixserve.model.moe import SparseMoE
 
@@ -42,8 +42,9 @@ def _mxfp4(n: int, k: int, gen) -> QuantWeight:
     return repack("MXFP4", np.asarray(quants.quantize(values, GGMLQuantizationType.MXFP4)), n, k)
 
 
-def _moe(storage: str, path: str, seed: int = 0, top_k: int = 2) -> SparseMoE:
+def _moe(storage: str, path: str, seed: int = 0, top_k: int = 2, experts: int = E) -> SparseMoE:
     gen = torch.Generator().manual_seed(seed)
+    E = experts
     moe = SparseMoE(H, I, E, top_k, normalize=True)
     with torch.no_grad():
         moe.gate.weight.normal_(0, 1.0, generator=gen)
@@ -59,10 +60,12 @@ def _moe(storage: str, path: str, seed: int = 0, top_k: int = 2) -> SparseMoE:
         gate, up, down = (quantize(torch.randn(rows, k, generator=gen) * 0.2, bits)
                           for rows, k in ((E * I, H), (E * I, H), (E * H, I)))
     moe.load_experts(gate, up, down)
+    if top_k > MAX_TOP_K:
+        return moe
     if path != "best" and moe.quant_gate_up[0].lanes:  # the AVX2 and scalar paths read rows
         moe.quant_gate_up = [w.to_rows() for w in moe.quant_gate_up]
         moe.quant_down = [w.to_rows() for w in moe.quant_down]
-        moe.native = QuantExperts.build(moe.quant_gate_up, moe.quant_down)
+        moe.native = QuantExperts.build(moe.quant_gate_up, moe.quant_down, moe.top_k)
     assert moe.native is not None
     return moe
 
@@ -128,4 +131,18 @@ def test_refusals_change_nothing():
     with pytest.raises(ValueError, match="counts"):
         moe.native(x, moe.gate(x), 2, True, torch.zeros(3, dtype=torch.int64))
     mixed = moe.quant_down[:-1] + [quantize(torch.randn(H, I), 4)]
-    assert QuantExperts.build(moe.quant_gate_up, mixed) is None  # experts stored unlike each other
+    assert QuantExperts.build(moe.quant_gate_up, mixed, 2) is None  # experts stored unlike each other
+
+
+@needs_kernel
+def test_more_experts_a_row_than_the_call_takes_run_an_expert_at_a_time():
+    """Past MAX_TOP_K selected experts a row the layer has no C call (the native decoder then
+    keeps the layer path) and gives the per-expert result; at MAX_TOP_K it takes the call."""
+    x = torch.randn(3, H)
+    at_limit = _moe("Q8_0", "best", top_k=MAX_TOP_K, experts=MAX_TOP_K + 16)
+    assert at_limit.native is not None
+    assert at_limit.native(x, at_limit.gate(x), MAX_TOP_K + 1, True) is None  # a call past it: refused, not run
+    past = _moe("Q8_0", "best", top_k=MAX_TOP_K + 1, experts=MAX_TOP_K + 16)
+    assert past.native is None
+    got = past(x)
+    assert torch.equal(got, past.forward_per_expert(x, past.gate(x))) and torch.isfinite(got).all()
