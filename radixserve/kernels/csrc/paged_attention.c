@@ -759,77 +759,113 @@ static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, co
     return 1;
 }
 
+/* How a decode's rows are walked: each row's walk length (row_span's: a tree row's base, else its
+ * context), the groups (starts [num_groups + 1]) and how many parts each group's KV heads are
+ * split into. The caller's memory: walk [rows], starts [rows + 1]. */
+typedef struct {
+    int32_t *walk;
+    int64_t *starts;
+    int64_t num_groups, splits, cap; /* cap: rows a group holds at most */
+} DecodePlan;
+
+static void plan_decode(const Shape *sh, const int32_t *tables, int64_t stride, const int32_t *seq_lens,
+                        int64_t num_requests, int64_t threads, DecodePlan *plan) {
+    for (int64_t r = 0; r < num_requests; ++r) {
+        int64_t first, length;
+        row_span(sh, r, seq_lens[r], &first, &length);
+        plan->walk[r] = (int32_t)length;
+    }
+    /* Small enough groups that every thread gets one, large enough to share a prefix; under
+     * a window every row alone (group_end then reads no table entry). */
+    const int64_t per_thread = (num_requests + threads - 1) / threads;
+    plan->cap = sh->window > 0 ? 1 : per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
+    plan->num_groups = 0;
+    for (int64_t first = 0; first < num_requests; ++plan->num_groups) {
+        plan->starts[plan->num_groups] = first;
+        first = group_end(tables, stride, first, num_requests, plan->cap);
+    }
+    plan->starts[plan->num_groups] = num_requests;
+    /* Fewer groups than threads (a batch of one): each group's KV heads are split between
+     * threads too, so that no thread idles. The int8 path of AVX-512 walks every head at once. */
+    int64_t splits = plan->num_groups < threads ? threads / plan->num_groups : 1;
+#ifdef FAST_I8
+    if (sh->int8) splits = 1;
+#endif
+    plan->splits = splits > sh->num_kv_heads ? sh->num_kv_heads : splits;
+}
+
+/* Per-thread scratch of a decode whose groups hold at most cap rows: their query rows and state,
+ * an int8 block's tile; NULL memory when it cannot be had. */
+typedef struct {
+    Rows rows;
+    Tile tile;
+    float *memory;
+} DecodeScratch;
+
+static DecodeScratch decode_scratch(const Shape *sh, int64_t cap) {
+    const int64_t rows = cap * sh->num_heads, padded = vectors_of(sh->head_dim) * VW;
+    /* A tile holds at least VW tokens: attend_block_i8 converts 16 at a time. */
+    const int64_t tile = (sh->block_size > VW ? sh->block_size : VW) * padded;
+    const int64_t scales = vectors_of(sh->block_size) * VW;
+    float *s = (float *)malloc(sizeof(float) * (rows * (2 * padded + 2) + 2 * (tile + scales)));
+    DecodeScratch out = {{0}, {0}, s};
+    if (!s) return out;
+    const Rows state = {s, s + rows * padded, s + 2 * rows * padded, s + rows * (2 * padded + 1), padded};
+    float *t = s + rows * (2 * padded + 2);
+    const Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
+    out.rows = state, out.tile = block;
+    return out;
+}
+
+/* The plan's work items shared among the threads of the enclosing parallel region (an orphaned
+ * worksharing loop: every thread of the team calls it; it ends in the loop's barrier), each
+ * thread with its own scratch, sized for at least the plan's cap. */
+static void attend_items(const Shape *sh, const float *q, const DecodePlan *plan, const int32_t *tables,
+                         int64_t stride, const int32_t *seq_lens, float *out, const DecodeScratch *scratch) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < plan->num_groups * plan->splits; ++item) {
+        const int64_t g = item / plan->splits, part = item % plan->splits;
+        Shape heads = *sh;
+        heads.kv_first = sh->num_kv_heads * part / plan->splits;
+        heads.kv_last = sh->num_kv_heads * (part + 1) / plan->splits;
+        Tile tile = scratch->tile;
+        attend_group(&heads, q, tables, stride, plan->walk, seq_lens, plan->starts[g], plan->starts[g + 1], out,
+                     &scratch->rows, &tile);
+    }
+}
+
 /* Attend for every request; returns 0, -1 when scratch memory cannot be had, -2 (nothing
  * read) when a length or block id is out of range. */
 static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, const int32_t *block_tables,
                         int64_t table_stride, int64_t table_width, const int32_t *seq_lens, float *out,
                         int64_t num_requests) {
     const Shape sh = *shape;
-    const int64_t num_heads = sh.num_heads, head_dim = sh.head_dim, block_size = sh.block_size;
-    if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, block_size, num_blocks,
+    if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, sh.block_size, num_blocks,
                       sh.window, sh.masks))
         return -2;
-    /* The lengths the rows read their tables to: a tree row's base, else its context. */
-    int32_t *walk = (int32_t *)seq_lens;
-    if (sh.masks) {
-        walk = (int32_t *)malloc(sizeof(int32_t) * (num_requests > 0 ? num_requests : 1));
-        if (!walk) return -1;
-        for (int64_t r = 0; r < num_requests; ++r) {
-            int64_t first, length;
-            row_span(&sh, r, seq_lens[r], &first, &length);
-            walk[r] = (int32_t)length;
-        }
-    }
-    /* Small enough groups that every thread gets one, large enough to share a prefix; under
-     * a window every row alone (group_end then reads no table entry). */
-    const int64_t per_thread = (num_requests + max_threads() - 1) / max_threads();
-    const int64_t cap = sh.window > 0 ? 1 : per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
-    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (num_requests + 1));
-    if (!starts) {
-        if (walk != seq_lens) free(walk);
+    const int64_t n = num_requests > 0 ? num_requests : 1;
+    int32_t *walk = (int32_t *)malloc(sizeof(int32_t) * n);
+    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
+    if (!walk || !starts) {
+        free(walk), free(starts);
         return -1;
     }
-    int64_t num_groups = 0;
-    for (int64_t first = 0; first < num_requests; ++num_groups) {
-        starts[num_groups] = first;
-        first = group_end(block_tables, table_stride, first, num_requests, cap);
-    }
-    starts[num_groups] = num_requests;
-    /* Fewer groups than threads (a batch of one): each group's KV heads are split between
-     * threads too, so that no thread idles. The int8 path of AVX-512 walks every head at once. */
-    int64_t splits = num_groups < max_threads() ? max_threads() / num_groups : 1;
-#ifdef FAST_I8
-    if (sh.int8) splits = 1;
-#endif
-    if (splits > sh.num_kv_heads) splits = sh.num_kv_heads;
+    DecodePlan plan = {walk, starts, 0, 0, 0};
+    plan_decode(&sh, block_tables, table_stride, seq_lens, num_requests, max_threads(), &plan);
     int failed = 0;
 #pragma omp parallel
     {
-        const int64_t rows = cap * num_heads, padded = vectors_of(head_dim) * VW;
-        /* A tile holds at least VW tokens: attend_block_i8 converts 16 at a time. */
-        const int64_t tile = (block_size > VW ? block_size : VW) * padded, scales = vectors_of(block_size) * VW;
-        float *scratch = (float *)malloc(sizeof(float) * (rows * (2 * padded + 2) + 2 * (tile + scales)));
-        if (!scratch) {
+        const DecodeScratch scratch = decode_scratch(&sh, plan.cap);
+        if (!scratch.memory) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_groups * splits; ++item) {
-            if (!scratch) continue;
-            const int64_t g = item / splits, part = item % splits;
-            Shape heads = sh;
-            heads.kv_first = sh.num_kv_heads * part / splits, heads.kv_last = sh.num_kv_heads * (part + 1) / splits;
-            const Rows state = {scratch, scratch + rows * padded, scratch + 2 * rows * padded,
-                                scratch + rows * (2 * padded + 1), padded};
-            float *t = scratch + rows * (2 * padded + 2);
-            Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
-            attend_group(&heads, q, block_tables, table_stride, walk, seq_lens, starts[g], starts[g + 1], out, &state,
-                         &block);
-        }
-        free(scratch);
+#pragma omp barrier
+        if (!failed) attend_items(&sh, q, &plan, block_tables, table_stride, seq_lens, out, &scratch);
+        free(scratch.memory);
     }
     free(starts);
-    if (walk != seq_lens) free(walk);
+    free(walk);
     return failed ? -1 : 0;
 }
 
