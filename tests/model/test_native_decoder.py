@@ -91,6 +91,34 @@ def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, ki
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("kind, kv_cache_dtype, weight_dtype", [
+    ("llama", "auto", "int4"), ("qwen2", "int8", "int8"),  # biases, int8 pages
+    ("gemma3", "auto", "int8"),  # norms on each block's output, GELU-tanh, window layers on their own pages
+])
+def test_one_parallel_region_for_every_layer_gives_the_same_bits(tiny_model_dir, threads, kind, kv_cache_dtype,
+                                                                 weight_dtype):
+    """With every projection quantized and a team of threads, a step of up to 8 rows runs all its
+    layers in one parallel region (decodes, and draft rows of several lengths): the layer path's
+    logits bit for bit, at each team size."""
+    config = dict(kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype, num_threads=threads,
+                  speculative="prompt-lookup", prompt_lookup_min=1, speculative_adaptive=False)
+    fused, layers = _twin_engines(tiny_model_dir(kind), **config)
+    prompts = [[3, 4, 5, 6, 7, 8] * 6, [3 + i % 90 for i in range(149)], [11] * 19]
+    runs = []
+    for engine in (fused, layers):
+        logits, native = _recording(engine)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
+        runs.append((logits, native, [o.token_ids for o in outputs]))
+    (fused_logits, native, fused_tokens), (layer_logits, _, layer_tokens) = runs
+    assert fused_tokens == layer_tokens
+    assert len(fused_logits) == len(layer_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    assert sum(native) >= 10 and any(logits.shape[0] > 1 for took, logits in zip(native, fused_logits) if took)
+    fused.check_integrity()
+
+
+@needs_kernel
 def test_speculative_draft_rows_run_natively_and_match(tiny_model_dir):
     # drafts of a length that does not depend on the two engines' step times
     config = dict(speculative="prompt-lookup", prompt_lookup_min=1, speculative_adaptive=False)

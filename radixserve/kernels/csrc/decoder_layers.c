@@ -131,6 +131,176 @@ static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t a
                         full || !any ? 0 : widest, masks);
 }
 
+/* The RoPE table and page set a layer reads: the call's own, or `second`'s (alt_rope, alt_pages). */
+typedef struct {
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *tables;
+    int64_t stride, width, blocks;
+} LayerInputs;
+
+static LayerInputs layer_inputs(const DecoderLayer *w, const StepSecond *second, const LayerInputs *own) {
+    LayerInputs in = *own;
+    if (w->alt_rope) in.cos = second->cos, in.sin = second->sin;
+    if (w->alt_pages)
+        in.slots = second->slots, in.tables = second->tables, in.stride = second->table_stride,
+        in.width = second->table_width, in.blocks = second->num_blocks;
+    return in;
+}
+
+/* The fused qkv rows made attention's inputs: q/k norms, RoPE, the Hadamard basis; q copied out
+ * to its own rows, each row's K/V stored into its slot. */
+static void attention_inputs(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const LayerInputs *in,
+                             float *qkv, float *q, int64_t rows) {
+    const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    if (w->q_norm) rms_norm_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim, w->q_norm, s->eps);
+    if (w->k_norm) rms_norm_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim, w->k_norm, s->eps);
+    rope_f32(qkv, qkv_size, s->num_heads, qkv + q_size, qkv_size, s->num_kv_heads, in->cos, in->sin, rows, s->head_dim);
+    if (s->rotate_keys) {
+        hadamard_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim);
+        hadamard_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = qkv + r * qkv_size;
+        memcpy(q + r * q_size, row, sizeof(float) * q_size);
+        store_row(s, pages, w, row + q_size, row + q_size + kv_size, in->slots[r]);
+    }
+}
+
+/* x += a block's output, after the block's own norm where the layer has one (into tmp: out is
+ * not written), as rms_norm_f32 in place then add_rows give it. */
+static void residual_add(const DecoderShape *s, const float *norm, const float *out, float *tmp, float *x,
+                         int64_t rows) {
+    if (norm) rms_norm_f32(out, s->hidden, norm, tmp, s->hidden, rows, s->hidden, s->eps);
+    add_rows(x, norm ? tmp : out, rows * s->hidden);
+}
+
+/* A step of at most TEAM_ROWS rows whose layers are all dense with every projection quantized
+ * runs in one parallel region (team_layers), where each kernel call opened its own: at one row
+ * a layer's four projections and its attention are 10-60 us each, and a region's start and
+ * end were a tenth of that. The team's threads split each projection's features as
+ * quant_linear_f32 does and each attention's work items as decode_pages does, and meet at a
+ * barrier after each; the small row-wise work between (norms, the residual adds, rounding
+ * the activations, the gate) each thread repeats on its own copy, the rest (RoPE, the K/V
+ * store) one thread does. Every value is computed by the same function on the same inputs as
+ * on the call-per-kernel path, so the two give the same bits. */
+#define TEAM_ROWS 8
+
+#if defined(_OPENMP)
+static int team_threads(void) { return omp_get_num_threads(); }
+static int team_thread(void) { return omp_get_thread_num(); }
+#else
+static int team_threads(void) { return 1; }
+static int team_thread(void) { return 0; }
+#endif
+
+static int team_weight(const LayerWeight *w, int64_t N, int64_t K) {
+    const QWeight q = {w->codes, w->scale, w->offset, N, K, w->bits, w->group, w->zero, w->half, w->lanes};
+#if !defined(HAVE_VNNI)
+    if (w->lanes) return 0;
+#endif
+    return w->codes != NULL && weight_valid(&q);
+}
+
+static int team_fits(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, int64_t rows) {
+#if defined(_OPENMP)
+    if (rows > TEAM_ROWS || omp_get_max_threads() < 2) return 0;
+#else
+    return 0;
+#endif
+    const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const DecoderLayer *w = layers + i;
+        if (w->experts || !team_weight(&w->qkv, qkv_size, s->hidden) || !team_weight(&w->o, s->hidden, q_size) ||
+            !team_weight(&w->gate_up, 2 * s->intermediate, s->hidden) ||
+            !team_weight(&w->down, s->hidden, s->intermediate))
+            return 0;
+    }
+    return 1;
+}
+
+/* out [rows, N] = x [rows, K] @ w.T + bias, on the calling team: each thread rounds x into its
+ * own activations (acts) and takes its share of the features; ends in the team's barrier. */
+static void team_project(const float *x, int64_t rows, const LayerWeight *lw, int64_t N, int64_t K,
+                         const float *bias, float *out, char *acts) {
+    const QWeight w = {lw->codes, lw->scale, lw->offset, N, K, lw->bits, lw->group, lw->zero, lw->half, lw->lanes};
+    char *p = acts;
+    QActs a = acts_at(&p, rows, K, w.group);
+    for (int64_t r = 0; r < rows; ++r) quantize_acts_row(x + r * K, &a, r, w.group);
+    const int64_t step = feature_step(&w), chunks = (N + step - 1) / step;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c)
+        product_features(&w, &a, c * step, c * step + step < N ? c * step + step : N, out, N, bias, 0);
+}
+
+/* The shared buffers of a step (the workspace's), as decoder_layers_f32 lays them out. */
+typedef struct {
+    float *qkv, *q, *attn, *proj, *gate_up;
+} StepBuffers;
+
+/* One layer on the calling team; xp, normed, tmp and act are the thread's own. */
+static void team_layer(const DecoderShape *s, const DecoderLayer *w, const LayerInputs *in, Shape pages,
+                       const int32_t *seq_lens, int64_t rows, const StepBuffers *b, DecodePlan *plan,
+                       const DecodeScratch *scratch, float *xp, float *normed, float *tmp, float *act, char *acts) {
+    const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    const int64_t inter = s->intermediate;
+    pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
+    rms_norm_f32(xp, s->hidden, w->input_norm, normed, s->hidden, rows, s->hidden, s->eps);
+    team_project(normed, rows, &w->qkv, qkv_size, s->hidden, w->qkv_bias, b->qkv, acts);
+#pragma omp single
+    {
+        attention_inputs(s, &pages, w, in, b->qkv, b->q, rows);
+        plan_decode(&pages, in->tables, in->stride, seq_lens, rows, team_threads(), plan);
+    }
+    attend_items(&pages, b->q, plan, in->tables, in->stride, seq_lens, b->attn, scratch);
+    team_project(b->attn, rows, &w->o, s->hidden, q_size, w->o_bias, b->proj, acts);
+    residual_add(s, w->attn_out_norm, b->proj, tmp, xp, rows);
+    rms_norm_f32(xp, s->hidden, w->post_norm, normed, s->hidden, rows, s->hidden, s->eps);
+    team_project(normed, rows, &w->gate_up, 2 * inter, s->hidden, w->gate_up_bias, b->gate_up, acts);
+    if (s->activation == 1) gelu_tanh_mul_f32(b->gate_up, 2 * inter, act, rows, inter);
+    else silu_mul_f32(b->gate_up, 2 * inter, act, rows, inter);
+    team_project(act, rows, &w->down, s->hidden, inter, w->down_bias, b->proj, acts);
+    residual_add(s, w->mlp_out_norm, b->proj, tmp, xp, rows);
+}
+
+static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
+                       const LayerInputs *own, const StepSecond *second, const int32_t *seq_lens, const Shape *pages,
+                       const StepBuffers *b) {
+    int32_t walk[TEAM_ROWS];
+    int64_t starts[TEAM_ROWS + 1];
+    DecodePlan plan = {walk, starts, 0, 0, 0};
+    const int64_t q_size = s->num_heads * s->head_dim, hidden = s->hidden;
+    int64_t widest = hidden > q_size ? hidden : q_size;
+    widest = widest > s->intermediate ? widest : s->intermediate;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *mine = (float *)malloc(sizeof(float) * rows * (3 * hidden + s->intermediate));
+        char *acts = (char *)malloc(acts_bytes(rows, widest, widest / 16));
+        const DecodeScratch scratch = decode_scratch(pages, rows);
+        if (!mine || !acts || !scratch.memory) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *xp = mine, *normed = xp + rows * hidden, *tmp = normed + rows * hidden, *act = tmp + rows * hidden;
+            memcpy(xp, x, sizeof(float) * rows * hidden);
+            for (int64_t i = 0; i < num_layers; ++i) {
+                const LayerInputs in = layer_inputs(layers + i, second, own);
+                team_layer(s, layers + i, &in, *pages, seq_lens, rows, b, &plan, &scratch, xp, normed, tmp, act,
+                           acts);
+            }
+            if (team_thread() == 0) memcpy(x, xp, sizeof(float) * rows * hidden);
+        }
+        free(mine);
+        free(acts);
+        free(scratch.memory);
+    }
+    return failed ? -1 : 0;
+}
+
 int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                        const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
@@ -152,30 +322,19 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
+    const LayerInputs own = {cos, sin, slots, tables, table_stride, table_width, s.num_blocks};
+    if (team_fits(&s, layers, num_layers, rows)) {
+        const StepBuffers buffers = {qkv, q, attn, proj, gate_up};
+        return team_layers(x, rows, layers, num_layers, &s, &own, second, seq_lens, &pages, &buffers);
+    }
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
-        const float *lcos = w->alt_rope ? second->cos : cos, *lsin = w->alt_rope ? second->sin : sin;
-        const int64_t *lslots = w->alt_pages ? second->slots : slots;
-        const int32_t *ltables = w->alt_pages ? second->tables : tables;
-        const int64_t lstride = w->alt_pages ? second->table_stride : table_stride;
-        const int64_t lwidth = w->alt_pages ? second->table_width : table_width;
-        const int64_t lblocks = w->alt_pages ? second->num_blocks : s.num_blocks;
+        const LayerInputs in = layer_inputs(w, second, &own);
         rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
         if (project(normed, rows, &w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv)) return -1;
-        if (w->q_norm) rms_norm_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim, w->q_norm, s.eps);
-        if (w->k_norm) rms_norm_heads_f32(qkv + q_size, qkv_size, s.num_kv_heads, rows, s.head_dim, w->k_norm, s.eps);
-        rope_f32(qkv, qkv_size, s.num_heads, qkv + q_size, qkv_size, s.num_kv_heads, lcos, lsin, rows, s.head_dim);
-        if (s.rotate_keys) {
-            hadamard_heads_f32(qkv, qkv_size, s.num_heads, rows, s.head_dim);
-            hadamard_heads_f32(qkv + q_size, qkv_size, s.num_kv_heads, rows, s.head_dim);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *row = qkv + r * qkv_size;
-            memcpy(q + r * q_size, row, sizeof(float) * q_size);
-            store_row(&s, &pages, w, row + q_size, row + q_size + kv_size, lslots[r]);
-        }
+        attention_inputs(&s, &pages, w, &in, qkv, q, rows);
         pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
-        if (decode_pages(&pages, q, lblocks, ltables, lstride, lwidth, seq_lens, attn, rows)) return -1;
+        if (decode_pages(&pages, q, in.blocks, in.tables, in.stride, in.width, seq_lens, attn, rows)) return -1;
         if (project(attn, rows, &w->o, s.hidden, q_size, w->o_bias, proj)) return -1;
         if (w->attn_out_norm) rms_norm_f32(proj, s.hidden, w->attn_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
