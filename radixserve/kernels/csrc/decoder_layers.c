@@ -242,7 +242,7 @@ typedef struct {
 /* One layer on the calling team; xp, normed, tmp and act are the thread's own. */
 static void team_layer(const DecoderShape *s, const DecoderLayer *w, const LayerInputs *in, Shape pages,
                        const int32_t *seq_lens, int64_t rows, const StepBuffers *b, DecodePlan *plan,
-                       const DecodeScratch *scratch, float *xp, float *normed, float *tmp, float *act, char *acts) {
+                       DecodeScratch *scratch, float *xp, float *normed, float *tmp, float *act, char *acts) {
     const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
     const int64_t inter = s->intermediate;
     pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
@@ -252,8 +252,9 @@ static void team_layer(const DecoderShape *s, const DecoderLayer *w, const Layer
     {
         attention_inputs(s, &pages, w, in, b->qkv, b->q, rows);
         plan_decode(&pages, in->tables, in->stride, seq_lens, rows, team_threads(), plan);
+        plan_partial(plan);
     }
-    attend_items(&pages, b->q, plan, in->tables, in->stride, seq_lens, b->attn, scratch);
+    attend_items(&pages, b->q, plan, b->attn, scratch);
     team_project(b->attn, rows, &w->o, s->hidden, q_size, w->o_bias, b->proj, acts);
     residual_add(s, w->attn_out_norm, b->proj, tmp, xp, rows);
     rms_norm_f32(xp, s->hidden, w->post_norm, normed, s->hidden, rows, s->hidden, s->eps);
@@ -267,9 +268,11 @@ static void team_layer(const DecoderShape *s, const DecoderLayer *w, const Layer
 static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
                        const LayerInputs *own, const StepSecond *second, const int32_t *seq_lens, const Shape *pages,
                        const StepBuffers *b) {
-    int32_t walk[TEAM_ROWS];
-    int64_t starts[TEAM_ROWS + 1];
-    DecodePlan plan = {walk, starts, 0, 0, 0};
+    DecodePlan plan;
+    if (!plan_memory(&plan, rows)) {
+        plan_free(&plan);
+        return -1;
+    }
     const int64_t q_size = s->num_heads * s->head_dim, hidden = s->hidden;
     int64_t widest = hidden > q_size ? hidden : q_size;
     widest = widest > s->intermediate ? widest : s->intermediate;
@@ -278,7 +281,7 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
     {
         float *mine = (float *)malloc(sizeof(float) * rows * (3 * hidden + s->intermediate));
         char *acts = (char *)malloc(acts_bytes(rows, widest, widest / 16));
-        const DecodeScratch scratch = decode_scratch(pages, rows);
+        DecodeScratch scratch = decode_scratch(pages, rows);
         if (!mine || !acts || !scratch.memory) {
 #pragma omp atomic write
             failed = 1;
@@ -298,6 +301,7 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
         free(acts);
         free(scratch.memory);
     }
+    plan_free(&plan);
     return failed ? -1 : 0;
 }
 

@@ -641,13 +641,13 @@ static void load_rows(const Shape *sh, const float *q, int64_t count, const Rows
     }
 }
 
-/* Blocks from position `from` (or the block of its first key `first`) on of one row (table,
+/* Blocks at positions [from, to) (from the block of its first key `first` on) of one row (table,
  * length len), walked alone. */
 static void attend_rest(const Shape *sh, const Rows *rows, const int32_t *table, const int32_t *len, int64_t from,
-                        int64_t first, Tile *tile) {
+                        int64_t to, int64_t first, Tile *tile) {
     const int64_t bs = sh->block_size;
     if (first >= *len) return;
-    for (int64_t b = from > first / bs ? from : first / bs; b * bs < *len; ++b) {
+    for (int64_t b = from > first / bs ? from : first / bs; b < to && b * bs < *len; ++b) {
         const int64_t skip = first > b * bs ? first - b * bs : 0;
         attend_pages(sh, rows, len, 1, table[b], b, skip, block_ahead(table, *len, b, bs), tile);
     }
@@ -698,40 +698,127 @@ static void fold_tree(const Shape *sh, const Rows *rows, const int32_t *table, i
     }
 }
 
-/* Rows [first, last): walk (their context lengths as tables are read: row_span's walk), seq_lens
- * their own lengths. */
-static void attend_group(const Shape *sh, const float *q, const int32_t *tables, int64_t stride,
-                         const int32_t *walk, const int32_t *seq_lens, int64_t first, int64_t last, float *out,
-                         const Rows *rows, Tile *tile) {
-    const int64_t count = last - first, bs = sh->block_size, d = sh->head_dim, p = rows->padded;
-    const int64_t joint = count > 1 ? joint_blocks(tables, stride, walk, first, last, bs) : 0;
-    int64_t longest = first;
-    for (int64_t r = first; r < last; ++r) longest = walk[r] > walk[longest] ? r : longest;
-    load_rows(sh, q + first * sh->num_heads * d, count, rows);
-    for (int64_t b = 0; b < joint; ++b) {
-        const int64_t ahead = block_ahead(tables + longest * stride, walk[longest], b, bs);
-        attend_pages(sh, rows, walk + first, count, tables[first * stride + b], b, 0, ahead, tile);
-    }
-    for (int64_t r = 0; r < count; ++r) {
-        const Rows own = {rows->q + r * sh->num_heads * p, rows->acc + r * sh->num_heads * p,
-                          rows->m + r * sh->num_heads, rows->l + r * sh->num_heads, p};
+/* A row's context is folded a chunk of SPLIT_KEYS keys (whole blocks: chunk_blocks) at a time,
+ * each chunk from a fresh softmax state, and the chunks' states merged in order. Every row is
+ * chunked the same way at every batch size and thread count, so its result depends on neither;
+ * at a small batch the chunks of a long context are spread over the threads, where a group's
+ * KV heads alone left threads idle or uneven (Gemma 3's one KV head: one thread attended while
+ * the other waited; three KV heads on two threads: one read two thirds of the pages). */
+#define SPLIT_KEYS 128
+
+static int64_t chunk_blocks(int64_t block_size) { return block_size >= SPLIT_KEYS ? 1 : SPLIT_KEYS / block_size; }
+
+/* The rows [first, last) of one group and what walking them takes. */
+typedef struct {
+    const int32_t *tables, *walk, *seq_lens; /* walk: row_span's lengths (tables are read to) */
+    int64_t stride, first, last;
+    int64_t joint;          /* leading blocks the rows walk together */
+    int64_t longest;        /* the row with the longest walk (prefetches follow its table) */
+    int64_t chunk0, chunks; /* the chunks [chunk0, chunks) that hold keys some row sees */
+} Group;
+
+static Group group_at(const Shape *sh, const int32_t *tables, int64_t stride, const int32_t *walk,
+                      const int32_t *seq_lens, int64_t first, int64_t last) {
+    const int64_t bs = sh->block_size, span = chunk_blocks(bs) * bs;
+    Group g = {tables, walk, seq_lens, stride, first, last, 0, first, 0, 0};
+    g.joint = last - first > 1 ? joint_blocks(tables, stride, walk, first, last, bs) : 0;
+    int64_t lowest = -1;
+    for (int64_t r = first; r < last; ++r) {
+        g.longest = walk[r] > walk[g.longest] ? r : g.longest;
         int64_t first_slot, walked;
-        row_span(sh, first + r, seq_lens[first + r], &first_slot, &walked);
-        attend_rest(sh, &own, tables + (first + r) * stride, walk + first + r, joint, first_slot, tile);
-        if (sh->masks && sh->masks[first + r])
-            fold_tree(sh, &own, tables + (first + r) * stride, seq_lens[first + r], sh->masks[first + r], tile);
+        row_span(sh, r, seq_lens[r], &first_slot, &walked);
+        if (first_slot < walked && (lowest < 0 || first_slot < lowest)) lowest = first_slot;
     }
-    float *o = out + first * sh->num_heads * d;
-    const int64_t group = sh->num_heads / sh->num_kv_heads;
-    for (int64_t i = 0; i < count * sh->num_heads; ++i) {
-        const int64_t kv = i % sh->num_heads / group;
-        if (kv < sh->kv_first || kv >= kv_end(sh)) continue;
+    g.chunks = (walk[g.longest] + span - 1) / span;
+    g.chunk0 = lowest < 0 ? g.chunks : lowest / span;
+    return g;
+}
+
+/* Row r's own view of a group's state (its query heads), r counted from the group's first. */
+static Rows row_state(const Shape *sh, const Rows *rows, int64_t r) {
+    const int64_t h = sh->num_heads, p = rows->padded;
+    const Rows own = {rows->q + r * h * p, rows->acc + r * h * p, rows->m + r * h, rows->l + r * h, p};
+    return own;
+}
+
+/* Whether query head i (of any row) reads a KV head of sh's range. */
+static int in_heads(const Shape *sh, int64_t i) {
+    const int64_t kv = i % sh->num_heads / (sh->num_heads / sh->num_kv_heads);
+    return kv >= sh->kv_first && kv < kv_end(sh);
+}
+
+/* Chunk c of the group's rows into `rows`, whose state is fresh: the chunk's joint blocks
+ * together, then each row's own. */
+static void attend_chunk(const Shape *sh, const Group *g, int64_t c, const Rows *rows, Tile *tile) {
+    const int64_t bs = sh->block_size, b0 = c * chunk_blocks(bs), b1 = b0 + chunk_blocks(bs);
+    for (int64_t b = b0; b < b1 && b < g->joint; ++b) {
+        const int64_t ahead = block_ahead(g->tables + g->longest * g->stride, g->walk[g->longest], b, bs);
+        attend_pages(sh, rows, g->walk + g->first, g->last - g->first, g->tables[g->first * g->stride + b], b, 0,
+                     ahead, tile);
+    }
+    for (int64_t r = g->first; r < g->last; ++r) {
+        const Rows own = row_state(sh, rows, r - g->first);
+        int64_t first_slot, walked;
+        row_span(sh, r, g->seq_lens[r], &first_slot, &walked);
+        attend_rest(sh, &own, g->tables + r * g->stride, g->walk + r, b0 > g->joint ? b0 : g->joint, b1, first_slot,
+                    tile);
+    }
+}
+
+/* The state of query heads [0, n) (those of sh's KV heads) reset: no key seen. */
+static void reset_state(const Shape *sh, const Rows *s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (in_heads(sh, i)) {
+            memset(s->acc + i * s->padded, 0, sizeof(float) * s->padded);
+            s->m[i] = MASKED, s->l[i] = 0.0f;
+        }
+}
+
+/* A later chunk's state (m2, l2, acc2) into a head's running one: both under the larger max.
+ * Into a state that has seen no key it is a copy (the factors are 0 and 1). */
+static void merge_state(float *acc, float *m, float *l, const float *acc2, float m2, float l2, int64_t p) {
+    const float top = m2 > *m ? m2 : *m, a = exp2f(*m - top), b = exp2f(m2 - top);
+    for (int64_t x = 0; x < p; ++x) acc[x] = acc[x] * a + acc2[x] * b;
+    *l = *l * a + l2 * b;
+    *m = top;
+}
+
+/* The group's rows done: each tree row's own keys folded in, then the outputs normalised. */
+static void finish_group(const Shape *sh, const Group *g, float *out, const Rows *rows, Tile *tile) {
+    const int64_t d = sh->head_dim, p = rows->padded, n = (g->last - g->first) * sh->num_heads;
+    for (int64_t r = g->first; r < g->last; ++r)
+        if (sh->masks && sh->masks[r]) {
+            const Rows own = row_state(sh, rows, r - g->first);
+            fold_tree(sh, &own, g->tables + r * g->stride, g->seq_lens[r], sh->masks[r], tile);
+        }
+    float *o = out + g->first * sh->num_heads * d;
+    for (int64_t i = 0; i < n; ++i) {
+        if (!in_heads(sh, i)) continue;
         const float inv = sh->sinks ? with_sink(rows->m[i], rows->l[i], sh->sinks[i % sh->num_heads])
                                     : 1.0f / rows->l[i];
         for (int64_t x = 0; x < d; ++x) o[i * d + x] = rows->acc[i * p + x] * inv;
     }
 }
 
+/* One group whole on this thread: its chunks in order, each into `chunk` (fresh) and merged into
+ * `rows` (the first straight into rows: merging it into an empty state gives the same floats). */
+static void attend_group(const Shape *sh, const float *q, const Group *g, float *out, const Rows *rows,
+                         const Rows *chunk, Tile *tile) {
+    const int64_t n = (g->last - g->first) * sh->num_heads, p = rows->padded;
+    load_rows(sh, q + g->first * sh->num_heads * sh->head_dim, g->last - g->first, rows);
+    for (int64_t c = g->chunk0; c < g->chunks; ++c) {
+        if (c == g->chunk0) {
+            attend_chunk(sh, g, c, rows, tile);
+            continue;
+        }
+        reset_state(sh, chunk, n);
+        attend_chunk(sh, g, c, chunk, tile);
+        for (int64_t i = 0; i < n; ++i)
+            if (in_heads(sh, i))
+                merge_state(rows->acc + i * p, rows->m + i, rows->l + i, chunk->acc + i * p, chunk->m[i], chunk->l[i], p);
+    }
+    finish_group(sh, g, out, rows, tile);
+}
 static int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -760,12 +847,18 @@ static int tables_valid(const int32_t *tables, int64_t stride, int64_t width, co
 }
 
 /* How a decode's rows are walked: each row's walk length (row_span's: a tree row's base, else its
- * context), the groups (starts [num_groups + 1]) and how many parts each group's KV heads are
- * split into. The caller's memory: walk [rows], starts [rows + 1]. */
+ * context), the groups, how many parts each group's KV heads are split into, and whether each
+ * chunk of the groups' contexts is a work item of its own (`chunked`: their states go to
+ * `partial`, then each group and part merges its chunks in order). The caller's memory: walk
+ * and groups [rows], item0 and offset [rows + 1]; partial is plan_partial's. */
 typedef struct {
     int32_t *walk;
-    int64_t *starts;
+    Group *groups;
+    int64_t *item0, *offset; /* chunked: a group's first item, and its first float in partial */
     int64_t num_groups, splits, cap; /* cap: rows a group holds at most */
+    int64_t chunked;
+    float *partial;
+    int64_t partial_floats; /* partial's size */
 } DecodePlan;
 
 static void plan_decode(const Shape *sh, const int32_t *tables, int64_t stride, const int32_t *seq_lens,
@@ -779,59 +872,146 @@ static void plan_decode(const Shape *sh, const int32_t *tables, int64_t stride, 
      * a window every row alone (group_end then reads no table entry). */
     const int64_t per_thread = (num_requests + threads - 1) / threads;
     plan->cap = sh->window > 0 ? 1 : per_thread < MAX_GROUP ? (per_thread > 0 ? per_thread : 1) : MAX_GROUP;
+    int64_t chunks = 0;
     plan->num_groups = 0;
     for (int64_t first = 0; first < num_requests; ++plan->num_groups) {
-        plan->starts[plan->num_groups] = first;
-        first = group_end(tables, stride, first, num_requests, plan->cap);
+        const int64_t last = group_end(tables, stride, first, num_requests, plan->cap);
+        const Group g = group_at(sh, tables, stride, plan->walk, seq_lens, first, last);
+        plan->groups[plan->num_groups] = g;
+        chunks += g.chunks - g.chunk0;
+        first = last;
     }
-    plan->starts[plan->num_groups] = num_requests;
     /* Fewer groups than threads (a batch of one): each group's KV heads are split between
-     * threads too, so that no thread idles. The int8 path of AVX-512 walks every head at once. */
+     * threads too, and where that still leaves fewer than two items a thread, the chunks are
+     * items too (then the heads stay whole where the chunks alone give two items a thread).
+     * The int8 path of AVX-512 walks every head at once. */
     int64_t splits = plan->num_groups < threads ? threads / plan->num_groups : 1;
 #ifdef FAST_I8
     if (sh->int8) splits = 1;
 #endif
-    plan->splits = splits > sh->num_kv_heads ? sh->num_kv_heads : splits;
+    splits = splits > sh->num_kv_heads ? sh->num_kv_heads : splits;
+    plan->chunked = plan->num_groups * splits < 2 * threads && chunks > plan->num_groups;
+    plan->splits = plan->chunked && chunks >= 2 * threads ? 1 : splits;
+    if (!plan->chunked) return;
+    const int64_t entry = vectors_of(sh->head_dim) * VW + 2; /* a head's acc, m and l */
+    plan->item0[0] = plan->offset[0] = 0;
+    for (int64_t g = 0; g < plan->num_groups; ++g) {
+        const Group *grp = plan->groups + g;
+        const int64_t n = grp->chunks - grp->chunk0;
+        plan->item0[g + 1] = plan->item0[g] + n * plan->splits;
+        plan->offset[g + 1] = plan->offset[g] + n * (grp->last - grp->first) * sh->num_heads * entry;
+    }
 }
 
-/* Per-thread scratch of a decode whose groups hold at most cap rows: their query rows and state,
- * an int8 block's tile; NULL memory when it cannot be had. */
+/* partial made large enough for a chunked plan; where it cannot be had the plan walks each
+ * group whole instead (the same floats, on fewer threads). */
+static void plan_partial(DecodePlan *plan) {
+    if (!plan->chunked) return;
+    const int64_t need = plan->offset[plan->num_groups];
+    if (need <= plan->partial_floats) return;
+    free(plan->partial);
+    plan->partial = (float *)malloc(sizeof(float) * need);
+    plan->partial_floats = plan->partial ? need : 0;
+    if (!plan->partial) plan->chunked = 0;
+}
+
+/* Per-thread scratch of a decode whose groups hold at most cap rows: their query rows and running
+ * state, a chunk's state, an int8 block's tile; NULL memory when it cannot be had. */
 typedef struct {
-    Rows rows;
+    Rows rows, chunk;
     Tile tile;
     float *memory;
 } DecodeScratch;
 
 static DecodeScratch decode_scratch(const Shape *sh, int64_t cap) {
-    const int64_t rows = cap * sh->num_heads, padded = vectors_of(sh->head_dim) * VW;
+    const int64_t n = cap * sh->num_heads, p = vectors_of(sh->head_dim) * VW;
     /* A tile holds at least VW tokens: attend_block_i8 converts 16 at a time. */
-    const int64_t tile = (sh->block_size > VW ? sh->block_size : VW) * padded;
-    const int64_t scales = vectors_of(sh->block_size) * VW;
-    float *s = (float *)malloc(sizeof(float) * (rows * (2 * padded + 2) + 2 * (tile + scales)));
-    DecodeScratch out = {{0}, {0}, s};
-    if (!s) return out;
-    const Rows state = {s, s + rows * padded, s + 2 * rows * padded, s + rows * (2 * padded + 1), padded};
-    float *t = s + rows * (2 * padded + 2);
+    const int64_t tile = (sh->block_size > VW ? sh->block_size : VW) * p, scales = vectors_of(sh->block_size) * VW;
+    float *f = (float *)malloc(sizeof(float) * (n * (3 * p + 4) + 2 * (tile + scales)));
+    DecodeScratch s = {{0}, {0}, {0}, f};
+    if (!f) return s;
+    const Rows rows = {f, f + n * p, f + 2 * n * p, f + 2 * n * p + n, p};
+    const Rows chunk = {f, f + 2 * n * p + 2 * n, f + 3 * n * p + 2 * n, f + 3 * n * p + 3 * n, p};
+    float *t = f + n * (3 * p + 4);
     const Tile block = {t, t + tile, t + 2 * tile, t + 2 * tile + scales};
-    out.rows = state, out.tile = block;
-    return out;
+    s.rows = rows, s.chunk = chunk, s.tile = block;
+    return s;
 }
 
-/* The plan's work items shared among the threads of the enclosing parallel region (an orphaned
- * worksharing loop: every thread of the team calls it; it ends in the loop's barrier), each
- * thread with its own scratch, sized for at least the plan's cap. */
-static void attend_items(const Shape *sh, const float *q, const DecodePlan *plan, const int32_t *tables,
-                         int64_t stride, const int32_t *seq_lens, float *out, const DecodeScratch *scratch) {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < plan->num_groups * plan->splits; ++item) {
-        const int64_t g = item / plan->splits, part = item % plan->splits;
-        Shape heads = *sh;
-        heads.kv_first = sh->num_kv_heads * part / plan->splits;
-        heads.kv_last = sh->num_kv_heads * (part + 1) / plan->splits;
-        Tile tile = scratch->tile;
-        attend_group(&heads, q, tables, stride, plan->walk, seq_lens, plan->starts[g], plan->starts[g + 1], out,
-                     &scratch->rows, &tile);
+/* Shape sh restricted to part `part` of `parts` of its KV heads. */
+static Shape heads_part(const Shape *sh, int64_t part, int64_t parts) {
+    Shape heads = *sh;
+    heads.kv_first = sh->num_kv_heads * part / parts, heads.kv_last = sh->num_kv_heads * (part + 1) / parts;
+    return heads;
+}
+
+/* Chunk item `item` of a chunked plan: its state into partial. */
+static void chunk_item(const Shape *sh, const float *q, const DecodePlan *plan, int64_t item, DecodeScratch *s) {
+    int64_t g = 0;
+    while (plan->item0[g + 1] <= item) ++g;
+    const Group *grp = plan->groups + g;
+    const int64_t k = (item - plan->item0[g]) / plan->splits, h = sh->num_heads;
+    const int64_t n = (grp->last - grp->first) * h, p = s->rows.padded, entry = p + 2;
+    const Shape heads = heads_part(sh, (item - plan->item0[g]) % plan->splits, plan->splits);
+    load_rows(&heads, q + grp->first * h * sh->head_dim, grp->last - grp->first, &s->rows);
+    attend_chunk(&heads, grp, grp->chunk0 + k, &s->rows, &s->tile);
+    float *dst = plan->partial + plan->offset[g] + k * n * entry;
+    for (int64_t i = 0; i < n; ++i)
+        if (in_heads(&heads, i)) {
+            memcpy(dst + i * entry, s->rows.acc + i * p, sizeof(float) * p);
+            dst[i * entry + p] = s->rows.m[i], dst[i * entry + p + 1] = s->rows.l[i];
+        }
+}
+
+/* A group and part of a chunked plan: its chunks' states merged in order as attend_group merges
+ * them, then finished. */
+static void merge_item(const Shape *sh, const float *q, const DecodePlan *plan, int64_t item, float *out,
+                       DecodeScratch *s) {
+    const Group *grp = plan->groups + item / plan->splits;
+    const Shape heads = heads_part(sh, item % plan->splits, plan->splits);
+    const int64_t n = (grp->last - grp->first) * sh->num_heads, p = s->rows.padded, entry = p + 2;
+    load_rows(&heads, q + grp->first * sh->num_heads * sh->head_dim, grp->last - grp->first, &s->rows);
+    for (int64_t k = 0; k < grp->chunks - grp->chunk0; ++k) {
+        const float *src = plan->partial + plan->offset[item / plan->splits] + k * n * entry;
+        for (int64_t i = 0; i < n; ++i)
+            if (in_heads(&heads, i))
+                merge_state(s->rows.acc + i * p, s->rows.m + i, s->rows.l + i, src + i * entry, src[i * entry + p],
+                            src[i * entry + p + 1], p);
     }
+    finish_group(&heads, grp, out, &s->rows, &s->tile);
+}
+
+/* The plan's work items shared among the threads of the enclosing parallel region (orphaned
+ * worksharing loops: every thread of the team calls this; it ends in a loop's barrier), each
+ * thread with its own scratch, sized for at least the plan's cap. */
+static void attend_items(const Shape *sh, const float *q, const DecodePlan *plan, float *out, DecodeScratch *s) {
+    if (!plan->chunked) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < plan->num_groups * plan->splits; ++item) {
+            const Shape heads = heads_part(sh, item % plan->splits, plan->splits);
+            attend_group(&heads, q, plan->groups + item / plan->splits, out, &s->rows, &s->chunk, &s->tile);
+        }
+        return;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < plan->item0[plan->num_groups]; ++item) chunk_item(sh, q, plan, item, s);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < plan->num_groups * plan->splits; ++item) merge_item(sh, q, plan, item, out, s);
+}
+
+/* A plan's memory for up to `rows` rows (partial apart: plan_partial's); 0 when it cannot be had. */
+static int plan_memory(DecodePlan *plan, int64_t rows) {
+    const int64_t n = rows > 0 ? rows : 1;
+    memset(plan, 0, sizeof(*plan));
+    plan->walk = (int32_t *)malloc(sizeof(int32_t) * n);
+    plan->groups = (Group *)malloc(sizeof(Group) * n);
+    plan->item0 = (int64_t *)malloc(sizeof(int64_t) * 2 * (n + 1));
+    plan->offset = plan->item0 ? plan->item0 + n + 1 : NULL;
+    return plan->walk && plan->groups && plan->item0;
+}
+
+static void plan_free(DecodePlan *plan) {
+    free(plan->walk), free(plan->groups), free(plan->item0), free(plan->partial);
 }
 
 /* Attend for every request; returns 0, -1 when scratch memory cannot be had, -2 (nothing
@@ -843,29 +1023,26 @@ static int decode_pages(const Shape *shape, const float *q, int64_t num_blocks, 
     if (!tables_valid(block_tables, table_stride, table_width, seq_lens, num_requests, sh.block_size, num_blocks,
                       sh.window, sh.masks))
         return -2;
-    const int64_t n = num_requests > 0 ? num_requests : 1;
-    int32_t *walk = (int32_t *)malloc(sizeof(int32_t) * n);
-    int64_t *starts = (int64_t *)malloc(sizeof(int64_t) * (n + 1));
-    if (!walk || !starts) {
-        free(walk), free(starts);
+    DecodePlan plan;
+    if (!plan_memory(&plan, num_requests)) {
+        plan_free(&plan);
         return -1;
     }
-    DecodePlan plan = {walk, starts, 0, 0, 0};
     plan_decode(&sh, block_tables, table_stride, seq_lens, num_requests, max_threads(), &plan);
+    plan_partial(&plan);
     int failed = 0;
 #pragma omp parallel
     {
-        const DecodeScratch scratch = decode_scratch(&sh, plan.cap);
+        DecodeScratch scratch = decode_scratch(&sh, plan.cap);
         if (!scratch.memory) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) attend_items(&sh, q, &plan, block_tables, table_stride, seq_lens, out, &scratch);
+        if (!failed) attend_items(&sh, q, &plan, out, &scratch);
         free(scratch.memory);
     }
-    free(starts);
-    free(walk);
+    plan_free(&plan);
     return failed ? -1 : 0;
 }
 
