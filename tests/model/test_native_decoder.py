@@ -47,6 +47,23 @@ def _twin_engines(path, **config) -> tuple[Engine, Engine]:
     return fused, layers
 
 
+def _same_logits(fused: Engine, layers: Engine, prompts: list[list[int]], max_tokens: int) -> list[bool]:
+    """Both engines generate the prompts greedily: the same tokens and every step's logits bit
+    for bit, the layer path never native. Returns, for each of the fused engine's steps, whether
+    the native decoder ran it."""
+    runs = []
+    for engine in (fused, layers):
+        logits, native = _recording(engine)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        runs.append((logits, native, [o.token_ids for o in outputs]))
+    (fused_logits, fused_native, fused_tokens), (layer_logits, layer_native, layer_tokens) = runs
+    assert fused_tokens == layer_tokens
+    assert len(fused_logits) == len(layer_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
+    assert not any(layer_native)
+    return fused_native
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind, kv_cache_dtype, weight_dtype, hybrid_kv", [
     ("llama", "auto", "auto", "auto"), ("mistral", "auto", "auto", "auto"), ("qwen2", "auto", "auto", "auto"),
@@ -74,17 +91,7 @@ def test_decode_steps_give_the_layer_paths_logits_bit_for_bit(tiny_model_dir, ki
         assert any(window.page_of[b] not in (b, -1) for b in range(len(window.page_of)))
     # 1-10 blocks, decodes cross block ends; the first step (172 tokens) is too big for the
     # native decoder, the second prompt's later steps are not
-    prompts = [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19]
-    runs = []
-    for engine in (fused, layers):
-        logits, native = _recording(engine)
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
-        runs.append((logits, native, [o.token_ids for o in outputs]))
-    (fused_logits, fused_native, fused_tokens), (layer_logits, layer_native, layer_tokens) = runs
-    assert fused_tokens == layer_tokens
-    assert len(fused_logits) == len(layer_logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
-    assert not any(layer_native)
+    fused_native = _same_logits(fused, layers, [[5, 9, 2, 7], [3 + i % 90 for i in range(149)], [11] * 19], 24)
     assert fused_native[0] is False, "the 172-token prefill step keeps the layer path"
     assert len(fused_native) == 24 and all(fused_native[1:]), "the decode steps ran natively"
     fused.check_integrity()
@@ -104,17 +111,10 @@ def test_one_parallel_region_for_every_layer_gives_the_same_bits(tiny_model_dir,
     config = dict(kv_cache_dtype=kv_cache_dtype, weight_dtype=weight_dtype, num_threads=threads,
                   speculative="prompt-lookup", prompt_lookup_min=1, speculative_adaptive=False)
     fused, layers = _twin_engines(tiny_model_dir(kind), **config)
-    prompts = [[3, 4, 5, 6, 7, 8] * 6, [3 + i % 90 for i in range(149)], [11] * 19]
-    runs = []
-    for engine in (fused, layers):
-        logits, native = _recording(engine)
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
-        runs.append((logits, native, [o.token_ids for o in outputs]))
-    (fused_logits, native, fused_tokens), (layer_logits, _, layer_tokens) = runs
-    assert fused_tokens == layer_tokens
-    assert len(fused_logits) == len(layer_logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
-    assert sum(native) >= 10 and any(logits.shape[0] > 1 for took, logits in zip(native, fused_logits) if took)
+    rows = []
+    fused.runner.model.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    native = _same_logits(fused, layers, [[3, 4, 5, 6, 7, 8] * 6, [3 + i % 90 for i in range(149)], [11] * 19], 20)
+    assert sum(native) >= 10 and any(took and n > 1 for took, n in zip(native, rows)), "draft rows ran natively"
     fused.check_integrity()
 
 
