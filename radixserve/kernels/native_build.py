@@ -108,7 +108,8 @@ SIGNATURES: dict[str, Signature] = {
         (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64), _INT,
     ),
     "decoder_layers_f32": Signature(
-        "decoder_layers.c", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR),
+        "decoder_layers.c",
+        (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),
         _INT,
     ),
 }

@@ -21,7 +21,8 @@ from radixserve.attention.backend import AttentionBackend, AttentionPlan
 from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.onednn_linear import bf16_available
 from radixserve.kernels.quant_linear import QuantWeight, concat_rows, lanes_preferred
-from radixserve.model.layers import Embedding, Linear, StepRows, linear, quantized_linear
+from radixserve.model.layers import Embedding, Linear, RMSNorm, StepRows, linear, quantized_linear
+from radixserve.model.native_decoder import HeadRows
 from radixserve.model.spec import ModelSpec
 
 # How llama.cpp names a block's tensors (blk.N.<stem>.weight) -> transformers' name under model.layers.N.
@@ -65,6 +66,7 @@ class CausalLM(nn.Module):
         self.integer_prompt = True  # quantized weights' prompt-sized rows by the integer kernel
         self.step_rows = StepRows()
         self.native = None  # a NativeDecoder where the family and the step allow one (the runner sets it)
+        self.head_rows: HeadRows | None = None  # this step's rows that want logits, where native computes them
 
     @torch.inference_mode()
     def forward(
@@ -81,7 +83,11 @@ class CausalLM(nn.Module):
         `plan` is what `backend.prepare` made of the step's metadata; the first `decodes`
         tokens are single-query rows (decodes, drafts), kept float32 under bf16 matmuls."""
         self.step_rows.decodes = decodes
+        head = self.head_rows = HeadRows(logits_indices) if self.native is not None and self.native.has_head else None
         x = self.run_layers(self.embed(input_ids), positions, backend, pool, plan)
+        self.head_rows = None
+        if head is not None and head.logits is not None:
+            return head.logits
         return self.logits(self.norm(x[logits_indices]))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -94,6 +100,22 @@ class CausalLM(nn.Module):
     def build_rotary(self, max_positions: int, device: torch.device) -> None:
         """Compute the RoPE tables once the model is placed (they are not in checkpoints)."""
         self.rotary.build(max_positions, device)
+
+    def native_head(self) -> tuple[torch.Tensor, QuantWeight] | None:
+        """The final norm's weight and the quantized head, where the native decoder may give a
+        step's logits as `logits` would (the norm in C on float32 CPU rows, no further change
+        to the logits); None where it may not."""
+        if type(self).logits is not CausalLM.logits:
+            return None
+        return self._plain_head()
+
+    def _plain_head(self) -> tuple[torch.Tensor, QuantWeight] | None:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        norm = getattr(self.norm, "weight", None)
+        if (type(self.norm) is not RMSNorm or head.quant is None or norm is None or norm.dtype != torch.float32
+                or norm.device.type != "cpu" or not norm.is_contiguous()):
+            return None
+        return norm, head.quant
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -107,11 +107,14 @@ class Gemma3ForCausalLM(CausalLM):
                    plan: AttentionPlan) -> torch.Tensor:
         full = self.rotary.lookup(positions, x.dtype)
         local = self.rotary_local.lookup(positions, x.dtype)
-        if self.native is not None and self.native.run(x, *full, pool, plan, local=local):
+        if self.native is not None and self.native.run(x, *full, pool, plan, local=local, head=self.head_rows):
             return x
         for layer in self.layers:
             x = layer(x, local if layer.self_attn.window else full, backend, pool, plan)
         return x
+
+    def native_head(self):
+        return None if self.final_softcap else self._plain_head()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().logits(x)

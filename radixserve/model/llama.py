@@ -106,7 +106,7 @@ class LlamaForCausalLM(CausalLM):
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native is None or not self.native.run(x, *rope, pool, plan):
+        if self.native is None or not self.native.run(x, *rope, pool, plan, head=self.head_rows):
             for layer in self.layers:
                 x = layer(x, rope, backend, pool, plan)
         return x

@@ -11,6 +11,8 @@ experts that model/moe.py would run in its one C call (quantized experts, no sha
 Qwen3-MoE); the C side computes the router's logits and makes that call. The pool may hold float32 or int8
 pages (the store quantizes, attention dequantizes, as the cpu backend's kernels do). Each
 layer has its sliding window (`windows`, 0: full attention), as the backend's forward takes it.
+Where the model's head is quantized (CausalLM.native_head), the same call also gives the step's
+logits (the final norm, then the head's product by the kernel the model's logits use).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,6 +31,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.heap import on_trim
 from radixserve.kernels.native_build import load_kernel
 from radixserve.kernels.native_ops import max_rows, model_ops_enabled
+from radixserve.kernels.quant_linear import QuantWeight
 from radixserve.model.moe import SparseMoE
 from radixserve.model.spec import ModelSpec
 
@@ -74,14 +78,33 @@ class _Second(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int64) for name in ("table_stride", "table_width", "num_blocks")]
 
 
+class _Head(ctypes.Structure):
+    """The final norm and the head, and the rows of the step that get logits (decoder_layers.c)."""
+
+    _fields_ = [("norm", ctypes.c_void_p), ("w", _Weight), ("vocab", ctypes.c_int64), ("rows", ctypes.c_void_p),
+                ("count", ctypes.c_int64), ("logits", ctypes.c_void_p)]
+
+
+@dataclass
+class HeadRows:
+    """The rows of a step that want logits; `logits` [rows, vocab] float32 once the native decoder
+    has computed them (None: the model computes them itself)."""
+
+    indices: torch.Tensor  # int64
+    logits: torch.Tensor | None = None
+
+
 class NativeDecoder:
     """Holds the layers' weight pointers (the weights are never reallocated after loading),
     the pool's, and a workspace reused across steps."""
 
-    def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None):
+    def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None,
+                 head: tuple[torch.Tensor, QuantWeight] | None = None):
         if windows is not None and len(windows) != len(layers):
             raise ValueError(f"{len(windows)} sliding windows for {len(layers)} layers")
         self._kernel = kernel
+        self._head = head  # the final norm's weight and the quantized head (kept alive: pointers below)
+        self._head_weight = _quant_weight(head[1]) if head is not None else None
         self._spec = spec
         self._weights = [_layer_weights(layer) for layer in layers]
         self._norms = [_layer_norms(layer) for layer in layers]
@@ -96,11 +119,12 @@ class NativeDecoder:
         self._shape: _Shape | None = None
 
     @classmethod
-    def for_model(cls, spec: ModelSpec, layers: nn.ModuleList,
-                  windows: list[int] | None = None) -> NativeDecoder | None:
+    def for_model(cls, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None,
+                  head: tuple[torch.Tensor, QuantWeight] | None = None) -> NativeDecoder | None:
         """The decoder for these layers (windows: each layer's sliding window, 0 or None for
-        full attention), or None where the C path does not apply (another device or dtype,
-        sizes the matmul kernel refuses, kernels disabled or not buildable)."""
+        full attention; head: the final norm's weight and the quantized head, or None: the
+        model computes the logits), or None where the C path does not apply (another device or
+        dtype, sizes the matmul kernel refuses, kernels disabled or not buildable)."""
         if not all(_dense(layer.mlp) or _native_experts(layer.mlp) for layer in layers):
             return None  # a layer with an MLP the C side does not run: layer by layer
         params = list(layers.parameters())
@@ -116,15 +140,20 @@ class NativeDecoder:
         ):
             return None
         kernel = _kernel()
-        return None if kernel is None else cls(kernel, spec, layers, windows)
+        return None if kernel is None else cls(kernel, spec, layers, windows, head)
+
+    @property
+    def has_head(self) -> bool:
+        return self._head is not None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan,
-            local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+            local: tuple[torch.Tensor, torch.Tensor] | None = None, head: HeadRows | None = None) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
         not one this path takes: prefill chunks laid out as chunks (not single-query rows),
         more rows than the matmul kernel takes, or another attention backend's plan. `local`:
         the window layers' own RoPE table (Gemma 3), else they take cos and sin; a hybrid
-        pool's window layers read their pages through the plan's window plan."""
+        pool's window layers read their pages through the plan's window plan. `head`: the rows
+        that want logits, given them here where this decoder holds the model's head."""
         rows = x.shape[0]
         full, window = plan_for(plan, 0), plan_for(plan, 1)
         if not (isinstance(full, CpuPlan) and isinstance(window, CpuPlan) and full.num_decodes == rows
@@ -141,17 +170,35 @@ class NativeDecoder:
                          pool.window_kv.shape[2] if pool.hybrid else pool.kv.shape[2])
         layers, shape = self._layer_array(pool)
         workspace = self._workspace_for(rows)
+        logits, head_call = self._head_call(head, rows)
         status = self._kernel(
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
             cos.data_ptr(), sin.data_ptr(), full.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
             tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
             None if full.decode_tree_masks is None else full.decode_tree_masks.data_ptr(),
+            None if head_call is None else ctypes.byref(head_call),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool")
         if status:  # after some layers: x and the pool's slots of this step are partly written
             raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
+        if head is not None:
+            head.logits = logits
         return True
+
+    def _head_call(self, head: HeadRows | None, rows: int) -> tuple[torch.Tensor | None, _Head | None]:
+        """The logits' tensor and the C side's head for these rows, or (None, None): no head here,
+        or rows it does not take."""
+        if self._head is None or head is None:
+            return None, None
+        indices = head.indices
+        if not (indices.dtype == torch.int64 and indices.dim() == 1 and 0 < indices.numel() <= rows
+                and indices.is_contiguous() and indices.device.type == "cpu"):
+            return None, None
+        norm, weight = self._head
+        logits = torch.empty(indices.numel(), weight.shape[0], dtype=torch.float32)
+        return logits, _Head(norm.data_ptr(), self._head_weight, weight.shape[0], indices.data_ptr(),
+                             indices.numel(), logits.data_ptr())
 
     def _layer_array(self, pool: KVPool) -> tuple[ctypes.Array, _Shape]:
         """Every layer's weight and cache pointers, and the shapes, for this pool (made once)."""
@@ -257,6 +304,10 @@ def _projection(linear: nn.Linear) -> _Weight:
     quant = getattr(linear, "quant", None)
     if quant is None:
         return _Weight(linear.weight.data_ptr(), None, None, None, 0, 0, 0, 0, 0)
+    return _quant_weight(quant)
+
+
+def _quant_weight(quant: QuantWeight) -> _Weight:
     return _Weight(None, quant.codes.data_ptr(), quant.scale.data_ptr(), _ptr(quant.offset), quant.bits,
                    quant.group, quant.zero, int(quant.half_scales), int(quant.lanes))
 

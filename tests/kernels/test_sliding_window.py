@@ -402,7 +402,7 @@ def test_native_decoder_gives_each_layer_its_window_bit_for_bit(tiny_model_dir, 
     layers.runner.model.native = None
     decoder, native_steps = fused.runner.model.native, []
     run = decoder.run
-    decoder.run = lambda *args: native_steps.append(run(*args)) or native_steps[-1]
+    decoder.run = lambda *args, **kwargs: native_steps.append(run(*args, **kwargs)) or native_steps[-1]
     runs = []
     for engine in engines:
         _layer_windows(engine, windows)

@@ -29,9 +29,13 @@
  *   second     NULL, or the step's second RoPE table (layers with alt_rope: Gemma 3's window layers)
  *              and second set of pages (layers with alt_pages: a hybrid pool's window layers, whose
  *              pages have tables and slots of their own; the same rows and lengths)
+ *   head       NULL, or the final norm and the quantized head: the logits of some rows after the
+ *              layers, as the model's norm and logits give them (rms_norm_f32, then the head's
+ *              product by the weight's kernel)
  * Returns 0; -1 when a kernel refuses its shapes or scratch memory cannot be had (x is then
  * unchanged only if the refusal came before the first layer: the caller checks shapes
- * first); -2 (nothing changed) for a slot, length or block id outside the pool.
+ * first); -2 (nothing changed) for a slot, length or block id outside the pool, or a logits
+ * row outside the step's rows.
  */
 #include "layer_ops.c"
 #include "moe_experts.c"
@@ -79,6 +83,16 @@ typedef struct {
     const int32_t *tables;
     int64_t table_stride, table_width, num_blocks;
 } StepSecond;
+
+/* The logits of rows [count] of x after the layers: RMSNorm by `norm`, then the head [vocab, hidden]. */
+typedef struct {
+    const float *norm;
+    LayerWeight w;
+    int64_t vocab;
+    const int64_t *rows;
+    int64_t count;
+    float *logits; /* [count, vocab] */
+} DecoderHead;
 
 /* out [rows, N] = x [rows, K] @ w.T + bias, by the kernel the weight's storage calls for. */
 static int project(const float *x, int64_t rows, const LayerWeight *w, int64_t N, int64_t K, const float *bias,
@@ -203,13 +217,15 @@ static int team_weight(const LayerWeight *w, int64_t N, int64_t K) {
     return w->codes != NULL && weight_valid(&q);
 }
 
-static int team_fits(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, int64_t rows) {
+static int team_fits(const DecoderShape *s, const DecoderLayer *layers, int64_t num_layers, int64_t rows,
+                     const DecoderHead *head) {
 #if defined(_OPENMP)
     if (rows > TEAM_ROWS || omp_get_max_threads() < 2) return 0;
 #else
     return 0;
 #endif
     const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
+    if (head && !team_weight(&head->w, head->vocab, s->hidden)) return 0;
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
         if (w->experts || !team_weight(&w->qkv, qkv_size, s->hidden) || !team_weight(&w->o, s->hidden, q_size) ||
@@ -265,9 +281,17 @@ static void team_layer(const DecoderShape *s, const DecoderLayer *w, const Layer
     residual_add(s, w->mlp_out_norm, b->proj, tmp, xp, rows);
 }
 
+/* The head's rows of the thread's own x normed into `normed`, then their logits on the team. */
+static void team_head(const DecoderShape *s, const DecoderHead *head, const float *xp, float *normed, char *acts) {
+    for (int64_t i = 0; i < head->count; ++i)
+        rms_norm_f32(xp + head->rows[i] * s->hidden, s->hidden, head->norm, normed + i * s->hidden, s->hidden, 1,
+                     s->hidden, s->eps);
+    team_project(normed, head->count, &head->w, head->vocab, s->hidden, NULL, head->logits, acts);
+}
+
 static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
                        const LayerInputs *own, const StepSecond *second, const int32_t *seq_lens, const Shape *pages,
-                       const StepBuffers *b) {
+                       const StepBuffers *b, const DecoderHead *head) {
     DecodePlan plan;
     if (!plan_memory(&plan, rows)) {
         plan_free(&plan);
@@ -295,6 +319,7 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
                 team_layer(s, layers + i, &in, *pages, seq_lens, rows, b, &plan, &scratch, xp, normed, tmp, act,
                            acts);
             }
+            if (head) team_head(s, head, xp, normed, acts);
             if (team_thread() == 0) memcpy(x, xp, sizeof(float) * rows * hidden);
         }
         free(mine);
@@ -309,7 +334,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
                        const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
                        const int32_t *seq_lens, float *workspace, const StepSecond *second,
-                       const uint64_t *masks) {
+                       const uint64_t *masks, const DecoderHead *head) {
     const DecoderShape s = *shape;
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
@@ -320,6 +345,10 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         (second && !pages_valid(layers, num_layers, 1, second->slots, rows, second->tables, second->table_stride,
                                 second->table_width, seq_lens, s.block_size, second->num_blocks, masks)))
         return -2;
+    if (head && (head->count < 1 || head->count > rows)) return -2;
+    if (head)
+        for (int64_t i = 0; i < head->count; ++i)
+            if (head->rows[i] < 0 || head->rows[i] >= rows) return -2;
     float *normed = workspace, *qkv = normed + rows * s.hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *proj = attn + rows * q_size, *gate_up = proj + rows * s.hidden;
     float *act = gate_up + rows * 2 * inter, *logits = act + rows * inter;
@@ -327,9 +356,9 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
     const LayerInputs own = {cos, sin, slots, tables, table_stride, table_width, s.num_blocks};
-    if (team_fits(&s, layers, num_layers, rows)) {
+    if (team_fits(&s, layers, num_layers, rows, head)) {
         const StepBuffers buffers = {qkv, q, attn, proj, gate_up};
-        return team_layers(x, rows, layers, num_layers, &s, &own, second, seq_lens, &pages, &buffers);
+        return team_layers(x, rows, layers, num_layers, &s, &own, second, seq_lens, &pages, &buffers, head);
     }
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
@@ -357,5 +386,9 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         if (w->mlp_out_norm) rms_norm_f32(proj, s.hidden, w->mlp_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
     }
-    return 0;
+    if (!head) return 0;
+    for (int64_t i = 0; i < head->count; ++i)
+        rms_norm_f32(x + head->rows[i] * s.hidden, s.hidden, head->norm, normed + i * s.hidden, s.hidden, 1, s.hidden,
+                     s.eps);
+    return project(normed, head->count, &head->w, head->vocab, s.hidden, NULL, head->logits) ? -1 : 0;
 }
