@@ -53,9 +53,25 @@ def cluster(reference, serve_port) -> str:
     try:
         deploy(ENGINE, ServerOptions(enable_debug_endpoints=True), ClusterOptions(replicas=2, app_name=APP),
                "127.0.0.1", port)
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_every_replica_answers(url)
+        yield url
     finally:
         serve.delete(APP)
+
+
+def _wait_until_every_replica_answers(url: str, timeout_s: float = 120.0) -> None:
+    """Until the ingress's handle reaches both replicas (its /health broadcast): before that, its
+    router may be offered one replica only, and every first request would go there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=30).json().get("status") == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the cluster's replicas did not all answer /health within {timeout_s:.0f} s")
 
 
 def test_affinity_routing_keeps_one_replicas_reuse(cluster, reference):
