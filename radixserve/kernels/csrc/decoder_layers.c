@@ -76,13 +76,14 @@ typedef struct {
     const int64_t *gate_up_ptrs, *gate_up_meta, *down_ptrs, *down_meta;
 } DecoderLayer;
 
-/* A step's second RoPE table and page set (see the header). */
+/* A RoPE table and a page set (its slots, tables and number of pages): the step's own, or its
+ * second (see the header); each layer reads one of the two. */
 typedef struct {
     const float *cos, *sin;
     const int64_t *slots;
     const int32_t *tables;
     int64_t table_stride, table_width, num_blocks;
-} StepSecond;
+} RopePages;
 
 /* The logits of rows [count] of x after the layers: RMSNorm by `norm`, then the head [vocab, hidden]. */
 typedef struct {
@@ -145,26 +146,19 @@ static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t a
                         full || !any ? 0 : widest, masks);
 }
 
-/* The RoPE table and page set a layer reads: the call's own, or `second`'s (alt_rope, alt_pages). */
-typedef struct {
-    const float *cos, *sin;
-    const int64_t *slots;
-    const int32_t *tables;
-    int64_t stride, width, blocks;
-} LayerInputs;
-
-static LayerInputs layer_inputs(const DecoderLayer *w, const StepSecond *second, const LayerInputs *own) {
-    LayerInputs in = *own;
+/* What layer w reads: the step's own RoPE table and pages, or `second`'s (alt_rope, alt_pages). */
+static RopePages layer_inputs(const DecoderLayer *w, const RopePages *second, const RopePages *own) {
+    RopePages in = *own;
     if (w->alt_rope) in.cos = second->cos, in.sin = second->sin;
     if (w->alt_pages)
-        in.slots = second->slots, in.tables = second->tables, in.stride = second->table_stride,
-        in.width = second->table_width, in.blocks = second->num_blocks;
+        in.slots = second->slots, in.tables = second->tables, in.table_stride = second->table_stride,
+        in.table_width = second->table_width, in.num_blocks = second->num_blocks;
     return in;
 }
 
 /* The fused qkv rows made attention's inputs: q/k norms, RoPE, the Hadamard basis; q copied out
  * to its own rows, each row's K/V stored into its slot. */
-static void attention_inputs(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const LayerInputs *in,
+static void attention_inputs(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const RopePages *in,
                              float *qkv, float *q, int64_t rows) {
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size;
@@ -256,7 +250,7 @@ typedef struct {
 } StepBuffers;
 
 /* One layer on the calling team; xp, normed, tmp and act are the thread's own. */
-static void team_layer(const DecoderShape *s, const DecoderLayer *w, const LayerInputs *in, Shape pages,
+static void team_layer(const DecoderShape *s, const DecoderLayer *w, const RopePages *in, Shape pages,
                        const int32_t *seq_lens, int64_t rows, const StepBuffers *b, DecodePlan *plan,
                        DecodeScratch *scratch, float *xp, float *normed, float *tmp, float *act, char *acts) {
     const int64_t q_size = s->num_heads * s->head_dim, qkv_size = q_size + 2 * s->num_kv_heads * s->head_dim;
@@ -267,7 +261,7 @@ static void team_layer(const DecoderShape *s, const DecoderLayer *w, const Layer
 #pragma omp single
     {
         attention_inputs(s, &pages, w, in, b->qkv, b->q, rows);
-        plan_decode(&pages, in->tables, in->stride, seq_lens, rows, team_threads(), plan);
+        plan_decode(&pages, in->tables, in->table_stride, seq_lens, rows, team_threads(), plan);
         plan_partial(plan);
     }
     attend_items(&pages, b->q, plan, b->attn, scratch);
@@ -290,7 +284,7 @@ static void team_head(const DecoderShape *s, const DecoderHead *head, const floa
 }
 
 static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
-                       const LayerInputs *own, const StepSecond *second, const int32_t *seq_lens, const Shape *pages,
+                       const RopePages *own, const RopePages *second, const int32_t *seq_lens, const Shape *pages,
                        const StepBuffers *b, const DecoderHead *head) {
     DecodePlan plan;
     if (!plan_memory(&plan, rows)) {
@@ -315,7 +309,7 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
             float *xp = mine, *normed = xp + rows * hidden, *tmp = normed + rows * hidden, *act = tmp + rows * hidden;
             memcpy(xp, x, sizeof(float) * rows * hidden);
             for (int64_t i = 0; i < num_layers; ++i) {
-                const LayerInputs in = layer_inputs(layers + i, second, own);
+                const RopePages in = layer_inputs(layers + i, second, own);
                 team_layer(s, layers + i, &in, *pages, seq_lens, rows, b, &plan, &scratch, xp, normed, tmp, act,
                            acts);
             }
@@ -333,7 +327,7 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
 int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
                        const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
-                       const int32_t *seq_lens, float *workspace, const StepSecond *second,
+                       const int32_t *seq_lens, float *workspace, const RopePages *second,
                        const uint64_t *masks, const DecoderHead *head) {
     const DecoderShape s = *shape;
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
@@ -355,19 +349,19 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
-    const LayerInputs own = {cos, sin, slots, tables, table_stride, table_width, s.num_blocks};
+    const RopePages own = {cos, sin, slots, tables, table_stride, table_width, s.num_blocks};
     if (team_fits(&s, layers, num_layers, rows, head)) {
         const StepBuffers buffers = {qkv, q, attn, proj, gate_up};
         return team_layers(x, rows, layers, num_layers, &s, &own, second, seq_lens, &pages, &buffers, head);
     }
     for (int64_t i = 0; i < num_layers; ++i) {
         const DecoderLayer *w = layers + i;
-        const LayerInputs in = layer_inputs(w, second, &own);
+        const RopePages in = layer_inputs(w, second, &own);
         rms_norm_f32(x, s.hidden, w->input_norm, normed, s.hidden, rows, s.hidden, s.eps);
         if (project(normed, rows, &w->qkv, qkv_size, s.hidden, w->qkv_bias, qkv)) return -1;
         attention_inputs(&s, &pages, w, &in, qkv, q, rows);
         pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
-        if (decode_pages(&pages, q, in.blocks, in.tables, in.stride, in.width, seq_lens, attn, rows)) return -1;
+        if (decode_pages(&pages, q, in.num_blocks, in.tables, in.table_stride, in.table_width, seq_lens, attn, rows)) return -1;
         if (project(attn, rows, &w->o, s.hidden, q_size, w->o_bias, proj)) return -1;
         if (w->attn_out_norm) rms_norm_f32(proj, s.hidden, w->attn_out_norm, proj, s.hidden, rows, s.hidden, s.eps);
         add_rows(x, proj, rows * s.hidden);
