@@ -178,6 +178,28 @@ def test_tree_rows_see_their_path(backend_class, tree, block_size, geometry, int
                                        msg=lambda m: f"start {start} window {window}: {m}")
 
 
+@needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tree_rows_over_a_context_of_several_chunks(int8, threads):
+    """A tree after 300 tokens of context: the C kernel folds the context in 128-key chunks merged
+    in order, then the tree's own keys. On one thread each group is walked whole, its chunks
+    merged in turn; on two, each chunk is a work item of its own, merged after. float64's values
+    with and without a window, sinks too (each way fails with the last chunk left out)."""
+    heads, kv_heads, head_dim = GEOMETRIES["gqa"]
+    step = TreeStep(TREES["branches"], 300, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                    int8=int8, seed=3)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(4))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for window, with_sinks in ((0, None), (3, None), (200, None), (0, sinks)):
+            torch.testing.assert_close(step.run(CpuAttentionBackend, window, with_sinks),
+                                       step.dense(window, with_sinks), **_tolerance(int8))
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("backend_class", BACKENDS)
 def test_tree_rows_with_sinks_and_64_nodes(backend_class):
     heads, kv_heads, head_dim = GEOMETRIES["gqa"]
