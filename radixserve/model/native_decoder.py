@@ -179,7 +179,7 @@ class NativeDecoder:
             None if head_call is None else ctypes.byref(head_call),
         )
         if status == -2:
-            raise ValueError("a slot, context length or block id is outside the KV pool")
+            raise ValueError("a slot, context length or block id is outside the KV pool, or a logits row outside the step")
         if status:  # after some layers: x and the pool's slots of this step are partly written
             raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
         if head is not None:

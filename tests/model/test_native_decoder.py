@@ -11,7 +11,7 @@ import torch
 
 from radixserve import Engine, SamplingParams
 from radixserve.attention.cpu_backend import CpuPlan
-from radixserve.model.native_decoder import NativeDecoder
+from radixserve.model.native_decoder import HeadRows, NativeDecoder
 from radixserve.kernels.native_ops import max_rows
 
 needs_kernel = pytest.mark.skipif(max_rows() == 0, reason="no skinny matmul kernel for this CPU")
@@ -251,6 +251,20 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_mode
     with pytest.raises(ValueError, match="outside the KV pool"):
         decoder.run(x, torch.ones(1, 1, spec.head_dim), torch.ones(1, 1, spec.head_dim), pool, plan)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
+
+
+@needs_kernel
+def test_a_logits_row_outside_the_step_is_refused_before_anything_is_written(tiny_model_dir):
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64, weight_dtype="int8")  # a quantized head
+    decoder, pool, spec = engine.runner.model.native, engine.runner.pool, engine.runner.spec
+    assert decoder.has_head
+    x = torch.randn(1, spec.hidden_size)
+    before, kv_before = x.clone(), pool.kv.clone()
+    head = HeadRows(torch.tensor([1]))  # the step has one row: row 1 is not in it
+    with pytest.raises(ValueError, match="logits row outside the step"):
+        decoder.run(x, torch.ones(1, 1, spec.head_dim), torch.ones(1, 1, spec.head_dim), pool, _plan(1, 1), head=head)
+    assert torch.equal(x, before) and torch.equal(pool.kv, kv_before) and head.logits is None
+    engine.check_integrity()
 
 
 def test_build_digest_covers_included_sources(tmp_path, monkeypatch):
