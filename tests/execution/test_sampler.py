@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from radixserve.execution.sampler import Sampler, SamplingRow
+from radixserve.execution.sampler import Sampler, SamplingRow, argmax_rows
 from radixserve.sampling_params import SamplingParams
 
 
@@ -28,6 +28,19 @@ def test_greedy_is_argmax_and_sampling_rows_do_not_disturb_it():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     tokens, _ = Sampler()(logits, [row(temperature=0.0), row(temperature=1.0, seed=1), row(temperature=0.0)])
     assert tokens[0] == 1 and tokens[2] == 2
+
+
+def test_argmax_rows_is_torchs_argmax_on_ties_nans_masked_rows_and_strided_views():
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(0))
+    logits[1, [7, 900, 30000]] = 50.0  # a tie: the first index
+    logits[2, [11, 4000]] = float("nan")  # a NaN counts as largest: the first
+    logits[3] = float("-inf")  # a row masked whole (a grammar left nothing): index 0
+    logits[4, -1] = float("inf")
+    for view in (logits, logits[:, ::3], logits[::2], logits[:0]):
+        assert argmax_rows(view) == view.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1:4] == [7, 11, 0] and argmax_rows(logits)[4] == 49151
+    for dtype in (torch.float64, torch.bfloat16):  # torch's own path
+        assert argmax_rows(logits[:1].to(dtype)) == logits[:1].to(dtype).argmax(dim=-1).tolist()
 
 
 def test_sampling_follows_the_distribution():
