@@ -27,17 +27,30 @@ class StepCostModel:
         self._xtx = [[prior_weight * scale[i] ** 2 if i == j else 0.0 for j in range(3)] for i in range(3)]
         self._xty = [prior_weight * scale[i] ** 2 * prior[i] for i in range(3)]
         self.observations = 0
-        self.coefficients = prior
+        self._coefficients = prior
+        self._stale = False  # observed since the last fit: refitted when next read
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c), fitted to every step observed so far (a step's engine reads them only
+        under a step-time target, so the fit waits for a reader)."""
+        if self._stale:
+            self._coefficients, self._stale = self._solve(), False
+        return self._coefficients
+
+    @coefficients.setter
+    def coefficients(self, value: tuple[float, float, float]) -> None:
+        self._coefficients, self._stale = tuple(value), False
 
     def observe(self, decodes: int, prefill_tokens: int, step_ms: float) -> None:
-        """Record one measured step and refit."""
+        """Record one measured step (refitted when the coefficients are next read)."""
         x = (1.0, float(decodes), float(prefill_tokens))
         for i in range(3):
             self._xty[i] = self.decay * self._xty[i] + x[i] * step_ms
             for j in range(3):
                 self._xtx[i][j] = self.decay * self._xtx[i][j] + x[i] * x[j]
         self.observations += 1
-        self.coefficients = self._solve()
+        self._stale = True
 
     def predict_ms(self, decodes: int, prefill_tokens: int) -> float:
         a, b, c = self.coefficients
@@ -77,7 +90,7 @@ class StepCostModel:
         v = [self._xty[i] + self._floor[i] * self.prior[i] for i in range(3)]
         solved = _solve3(m, v)
         if solved is None:
-            return self.coefficients
+            return self._coefficients
         a, b, c = solved
         return (max(a, 0.0), max(b, 0.0), max(c, 1e-6))
 

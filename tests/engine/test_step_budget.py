@@ -93,6 +93,23 @@ def test_cost_model_follows_a_slower_machine():
     assert model.predict_ms(8, 100) == pytest.approx(2 * (40 + 20 + 75), rel=0.02)
 
 
+def test_cost_model_fits_when_read_the_fit_it_made_after_every_step():
+    read_each, read_last = StepCostModel(decay=0.95), StepCostModel(decay=0.95)
+    fits = []
+    for i in range(60):
+        d, p = i % 7, (i * 53) % 400
+        for model in (read_each, read_last):
+            model.observe(d, p, 30.0 + 2.0 * d + 0.5 * p + (i % 5))
+        fits.append(read_each.coefficients)
+        if i == 29:
+            assert read_last.coefficients == fits[-1]
+    assert read_last.coefficients == fits[-1] and fits[-1] != fits[-2]
+    read_last.coefficients = (1.0, 2.0, 3.0)  # set: kept until the next observation
+    assert read_last.predict_ms(1, 1) == 6.0
+    read_last.observe(1, 1, 6.0)
+    assert read_last.coefficients != (1.0, 2.0, 3.0)
+
+
 def test_cost_model_prior_before_any_observation():
     model = StepCostModel()
     a, b, c = model.coefficients
