@@ -109,7 +109,7 @@ SIGNATURES: dict[str, Signature] = {
     ),
     "decoder_layers_f32": Signature(
         "decoder_layers.c",
-        (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),
+        (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),
         _INT,
     ),
 }

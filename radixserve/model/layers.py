@@ -228,14 +228,20 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every token's position, [T, 1, head_dim], once per step for all layers."""
+        cos, sin = self.tables(positions)
+        cos, sin = cos[positions], sin[positions]
+        return (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
+                torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables [rows, head_dim / 2], grown first where they do not yet reach
+        every one of `positions` (the native decoder reads a row's angles from them in C)."""
         rows = self.cos.shape[0]
         if rows < self.max_positions and positions.numel() and self.cos.device.type == "cpu":
             need = int(positions.max()) + 1
             if need > rows:
                 self._fill(min(self.max_positions, max(need, 2 * rows)), self.cos.device)
-        cos, sin = self.cos[positions], self.sin[positions]
-        return (torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype),
-                torch.cat((sin, sin), dim=-1).unsqueeze(1).to(dtype))
+        return self.cos, self.sin
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -105,8 +105,10 @@ class LlamaForCausalLM(CausalLM):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:
+        if self.native is not None and self.native.run(x, positions, self.rotary.tables(positions), pool, plan,
+                                                       head=self.head_rows):
+            return x
         rope = self.rotary.lookup(positions, x.dtype)
-        if self.native is None or not self.native.run(x, *rope, pool, plan, head=self.head_rows):
-            for layer in self.layers:
-                x = layer(x, rope, backend, pool, plan)
+        for layer in self.layers:
+            x = layer(x, rope, backend, pool, plan)
         return x

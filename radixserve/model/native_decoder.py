@@ -74,7 +74,8 @@ class _Shape(ctypes.Structure):
 class _Second(ctypes.Structure):
     """A step's second RoPE table and page set (Gemma 3's window layers; a hybrid pool's window pages)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "tables")]
+    _fields_ = [("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("rope_rows", ctypes.c_int64),
+                ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("tables", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("table_stride", "table_width", "num_blocks")]
 
 
@@ -83,6 +84,14 @@ class _Head(ctypes.Structure):
 
     _fields_ = [("norm", ctypes.c_void_p), ("w", _Weight), ("vocab", ctypes.c_int64), ("rows", ctypes.c_void_p),
                 ("count", ctypes.c_int64), ("logits", ctypes.c_void_p)]
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos and sin [positions, head_dim / 2], float32
+
+
+def _is_table(tables: RopeTables, half: int) -> bool:
+    return all(t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == half and t.is_contiguous()
+               and t.device.type == "cpu" for t in tables) and tables[0].shape == tables[1].shape
 
 
 @dataclass
@@ -146,14 +155,16 @@ class NativeDecoder:
     def has_head(self) -> bool:
         return self._head is not None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, plan: AttentionPlan,
-            local: tuple[torch.Tensor, torch.Tensor] | None = None, head: HeadRows | None = None) -> bool:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTables, pool: KVPool, plan: AttentionPlan,
+            local: RopeTables | None = None, head: HeadRows | None = None) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
         not one this path takes: prefill chunks laid out as chunks (not single-query rows),
-        more rows than the matmul kernel takes, or another attention backend's plan. `local`:
-        the window layers' own RoPE table (Gemma 3), else they take cos and sin; a hybrid
-        pool's window layers read their pages through the plan's window plan. `head`: the rows
-        that want logits, given them here where this decoder holds the model's head."""
+        more rows than the matmul kernel takes, or another attention backend's plan.
+        `positions` [T] int64; `rope`: float32 cos and sin tables [positions, head_dim / 2]
+        covering them (layers.RotaryEmbedding.tables). `local`: the window layers' own tables
+        (Gemma 3), else they take `rope`; a hybrid pool's window layers read their pages
+        through the plan's window plan. `head`: the rows that want logits, given them here
+        where this decoder holds the model's head."""
         rows = x.shape[0]
         full, window = plan_for(plan, 0), plan_for(plan, 1)
         if not (isinstance(full, CpuPlan) and isinstance(window, CpuPlan) and full.num_decodes == rows
@@ -161,25 +172,30 @@ class NativeDecoder:
                 and x.is_contiguous() and x.dtype == torch.float32
                 and (pool.kv.dtype == torch.float32 or pool.pages is not None)):
             return False
+        local = rope if local is None else local
+        half = self._spec.head_dim // 2
+        if not (positions.dtype == torch.int64 and positions.shape == (rows,) and positions.is_contiguous()
+                and _is_table(rope, half) and _is_table(local, half)):
+            return False
         tables, seq_lens = full.decode_block_tables, full.decode_seq_lens
-        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
-        local_cos, local_sin = (cos, sin) if local is None else (t.reshape(rows, -1).contiguous() for t in local)
+        (cos, sin), (local_cos, local_sin) = rope, local
         wtables = window.decode_block_tables
-        second = _Second(local_cos.data_ptr(), local_sin.data_ptr(), window.slot_mapping.data_ptr(),
-                         wtables.data_ptr(), wtables.stride(0), wtables.shape[1],
+        second = _Second(local_cos.data_ptr(), local_sin.data_ptr(), local_cos.shape[0], positions.data_ptr(),
+                         window.slot_mapping.data_ptr(), wtables.data_ptr(), wtables.stride(0), wtables.shape[1],
                          pool.window_kv.shape[2] if pool.hybrid else pool.kv.shape[2])
         layers, shape = self._layer_array(pool)
         workspace = self._workspace_for(rows)
         logits, head_call = self._head_call(head, rows)
         status = self._kernel(
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
-            cos.data_ptr(), sin.data_ptr(), full.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(), full.slot_mapping.data_ptr(),
+            tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
             None if full.decode_tree_masks is None else full.decode_tree_masks.data_ptr(),
             None if head_call is None else ctypes.byref(head_call),
         )
         if status == -2:
-            raise ValueError("a slot, context length or block id is outside the KV pool, or a logits row outside the step")
+            raise ValueError("a slot, context length or block id is outside the KV pool, a position outside the RoPE "
+                             "table, or a logits row outside the step")
         if status:  # after some layers: x and the pool's slots of this step are partly written
             raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
         if head is not None:

@@ -228,15 +228,18 @@ def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
     decoder, pool = engine.runner.model.native, engine.runner.pool
     assert isinstance(decoder, NativeDecoder)
     spec = engine.runner.spec
-    cos = sin = torch.ones(2, 1, spec.head_dim)
+    rope = _tables(spec, 300)
     x = torch.randn(2, spec.hidden_size)
-    before = x.clone()
+    before, positions = x.clone(), torch.tensor([5, 6])
     with_prefill = _plan(num_decodes=1, rows=2)
-    assert decoder.run(x, cos, sin, pool, with_prefill) is False
+    assert decoder.run(x, positions, rope, pool, with_prefill) is False
     too_many = max_rows() + 1
-    assert decoder.run(torch.randn(too_many, spec.hidden_size), torch.ones(too_many, 1, spec.head_dim),
-                       torch.ones(too_many, 1, spec.head_dim), pool, _plan(too_many, too_many)) is False
-    assert decoder.run(x, cos, sin, pool, object()) is False  # another backend's plan
+    assert decoder.run(torch.randn(too_many, spec.hidden_size), torch.arange(too_many), rope, pool,
+                       _plan(too_many, too_many)) is False
+    assert decoder.run(x, positions, rope, pool, object()) is False  # another backend's plan
+    full_width = (torch.ones(300, spec.head_dim), torch.ones(300, spec.head_dim))  # not a table of half rows
+    assert decoder.run(x, positions, full_width, pool, _plan(2, 2)) is False
+    assert decoder.run(x, positions.int(), rope, pool, _plan(2, 2)) is False
     assert torch.equal(x, before)
 
 
@@ -249,8 +252,21 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_mode
     before, kv_before = x.clone(), pool.kv.clone()
     plan = _plan(1, 1, slot=num_slots)
     with pytest.raises(ValueError, match="outside the KV pool"):
-        decoder.run(x, torch.ones(1, 1, spec.head_dim), torch.ones(1, 1, spec.head_dim), pool, plan)
+        decoder.run(x, torch.tensor([0]), _tables(spec, 8), pool, plan)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("position", [8, -1])
+def test_a_position_outside_the_rope_table_is_refused_before_anything_is_written(tiny_model_dir, position):
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64)
+    decoder, pool, spec = engine.runner.model.native, engine.runner.pool, engine.runner.spec
+    x = torch.randn(2, spec.hidden_size)
+    before, kv_before = x.clone(), pool.kv.clone()
+    with pytest.raises(ValueError, match="a position outside the RoPE table"):
+        decoder.run(x, torch.tensor([3, position]), _tables(spec, 8), pool, _plan(2, 2))
+    assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
+    engine.check_integrity()
 
 
 @needs_kernel
@@ -262,7 +278,7 @@ def test_a_logits_row_outside_the_step_is_refused_before_anything_is_written(tin
     before, kv_before = x.clone(), pool.kv.clone()
     head = HeadRows(torch.tensor([1]))  # the step has one row: row 1 is not in it
     with pytest.raises(ValueError, match="logits row outside the step"):
-        decoder.run(x, torch.ones(1, 1, spec.head_dim), torch.ones(1, 1, spec.head_dim), pool, _plan(1, 1), head=head)
+        decoder.run(x, torch.tensor([0]), _tables(spec, 8), pool, _plan(1, 1), head=head)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before) and head.logits is None
     engine.check_integrity()
 
@@ -295,3 +311,9 @@ def test_the_module_imports_on_its_own():
 
     done = subprocess.run([sys.executable, "-c", "import radixserve.model.native_decoder"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _tables(spec, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [positions, head_dim / 2] as RotaryEmbedding.tables gives them."""
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] / (1 + torch.arange(spec.head_dim // 2))
+    return angles.cos(), angles.sin()

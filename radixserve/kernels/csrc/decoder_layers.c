@@ -17,7 +17,8 @@
  * layer may hold a mixture of experts in place of the dense MLP (Qwen3-MoE: the router's
  * logits, then moe_experts_f32, the call model/moe.py makes at these sizes).
  *   x          [rows, hidden] the residual stream, updated in place
- *   cos, sin   [rows, head_dim] of each row's position
+ *   cos, sin   [rope_rows, head_dim / 2] RoPE tables by position, each angle once (rope_table_f32)
+ *   positions  [rows] each row's position (< rope_rows, and < the second table's rope_rows)
  *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
  *   tables     [rows, table_stride] int32 block table of each row's request
  *   seq_lens   [rows] int32 context length of each row, this row's token included (a layer with a
@@ -77,9 +78,12 @@ typedef struct {
 } DecoderLayer;
 
 /* A RoPE table and a page set (its slots, tables and number of pages): the step's own, or its
- * second (see the header); each layer reads one of the two. */
+ * second (see the header); each layer reads one of the two. The rows' positions are the
+ * step's whichever table a layer reads (a second's `positions` is not read). */
 typedef struct {
-    const float *cos, *sin;
+    const float *cos, *sin; /* [rope_rows, head_dim / 2] */
+    int64_t rope_rows;
+    const int64_t *positions;
     const int64_t *slots;
     const int32_t *tables;
     int64_t table_stride, table_width, num_blocks;
@@ -146,10 +150,17 @@ static int pages_valid(const DecoderLayer *layers, int64_t num_layers, int64_t a
                         full || !any ? 0 : widest, masks);
 }
 
+/* Whether every row's position has a row in a RoPE table of `rope_rows` positions. */
+static int positions_valid(const int64_t *positions, int64_t rows, int64_t rope_rows) {
+    for (int64_t r = 0; r < rows; ++r)
+        if (positions[r] < 0 || positions[r] >= rope_rows) return 0;
+    return 1;
+}
+
 /* What layer w reads: the step's own RoPE table and pages, or `second`'s (alt_rope, alt_pages). */
 static RopePages layer_inputs(const DecoderLayer *w, const RopePages *second, const RopePages *own) {
     RopePages in = *own;
-    if (w->alt_rope) in.cos = second->cos, in.sin = second->sin;
+    if (w->alt_rope) in.cos = second->cos, in.sin = second->sin, in.rope_rows = second->rope_rows;
     if (w->alt_pages)
         in.slots = second->slots, in.tables = second->tables, in.table_stride = second->table_stride,
         in.table_width = second->table_width, in.num_blocks = second->num_blocks;
@@ -164,7 +175,8 @@ static void attention_inputs(const DecoderShape *s, const Shape *pages, const De
     const int64_t qkv_size = q_size + 2 * kv_size;
     if (w->q_norm) rms_norm_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim, w->q_norm, s->eps);
     if (w->k_norm) rms_norm_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim, w->k_norm, s->eps);
-    rope_f32(qkv, qkv_size, s->num_heads, qkv + q_size, qkv_size, s->num_kv_heads, in->cos, in->sin, rows, s->head_dim);
+    rope_table_f32(qkv, qkv_size, s->num_heads, qkv + q_size, qkv_size, s->num_kv_heads, in->cos, in->sin, in->positions,
+                   rows, s->head_dim);
     if (s->rotate_keys) {
         hadamard_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim);
         hadamard_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim);
@@ -325,7 +337,8 @@ static int team_layers(float *x, int64_t rows, const DecoderLayer *layers, int64
 }
 
 int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64_t num_layers,
-                       const DecoderShape *shape, const float *cos, const float *sin, const int64_t *slots,
+                       const DecoderShape *shape, const float *cos, const float *sin, int64_t rope_rows,
+                       const int64_t *positions, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
                        const int32_t *seq_lens, float *workspace, const RopePages *second,
                        const uint64_t *masks, const DecoderHead *head) {
@@ -339,6 +352,8 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         (second && !pages_valid(layers, num_layers, 1, second->slots, rows, second->tables, second->table_stride,
                                 second->table_width, seq_lens, s.block_size, second->num_blocks, masks)))
         return -2;
+    if (!positions_valid(positions, rows, rope_rows) || (second && !positions_valid(positions, rows, second->rope_rows)))
+        return -2;
     if (head && (head->count < 1 || head->count > rows)) return -2;
     if (head)
         for (int64_t i = 0; i < head->count; ++i)
@@ -349,7 +364,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
-    const RopePages own = {cos, sin, slots, tables, table_stride, table_width, s.num_blocks};
+    const RopePages own = {cos, sin, rope_rows, positions, slots, tables, table_stride, table_width, s.num_blocks};
     if (team_fits(&s, layers, num_layers, rows, head)) {
         const StepBuffers buffers = {qkv, q, attn, proj, gate_up};
         return team_layers(x, rows, layers, num_layers, &s, &own, second, seq_lens, &pages, &buffers, head);

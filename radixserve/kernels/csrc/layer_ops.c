@@ -40,15 +40,17 @@ void rms_norm_add_f32(float *x, int64_t ldx, const float *y, int64_t ldy, const 
     }
 }
 
-/* Rotate every head of one token in place: x [heads, head_dim], cos/sin [head_dim]. */
-static void rotate(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+/* Rotate every head of one token in place: x [heads, head_dim]. cos/sin hold the angles of
+ * a head's first half at [0, half) and of its second at [second, second + half): second =
+ * half in a row that repeats them (rope_f32's), 0 in a table row that holds each once. */
+static void rotate(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin, int64_t second) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < heads; ++h) {
         float *a = x + h * head_dim, *b = a + half;
         for (int64_t i = 0; i < half; ++i) {
             const float x1 = a[i], x2 = b[i];
             a[i] = x1 * cos[i] - x2 * sin[i];
-            b[i] = x2 * cos[half + i] + x1 * sin[half + i];
+            b[i] = x2 * cos[second + i] + x1 * sin[second + i];
         }
     }
 }
@@ -60,8 +62,22 @@ void rope_f32(float *q, int64_t ldq, int64_t q_heads, float *k, int64_t ldk, int
               const float *cos, const float *sin, int64_t tokens, int64_t head_dim) {
 #pragma omp parallel for schedule(static) if (tokens * (q_heads + k_heads) * head_dim >= 65536)
     for (int64_t t = 0; t < tokens; ++t) {
-        rotate(q + t * ldq, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
-        rotate(k + t * ldk, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+        rotate(q + t * ldq, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim, head_dim / 2);
+        rotate(k + t * ldk, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim, head_dim / 2);
+    }
+}
+
+/* rope_f32 with each token's angles read from tables [positions, head_dim / 2] (one angle a
+ * pair: both halves of a head turn by it) at the token's position. */
+static void rope_table_f32(float *q, int64_t ldq, int64_t q_heads, float *k, int64_t ldk, int64_t k_heads,
+                           const float *cos, const float *sin, const int64_t *positions, int64_t tokens,
+                           int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * (q_heads + k_heads) * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        rotate(q + t * ldq, q_heads, head_dim, c, s, 0);
+        rotate(k + t * ldk, k_heads, head_dim, c, s, 0);
     }
 }
 
