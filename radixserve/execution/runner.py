@@ -3,7 +3,9 @@ model and the attention backends, that touches tensors."""
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import torch
 
@@ -234,7 +236,7 @@ class ModelRunner:
             block_size=bs,
             query_start_loc=self._tensor(query_start, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            block_tables=self._table_tensor(tables, torch.int32),
             slot_mapping=self._tensor(slots, torch.int64),
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
@@ -259,7 +261,7 @@ class ModelRunner:
         bs, page_of = self.block_size, self.window.page_of
         return replace(
             meta,
-            block_tables=self._tensor([self.window.window_table(t) for t in tables], torch.int32),
+            block_tables=self._table_tensor([self.window.window_table(t) for t in tables], torch.int32),
             slot_mapping=self._tensor([page_of[s // bs] * bs + s % bs for s in slots], torch.int64),
         )
 
@@ -289,8 +291,21 @@ class ModelRunner:
             grammar=request.grammar,
         )
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ints. On the host by way of an array, which torch reads without
+        converting each element: ~1 us against torch.tensor's ~3, for the seven a step makes."""
+        if self.device.type == "cpu" and values:
+            return torch.frombuffer(array.array(_ARRAY_TYPES[dtype], values), dtype=dtype)
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _table_tensor(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        """[len(rows), width] from rows of one width."""
+        width = len(rows[0]) if rows else 0
+        return self._tensor(list(chain.from_iterable(rows)), dtype).view(len(rows), width)
+
+
+_ARRAY_TYPES = {torch.int32: "i", torch.int64: "q"}  # array.array's codes of the same widths
+assert array.array("i").itemsize == 4 and array.array("q").itemsize == 8
 
 
 def _batch_order(chunk: ScheduledChunk) -> tuple[bool, list[int]]:

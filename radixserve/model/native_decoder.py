@@ -126,6 +126,7 @@ class NativeDecoder:
         self._layers: ctypes.Array | None = None
         self._pool_key: tuple[int, int] | None = None
         self._shape: _Shape | None = None
+        self._tables_seen: list[RopeTables] = []  # the latest that passed _is_table (kept alive: `is` below)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None,
@@ -173,9 +174,8 @@ class NativeDecoder:
                 and (pool.kv.dtype == torch.float32 or pool.pages is not None)):
             return False
         local = rope if local is None else local
-        half = self._spec.head_dim // 2
         if not (positions.dtype == torch.int64 and positions.shape == (rows,) and positions.is_contiguous()
-                and _is_table(rope, half) and _is_table(local, half)):
+                and self._known_tables(rope) and self._known_tables(local)):
             return False
         tables, seq_lens = full.decode_block_tables, full.decode_seq_lens
         (cos, sin), (local_cos, local_sin) = rope, local
@@ -200,6 +200,17 @@ class NativeDecoder:
             raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
         if head is not None:
             head.logits = logits
+        return True
+
+    def _known_tables(self, tables: RopeTables) -> bool:
+        """Whether these are RoPE tables this path reads (checked once per table: the model's
+        stay the same tensors until they grow)."""
+        cos, sin = tables
+        if any(cos is c and sin is s for c, s in self._tables_seen):
+            return True
+        if not _is_table(tables, self._spec.head_dim // 2):
+            return False
+        self._tables_seen = [*self._tables_seen[-1:], (cos, sin)]  # a step's own tables and its second
         return True
 
     def _head_call(self, head: HeadRows | None, rows: int) -> tuple[torch.Tensor | None, _Head | None]:
