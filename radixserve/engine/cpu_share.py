@@ -12,8 +12,11 @@ So each step runs inside `step_team()`, which asks `threads()`: the usable cores
 mask, capped by a cgroup CPU quota) less the cores other processes used on them lately,
 measured from /proc/stat against this process's own CPU time every `interval_s`. A drop
 applies at once; a rise only once two samples in a row allow it, so a neighbour that
-pauses for an instant does not make the team grow and shrink each step. With `fixed` set
-(--num-threads) nothing is measured.
+pauses for an instant does not make the team grow and shrink each step. A window that spans
+a pause in stepping (idle_reset_s or more without a step) is not judged: it mostly measures
+what ran while the engine had nothing to do, such as the tool an agent ran before sending
+its next request, which is done by the time the request comes; a new window starts with
+the step. With `fixed` set (--num-threads) nothing is measured.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.kernels.openmp_pool import set_team_size, team_size
@@ -30,6 +34,7 @@ from radixserve.kernels.openmp_pool import set_team_size, team_size
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.25
+IDLE_RESET_S = 0.25  # no step for this long: the next step starts a new window (module docstring)
 # Others' load below this many cores does not take a team thread away: short bursts (the
 # client's own process, the kernel's work) should not halve a step's parallelism.
 IDLE_SLACK_CORES = 0.3
@@ -52,25 +57,32 @@ class CpuSnapshot:
 class CpuShare:
     """The team size for the next step; see the module docstring."""
 
-    def __init__(self, fixed: int | None = None, interval_s: float = SAMPLE_INTERVAL_S):
+    def __init__(self, fixed: int | None = None, interval_s: float = SAMPLE_INTERVAL_S,
+                 idle_reset_s: float = IDLE_RESET_S, clock: Callable[[], float] = time.monotonic):
         self.usable = usable_cores()
         self.fixed = fixed
         self.interval_s = interval_s
+        self.idle_reset_s = idle_reset_s
+        self._clock = clock
+        self._stepped_at: float | None = None  # when the last step_team ended
         self.current = fixed if fixed else self.usable
         self.others = 0.0
         self.reductions = 0
         self._cpus = _affinity()
         self._clock_hz = os.sysconf("SC_CLK_TCK")
         self._last = self._sample() if not fixed else None
-        self._last_at = time.monotonic()
+        self._last_at = clock()
         self._rise_votes = 0
 
     def threads(self) -> int:
         """The team size for a step starting now (re-measured at most every interval_s)."""
         if self.fixed or self._last is None:
             return self.current
-        now = time.monotonic()
-        if now - self._last_at >= self.interval_s:
+        now = self._clock()
+        if self._stepped_at is not None and now - self._stepped_at >= self.idle_reset_s:
+            self._stepped_at = None
+            self._restart_window(now)
+        elif now - self._last_at >= self.interval_s:
             self._update(now)
         return self.current
 
@@ -85,6 +97,7 @@ class CpuShare:
         try:
             yield want
         finally:
+            self._stepped_at = self._clock()
             if want != before:
                 set_team_size(before)
 
@@ -98,6 +111,14 @@ class CpuShare:
                 f"take cores (re-measured every {self.interval_s:g}s; --num-threads fixes the count)")
 
     # ---- measuring ----------------------------------------------------------------
+
+    def _restart_window(self, now: float) -> None:
+        """A new sample window from now, the team kept as it is."""
+        sample = self._sample()
+        if sample is None:
+            self._last = None
+            return
+        self._last, self._last_at = sample, now
 
     def _update(self, now: float) -> None:
         sample = self._sample()

@@ -87,6 +87,34 @@ def test_a_neighbour_shrinks_the_team_at_once_and_it_grows_back_after_two_quiet_
     assert (snap.usable_cores, snap.threads, snap.fixed, snap.reductions) == (2, 1, False, 2)
 
 
+def test_what_ran_while_the_engine_sat_idle_does_not_shrink_the_next_steps(machine):
+    """An agent's tool runs while the engine waits for the agent's next request: a window that
+    spans the pause is not judged; one the engine stepped through is."""
+    now = [0.0]
+    share = CpuShare(interval_s=0.25, idle_reset_s=0.25, clock=lambda: now[0])
+
+    def steps(seconds: float, busy: list[int], own: int) -> list[int]:
+        """Back-to-back steps for `seconds` (0.1 s each) while the CPUs see `busy` ticks and we
+        `own` of them per step; the team size of each."""
+        teams = []
+        for _ in range(round(seconds / 0.1)):
+            machine.advance(10, busy, own)
+            now[0] += 0.1
+            with share.step_team() as threads:
+                teams.append(threads)
+        return teams
+
+    assert steps(0.5, [9, 9], own=18) == [2] * 5
+    machine.advance(100, [100, 100], own=0)  # the tool: both cores busy for a second, no step
+    now[0] += 1.0
+    assert steps(1.0, [9, 9], own=18) == [2] * 10 and share.reductions == 0  # the request after it
+    teams = steps(1.0, [10, 10], own=12)  # a neighbour takes 0.8 cores while we step
+    assert teams[0] == 2 and teams[-1] == 1 and share.reductions == 1
+    machine.advance(100, [100, 100], own=0)  # idle again, the neighbour still running
+    now[0] += 1.0
+    assert steps(1.0, [10, 10], own=8) == [1] * 10 and share.others == pytest.approx(1.2)
+
+
 def test_cpus_outside_the_affinity_mask_are_not_counted(tmp_path, monkeypatch):
     fake = FakeMachine(tmp_path / "stat", cpus=4)
     monkeypatch.setattr(cpu_share, "_STAT", str(fake.path))
