@@ -85,8 +85,8 @@ class ModelRunner:
         self.eos_token_ids = stop_token_ids
         # over a hybrid pool, the window layers read their pages through the step's window plan
         native = config.native_decoder and self.backend.hosts_native_decoder
-        model.native = (NativeDecoder.for_model(spec, model.layers, list(spec.layer_windows), model.native_head())
-                        if native else None)
+        model.native = (NativeDecoder.for_model(spec, model.layers, list(spec.layer_windows), model.native_head(),
+                                                model.native_embedding()) if native else None)
         model.use_onednn_linear(config.onednn_linear)
         model.use_bf16_matmuls(config.prefill_matmul_dtype == "bfloat16")
         model.use_integer_prompt_matmuls(config.quantized_prompt_matmul == "integer")

@@ -109,7 +109,8 @@ SIGNATURES: dict[str, Signature] = {
     ),
     "decoder_layers_f32": Signature(
         "decoder_layers.c",
-        (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR),
+        (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+         _PTR),
         _INT,
     ),
 }

@@ -22,7 +22,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels.onednn_linear import bf16_available
 from radixserve.kernels.quant_linear import QuantWeight, concat_rows, lanes_preferred
 from radixserve.model.layers import Embedding, Linear, RMSNorm, StepRows, linear, quantized_linear
-from radixserve.model.native_decoder import HeadRows
+from radixserve.model.native_decoder import EmbeddingRows, HeadRows, RopeTables
 from radixserve.model.spec import ModelSpec
 
 # How llama.cpp names a block's tensors (blk.N.<stem>.weight) -> transformers' name under model.layers.N.
@@ -66,7 +66,6 @@ class CausalLM(nn.Module):
         self.integer_prompt = True  # quantized weights' prompt-sized rows by the integer kernel
         self.step_rows = StepRows()
         self.native = None  # a NativeDecoder where the family and the step allow one (the runner sets it)
-        self.head_rows: HeadRows | None = None  # this step's rows that want logits, where native computes them
 
     @torch.inference_mode()
     def forward(
@@ -83,11 +82,15 @@ class CausalLM(nn.Module):
         `plan` is what `backend.prepare` made of the step's metadata; the first `decodes`
         tokens are single-query rows (decodes, drafts), kept float32 under bf16 matmuls."""
         self.step_rows.decodes = decodes
-        head = self.head_rows = HeadRows(logits_indices) if self.native is not None and self.native.has_head else None
-        x = self.run_layers(self.embed(input_ids), positions, backend, pool, plan)
-        self.head_rows = None
-        if head is not None and head.logits is not None:
-            return head.logits
+        x = None if self.native is None or self.native.has_embedding else self.embed(input_ids)
+        rope = self.native_rope(positions) if self.native is not None else None
+        if rope is not None:
+            head = HeadRows(logits_indices) if self.native.has_head else None
+            out = self.native.run(input_ids, positions, rope[0], pool, plan, local=rope[1], head=head, x=x)
+            if out is not None:
+                return head.logits if head is not None and head.logits is not None else self.logits(
+                    self.norm(out[logits_indices]))
+        x = self.run_layers(self.embed(input_ids) if x is None else x, positions, backend, pool, plan)
         return self.logits(self.norm(x[logits_indices]))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -96,6 +99,22 @@ class CausalLM(nn.Module):
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:
         raise NotImplementedError
+
+    def native_rope(self, positions: torch.Tensor) -> tuple[RopeTables, RopeTables | None] | None:
+        """The RoPE tables the native decoder reads for these positions (the step's own, and the
+        window layers' where they have their own), or None: this family's layers do not run in
+        the native decoder (the default)."""
+        return None
+
+    def native_embedding(self) -> EmbeddingRows | None:
+        """The rows the native decoder looks a token's id up in and their scale, where `embed`
+        is that lookup (the default: the embedding, unscaled); None where it is not."""
+        if type(self).embed is not CausalLM.embed:
+            return None
+        return self._embedding_rows(), None
+
+    def _embedding_rows(self) -> torch.Tensor | QuantWeight:
+        return self.embed_tokens.quant if self.embed_tokens.quant is not None else self.embed_tokens.weight
 
     def build_rotary(self, max_positions: int, device: torch.device) -> None:
         """Compute the RoPE tables once the model is placed (they are not in checkpoints)."""

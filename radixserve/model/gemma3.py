@@ -105,14 +105,17 @@ class Gemma3ForCausalLM(CausalLM):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:
-        if self.native is not None and self.native.run(x, positions, self.rotary.tables(positions), pool, plan,
-                                                       local=self.rotary_local.tables(positions), head=self.head_rows):
-            return x
         full = self.rotary.lookup(positions, x.dtype)
         local = self.rotary_local.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, local if layer.self_attn.window else full, backend, pool, plan)
         return x
+
+    def native_rope(self, positions: torch.Tensor):
+        return self.rotary.tables(positions), self.rotary_local.tables(positions)
+
+    def native_embedding(self):
+        return self._embedding_rows(), self.embed_scale
 
     def native_head(self):
         return None if self.final_softcap else self._plain_head()

@@ -103,11 +103,11 @@ class LlamaForCausalLM(CausalLM):
         """Layer `layer_index`'s MLP: Llama's dense one (a family of experts makes its own)."""
         return MLP(spec)
 
+    def native_rope(self, positions: torch.Tensor):
+        return self.rotary.tables(positions), None
+
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
                    plan: AttentionPlan) -> torch.Tensor:
-        if self.native is not None and self.native.run(x, positions, self.rotary.tables(positions), pool, plan,
-                                                       head=self.head_rows):
-            return x
         rope = self.rotary.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, backend, pool, plan)

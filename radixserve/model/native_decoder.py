@@ -87,6 +87,14 @@ class _Head(ctypes.Structure):
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos and sin [positions, head_dim / 2], float32
+EmbeddingRows = tuple[torch.Tensor | QuantWeight, float | None]  # [vocab, hidden] rows, and a scale or None
+
+
+class _Embed(ctypes.Structure):
+    """The embedding and the step's token ids, x's first value (decoder_layers.c)."""
+
+    _fields_ = [("w", _Weight), ("vocab", ctypes.c_int64), ("ids", ctypes.c_void_p), ("scale", ctypes.c_float),
+                ("scaled", ctypes.c_int64)]
 
 
 def _is_table(tables: RopeTables, half: int) -> bool:
@@ -108,12 +116,14 @@ class NativeDecoder:
     the pool's, and a workspace reused across steps."""
 
     def __init__(self, kernel, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None,
-                 head: tuple[torch.Tensor, QuantWeight] | None = None):
+                 head: tuple[torch.Tensor, QuantWeight] | None = None, embedding: EmbeddingRows | None = None):
         if windows is not None and len(windows) != len(layers):
             raise ValueError(f"{len(windows)} sliding windows for {len(layers)} layers")
         self._kernel = kernel
         self._head = head  # the final norm's weight and the quantized head (kept alive: pointers below)
         self._head_weight = _quant_weight(head[1]) if head is not None else None
+        self._embedding = embedding if _embedding_ok(embedding, spec) else None  # kept alive: pointers below
+        self._embed_weight = _embedding_weight(self._embedding[0]) if self._embedding is not None else None
         self._spec = spec
         self._weights = [_layer_weights(layer) for layer in layers]
         self._norms = [_layer_norms(layer) for layer in layers]
@@ -130,10 +140,12 @@ class NativeDecoder:
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: nn.ModuleList, windows: list[int] | None = None,
-                  head: tuple[torch.Tensor, QuantWeight] | None = None) -> NativeDecoder | None:
+                  head: tuple[torch.Tensor, QuantWeight] | None = None,
+                  embedding: EmbeddingRows | None = None) -> NativeDecoder | None:
         """The decoder for these layers (windows: each layer's sliding window, 0 or None for
         full attention; head: the final norm's weight and the quantized head, or None: the
-        model computes the logits), or None where the C path does not apply (another device or
+        model computes the logits; embedding: the rows a token's id looks up and their scale,
+        or None: the model embeds), or None where the C path does not apply (another device or
         dtype, sizes the matmul kernel refuses, kernels disabled or not buildable)."""
         if not all(_dense(layer.mlp) or _native_experts(layer.mlp) for layer in layers):
             return None  # a layer with an MLP the C side does not run: layer by layer
@@ -150,33 +162,51 @@ class NativeDecoder:
         ):
             return None
         kernel = _kernel()
-        return None if kernel is None else cls(kernel, spec, layers, windows, head)
+        return None if kernel is None else cls(kernel, spec, layers, windows, head, embedding)
 
     @property
     def has_head(self) -> bool:
         return self._head is not None
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeTables, pool: KVPool, plan: AttentionPlan,
-            local: RopeTables | None = None, head: HeadRows | None = None) -> bool:
-        """Run every layer on x [T, hidden] in place; False (x untouched) where the step is
-        not one this path takes: prefill chunks laid out as chunks (not single-query rows),
-        more rows than the matmul kernel takes, or another attention backend's plan.
-        `positions` [T] int64; `rope`: float32 cos and sin tables [positions, head_dim / 2]
-        covering them (layers.RotaryEmbedding.tables). `local`: the window layers' own tables
-        (Gemma 3), else they take `rope`; a hybrid pool's window layers read their pages
-        through the plan's window plan. `head`: the rows that want logits, given them here
-        where this decoder holds the model's head."""
-        rows = x.shape[0]
+    @property
+    def has_embedding(self) -> bool:
+        return self._embedding is not None
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, rope: RopeTables, pool: KVPool, plan: AttentionPlan,
+            local: RopeTables | None = None, head: HeadRows | None = None,
+            x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every layer of the step over its tokens `ids` [T] int64: the hidden states [T, hidden]
+        after the last layer, or None (nothing done) where the step is not one this path takes:
+        prefill chunks laid out as chunks (not single-query rows), more rows than the matmul
+        kernel takes, or another attention backend's plan. `x`: the tokens' embedded rows,
+        updated in place and returned, where this decoder does not hold the embedding (None
+        where it does: it writes them). `positions` [T] int64; `rope`: float32 cos and sin
+        tables [positions, head_dim / 2] covering them (layers.RotaryEmbedding.tables).
+        `local`: the window layers' own tables (Gemma 3), else they take `rope`; a hybrid pool's
+        window layers read their pages through the plan's window plan. `head`: the rows that
+        want logits, given them here where this decoder holds the model's head."""
+        rows = ids.shape[0]
         full, window = plan_for(plan, 0), plan_for(plan, 1)
         if not (isinstance(full, CpuPlan) and isinstance(window, CpuPlan) and full.num_decodes == rows
                 and window.num_decodes == rows and 0 < rows <= max_rows()
-                and x.is_contiguous() and x.dtype == torch.float32
                 and (pool.kv.dtype == torch.float32 or pool.pages is not None)):
-            return False
+            return None
         local = rope if local is None else local
-        if not (positions.dtype == torch.int64 and positions.shape == (rows,) and positions.is_contiguous()
+        if not (ids.dtype == torch.int64 and ids.shape == (rows,) and ids.is_contiguous()
+                and positions.dtype == torch.int64 and positions.shape == (rows,) and positions.is_contiguous()
                 and self._known_tables(rope) and self._known_tables(local)):
-            return False
+            return None
+        if x is None:
+            if self._embedding is None:
+                raise ValueError("this native decoder does not hold the embedding: pass the embedded rows")
+            x = torch.empty(rows, self._spec.hidden_size)
+            scale = self._embedding[1]
+            embed = _Embed(self._embed_weight, self._embedding[0].shape[0], ids.data_ptr(),
+                           0.0 if scale is None else scale, scale is not None)
+        elif x.shape == (rows, self._spec.hidden_size) and x.is_contiguous() and x.dtype == torch.float32:
+            embed = None
+        else:
+            return None
         tables, seq_lens = full.decode_block_tables, full.decode_seq_lens
         (cos, sin), (local_cos, local_sin) = rope, local
         wtables = window.decode_block_tables
@@ -189,18 +219,19 @@ class NativeDecoder:
         status = self._kernel(
             x.data_ptr(), rows, layers, len(self._weights), ctypes.byref(shape),
             cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(), full.slot_mapping.data_ptr(),
-            tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(), ctypes.byref(second),
+            tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(), workspace.data_ptr(),
+            ctypes.byref(second),
             None if full.decode_tree_masks is None else full.decode_tree_masks.data_ptr(),
-            None if head_call is None else ctypes.byref(head_call),
+            None if head_call is None else ctypes.byref(head_call), None if embed is None else ctypes.byref(embed),
         )
         if status == -2:
             raise ValueError("a slot, context length or block id is outside the KV pool, a position outside the RoPE "
-                             "table, or a logits row outside the step")
+                             "table, a token id outside the embedding, or a logits row outside the step")
         if status:  # after some layers: x and the pool's slots of this step are partly written
             raise RuntimeError("the native decoder could not allocate its scratch memory (step left half done)")
         if head is not None:
             head.logits = logits
-        return True
+        return x
 
     def _known_tables(self, tables: RopeTables) -> bool:
         """Whether these are RoPE tables this path reads (checked once per table: the model's
@@ -320,6 +351,23 @@ def _layer_norms(layer: nn.Module) -> tuple[int | None, ...]:
         return (_ptr(q_norm), _ptr(k_norm), _ptr(layer.post_attention_layernorm.weight),
                 _ptr(layer.post_feedforward_layernorm.weight))
     return _ptr(q_norm), _ptr(k_norm), None, None
+
+
+def _embedding_ok(embedding: EmbeddingRows | None, spec: ModelSpec) -> bool:
+    """Rows this path looks up: quantized, or float32 contiguous on the host, [vocab, hidden]."""
+    if embedding is None:
+        return False
+    weight = embedding[0]
+    if isinstance(weight, QuantWeight):
+        return weight.codes.device.type == "cpu" and weight.shape[1] == spec.hidden_size
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] == spec.hidden_size)
+
+
+def _embedding_weight(weight: torch.Tensor | QuantWeight) -> _Weight:
+    if isinstance(weight, QuantWeight):
+        return _quant_weight(weight)
+    return _Weight(weight.data_ptr(), None, None, None, 0, 0, 0, 0, 0)
 
 
 def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:

@@ -415,7 +415,7 @@ def test_native_decoder_gives_each_layer_its_window_bit_for_bit(tiny_model_dir, 
     assert fused_tokens == layer_tokens
     assert len(fused_logits) == len(layer_logits)
     assert all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
-    assert sum(native_steps) >= 15, "the decode steps ran natively"
+    assert sum(out is not None for out in native_steps) >= 15, "the decode steps ran natively"
     with pytest.raises(ValueError, match="windows for"):
         NativeDecoder.for_model(spec, fused.runner.model.layers, windows[:-1])
 

@@ -32,9 +32,9 @@ def _recording(engine: Engine) -> tuple[list[torch.Tensor], list[bool]]:
     run = decoder.run
 
     def recorded(*args, **kwargs):
-        took = run(*args, **kwargs)
-        native.append(took)
-        return took
+        out = run(*args, **kwargs)
+        native.append(out is not None)
+        return out
 
     decoder.run = recorded
     return logits, native
@@ -230,17 +230,21 @@ def test_steps_it_does_not_take_leave_x_untouched(tiny_model_dir):
     spec = engine.runner.spec
     rope = _tables(spec, 300)
     x = torch.randn(2, spec.hidden_size)
-    before, positions = x.clone(), torch.tensor([5, 6])
+    before, positions, ids = x.clone(), torch.tensor([5, 6]), torch.tensor([7, 8])
+    kv_before = pool.kv.clone()
     with_prefill = _plan(num_decodes=1, rows=2)
-    assert decoder.run(x, positions, rope, pool, with_prefill) is False
-    too_many = max_rows() + 1
-    assert decoder.run(torch.randn(too_many, spec.hidden_size), torch.arange(too_many), rope, pool,
-                       _plan(too_many, too_many)) is False
-    assert decoder.run(x, positions, rope, pool, object()) is False  # another backend's plan
-    full_width = (torch.ones(300, spec.head_dim), torch.ones(300, spec.head_dim))  # not a table of half rows
-    assert decoder.run(x, positions, full_width, pool, _plan(2, 2)) is False
-    assert decoder.run(x, positions.int(), rope, pool, _plan(2, 2)) is False
-    assert torch.equal(x, before)
+    for given in (x, None):  # the embedded rows, or the decoder's own lookup
+        assert decoder.run(ids, positions, rope, pool, with_prefill, x=given) is None
+        too_many = max_rows() + 1
+        assert decoder.run(torch.arange(too_many), torch.arange(too_many), rope, pool, _plan(too_many, too_many),
+                           x=None if given is None else torch.randn(too_many, spec.hidden_size)) is None
+        assert decoder.run(ids, positions, rope, pool, object(), x=given) is None  # another backend's plan
+        full_width = (torch.ones(300, spec.head_dim), torch.ones(300, spec.head_dim))  # not a table of half rows
+        assert decoder.run(ids, positions, full_width, pool, _plan(2, 2), x=given) is None
+        assert decoder.run(ids, positions.int(), rope, pool, _plan(2, 2), x=given) is None
+        assert decoder.run(ids.int(), positions, rope, pool, _plan(2, 2), x=given) is None
+    assert decoder.run(ids, positions, rope, pool, _plan(2, 2), x=x[:1]) is None  # rows of another shape
+    assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
 
 
 @needs_kernel
@@ -252,8 +256,22 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(tiny_mode
     before, kv_before = x.clone(), pool.kv.clone()
     plan = _plan(1, 1, slot=num_slots)
     with pytest.raises(ValueError, match="outside the KV pool"):
-        decoder.run(x, torch.tensor([0]), _tables(spec, 8), pool, plan)
+        decoder.run(torch.tensor([3]), torch.tensor([0]), _tables(spec, 8), pool, plan, x=x)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_a_token_id_outside_the_embedding_is_refused_before_anything_is_written(tiny_model_dir, weights):
+    engine = Engine(str(tiny_model_dir("llama")), num_kv_blocks=64, weight_dtype=weights)
+    decoder, pool, spec = engine.runner.model.native, engine.runner.pool, engine.runner.spec
+    assert decoder.has_embedding
+    kv_before = pool.kv.clone()
+    for bad in (spec.vocab_size, -1):
+        with pytest.raises(ValueError, match="a token id outside the embedding"):
+            decoder.run(torch.tensor([3, bad]), torch.tensor([0, 1]), _tables(spec, 8), pool, _plan(2, 2))
+    assert torch.equal(pool.kv, kv_before)
+    engine.check_integrity()
 
 
 @needs_kernel
@@ -264,7 +282,7 @@ def test_a_position_outside_the_rope_table_is_refused_before_anything_is_written
     x = torch.randn(2, spec.hidden_size)
     before, kv_before = x.clone(), pool.kv.clone()
     with pytest.raises(ValueError, match="a position outside the RoPE table"):
-        decoder.run(x, torch.tensor([3, position]), _tables(spec, 8), pool, _plan(2, 2))
+        decoder.run(torch.tensor([4, 5]), torch.tensor([3, position]), _tables(spec, 8), pool, _plan(2, 2), x=x)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before)
     engine.check_integrity()
 
@@ -278,7 +296,7 @@ def test_a_logits_row_outside_the_step_is_refused_before_anything_is_written(tin
     before, kv_before = x.clone(), pool.kv.clone()
     head = HeadRows(torch.tensor([1]))  # the step has one row: row 1 is not in it
     with pytest.raises(ValueError, match="logits row outside the step"):
-        decoder.run(x, torch.tensor([0]), _tables(spec, 8), pool, _plan(1, 1), head=head)
+        decoder.run(torch.tensor([3]), torch.tensor([0]), _tables(spec, 8), pool, _plan(1, 1), head=head, x=x)
     assert torch.equal(x, before) and torch.equal(pool.kv, kv_before) and head.logits is None
     engine.check_integrity()
 

@@ -164,7 +164,7 @@ def test_the_native_decoder_gives_the_layer_paths_logits_bit_for_bit(tiny_moe_al
     (fused_logits, took, fused_tokens), (layer_logits, _, layer_tokens) = runs
     assert fused_tokens == layer_tokens
     assert len(fused_logits) == len(layer_logits) and all(torch.equal(a, b) for a, b in zip(fused_logits, layer_logits))
-    assert sum(took) >= 11, "the decode steps ran natively"
+    assert sum(out is not None for out in took) >= 11, "the decode steps ran natively"
 
 
 def test_only_the_selected_experts_are_read(tiny_moe):

@@ -16,7 +16,7 @@
  * GELU-tanh gate (shape->activation), and window layers with a RoPE table of their own; a
  * layer may hold a mixture of experts in place of the dense MLP (Qwen3-MoE: the router's
  * logits, then moe_experts_f32, the call model/moe.py makes at these sizes).
- *   x          [rows, hidden] the residual stream, updated in place
+ *   x          [rows, hidden] the residual stream, updated in place (written first from `embed` where given)
  *   cos, sin   [rope_rows, head_dim / 2] RoPE tables by position, each angle once (rope_table_f32)
  *   positions  [rows] each row's position (< rope_rows, and < the second table's rope_rows)
  *   slots      [rows] flat pool slot of each row's new K/V (float32 caches, or int8 pages: shape->kv_int8)
@@ -27,6 +27,7 @@
  *   workspace  rows * (2 hidden + qkv + 2 q + 3 intermediate + experts) floats: normed x, qkv, q,
  *              attention out, projection out, gate_up, activation (qkv = q + 2 kv), the router's
  *              logits (experts: the most of any layer)
+ *   embed      NULL (x holds the rows), or the embedding and the step's token ids: x is written from them
  *   second     NULL, or the step's second RoPE table (layers with alt_rope: Gemma 3's window layers)
  *              and second set of pages (layers with alt_pages: a hybrid pool's window layers, whose
  *              pages have tables and slots of their own; the same rows and lengths)
@@ -88,6 +89,43 @@ typedef struct {
     const int32_t *tables;
     int64_t table_stride, table_width, num_blocks;
 } RopePages;
+
+/* The embedding's rows of the step's tokens: x's first value, as the model's embed gives it
+ * (quantized rows as quant_dequantize_f32 dequantizes them, float32 rows copied), times `scale`
+ * where scaled (Gemma 3's sqrt(hidden), one float32 product). */
+typedef struct {
+    LayerWeight w; /* [vocab, hidden] */
+    int64_t vocab;
+    const int64_t *ids; /* [rows] */
+    float scale;
+    int64_t scaled;
+} DecoderEmbed;
+
+static int embed_valid(const DecoderEmbed *e, int64_t rows, int64_t hidden) {
+    if (e->w.codes) {
+        const QWeight q = {e->w.codes, e->w.scale, e->w.offset, e->vocab, hidden, e->w.bits, e->w.group, e->w.zero,
+                           e->w.half, e->w.lanes};
+        if (!weight_valid(&q)) return 0;
+    } else if (!e->w.w) {
+        return 0;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        if (e->ids[r] < 0 || e->ids[r] >= e->vocab) return 0;
+    return 1;
+}
+
+/* Row r's embedding into dst [hidden]. */
+static void embed_row(const DecoderEmbed *e, int64_t hidden, int64_t r, float *dst) {
+    if (e->w.codes) {
+        const QWeight q = {e->w.codes, e->w.scale, e->w.offset, e->vocab, hidden, e->w.bits, e->w.group, e->w.zero,
+                           e->w.half, e->w.lanes};
+        dequantize_row_n(&q, e->ids[r], dst);
+    } else {
+        memcpy(dst, e->w.w + e->ids[r] * hidden, sizeof(float) * hidden);
+    }
+    if (e->scaled)
+        for (int64_t i = 0; i < hidden; ++i) dst[i] = dst[i] * e->scale;
+}
 
 /* The logits of rows [count] of x after the layers: RMSNorm by `norm`, then the head [vocab, hidden]. */
 typedef struct {
@@ -341,7 +379,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
                        const int64_t *positions, const int64_t *slots,
                        const int32_t *tables, int64_t table_stride, int64_t table_width,
                        const int32_t *seq_lens, float *workspace, const RopePages *second,
-                       const uint64_t *masks, const DecoderHead *head) {
+                       const uint64_t *masks, const DecoderHead *head, const DecoderEmbed *embed) {
     const DecoderShape s = *shape;
     const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
@@ -354,6 +392,7 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
         return -2;
     if (!positions_valid(positions, rows, rope_rows) || (second && !positions_valid(positions, rows, second->rope_rows)))
         return -2;
+    if (embed && !embed_valid(embed, rows, s.hidden)) return -2;
     if (head && (head->count < 1 || head->count > rows)) return -2;
     if (head)
         for (int64_t i = 0; i < head->count; ++i)
@@ -364,6 +403,9 @@ int decoder_layers_f32(float *x, int64_t rows, const DecoderLayer *layers, int64
     Shape pages = {NULL, NULL, s.page_bytes, s.code_bytes, (int)s.kv_int8, s.num_heads, s.num_kv_heads,
                    s.head_dim, s.block_size, s.scale};
     pages.masks = masks;
+    if (embed)
+#pragma omp parallel for schedule(static) if (rows * s.hidden >= 65536)
+        for (int64_t r = 0; r < rows; ++r) embed_row(embed, s.hidden, r, x + r * s.hidden);
     const RopePages own = {cos, sin, rope_rows, positions, slots, tables, table_stride, table_width, s.num_blocks};
     if (team_fits(&s, layers, num_layers, rows, head)) {
         const StepBuffers buffers = {qkv, q, attn, proj, gate_up};

@@ -155,6 +155,19 @@ static void dequantize_row(const QWeight *w, const uint8_t *c, const void *s, co
     }
 }
 
+/* Row n of the weight into dst [K], in either layout. */
+static void dequantize_row_n(const QWeight *w, int64_t n, float *dst) {
+    const int64_t groups = w->K / w->group, rb = row_bytes(w), scale_bytes = w->half ? 2 : 4;
+    const uint8_t *c = w->codes + n * rb;
+    int64_t first = n * groups, stride = 1; /* row n's first group value, and the next one's distance */
+    if (w->lanes) {
+        const int64_t block = n / LANES, lane = n % LANES;
+        c = w->codes + block * rb * LANES + 4 * lane, first = block * groups * LANES + lane, stride = LANES;
+    }
+    dequantize_row(w, c, (const char *)w->scale + first * scale_bytes,
+                   w->offset ? (const char *)w->offset + first * scale_bytes : NULL, stride, dst);
+}
+
 /* The float32 weight rows `rows` [count] (or 0..count-1 when NULL) into out [count, K]: the
  * embedding's lookup, and a whole weight for the BLAS at prompt sizes. */
 int quant_dequantize_f32(const uint8_t *codes, const void *scale, const void *offset, int64_t N, int64_t K,
@@ -164,18 +177,7 @@ int quant_dequantize_f32(const uint8_t *codes, const void *scale, const void *of
     if (!weight_valid(&w)) return -1;
     for (int64_t i = 0; i < count; ++i)
         if (rows ? rows[i] < 0 || rows[i] >= N : i >= N) return -2;
-    const int64_t groups = K / group, rb = row_bytes(&w), scale_bytes = half ? 2 : 4;
 #pragma omp parallel for schedule(static) if (count * K >= 65536)
-    for (int64_t i = 0; i < count; ++i) {
-        const int64_t n = rows ? rows[i] : i;
-        const uint8_t *c = codes + n * rb;
-        int64_t first = n * groups, stride = 1; /* row n's first group value, and the next one's distance */
-        if (lanes) {
-            const int64_t block = n / LANES, lane = n % LANES;
-            c = codes + block * rb * LANES + 4 * lane, first = block * groups * LANES + lane, stride = LANES;
-        }
-        dequantize_row(&w, c, (const char *)scale + first * scale_bytes,
-                       offset ? (const char *)offset + first * scale_bytes : NULL, stride, out + i * K);
-    }
+    for (int64_t i = 0; i < count; ++i) dequantize_row_n(&w, rows ? rows[i] : i, out + i * K);
     return 0;
 }
