@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,6 +252,26 @@ def test_build_all_builds_every_c_source_of_the_package():
 
     assert build_all() == ["decoder_layers.c", "delta_rule.c", "layer_ops.c", "moe_experts.c", "paged_attention.c",
                            "prefill_attention.c", "quant_linear.c", "skinny_linear.c"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("source", sorted(p.name for p in (Path(__file__).parents[2] / "radixserve/kernels/csrc").glob("*.c")))
+def test_every_c_source_builds_with_openmp(tmp_path, source):
+    """A source that fails to build with -fopenmp is built without it, with a warning only, and its
+    parallel regions then run on one thread: where the compiler has OpenMP, each must build with it."""
+    from radixserve.kernels import native_build
+
+    compiler = native_build.os.environ.get("CC") or native_build.shutil.which("cc") or native_build.shutil.which("gcc")
+    probe = tmp_path / "probe.c"
+    probe.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+    try:
+        native_build._compile(compiler, probe, native_build._OPENMP, tmp_path / "probe.so")
+    except subprocess.CalledProcessError:
+        pytest.skip("this compiler has no OpenMP")
+    try:
+        native_build._compile(compiler, native_build.CSRC / source, native_build._OPENMP, tmp_path / "k.so")
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"{source} does not build with OpenMP:\n{exc.stderr[:2000]}")
 
 
 @needs_kernel
