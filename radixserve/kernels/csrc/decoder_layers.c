@@ -154,16 +154,16 @@ typedef struct {
     float eps, scale;
 } DecoderShape;
 
-/* Row r's new K/V into its slot: copied, or quantized into int8 pages. */
-static void store_row(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const float *k,
-                      const float *v, int64_t slot) {
-    const int64_t kv_size = s->num_kv_heads * s->head_dim;
+/* KV heads [first, end) of a row's new K/V into its slot: copied, or quantized into int8 pages. */
+static void store_heads(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const float *k,
+                        const float *v, int64_t slot, int64_t first, int64_t end) {
+    const int64_t kv_size = s->num_kv_heads * s->head_dim, at = first * s->head_dim;
     if (s->kv_int8) {
-        store_token_i8(pages, k, v, w->k_cache, w->v_cache, slot);
+        store_heads_i8(pages, k, v, w->k_cache, w->v_cache, slot, first, end);
         return;
     }
-    memcpy((float *)w->k_cache + slot * kv_size, k, sizeof(float) * kv_size);
-    memcpy((float *)w->v_cache + slot * kv_size, v, sizeof(float) * kv_size);
+    memcpy((float *)w->k_cache + slot * kv_size + at, k + at, sizeof(float) * (end - first) * s->head_dim);
+    memcpy((float *)w->v_cache + slot * kv_size + at, v + at, sizeof(float) * (end - first) * s->head_dim);
 }
 
 static void add_rows(float *x, const float *y, int64_t n) {
@@ -205,25 +205,32 @@ static RopePages layer_inputs(const DecoderLayer *w, const RopePages *second, co
     return in;
 }
 
-/* The fused qkv rows made attention's inputs: q/k norms, RoPE, the Hadamard basis; q copied out
- * to its own rows, each row's K/V stored into its slot. */
-static void attention_inputs(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const RopePages *in,
-                             float *qkv, float *q, int64_t rows) {
-    const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+/* Query heads [qa, qb) and KV heads [ka, kb) of the fused qkv rows made attention's inputs: q/k
+ * norms, RoPE, the Hadamard basis, each head on its own; their q copied out to q's rows, their
+ * K/V stored into each row's slot. */
+static void attention_heads(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const RopePages *in,
+                            float *qkv, float *q, int64_t rows, int64_t qa, int64_t qb, int64_t ka, int64_t kb) {
+    const int64_t d = s->head_dim, q_size = s->num_heads * d, kv_size = s->num_kv_heads * d;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    if (w->q_norm) rms_norm_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim, w->q_norm, s->eps);
-    if (w->k_norm) rms_norm_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim, w->k_norm, s->eps);
-    rope_table_f32(qkv, qkv_size, s->num_heads, qkv + q_size, qkv_size, s->num_kv_heads, in->cos, in->sin, in->positions,
-                   rows, s->head_dim);
+    float *qh = qkv + qa * d, *kh = qkv + q_size + ka * d;
+    if (w->q_norm) rms_norm_heads_f32(qh, qkv_size, qb - qa, rows, d, w->q_norm, s->eps);
+    if (w->k_norm) rms_norm_heads_f32(kh, qkv_size, kb - ka, rows, d, w->k_norm, s->eps);
+    rope_table_f32(qh, qkv_size, qb - qa, kh, qkv_size, kb - ka, in->cos, in->sin, in->positions, rows, d);
     if (s->rotate_keys) {
-        hadamard_heads_f32(qkv, qkv_size, s->num_heads, rows, s->head_dim);
-        hadamard_heads_f32(qkv + q_size, qkv_size, s->num_kv_heads, rows, s->head_dim);
+        hadamard_heads_f32(qh, qkv_size, qb - qa, rows, d);
+        hadamard_heads_f32(kh, qkv_size, kb - ka, rows, d);
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = qkv + r * qkv_size;
-        memcpy(q + r * q_size, row, sizeof(float) * q_size);
-        store_row(s, pages, w, row + q_size, row + q_size + kv_size, in->slots[r]);
+        memcpy(q + r * q_size + qa * d, row + qa * d, sizeof(float) * (qb - qa) * d);
+        store_heads(s, pages, w, row + q_size, row + q_size + kv_size, in->slots[r], ka, kb);
     }
+}
+
+/* Every head of the fused qkv rows made attention's inputs (attention_heads). */
+static void attention_inputs(const DecoderShape *s, const Shape *pages, const DecoderLayer *w, const RopePages *in,
+                             float *qkv, float *q, int64_t rows) {
+    attention_heads(s, pages, w, in, qkv, q, rows, 0, s->num_heads, 0, s->num_kv_heads);
 }
 
 /* x += a block's output, after the block's own norm where the layer has one (into tmp: out is
@@ -240,8 +247,9 @@ static void residual_add(const DecoderShape *s, const float *norm, const float *
  * end were a tenth of that. The team's threads split each projection's features as
  * quant_linear_f32 does and each attention's work items as decode_pages does, and meet at a
  * barrier after each; the small row-wise work between (norms, the residual adds, rounding
- * the activations, the gate) each thread repeats on its own copy, the rest (RoPE, the K/V
- * store) one thread does. Every value is computed by the same function on the same inputs as
+ * the activations, the gate) each thread repeats on its own copy; attention's inputs (norms of
+ * heads, RoPE, the K/V store) each thread makes for the heads its qkv share computed, and one
+ * thread plans the attention. Every value is computed by the same function on the same inputs as
  * on the call-per-kernel path, so the two give the same bits. */
 #define TEAM_ROWS 8
 
@@ -299,6 +307,36 @@ typedef struct {
     float *qkv, *q, *attn, *proj, *gate_up;
 } StepBuffers;
 
+/* The thread of the team that team_project's static split gives feature f of a weight of N
+ * features (libgomp's split of the chunks: the first chunks % threads threads take one more). */
+static int64_t feature_owner(int64_t f, int64_t N, int64_t step) {
+    const int64_t chunks = (N + step - 1) / step, T = team_threads(), q = chunks / T, r = chunks % T;
+    const int64_t c = f / step;
+    return c < r * (q + 1) ? c / (q + 1) : r + (c - r * (q + 1)) / q;
+}
+
+/* The query heads [qa, qb) and KV heads [ka, kb) this thread makes attention's inputs of: those
+ * whose first feature its share of the qkv projection computed, so that it reads its own rows
+ * (the split is only where the work goes: every head is some thread's, once). */
+static void own_heads(const DecoderShape *s, const LayerWeight *qkv, int64_t *qa, int64_t *qb, int64_t *ka,
+                      int64_t *kb) {
+    const int64_t d = s->head_dim, q_size = s->num_heads * d, N = q_size + 2 * s->num_kv_heads * d;
+    const QWeight w = {qkv->codes, qkv->scale, qkv->offset, N, s->hidden, qkv->bits, qkv->group, qkv->zero, qkv->half,
+                       qkv->lanes};
+    const int64_t step = feature_step(&w), me = team_thread();
+    *qa = *qb = *ka = *kb = 0;
+    for (int64_t h = 0; h < s->num_heads; ++h) {
+        const int64_t owner = feature_owner(h * d, N, step);
+        if (owner < me) *qa = h + 1;
+        if (owner <= me) *qb = h + 1;
+    }
+    for (int64_t j = 0; j < s->num_kv_heads; ++j) {
+        const int64_t owner = feature_owner(q_size + j * d, N, step);
+        if (owner < me) *ka = j + 1;
+        if (owner <= me) *kb = j + 1;
+    }
+}
+
 /* One layer on the calling team; xp, normed, tmp and act are the thread's own. */
 static void team_layer(const DecoderShape *s, const DecoderLayer *w, const RopePages *in, Shape pages,
                        const int32_t *seq_lens, int64_t rows, const StepBuffers *b, DecodePlan *plan,
@@ -308,12 +346,14 @@ static void team_layer(const DecoderShape *s, const DecoderLayer *w, const RopeP
     pages.k_pages = w->k_cache, pages.v_pages = w->v_cache, pages.window = w->window;
     rms_norm_f32(xp, s->hidden, w->input_norm, normed, s->hidden, rows, s->hidden, s->eps);
     team_project(normed, rows, &w->qkv, qkv_size, s->hidden, w->qkv_bias, b->qkv, acts);
-#pragma omp single
-    {
-        attention_inputs(s, &pages, w, in, b->qkv, b->q, rows);
+    int64_t qa, qb, ka, kb;
+    own_heads(s, &w->qkv, &qa, &qb, &ka, &kb);
+    attention_heads(s, &pages, w, in, b->qkv, b->q, rows, qa, qb, ka, kb);
+    if (team_thread() == 0) {
         plan_decode(&pages, in->tables, in->table_stride, seq_lens, rows, team_threads(), plan);
         plan_partial(plan);
     }
+#pragma omp barrier
     attend_items(&pages, b->q, plan, b->attn, scratch);
     team_project(b->attn, rows, &w->o, s->hidden, q_size, w->o_bias, b->proj, acts);
     residual_add(s, w->attn_out_norm, b->proj, tmp, xp, rows);

@@ -1092,14 +1092,20 @@ int paged_store_f32(const float *k, const float *v, int64_t ld, float *k_cache, 
 }
 
 /* One token's K and V rows (every KV head) quantized into their int8 pages at `slot`. */
-static void store_token_i8(const Shape *sh, const float *k, const float *v, char *k_pages, char *v_pages,
-                           int64_t slot) {
+static void store_heads_i8(const Shape *sh, const float *k, const float *v, char *k_pages, char *v_pages,
+                           int64_t slot, int64_t first, int64_t end) {
     const int64_t h = sh->num_kv_heads, d = sh->head_dim, off = slot % sh->block_size;
     char *kp = k_pages + (slot / sh->block_size) * sh->page_bytes, *vp = v_pages + (slot / sh->block_size) * sh->page_bytes;
-    for (int64_t j = 0; j < h; ++j) {
+    for (int64_t j = first; j < end; ++j) {
         quantize_row(k + j * d, d, (int8_t *)kp + (off * h + j) * d, (float *)(kp + sh->code_bytes) + off * h + j);
         quantize_row(v + j * d, d, (int8_t *)vp + (off * h + j) * d, (float *)(vp + sh->code_bytes) + off * h + j);
     }
+}
+
+/* A token's K and V rows of every KV head into their int8 pages at `slot`. */
+static void store_token_i8(const Shape *sh, const float *k, const float *v, char *k_pages, char *v_pages,
+                           int64_t slot) {
+    store_heads_i8(sh, k, v, k_pages, v_pages, slot, 0, sh->num_kv_heads);
 }
 
 /* k and v's token rows are `ld` floats apart, as in paged_store_f32. */
