@@ -238,3 +238,34 @@ def test_a_busy_loop_hands_the_freed_heap_back_every_busy_trim_s(engine, monkeyp
         idle_and_intact(loop)
     finally:
         loop.shutdown(TIMEOUT)
+
+
+def test_stats_are_taken_every_refresh_interval_after_each_finished_reply_and_when_idle(engine, monkeypatch):
+    """A snapshot every step cost ~16 us of Python a step: it is taken at most every
+    STATS_REFRESH_S while requests run, always before a finished reply goes out (its client sees
+    its step counted), and before the loop idles (the stats then exact)."""
+    import radixserve.engine.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "STATS_REFRESH_S", 3600.0)  # only the finish and idle rules refresh
+    taken, seen_at_finish = [], []
+    snapshot = engine.snapshot
+    monkeypatch.setattr(engine, "snapshot", lambda: taken.append(1) or snapshot())
+    loop = EngineLoop(engine, name="test-stats")
+    try:
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+
+        def listener(output: RequestOutput) -> None:
+            if output.finished:
+                seen_at_finish.append(loop.latest_snapshot.generated_tokens)
+            outputs.put(output)
+
+        before = len(taken)
+        loop.submit([engine.prepare([5, 6, 7], SamplingParams(max_tokens=12, **GREEDY))], listener, ["s"]).result(TIMEOUT)
+        finals(outputs, 1)
+        steps = loop.call(lambda e: e.snapshot().steps).result(TIMEOUT)
+        assert steps >= 12 and seen_at_finish == [12]
+        assert len(taken) - before <= 4  # admission, the finishing step, idle, the call: not one a step
+        assert loop.latest_snapshot.generated_tokens == 12
+        idle_and_intact(loop)
+    finally:
+        loop.shutdown(TIMEOUT)
