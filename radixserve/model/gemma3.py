@@ -21,6 +21,7 @@ from radixserve.kernels.native_ops import gelu_tanh_mul, rms_norm_add_
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from radixserve.model.llama import Attention
+from radixserve.model.native_decoder import EmbeddingRows, RopeTables
 from radixserve.model.spec import ModelSpec
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -111,10 +112,10 @@ class Gemma3ForCausalLM(CausalLM):
             x = layer(x, local if layer.self_attn.window else full, backend, pool, plan)
         return x
 
-    def native_rope(self, positions: torch.Tensor):
+    def native_rope(self, positions: torch.Tensor) -> tuple[RopeTables, RopeTables]:
         return self.rotary.tables(positions), self.rotary_local.tables(positions)
 
-    def native_embedding(self):
+    def native_embedding(self) -> EmbeddingRows:
         return self._embedding_rows(), self.embed_scale
 
     def native_head(self):

@@ -12,6 +12,7 @@ from radixserve.kernels.key_basis import rotate_heads
 from radixserve.kernels.native_ops import rms_norm_heads_, silu_mul
 from radixserve.model.causal_lm import CausalLM
 from radixserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from radixserve.model.native_decoder import RopeTables
 from radixserve.model.spec import ModelSpec
 
 
@@ -103,7 +104,7 @@ class LlamaForCausalLM(CausalLM):
         """Layer `layer_index`'s MLP: Llama's dense one (a family of experts makes its own)."""
         return MLP(spec)
 
-    def native_rope(self, positions: torch.Tensor):
+    def native_rope(self, positions: torch.Tensor) -> tuple[RopeTables, None]:
         return self.rotary.tables(positions), None
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, pool: KVPool,
